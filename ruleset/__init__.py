@@ -1,0 +1,1 @@
+"""Rules: severity, action and output per finding, loaded from YAML and validated."""
