@@ -53,7 +53,9 @@ class Finding:
     rule: str = ""
     tags: tuple[str, ...] = ()
 
-    def evaluated(self, *, severity: str, action: str, rule: str, message: str, tags: tuple[str, ...]) -> Finding:
+    def evaluated(
+        self, *, severity: str, action: str, rule: str, message: str, tags: tuple[str, ...]
+    ) -> Finding:
         return replace(self, severity=severity, action=action, rule=rule, message=message, tags=tags)
 
     def fields(self) -> dict[str, Any]:

@@ -1,0 +1,3 @@
+from kvguard.cli import main
+
+raise SystemExit(main())

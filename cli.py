@@ -1,0 +1,131 @@
+"""The `kvguard` command: one entry point, one subcommand per job.
+
+Exit codes: 0 nothing found, 1 findings (or failed rule tests), 2 unusable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import orjson
+
+from kvguard import __version__
+
+
+def _open_capture(path: str) -> TextIO:
+    if path == "-":
+        return sys.stdin
+    return open(path, encoding="utf-8", errors="replace")
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from kvguard.replay import format_text, replay
+    from kvguard.ruleset import RulesetError, load_ruleset
+
+    try:
+        ruleset = load_ruleset(Path(args.rules) if args.rules else None)
+    except RulesetError as exc:
+        print(f"kvguard replay: the ruleset is not usable:\n{exc}", file=sys.stderr)
+        return 2
+    try:
+        stream = _open_capture(args.capture)
+    except OSError as exc:
+        print(f"kvguard replay: cannot read capture {args.capture}: {exc.strerror}", file=sys.stderr)
+        return 2
+    source = "standard input" if args.capture == "-" else args.capture
+    out = sys.stdout
+    if args.output == "json":
+
+        def emit(finding):  # type: ignore[no-untyped-def]
+            out.write(orjson.dumps(finding.to_json_dict()).decode() + "\n")
+    else:
+
+        def emit(finding):  # type: ignore[no-untyped-def]
+            out.write(format_text(finding) + "\n")
+
+    def error(err):  # type: ignore[no-untyped-def]
+        print(f"{source}:{err.line}: {err.reason}", file=sys.stderr)
+
+    try:
+        with stream:
+            summary = replay(stream, ruleset, emit, error)
+    except OSError as exc:
+        print(f"kvguard replay: reading {source} failed: {exc}", file=sys.stderr)
+        return 2
+    out.flush()
+    print(summary.text(source), file=sys.stderr)
+    if summary.lines and not summary.applied and summary.bad:
+        return 2
+    return 1 if summary.total_findings else 0
+
+
+def cmd_rules_check(args: argparse.Namespace) -> int:
+    from kvguard.ruleset import RulesetError, load_ruleset
+
+    try:
+        ruleset = load_ruleset(Path(args.rules) if args.rules else None)
+    except RulesetError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    for rule in ruleset.rules:
+        state = "" if rule.enabled else " (disabled)"
+        print(f"{rule.id:36} {','.join(rule.findings):24} {rule.severity:9} {rule.action}{state}")
+    print(f"{len(ruleset.rules)} rules OK", file=sys.stderr)
+    return 0
+
+
+def cmd_rules_test(args: argparse.Namespace) -> int:
+    from kvguard.ruleset import RulesetError
+    from kvguard.ruleset.fixtures import DEFAULT_FIXTURES_DIR, run_fixtures
+
+    try:
+        return run_fixtures(
+            Path(args.rules) if args.rules else None,
+            Path(args.fixtures) if args.fixtures else DEFAULT_FIXTURES_DIR,
+            sys.stdout,
+            verbose=args.verbose,
+        )
+    except RulesetError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvguard", description="KV-cache ownership guard for shared LLM inference."
+    )
+    parser.add_argument("--version", action="version", version=f"kvguard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("replay", help="run a JSON Lines capture through the ledger and the ruleset")
+    p.add_argument("capture", help="capture file (JSON Lines of kvguard.v1 events), or - for standard input")
+    p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text", help="findings format")
+    p.set_defaults(func=cmd_replay)
+
+    rules = sub.add_parser("rules", help="check or test a ruleset").add_subparsers(
+        dest="rules_command", required=True
+    )
+    p = rules.add_parser("check", help="validate a rules directory and list its rules")
+    p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
+    p.set_defaults(func=cmd_rules_check)
+    p = rules.add_parser(
+        "test", help="replay each rule fixture and compare its findings with the expected ones"
+    )
+    p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
+    p.add_argument("--fixtures", metavar="DIR", help="fixtures directory (default: the bundled fixtures)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every finding of every fixture")
+    p.set_defaults(func=cmd_rules_test)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1086 @@
+"""The page-ownership ledger: applies kvguard.v1 events and detects what must not happen.
+
+One implementation, used by the in-engine guard (one node) and by the daemon (all nodes).
+`Ledger.apply(event)` validates an event completely before it changes any page or request
+state (a bad event raises BadEvent and changes nothing but its node's sequence number),
+applies its page list as a handful of vectorised NumPy operations (pages.py), and returns
+the findings it caused. Findings carry facts only; the ruleset gives them severity and
+action.
+
+Invariants kept here:
+- per node, events are applied in sequence order; a repeated sequence number is refused
+  (idempotent redelivery), a gap is reported and the event applied;
+- a request that was rejected, aborted or killed may only drain (free, release, the end
+  of a transfer already in flight into pages it still holds): anything else is
+  rejected_progress;
+- a transfer is reconciled from every side that reports it: bootstrap (what decode
+  expects), the decode reservation, the sender, the receiver and the wire probes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvguard.ledger.findings import Finding
+from kvguard.ledger.pages import HOLDER_INDEX, HOLDERS, MAX_PAGE_SIZE, MAX_PAGES, NOBODY, PoolPages
+from kvguard.proto import pb
+
+ROLES = ("prefill", "decode", "colocated")
+STAGES = ("prefill", "decode")
+STATUSES = ("done", "failed")
+ENDED = ("rejected", "aborted", "killed")
+_POOL_FIELDS = tuple(f.name for f in pb.PoolReport.DESCRIPTOR.fields if f.name not in ("pool", "source"))
+_NO_FINDINGS: tuple[Finding, ...] = ()
+
+
+class BadEvent(ValueError):
+    """An event that cannot be applied. `kind` is a short counter name, the text says why."""
+
+    def __init__(self, reason: str, kind: str = "malformed") -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+@dataclass(slots=True)
+class Applied:
+    """What applying one event produced: findings, and how many sequence numbers of its
+    node were skipped right before it (0 when none)."""
+
+    findings: tuple[Finding, ...] | list[Finding]
+    missing: int = 0
+
+
+@dataclass(slots=True)
+class Pool:
+    """One (node, pool): the reported configuration, its history and the page state."""
+
+    node: str
+    pool: int
+    report: pb.PoolReport
+    pages: PoolPages
+    history: list[tuple[int, int, pb.PoolReport]] = field(default_factory=list)  # (seq, ts_ns, report)
+
+    @property
+    def tokens(self) -> int:
+        return self.pages.page_size * self.pages.num_pages
+
+
+@dataclass(slots=True)
+class Node:
+    name: str
+    last_seq: int = 0
+    last_ts_ns: int = 0
+    pools: dict[int, Pool] = field(default_factory=dict)
+    agent_version: str = ""
+    dropped: int = 0
+
+
+@dataclass(slots=True)
+class Shared:
+    """Prefix pages a request reads but does not own, with what it was promised: sorted
+    pages and, aligned with them, the page's alloc_gen and its KV's writer and alloc_gen at
+    share time. A page re-granted since (gen changed) is no longer shared."""
+
+    pages: np.ndarray
+    gen: np.ndarray
+    writer: np.ndarray
+    wgen: np.ndarray
+
+    def without(self, pages: np.ndarray) -> Shared:
+        keep = ~np.isin(self.pages, pages)
+        return Shared(self.pages[keep], self.gen[keep], self.writer[keep], self.wgen[keep])
+
+    def merged(self, other: Shared) -> Shared:
+        rest = self.without(other.pages)
+        pages = np.concatenate([rest.pages, other.pages])
+        order = np.argsort(pages, kind="stable")
+        return Shared(
+            pages[order],
+            np.concatenate([rest.gen, other.gen])[order],
+            np.concatenate([rest.writer, other.writer])[order],
+            np.concatenate([rest.wgen, other.wgen])[order],
+        )
+
+    def lookup(self, pages: np.ndarray, current_gen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(which of `pages` are shared and still the same grant, index into self per page)."""
+        if not len(self.pages):
+            return np.zeros(len(pages), bool), np.zeros(len(pages), np.intp)
+        at = np.minimum(np.searchsorted(self.pages, pages), len(self.pages) - 1)
+        return (self.pages[at] == pages) & (self.gen[at] == current_gen), at
+
+
+@dataclass(slots=True)
+class Side:
+    """What one end of a transfer reported."""
+
+    node: str
+    pool: int
+    pages: np.ndarray
+    tokens: int
+    bytes: int
+    checksums: np.ndarray
+    status: str
+    seq: int
+
+    @property
+    def done(self) -> bool:
+        return self.status == "done"
+
+
+@dataclass(slots=True)
+class Transfer:
+    """Both ends of one prefill->decode KV transfer, and what the wire probes saw."""
+
+    xfer: str
+    req: str
+    send: Side | None = None
+    recv: Side | None = None
+    wire_bytes: int = 0
+    wire_calls: int = 0
+    wire_events: int = 0
+    probes: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Request:
+    """Per request (global id; the same request crosses prefill and decode nodes)."""
+
+    id: str
+    idx: int
+    tenant: str = ""
+    state: str = "new"  # new, admitted, rejected, aborted, killed, finished
+    reason: str = ""
+    stages: dict[str, str] = field(default_factory=dict)  # node -> stage
+    prompt_tokens: int = 0
+    bootstrap: tuple[str, str, int] | None = None  # prefill node, decode node, prompt tokens
+    output_tokens: int = 0
+    granted_pages: int = 0
+    written_pages: int = 0
+    freed_pages: int = 0
+    shared_pages: int = 0
+    sent_pages: int = 0
+    sent_tokens: int = 0
+    sent_bytes: int = 0
+    received_pages: int = 0
+    received_tokens: int = 0
+    received_bytes: int = 0
+    reads: int = 0
+    live: Counter[tuple[str, int]] = field(default_factory=Counter)  # (node, pool) -> pages granted now
+    shared: dict[tuple[str, int], Shared] = field(default_factory=dict)
+    history: dict[tuple[str, int], list[np.ndarray]] = field(default_factory=dict)  # every grant
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+    def ever_granted(self, key: tuple[str, int], pages: np.ndarray) -> np.ndarray:
+        """Which of `pages` this request was ever granted in pool `key` (slow path only)."""
+        grants = self.history.get(key)
+        if not grants:
+            return np.zeros(len(pages), bool)
+        return np.isin(pages, np.concatenate(grants))
+
+
+@dataclass(slots=True)
+class LedgerStats:
+    events: Counter[str] = field(default_factory=Counter)  # by payload
+    bad: Counter[str] = field(default_factory=Counter)  # by BadEvent kind
+    findings: Counter[str] = field(default_factory=Counter)  # by finding kind
+    page_transitions: int = 0
+    missing: int = 0  # sequence numbers never seen (gaps)
+    suppressed: int = 0  # repeats of an already reported finding
+
+
+def _pages(values: Iterable[int]) -> np.ndarray:
+    return np.array(values, dtype=np.intp)
+
+
+class Ledger:
+    """The global (or node-local) ownership ledger."""
+
+    def __init__(self, *, dedupe: bool = True) -> None:
+        self.nodes: dict[str, Node] = {}
+        self.requests: list[Request] = [Request(id="", idx=NOBODY)]
+        self._req_index: dict[str, int] = {}
+        self.transfers: dict[str, Transfer] = {}
+        self.stats = LedgerStats()
+        self.dedupe = dedupe
+        self._reported: set[tuple[Any, ...]] = set()
+        self._drift_pairs: set[tuple[str, str, str]] = set()
+        # Context of the event being applied, for the findings it raises.
+        self._node = ""
+        self._seq = 0
+        self._ts = 0
+        self._found: list[Finding] = []
+        self._handlers: dict[str, Callable[[Node, Any], None]] = {
+            "pool": self._on_pool,
+            "admit": self._on_admit,
+            "reject": self._on_reject,
+            "abort": self._on_abort,
+            "finish": self._on_finish,
+            "bootstrap": self._on_bootstrap,
+            "alloc": self._on_alloc,
+            "write": self._on_write,
+            "free": self._on_free,
+            "hold": self._on_hold,
+            "release": self._on_release,
+            "share": self._on_share,
+            "read": self._on_read,
+            "xfer_send": self._on_xfer_send,
+            "xfer_recv": self._on_xfer_recv,
+            "wire": self._on_wire,
+            "kill": self._on_kill,
+            "heartbeat": self._on_heartbeat,
+            "scrub": self._on_scrub,
+        }
+
+    # ------------------------------------------------------------------ entry point
+
+    def apply(self, event: pb.Event) -> Applied:
+        """Apply one event; raise BadEvent (state unchanged) if it cannot be applied."""
+        kind = event.WhichOneof("payload")
+        if kind is None:
+            raise self._bad("event has no payload")
+        if not event.node:
+            raise self._bad(f"{kind} event has no node")
+        node = self.nodes.get(event.node)
+        if node is None:
+            node = self.nodes[event.node] = Node(event.node)
+        seq = event.seq
+        if seq <= node.last_seq:
+            raise self._bad(
+                f"sequence number {seq} of node {event.node} repeats (last applied: {node.last_seq})",
+                "repeat",
+            )
+        self._node, self._seq, self._ts = event.node, seq, event.ts_ns
+        self._found = []
+        missing = seq - node.last_seq - 1
+        try:
+            self._handlers[kind](node, getattr(event, kind))
+        finally:  # a malformed event still uses up its sequence number
+            node.last_seq, node.last_ts_ns = seq, event.ts_ns
+        self.stats.events[kind] += 1
+        if missing:
+            self.stats.missing += missing
+        return Applied(self._found or _NO_FINDINGS, missing)
+
+    def apply_all(self, events: Iterable[pb.Event]) -> list[Finding]:
+        """Apply events in order (bad ones raise); return every finding. For tests and tools."""
+        found: list[Finding] = []
+        for event in events:
+            found.extend(self.apply(event).findings)
+        return found
+
+    # ------------------------------------------------------------------ lookups
+
+    def request(self, req: str) -> Request | None:
+        idx = self._req_index.get(req)
+        return None if idx is None else self.requests[idx]
+
+    def _request(self, req: str, payload: str) -> Request:
+        if not req:
+            raise self._bad(f"{payload} event has no req")
+        idx = self._req_index.get(req)
+        if idx is not None:
+            return self.requests[idx]
+        r = Request(id=req, idx=len(self.requests))
+        self.requests.append(r)
+        self._req_index[req] = r.idx
+        return r
+
+    def _pool(self, node: Node, pool: int, payload: str) -> Pool:
+        found = node.pools.get(pool)
+        if found is None:
+            raise self._bad(f"{payload}: pool {pool} of node {node.name} was never reported (no pool event)")
+        return found
+
+    def _page_array(self, pool: Pool, values: Any, payload: str) -> np.ndarray:
+        pages = _pages(values)
+        if len(pages) and int(pages.max()) >= pool.pages.num_pages:
+            bad = pages[pages >= pool.pages.num_pages]
+            raise self._bad(
+                f"{payload}: page {int(bad[0])} out of range for pool {pool.pool} of node {pool.node} "
+                f"({pool.pages.num_pages} pages){f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}"
+            )
+        return pages
+
+    def _bad(self, reason: str, kind: str = "malformed") -> BadEvent:
+        self.stats.bad[kind] += 1
+        return BadEvent(reason, kind)
+
+    def _name(self, idx: int) -> str:
+        return self.requests[idx].id if idx > NOBODY else ""
+
+    def _tenant(self, idx: int) -> str:
+        return self.requests[idx].tenant if idx > NOBODY else ""
+
+    # ------------------------------------------------------------------ findings
+
+    def _report(
+        self,
+        kind: str,
+        message: str,
+        *,
+        req: Request | None = None,
+        victim: int = NOBODY,
+        pool: Pool | None = None,
+        pages: np.ndarray | None = None,
+        details: dict[str, Any] | None = None,
+        key: tuple[Any, ...] | None = None,
+    ) -> None:
+        """Record a finding. `key` identifies the fact for de-duplication: a fact already
+        reported (the same stale pages read again at the next decode step) is counted, not
+        repeated."""
+        if self.dedupe:
+            fact = (kind, self._node, req.idx if req else 0, victim, *(key or ()))
+            if fact in self._reported:
+                self.stats.suppressed += 1
+                return
+            self._reported.add(fact)
+        self.stats.findings[kind] += 1
+        self._found.append(
+            Finding(
+                finding=kind,
+                node=self._node,
+                req=req.id if req else "",
+                tenant=req.tenant if req else "",
+                victim_req=self._name(victim),
+                victim_tenant=self._tenant(victim),
+                pool=pool.pool if pool else None,
+                pages=tuple(int(p) for p in pages) if pages is not None else (),
+                seq=self._seq,
+                ts_ns=self._ts,
+                message=message,
+                details={k: str(v) for k, v in (details or {}).items()},
+            )
+        )
+
+    def _progress(self, r: Request, what: str) -> None:
+        """A request that must only drain made progress."""
+        self._report(
+            "rejected_progress",
+            f"request {r.id} was {r.state}{f' ({r.reason})' if r.reason else ''} but made progress: {what}",
+            req=r,
+            details={"state": r.state, "event": what.split()[0]},
+            key=(what.split()[0],),
+        )
+
+    def _by_victim(
+        self,
+        kind: str,
+        r: Request,
+        pool: Pool,
+        pages: np.ndarray,
+        victims: np.ndarray,
+        text: Callable[[int], str],
+    ) -> None:
+        """One finding per distinct victim among `pages` (victims[i] is pages[i]'s victim)."""
+        for victim in np.unique(victims):
+            sel = pages[victims == victim]
+            self._report(
+                kind,
+                text(int(victim)) + f" (pool {pool.pool} on {pool.node}, {len(sel)} page(s))",
+                req=r,
+                victim=int(victim),
+                pool=pool,
+                pages=sel,
+                key=(pool.pool,),
+            )
+
+    # ------------------------------------------------------------------ config
+
+    def _on_pool(self, node: Node, rep: pb.PoolReport) -> None:
+        if rep.role not in ROLES:
+            raise self._bad(f"pool: role {rep.role!r} is not one of {', '.join(ROLES)}")
+        if not 1 <= rep.page_size <= MAX_PAGE_SIZE:
+            raise self._bad(f"pool: page_size {rep.page_size} is not in 1..{MAX_PAGE_SIZE}")
+        if not 1 <= rep.num_pages <= MAX_PAGES:
+            raise self._bad(f"pool: num_pages {rep.num_pages} is not in 1..{MAX_PAGES}")
+        report = pb.PoolReport()
+        report.CopyFrom(rep)
+        old = node.pools.get(rep.pool)
+        if old is None:
+            pool = node.pools[rep.pool] = Pool(
+                node.name, rep.pool, report, PoolPages(rep.num_pages, rep.page_size)
+            )
+        else:
+            changed = {
+                name: (getattr(old.report, name), getattr(rep, name))
+                for name in _POOL_FIELDS
+                if getattr(old.report, name) != getattr(rep, name)
+            }
+            pool = old
+            if changed:
+                text = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+                self._report(
+                    "config_drift",
+                    f"pool {rep.pool} on {node.name} changed since it was last reported: {text}",
+                    pool=pool,
+                    details={
+                        "changed": ",".join(changed),
+                        **{k: f"{a}->{b}" for k, (a, b) in changed.items()},
+                    },
+                    key=("changed", rep.pool, text),
+                )
+                if rep.num_pages != old.pages.num_pages or rep.page_size != old.pages.page_size:
+                    pool.pages = PoolPages(rep.num_pages, rep.page_size)  # a new engine, a new pool
+            pool.report = report
+        pool.history.append((self._seq, self._ts, report))
+        tokens = rep.page_size * rep.num_pages
+        for limit, what in (
+            (rep.context_len, "context length"),
+            (rep.max_prompt_tokens, "maximum prompt length"),
+        ):
+            if limit > tokens:
+                self._report(
+                    "config_drift",
+                    f"KV pool {rep.pool} on {node.name} holds {tokens} tokens ({rep.num_pages} pages of "
+                    f"{rep.page_size}), less than the advertised {what} of {limit}: a prompt that does not "
+                    "fit must be rejected and must go no further",
+                    pool=pool,
+                    details={"pool_tokens": tokens, "limit": limit, "what": what},
+                    key=("undersized", rep.pool, what, tokens, limit),
+                )
+
+    def _capacity(self, node: Node) -> tuple[int, int]:
+        """(largest pool in tokens, smallest advertised context length) of a node; 0 if unknown."""
+        if not node.pools:
+            return 0, 0
+        tokens = max(p.tokens for p in node.pools.values())
+        contexts = [p.report.context_len for p in node.pools.values() if p.report.context_len]
+        return tokens, min(contexts) if contexts else 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _on_admit(self, node: Node, a: pb.Admit) -> None:
+        if a.stage not in STAGES:
+            raise self._bad(f"admit: stage {a.stage!r} is not one of {', '.join(STAGES)}")
+        r = self._request(a.req, "admit")
+        if r.ended:
+            self._progress(r, f"admit to {a.stage} on {node.name}")
+        if not r.tenant:
+            r.tenant = a.tenant
+        r.stages[node.name] = a.stage
+        r.prompt_tokens = max(r.prompt_tokens, a.prompt_tokens)
+        if r.state == "new":
+            r.state = "admitted"
+        tokens, context = self._capacity(node)
+        for limit, what in ((tokens, "KV pool holds only"), (context, "context length is")):
+            if limit and a.prompt_tokens > limit:
+                self._report(
+                    "config_drift",
+                    f"request {r.id} with a prompt of {a.prompt_tokens} tokens was admitted to {a.stage} on "
+                    f"{node.name}, whose {what} {limit} tokens: it cannot fit and must be rejected",
+                    req=r,
+                    details={"prompt_tokens": a.prompt_tokens, "limit": limit},
+                    key=("admit", what),
+                )
+
+    def _end(self, r: Request, state: str, reason: str) -> None:
+        if not r.ended:
+            r.state, r.reason = state, reason
+
+    def _on_reject(self, node: Node, x: pb.Reject) -> None:
+        self._end(self._request(x.req, "reject"), "rejected", x.reason)
+
+    def _on_abort(self, node: Node, x: pb.Abort) -> None:
+        self._end(self._request(x.req, "abort"), "aborted", x.reason)
+
+    def _on_kill(self, node: Node, x: pb.Kill) -> None:
+        self._end(self._request(x.req, "kill"), "killed", f"{x.finding} by {x.by}".strip())
+
+    def _on_finish(self, node: Node, x: pb.Finish) -> None:
+        r = self._request(x.req, "finish")
+        r.output_tokens += x.output_tokens
+        if not r.ended:
+            r.state = "finished"
+
+    def _on_heartbeat(self, node: Node, x: pb.Heartbeat) -> None:
+        node.agent_version, node.dropped = x.agent_version, x.dropped
+
+    def _on_bootstrap(self, node: Node, b: pb.Bootstrap) -> None:
+        if not b.prefill_node or not b.decode_node:
+            raise self._bad("bootstrap: prefill_node and decode_node are required")
+        r = self._request(b.req, "bootstrap")
+        if r.ended:
+            self._progress(r, f"bootstrap {b.prefill_node}->{b.decode_node}")
+        r.bootstrap = (b.prefill_node, b.decode_node, b.prompt_tokens)
+        prefill, decode = self.nodes.get(b.prefill_node), self.nodes.get(b.decode_node)
+        if prefill is None or decode is None:
+            return
+        for p in prefill.pools.values():
+            d = decode.pools.get(p.pool)
+            if d is None:
+                continue
+            for name in ("page_size", "kv_dtype"):
+                a, c = getattr(p.report, name), getattr(d.report, name)
+                pair = (b.prefill_node, b.decode_node, f"{p.pool}:{name}")
+                if a != c and pair not in self._drift_pairs:
+                    self._drift_pairs.add(pair)
+                    self._report(
+                        "config_drift",
+                        f"prefill {b.prefill_node} and decode {b.decode_node} disagree on {name} of pool "
+                        f"{p.pool}: {a!r} vs {c!r}; KV sent between them would be misread",
+                        req=r,
+                        pool=p,
+                        details={"field": name, "prefill": a, "decode": c},
+                        key=pair,
+                    )
+
+    # ------------------------------------------------------------------ pages
+
+    def _on_alloc(self, node: Node, a: pb.Alloc) -> None:
+        pool = self._pool(node, a.pool, "alloc")
+        pages = self._page_array(pool, a.pages, "alloc")
+        r = self._request(a.req, "alloc")
+        if r.ended:
+            self._progress(r, f"alloc of {len(pages)} page(s) on {node.name}")
+        pp = pool.pages
+        busy = pp.use[pages]
+        if np.count_nonzero(busy):
+            self._early_release(r, pool, pages, busy)
+            pp.use[pages] = 1 + pp.holds[:, pages].sum(axis=0)
+        else:
+            pp.use[pages] = 1
+        pp.gen[pages] += 1
+        pp.owner[pages] = r.idx
+        pp.refs[pages] = 1
+        pp.own[pages] = NOBODY
+        pp.prior[pages] = pp.writer[pages]
+        key = (node.name, a.pool)
+        r.history.setdefault(key, []).append(pages)
+        r.live[key] += len(pages)
+        r.granted_pages += len(pages)
+        self.stats.page_transitions += len(pages)
+
+    def _early_release(self, r: Request, pool: Pool, pages: np.ndarray, busy: np.ndarray) -> None:
+        """Pages handed out while still in use: by a live grant (the previous grantee, or
+        prefix sharers) or by a holder (offload, transfer, abort path)."""
+        pp = pool.pages
+        sel = pages[busy > 0]
+        refs, owner = pp.refs[sel], pp.owner[sel]
+        victims = np.where(refs > 0, np.where(owner >= 0, owner, ~owner), pp.holder_req[sel])
+        for victim in np.unique(victims):
+            mask = victims == victim
+            held = pp.holds[:, sel[mask]].any(axis=1)
+            users = (["live grant"] if (refs[mask] > 0).any() else []) + [
+                f"{HOLDERS[k]} hold" for k in np.flatnonzero(held)
+            ]
+            self._report(
+                "early_release",
+                f"{int(mask.sum())} page(s) of pool {pool.pool} on {pool.node} were handed to {r.id} while "
+                f"{self._name(int(victim)) or 'another user'} still used them ({', '.join(users)})",
+                req=r,
+                victim=int(victim),
+                pool=pool,
+                pages=sel[mask],
+                details={"users": ",".join(users)},
+                key=(pool.pool, self._seq),
+            )
+        # Grants of the previous holders end here; their shares now point at foreign content.
+        prev = pp.owner[sel]
+        for victim in np.unique(prev[prev >= 0]):
+            self.requests[int(victim)].live[(pool.node, pool.pool)] -= int(np.count_nonzero(prev == victim))
+
+    def _on_write(self, node: Node, w: pb.Write) -> None:
+        pool = self._pool(node, w.pool, "write")
+        pages = self._page_array(pool, w.pages, "write")
+        pp = pool.pages
+        if w.slots:
+            if len(w.slots) != len(pages):
+                raise self._bad(
+                    f"write: {len(w.slots)} slots for {len(pages)} pages (must match, or be empty)"
+                )
+            slots = np.array(w.slots, dtype=np.uint32)
+            if int(slots.max()) > pp.page_size:
+                raise self._bad(f"write: {int(slots.max())} valid slots in a page of {pp.page_size}")
+        else:
+            slots = pp.page_size
+        r = self._request(w.req, "write")
+        if r.ended:
+            self._progress(r, f"write of {len(pages)} page(s) on {node.name}")
+        self._write(r, pool, pages, slots, drain=False)
+        r.written_pages += len(pages)
+
+    def _write(
+        self, r: Request, pool: Pool, pages: np.ndarray, slots: np.ndarray | int, *, drain: bool
+    ) -> None:
+        """KV of request r lands in `pages`. Pages r does not own are a late write (another
+        request owns them now) or a use after free (nobody does), except, when `drain`, pages
+        kept alive by a transfer_recv hold: the end of a transfer already in flight."""
+        pp = pool.pages
+        owner = pp.owner[pages]
+        foreign = owner != r.idx
+        if np.count_nonzero(foreign):
+            sel = pages[foreign]
+            other = owner[foreign]
+            bad = np.ones(len(sel), bool)
+            if drain:
+                bad = ~((other < 0) & (pp.holds[HOLDER_INDEX["transfer_recv"], sel] > 0))
+            late = bad & (other >= 0)
+            if late.any():
+                self._by_victim(
+                    "late_write",
+                    r,
+                    pool,
+                    sel[late],
+                    other[late],
+                    lambda v: f"{r.id} wrote KV into pages now granted to {self._name(v)}",
+                )
+            freed = bad & (other < 0)
+            if freed.any():
+                self._report(
+                    "use_after_free",
+                    f"{r.id} wrote KV into {int(freed.sum())} page(s) of pool {pool.pool} on {pool.node} "
+                    "that it no longer holds",
+                    req=r,
+                    pool=pool,
+                    pages=sel[freed],
+                    key=(pool.pool, "write"),
+                )
+            mine = pages[~foreign]
+            pp.own[sel] = NOBODY
+        else:
+            mine = pages
+        # The content changes wherever the bytes landed, owned or not: whoever reads these
+        # pages next reads r's KV.
+        pp.writer[pages] = r.idx
+        pp.wgen[pages] = pp.gen[pages]
+        pp.valid[pages] = slots
+        pp.own[mine] = r.idx
+        self.stats.page_transitions += len(pages)
+
+    def _on_free(self, node: Node, f: pb.Free) -> None:
+        pool = self._pool(node, f.pool, "free")
+        pages = self._page_array(pool, f.pages, "free")
+        r = self._request(f.req, "free")
+        pp = pool.pages
+        key = (node.name, f.pool)
+        mine = pp.owner[pages] == r.idx
+        n_mine = int(np.count_nonzero(mine))
+        if n_mine != len(pages):
+            self._free_other(r, pool, pages[~mine])
+            pages = pages[mine]
+        pp.owner[pages] = ~r.idx
+        pp.own[pages] = NOBODY
+        pp.refs[pages] -= 1
+        pp.use[pages] -= 1
+        r.live[key] -= n_mine
+        r.freed_pages += n_mine
+
+    def _free_other(self, r: Request, pool: Pool, pages: np.ndarray) -> None:
+        """Free of pages r does not own: the end of a prefix share, or a double free."""
+        pp = pool.pages
+        key = (pool.node, pool.pool)
+        shared = r.shared.get(key)
+        ended = np.zeros(len(pages), bool)
+        if shared is not None and len(shared.pages):
+            ended = np.isin(pages, shared.pages)
+            current, _ = shared.lookup(pages, pp.gen[pages])
+            done = pages[current]  # shares of pages re-granted since ended then (early_release)
+            r.shared[key] = shared.without(pages[ended])
+            pp.refs[done] -= 1
+            pp.use[done] -= 1
+            r.freed_pages += len(done)
+        bad = pages[~ended]
+        if len(bad):
+            owner = pp.owner[bad]
+            victims = np.where(owner >= 0, owner, NOBODY)
+            self._by_victim(
+                "double_free",
+                r,
+                pool,
+                bad,
+                victims,
+                lambda v: (
+                    f"{r.id} freed page(s) it does not hold"
+                    + (f": they are granted to {self._name(v)}" if v else ": they are already free")
+                ),
+            )
+        self.stats.page_transitions += len(pages)
+
+    def _on_hold(self, node: Node, h: pb.Hold) -> None:
+        pool = self._pool(node, h.pool, "hold")
+        pages = self._page_array(pool, h.pages, "hold")
+        k = HOLDER_INDEX.get(h.holder)
+        if k is None:
+            raise self._bad(f"hold: holder {h.holder!r} is not one of {', '.join(HOLDERS)}")
+        r = self._request(h.req, "hold")
+        pp = pool.pages
+        pp.holds[k, pages] += 1
+        pp.use[pages] += 1
+        pp.holder_req[pages] = r.idx
+        self.stats.page_transitions += len(pages)
+
+    def _on_release(self, node: Node, h: pb.Release) -> None:
+        pool = self._pool(node, h.pool, "release")
+        pages = self._page_array(pool, h.pages, "release")
+        k = HOLDER_INDEX.get(h.holder)
+        if k is None:
+            raise self._bad(f"release: holder {h.holder!r} is not one of {', '.join(HOLDERS)}")
+        r = self._request(h.req, "release")
+        pp = pool.pages
+        held = pp.holds[k, pages] > 0
+        if not held.all():
+            self._report(
+                "double_free",
+                f"{r.id} released a {h.holder} hold on {int((~held).sum())} page(s) of pool {pool.pool} on "
+                f"{pool.node} that were not held",
+                req=r,
+                pool=pool,
+                pages=pages[~held],
+                details={"holder": h.holder},
+                key=(pool.pool, h.holder),
+            )
+            pages = pages[held]
+        pp.holds[k, pages] -= 1
+        pp.use[pages] -= 1
+        self.stats.page_transitions += len(pages)
+
+    def _on_share(self, node: Node, s: pb.Share) -> None:
+        pool = self._pool(node, s.pool, "share")
+        pages = self._page_array(pool, s.pages, "share")
+        r = self._request(s.req, "share")
+        origin = self._request(s.origin_req, "share (origin_req)")
+        if r.ended:
+            self._progress(r, f"share of {len(pages)} prefix page(s) on {node.name}")
+        pp = pool.pages
+        live = pp.refs[pages] > 0
+        if not live.all():
+            self._report(
+                "use_after_free",
+                f"{r.id} was given {int((~live).sum())} prefix page(s) of {origin.id} that are no longer "
+                f"granted to anyone (pool {pool.pool} on {pool.node})",
+                req=r,
+                victim=origin.idx,
+                pool=pool,
+                pages=pages[~live],
+                key=(pool.pool, "share"),
+            )
+            pages = pages[live]
+        if origin.tenant and r.tenant and origin.tenant != r.tenant:
+            self._report(
+                "cross_tenant_share",
+                f"prefix cache shared {len(pages)} page(s) written by {origin.tenant} request {origin.id} "
+                f"with {r.tenant} request {r.id}",
+                req=r,
+                victim=origin.idx,
+                pool=pool,
+                pages=pages,
+                key=(pool.pool,),
+            )
+        pp.refs[pages] += 1
+        pp.use[pages] += 1
+        key = (node.name, s.pool)
+        new = Shared(pages, pp.gen[pages], pp.writer[pages], pp.wgen[pages])
+        old = r.shared.get(key)
+        r.shared[key] = old.merged(new) if old is not None else new.merged(Shared(*(pages[:0],) * 4))
+        r.shared_pages += len(pages)
+        self.stats.page_transitions += len(pages)
+
+    def _on_scrub(self, node: Node, s: pb.Scrub) -> None:
+        pool = self._pool(node, s.pool, "scrub")
+        pages = self._page_array(pool, s.pages, "scrub")
+        pp = pool.pages
+        pp.writer[pages] = NOBODY
+        pp.valid[pages] = 0
+        pp.own[pages] = NOBODY
+        pp.prior[pages] = NOBODY
+        self.stats.page_transitions += len(pages)
+
+    # ------------------------------------------------------------------ attention
+
+    def _on_read(self, node: Node, rd: pb.Read) -> None:
+        checked = []
+        for entry in rd.reads:  # validate the whole launch before reporting anything
+            pool = self._pool(node, entry.pool, "read")
+            pages = self._page_array(pool, entry.pages, "read")
+            checked.append(
+                (self._request(entry.req, "read"), pool, self._pages_read(pool, pages, entry.tokens))
+            )
+        for r, pool, (pages, tokens) in checked:
+            if r.ended:
+                self._progress(r, f"read (attention) on {node.name}")
+            r.reads += 1
+            self._check_read(r, pool, pages, tokens)
+
+    def _pages_read(self, pool: Pool, pages: np.ndarray, tokens: int) -> tuple[np.ndarray, int]:
+        """The pages a context of `tokens` tokens actually covers (a block table may be longer)."""
+        ps = pool.pages.page_size
+        need = -(-tokens // ps)
+        if need > len(pages):
+            raise self._bad(
+                f"read of {tokens} tokens needs {need} pages of {ps} but lists {len(pages)} "
+                f"(pool {pool.pool} on {pool.node})"
+            )
+        return (pages[:need] if need < len(pages) else pages), tokens
+
+    def _check_read(self, r: Request, pool: Pool, pages: np.ndarray, tokens: int) -> None:
+        """The check before attention: every slot read must hold the reader's own KV, written
+        under its current grant, or prefix KV it was legitimately given."""
+        n = len(pages)
+        if n == 0:
+            return
+        pp = pool.pages
+        self.stats.page_transitions += n
+        if np.count_nonzero(pp.own[pages] != r.idx) == 0:
+            valid = pp.valid[pages]
+            short = np.count_nonzero(valid < pp.page_size)
+            if short == 0 or (short == 1 and valid[-1] >= tokens - (n - 1) * pp.page_size):
+                return
+        self._read_slow(r, pool, pages, pp.slots_read(n, tokens))
+
+    def _read_slow(self, r: Request, pool: Pool, pages: np.ndarray, slots: np.ndarray) -> None:
+        pp = pool.pages
+        key = (pool.node, pool.pool)
+        owner, writer, valid = pp.owner[pages], pp.writer[pages], pp.valid[pages]
+        mine = owner == r.idx
+        content_ok = (pp.own[pages] == r.idx) & (valid >= slots)
+        shared = r.shared.get(key)
+        is_shared = np.zeros(len(pages), bool)
+        if shared is not None:
+            current, at = shared.lookup(pages, pp.gen[pages])
+            is_shared = current & ~mine & (pp.refs[pages] > 0)
+            if is_shared.any():
+                intact = (
+                    (writer == shared.writer[at]) & (pp.wgen[pages] == shared.wgen[at]) & (valid >= slots)
+                )
+                content_ok |= is_shared & intact
+        granted = mine | is_shared
+        stale = granted & ~content_ok
+        if stale.any():
+            # Whose KV was read: the page's writer, or, for slots beyond what the reader
+            # wrote itself, whoever's data was in the page when it was handed out.
+            own_short = (pp.own[pages] == r.idx) & (valid < slots)
+            victims = np.where(own_short, pp.prior[pages], writer)[stale]
+            victims = np.where(victims == r.idx, NOBODY, victims)
+            self._by_victim(
+                "stale_read",
+                r,
+                pool,
+                pages[stale],
+                victims,
+                lambda v: (
+                    f"{r.id} attended to KV it did not write under its grant"
+                    + (f": it holds {self._name(v)}'s data" if v else " (unwritten or its own stale data)")
+                ),
+            )
+        foreign = ~granted
+        if foreign.any():
+            sel = pages[foreign]
+            had = r.ever_granted(key, sel)
+            victims = np.where(writer[foreign] != NOBODY, writer[foreign], np.maximum(owner[foreign], NOBODY))
+            victims = np.where(victims == r.idx, NOBODY, victims)
+            if had.any():
+                self._by_victim(
+                    "use_after_free",
+                    r,
+                    pool,
+                    sel[had],
+                    victims[had],
+                    lambda v: (
+                        f"{r.id} attended to pages after its grant on them ended"
+                        + (f"; they hold {self._name(v)}'s data" if v else "")
+                    ),
+                )
+            if (~had).any():
+                self._by_victim(
+                    "foreign_read",
+                    r,
+                    pool,
+                    sel[~had],
+                    victims[~had],
+                    lambda v: (
+                        f"{r.id} attended to pages never granted to it"
+                        + (f"; they hold {self._name(v)}'s data" if v else "")
+                    ),
+                )
+
+    # ------------------------------------------------------------------ transfers
+
+    def _xfer_fields(self, node: Node, x: pb.XferSend | pb.XferRecv, payload: str) -> tuple[Pool, np.ndarray]:
+        if not x.xfer:
+            raise self._bad(f"{payload}: xfer (the transfer id) is required")
+        if x.status not in STATUSES:
+            raise self._bad(f"{payload}: status {x.status!r} is not one of {', '.join(STATUSES)}")
+        pool = self._pool(node, x.pool, payload)
+        pages = self._page_array(pool, x.pages, payload)
+        if x.checksums and len(x.checksums) != len(pages):
+            raise self._bad(f"{payload}: {len(x.checksums)} checksums for {len(pages)} pages")
+        return pool, pages
+
+    def _transfer(self, xfer: str, req: str) -> Transfer:
+        t = self.transfers.get(xfer)
+        if t is None:
+            t = self.transfers[xfer] = Transfer(xfer, req)
+        elif req and not t.req:
+            t.req = req
+        return t
+
+    def _on_xfer_send(self, node: Node, x: pb.XferSend) -> None:
+        pool, pages = self._xfer_fields(node, x, "xfer_send")
+        pages, tokens = self._pages_read(pool, pages, x.tokens) if x.status == "done" else (pages, x.tokens)
+        r = self._request(x.req, "xfer_send")
+        t = self._transfer(x.xfer, r.id)
+        if t.req != r.id:
+            raise self._bad(f"xfer_send: transfer {x.xfer} belongs to request {t.req}, not {r.id}")
+        pp = pool.pages
+        if r.ended and not (pp.holds[HOLDER_INDEX["transfer_send"], pages] > 0).all():
+            self._progress(r, f"xfer_send {x.xfer} to {x.peer_node}")
+        if x.status == "done":
+            # What leaves the node must be the sender's own KV, like what attention reads.
+            self._check_read(r, pool, pages, tokens)
+        t.send = Side(
+            node.name, x.pool, pages, x.tokens, x.bytes, np.array(x.checksums, np.uint64), x.status, self._seq
+        )
+        r.sent_pages += len(x.pages)
+        r.sent_tokens += x.tokens
+        r.sent_bytes += x.bytes
+        if x.status == "done" and r.bootstrap and x.tokens < r.bootstrap[2]:
+            self._mismatch(
+                r,
+                t,
+                "tokens",
+                f"sender {node.name} reported transfer {t.xfer} done after sending {x.tokens} of the "
+                f"{r.bootstrap[2]} prompt tokens that decode {r.bootstrap[1]} expects",
+                expected=r.bootstrap[2],
+                observed=x.tokens,
+            )
+        self._reconcile(r, t)
+
+    def _on_xfer_recv(self, node: Node, x: pb.XferRecv) -> None:
+        pool, pages = self._xfer_fields(node, x, "xfer_recv")
+        ps = pool.pages.page_size
+        need = -(-x.tokens // ps)
+        if x.status == "done" and need > len(pages):
+            raise self._bad(
+                f"xfer_recv: {x.tokens} tokens need {need} pages of {ps} but {len(pages)} are listed"
+            )
+        r = self._request(x.req, "xfer_recv")
+        t = self._transfer(x.xfer, r.id)
+        if t.req != r.id:
+            raise self._bad(f"xfer_recv: transfer {x.xfer} belongs to request {t.req}, not {r.id}")
+        if x.status == "done" and need:
+            self._write(r, pool, pages[:need], pool.pages.slots_read(need, x.tokens), drain=True)
+        t.recv = Side(
+            node.name, x.pool, pages, x.tokens, x.bytes, np.array(x.checksums, np.uint64), x.status, self._seq
+        )
+        r.received_pages += len(x.pages)
+        r.received_tokens += x.tokens
+        r.received_bytes += x.bytes
+        if x.status == "done":
+            expected_tokens = r.bootstrap[2] if r.bootstrap else 0
+            reserved = r.live[(node.name, x.pool)]
+            if expected_tokens and x.tokens < expected_tokens:
+                self._mismatch(
+                    r,
+                    t,
+                    "tokens",
+                    f"decode {node.name} expected {expected_tokens} prompt tokens ({reserved} page(s) "
+                    f"reserved) for {r.id} but transfer {t.xfer} delivered {x.tokens} ({need} page(s))",
+                    expected=expected_tokens,
+                    observed=x.tokens,
+                    pool=pool,
+                )
+            elif reserved and need < reserved and need < -(-expected_tokens // ps):
+                self._mismatch(
+                    r,
+                    t,
+                    "pages",
+                    f"decode {node.name} reserved {reserved} page(s) for {r.id} but transfer {t.xfer} "
+                    f"filled {need}",
+                    expected=reserved,
+                    observed=need,
+                    pool=pool,
+                )
+        self._reconcile(r, t)
+
+    def _on_wire(self, node: Node, w: pb.Wire) -> None:
+        if not w.xfer:
+            raise self._bad("wire: xfer (the transfer id) is required")
+        t = self._transfer(w.xfer, "")
+        t.wire_bytes += w.bytes
+        t.wire_calls += w.calls
+        t.wire_events += 1
+        if w.probe:
+            t.probes.add(w.probe)
+        r = self.request(t.req) if t.req else None
+        if r is not None:
+            self._reconcile(r, t)
+
+    def _mismatch(
+        self,
+        r: Request,
+        t: Transfer,
+        what: str,
+        message: str,
+        *,
+        expected: Any,
+        observed: Any,
+        pool: Pool | None = None,
+        pages: np.ndarray | None = None,
+    ) -> None:
+        self._report(
+            "transfer_mismatch",
+            message,
+            req=r,
+            pool=pool,
+            pages=pages,
+            details={"xfer": t.xfer, "what": what, "expected": expected, "observed": observed},
+            key=(t.xfer, what),
+        )
+
+    def _reconcile(self, r: Request, t: Transfer) -> None:
+        """Compare what each side reported of transfer t, as soon as two sides have spoken."""
+        send, recv = t.send, t.recv
+        if send and recv and send.done and recv.done:
+            for what in ("tokens", "bytes"):
+                sent, got = getattr(send, what), getattr(recv, what)
+                if sent != got:
+                    self._mismatch(
+                        r,
+                        t,
+                        what,
+                        f"transfer {t.xfer} of {r.id}: sender {send.node} reported {sent} {what}, "
+                        f"receiver {recv.node} reported {got}",
+                        expected=sent,
+                        observed=got,
+                    )
+            if len(send.checksums) and len(recv.checksums):
+                n = min(len(send.checksums), len(recv.checksums))
+                differ = np.flatnonzero(send.checksums[:n] != recv.checksums[:n])
+                if len(differ):
+                    self._mismatch(
+                        r,
+                        t,
+                        "checksums",
+                        f"transfer {t.xfer} of {r.id}: {len(differ)} page(s) arrived on {recv.node} with a "
+                        f"checksum other than the one {send.node} sent",
+                        expected=0,
+                        observed=len(differ),
+                        pool=self.nodes[recv.node].pools[recv.pool],
+                        pages=recv.pages[differ[differ < len(recv.pages)]],
+                    )
+        # Bytes beyond the claim are wrong at once; a shortfall is certain once decode reports
+        # receipt, since by then every byte was written to the transport.
+        if (
+            t.wire_events
+            and send
+            and send.done
+            and (t.wire_bytes > send.bytes or (recv is not None and t.wire_bytes < send.bytes))
+        ):
+            probes = ", ".join(sorted(t.probes)) or "probe"
+            self._mismatch(
+                r,
+                t,
+                "wire_bytes",
+                f"transfer {t.xfer} of {r.id}: sender reported {send.bytes} bytes, the wire probe "
+                f"({probes}) saw {t.wire_bytes} in {t.wire_calls} call(s)",
+                expected=send.bytes,
+                observed=t.wire_bytes,
+            )

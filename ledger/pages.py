@@ -1,0 +1,73 @@
+"""Per-page ownership state of one KV pool, as parallel NumPy arrays indexed by page.
+
+Invariants, for every page p (refs, use and holds count live users; `owner` is signed):
+- owner[p] >= 0: p is granted to request owner[p]; owner[p] < 0: no live grant, and
+  ~owner[p] is the request that held the last one (~NOBODY when never handed out).
+- use[p] == refs[p] + holds[:, p].sum(); the page is back in the free pool iff use[p] == 0.
+- own[p] == owner[p] exactly when the page holds its live owner's own KV, written under the
+  current grant (writer == owner and wgen == gen); otherwise own[p] == NOBODY. This single
+  tag makes the hot-path read check one gather and one compare.
+- writer/wgen/valid describe the KV in the page: who wrote it, under which alloc_gen, and
+  how many token slots are valid; prior[p] is the writer at hand-out time, i.e. whose data
+  still sits in the slots beyond `valid`.
+
+Every update of the ledger is one vectorised operation over an event's page list; callers
+pass page indices as an intp array (bounds are checked by the first gather).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+NOBODY = 0  # request index 0 is "no request": never a grantee, writer or holder
+HOLDERS: tuple[str, ...] = ("offload", "transfer_send", "transfer_recv", "abort")
+HOLDER_INDEX: dict[str, int] = {name: i for i, name in enumerate(HOLDERS)}
+MAX_PAGES = 1 << 24
+MAX_PAGE_SIZE = 1 << 16
+
+
+class PoolPages:
+    """The page arrays of one (node, pool)."""
+
+    __slots__ = (
+        "gen",
+        "holder_req",
+        "holds",
+        "num_pages",
+        "own",
+        "owner",
+        "page_size",
+        "prior",
+        "refs",
+        "use",
+        "valid",
+        "wgen",
+        "writer",
+    )
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        n = num_pages
+        self.num_pages = n
+        self.page_size = page_size
+        self.gen = np.zeros(n, np.uint32)
+        self.owner = np.full(n, ~NOBODY, np.int32)
+        self.refs = np.zeros(n, np.uint32)
+        self.use = np.zeros(n, np.uint32)
+        self.holds = np.zeros((len(HOLDERS), n), np.uint32)
+        self.holder_req = np.zeros(n, np.int32)
+        self.writer = np.zeros(n, np.int32)
+        self.wgen = np.zeros(n, np.uint32)
+        self.valid = np.zeros(n, np.uint32)
+        self.own = np.zeros(n, np.int32)
+        self.prior = np.zeros(n, np.int32)
+
+    def slots_read(self, count: int, tokens: int) -> np.ndarray:
+        """Token slots read in each of `count` pages by a context of `tokens` tokens."""
+        slots = np.full(count, self.page_size, np.int64)
+        if count:
+            slots[-1] = tokens - (count - 1) * self.page_size
+        return slots
+
+    def pages_of(self, req: int) -> np.ndarray:
+        """Pages currently granted to request `req` (a scan of the pool: not for the hot path)."""
+        return np.flatnonzero(self.owner == req)

@@ -1,0 +1,76 @@
+"""JSON Lines captures of kvguard.v1 events (shared/EVENTS.md, "Capture files").
+
+One event a line, in the protobuf JSON mapping of `kvguard.v1.Event` with proto field names;
+integers may be numbers or strings; blank lines and lines starting with `#` are ignored.
+Invariant: every other line yields exactly one Event or one CaptureError that names its
+line number and the reason, so a reader can report a bad line and go on with the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import orjson
+from google.protobuf import json_format
+
+from kvguard.proto import pb
+
+PAYLOADS: frozenset[str] = frozenset(f.name for f in pb.Event.DESCRIPTOR.oneofs_by_name["payload"].fields)
+_ENVELOPE = frozenset({"node", "seq", "ts_ns", "tsNs"})
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureError:
+    """A line that is not a usable event."""
+
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+def parse_event(text: str | bytes) -> pb.Event:
+    """One capture line to an Event; ValueError with a readable reason if it is not one."""
+    try:
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    payloads = [key for key in obj if key in PAYLOADS]
+    if len(payloads) != 1:
+        unknown = sorted(k for k in obj if k not in PAYLOADS and k not in _ENVELOPE)
+        if unknown:
+            raise ValueError(f"unknown payload or field {', '.join(map(repr, unknown))}")
+        if not payloads:
+            raise ValueError(f"no payload (one of: {', '.join(sorted(PAYLOADS))})")
+        raise ValueError(f"more than one payload: {', '.join(payloads)}")
+    try:
+        # Fast path: the C message constructor takes the nested dicts as they are.
+        return pb.Event(**obj)
+    except (TypeError, ValueError):
+        pass
+    try:
+        # Exact JSON mapping (integers as strings, camelCase names) and its error messages.
+        return json_format.ParseDict(obj, pb.Event())
+    except json_format.ParseError as exc:
+        raise ValueError(str(exc).replace('Message type "kvguard.v1.', 'message "')) from None
+
+
+def read_capture(lines: Iterable[str | bytes]) -> Iterator[tuple[int, pb.Event | CaptureError]]:
+    """(line number, Event or CaptureError) for every line that is not blank or a comment."""
+    for number, line in enumerate(lines, 1):
+        stripped = line.strip()
+        if not stripped or stripped[:1] in ("#", b"#"):
+            continue
+        try:
+            yield number, parse_event(stripped)
+        except ValueError as exc:
+            yield number, CaptureError(number, str(exc))
+
+
+def event_to_json(event: pb.Event) -> str:
+    """The capture form of one event (one line, proto field names)."""
+    return orjson.dumps(json_format.MessageToDict(event, preserving_proto_field_name=True)).decode()
