@@ -72,7 +72,7 @@ def cmd_rules_check(args: argparse.Namespace) -> int:
         return 2
     for rule in ruleset.rules:
         state = "" if rule.enabled else " (disabled)"
-        print(f"{rule.id:36} {','.join(rule.findings):24} {rule.severity:9} {rule.action}{state}")
+        print(f"{rule.id:36} {','.join(rule.kinds):24} {rule.severity:9} {rule.action}{state}")
     print(f"{len(ruleset.rules)} rules OK", file=sys.stderr)
     return 0
 

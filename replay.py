@@ -72,7 +72,7 @@ def replay(
             on_error(item)
             continue
         try:
-            applied = ledger.apply(item)
+            findings = ledger.apply(item)
         except BadEvent as exc:
             if exc.kind == "repeat":
                 summary.repeats += 1
@@ -81,16 +81,16 @@ def replay(
             on_error(CaptureError(number, str(exc)))
             continue
         summary.applied += 1
-        if applied.missing:
-            summary.missing += applied.missing
+        if ledger.last_missing:
+            summary.missing += ledger.last_missing
             on_error(
                 CaptureError(
                     number,
-                    f"sequence gap on node {item.node}: {applied.missing} event(s) before seq {item.seq} "
+                    f"sequence gap on node {item.node}: {ledger.last_missing} event(s) before seq {item.seq} "
                     "are missing (the event was applied)",
                 )
             )
-        for raw in applied.findings:
+        for raw in findings:
             finding = ruleset.evaluate(raw)
             if finding is None:
                 summary.suppressed += 1

@@ -20,7 +20,7 @@ Invariants kept here:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,15 +47,6 @@ class BadEvent(ValueError):
 
 
 @dataclass(slots=True)
-class Applied:
-    """What applying one event produced: findings, and how many sequence numbers of its
-    node were skipped right before it (0 when none)."""
-
-    findings: tuple[Finding, ...] | list[Finding]
-    missing: int = 0
-
-
-@dataclass(slots=True)
 class Pool:
     """One (node, pool): the reported configuration, its history and the page state."""
 
@@ -64,6 +55,7 @@ class Pool:
     report: pb.PoolReport
     pages: PoolPages
     history: list[tuple[int, int, pb.PoolReport]] = field(default_factory=list)  # (seq, ts_ns, report)
+    live: dict[int, int] = field(default_factory=dict)  # request index -> pages it holds a grant on now
 
     @property
     def tokens(self) -> int:
@@ -146,33 +138,36 @@ class Transfer:
     probes: set[str] = field(default_factory=set)
 
 
-@dataclass(slots=True)
 class Request:
-    """Per request (global id; the same request crosses prefill and decode nodes)."""
+    """Per request (global id; the same request crosses prefill and decode nodes).
 
-    id: str
-    idx: int
-    tenant: str = ""
-    state: str = "new"  # new, admitted, rejected, aborted, killed, finished
-    reason: str = ""
-    stages: dict[str, str] = field(default_factory=dict)  # node -> stage
-    prompt_tokens: int = 0
+    A plain class with class-level defaults: a request is created on the hot path (its
+    first event), and only what changes is stored on the instance."""
+
+    tenant = ""
+    state = "new"  # new, admitted, rejected, aborted, killed, finished
+    reason = ""
+    prompt_tokens = 0
     bootstrap: tuple[str, str, int] | None = None  # prefill node, decode node, prompt tokens
-    output_tokens: int = 0
-    granted_pages: int = 0
-    written_pages: int = 0
-    freed_pages: int = 0
-    shared_pages: int = 0
-    sent_pages: int = 0
-    sent_tokens: int = 0
-    sent_bytes: int = 0
-    received_pages: int = 0
-    received_tokens: int = 0
-    received_bytes: int = 0
-    reads: int = 0
-    live: Counter[tuple[str, int]] = field(default_factory=Counter)  # (node, pool) -> pages granted now
-    shared: dict[tuple[str, int], Shared] = field(default_factory=dict)
-    history: dict[tuple[str, int], list[np.ndarray]] = field(default_factory=dict)  # every grant
+    output_tokens = 0
+    granted_pages = 0
+    written_pages = 0
+    freed_pages = 0
+    shared_pages = 0
+    sent_pages = 0
+    sent_tokens = 0
+    sent_bytes = 0
+    received_pages = 0
+    received_tokens = 0
+    received_bytes = 0
+    reads = 0
+
+    def __init__(self, id: str, idx: int) -> None:
+        self.id = id
+        self.idx = idx
+        self.stages: dict[str, str] = {}  # node -> stage it was admitted to there
+        self.shared: dict[tuple[str, int], Shared] = {}  # (node, pool) -> prefix pages it reads
+        self.history: dict[tuple[str, int], list[np.ndarray]] = {}  # (node, pool) -> every grant
 
     @property
     def ended(self) -> bool:
@@ -212,6 +207,7 @@ class Ledger:
         self.dedupe = dedupe
         self._reported: set[tuple[Any, ...]] = set()
         self._drift_pairs: set[tuple[str, str, str]] = set()
+        self.last_missing = 0
         # Context of the event being applied, for the findings it raises.
         self._node = ""
         self._seq = 0
@@ -241,8 +237,10 @@ class Ledger:
 
     # ------------------------------------------------------------------ entry point
 
-    def apply(self, event: pb.Event) -> Applied:
-        """Apply one event; raise BadEvent (state unchanged) if it cannot be applied."""
+    def apply(self, event: pb.Event) -> Sequence[Finding]:
+        """Apply one event and return the findings it caused; raise BadEvent (page and
+        request state unchanged) if it cannot be applied. Afterwards `last_missing` tells how
+        many sequence numbers of its node were skipped right before it (a gap)."""
         kind = event.WhichOneof("payload")
         if kind is None:
             raise self._bad("event has no payload")
@@ -259,21 +257,27 @@ class Ledger:
             )
         self._node, self._seq, self._ts = event.node, seq, event.ts_ns
         self._found = []
-        missing = seq - node.last_seq - 1
+        self.last_missing = missing = seq - node.last_seq - 1
+        payload = getattr(event, kind)
         try:
-            self._handlers[kind](node, getattr(event, kind))
+            self._handlers[kind](node, payload)
+        except IndexError:
+            bad = self._range_error(node, kind, payload)
+            if bad is None:
+                raise
+            raise bad from None
         finally:  # a malformed event still uses up its sequence number
             node.last_seq, node.last_ts_ns = seq, event.ts_ns
         self.stats.events[kind] += 1
         if missing:
             self.stats.missing += missing
-        return Applied(self._found or _NO_FINDINGS, missing)
+        return self._found or _NO_FINDINGS
 
     def apply_all(self, events: Iterable[pb.Event]) -> list[Finding]:
         """Apply events in order (bad ones raise); return every finding. For tests and tools."""
         found: list[Finding] = []
         for event in events:
-            found.extend(self.apply(event).findings)
+            found.extend(self.apply(event))
         return found
 
     # ------------------------------------------------------------------ lookups
@@ -299,15 +303,34 @@ class Ledger:
             raise self._bad(f"{payload}: pool {pool} of node {node.name} was never reported (no pool event)")
         return found
 
-    def _page_array(self, pool: Pool, values: Any, payload: str) -> np.ndarray:
+    def _page_array(self, pool: Pool, values: Any, payload: str, *, bounded: bool = True) -> np.ndarray:
+        """An event's page list as an index array, checked against the pool's size. On the hot
+        path (bounded=False) the caller's first operation on the pages must instead be a
+        gather over all of them, before any state changes: its IndexError becomes the same
+        BadEvent in apply(), and the event costs one pass less."""
         pages = _pages(values)
-        if len(pages) and int(pages.max()) >= pool.pages.num_pages:
-            bad = pages[pages >= pool.pages.num_pages]
-            raise self._bad(
-                f"{payload}: page {int(bad[0])} out of range for pool {pool.pool} of node {pool.node} "
-                f"({pool.pages.num_pages} pages){f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}"
-            )
+        if bounded and len(pages) and int(pages.max()) >= pool.pages.num_pages:
+            raise self._out_of_range(pool, pages, payload)
         return pages
+
+    def _out_of_range(self, pool: Pool, pages: np.ndarray, payload: str) -> BadEvent:
+        bad = pages[pages >= pool.pages.num_pages]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        return self._bad(
+            f"{payload}: page {int(bad[0])} out of range for pool {pool.pool} of node {pool.node} "
+            f"({pool.pages.num_pages} pages){more}"
+        )
+
+    def _range_error(self, node: Node, kind: str, payload: Any) -> BadEvent | None:
+        """The BadEvent for an IndexError raised by a hot-path gather, or None if no page of
+        the event is out of range (then the IndexError is a bug, not bad input)."""
+        for part in payload.reads if kind == "read" else [payload]:
+            pool = node.pools.get(part.pool)
+            if pool is not None:
+                pages = _pages(part.pages)
+                if len(pages) and int(pages.max()) >= pool.pages.num_pages:
+                    return self._out_of_range(pool, pages, kind)
+        return None
 
     def _bad(self, reason: str, kind: str = "malformed") -> BadEvent:
         self.stats.bad[kind] += 1
@@ -536,12 +559,12 @@ class Ledger:
 
     def _on_alloc(self, node: Node, a: pb.Alloc) -> None:
         pool = self._pool(node, a.pool, "alloc")
-        pages = self._page_array(pool, a.pages, "alloc")
+        pages = self._page_array(pool, a.pages, "alloc", bounded=False)
+        pp = pool.pages
+        busy = pp.use[pages]  # first gather: the bounds check
         r = self._request(a.req, "alloc")
         if r.ended:
             self._progress(r, f"alloc of {len(pages)} page(s) on {node.name}")
-        pp = pool.pages
-        busy = pp.use[pages]
         if np.count_nonzero(busy):
             self._early_release(r, pool, pages, busy)
             pp.use[pages] = 1 + pp.holds[:, pages].sum(axis=0)
@@ -549,12 +572,10 @@ class Ledger:
             pp.use[pages] = 1
         pp.gen[pages] += 1
         pp.owner[pages] = r.idx
-        pp.refs[pages] = 1
         pp.own[pages] = NOBODY
         pp.prior[pages] = pp.writer[pages]
-        key = (node.name, a.pool)
-        r.history.setdefault(key, []).append(pages)
-        r.live[key] += len(pages)
+        r.history.setdefault((node.name, a.pool), []).append(pages)
+        pool.live[r.idx] = pool.live.get(r.idx, 0) + len(pages)
         r.granted_pages += len(pages)
         self.stats.page_transitions += len(pages)
 
@@ -563,7 +584,7 @@ class Ledger:
         prefix sharers) or by a holder (offload, transfer, abort path)."""
         pp = pool.pages
         sel = pages[busy > 0]
-        refs, owner = pp.refs[sel], pp.owner[sel]
+        refs, owner = pp.refs(sel), pp.owner[sel]
         victims = np.where(refs > 0, np.where(owner >= 0, owner, ~owner), pp.holder_req[sel])
         for victim in np.unique(victims):
             mask = victims == victim
@@ -584,13 +605,14 @@ class Ledger:
             )
         # Grants of the previous holders end here; their shares now point at foreign content.
         prev = pp.owner[sel]
-        for victim in np.unique(prev[prev >= 0]):
-            self.requests[int(victim)].live[(pool.node, pool.pool)] -= int(np.count_nonzero(prev == victim))
+        for victim in np.unique(prev[prev >= 0]).tolist():
+            pool.live[victim] -= int(np.count_nonzero(prev == victim))
 
     def _on_write(self, node: Node, w: pb.Write) -> None:
         pool = self._pool(node, w.pool, "write")
-        pages = self._page_array(pool, w.pages, "write")
+        pages = self._page_array(pool, w.pages, "write", bounded=False)
         pp = pool.pages
+        owner = pp.owner[pages]  # first gather: the bounds check
         if w.slots:
             if len(w.slots) != len(pages):
                 raise self._bad(
@@ -604,17 +626,25 @@ class Ledger:
         r = self._request(w.req, "write")
         if r.ended:
             self._progress(r, f"write of {len(pages)} page(s) on {node.name}")
-        self._write(r, pool, pages, slots, drain=False)
+        self._write(r, pool, pages, slots, drain=False, owner=owner)
         r.written_pages += len(pages)
 
     def _write(
-        self, r: Request, pool: Pool, pages: np.ndarray, slots: np.ndarray | int, *, drain: bool
+        self,
+        r: Request,
+        pool: Pool,
+        pages: np.ndarray,
+        slots: np.ndarray | int,
+        *,
+        drain: bool,
+        owner: np.ndarray | None = None,
     ) -> None:
         """KV of request r lands in `pages`. Pages r does not own are a late write (another
         request owns them now) or a use after free (nobody does), except, when `drain`, pages
         kept alive by a transfer_recv hold: the end of a transfer already in flight."""
         pp = pool.pages
-        owner = pp.owner[pages]
+        if owner is None:
+            owner = pp.owner[pages]
         foreign = owner != r.idx
         if np.count_nonzero(foreign):
             sel = pages[foreign]
@@ -657,21 +687,22 @@ class Ledger:
 
     def _on_free(self, node: Node, f: pb.Free) -> None:
         pool = self._pool(node, f.pool, "free")
-        pages = self._page_array(pool, f.pages, "free")
-        r = self._request(f.req, "free")
+        pages = self._page_array(pool, f.pages, "free", bounded=False)
         pp = pool.pages
-        key = (node.name, f.pool)
-        mine = pp.owner[pages] == r.idx
+        owner = pp.owner[pages]  # first gather: the bounds check
+        r = self._request(f.req, "free")
+        mine = owner == r.idx
         n_mine = int(np.count_nonzero(mine))
         if n_mine != len(pages):
             self._free_other(r, pool, pages[~mine])
             pages = pages[mine]
         pp.owner[pages] = ~r.idx
         pp.own[pages] = NOBODY
-        pp.refs[pages] -= 1
         pp.use[pages] -= 1
-        r.live[key] -= n_mine
+        if n_mine:
+            pool.live[r.idx] -= n_mine
         r.freed_pages += n_mine
+        self.stats.page_transitions += n_mine
 
     def _free_other(self, r: Request, pool: Pool, pages: np.ndarray) -> None:
         """Free of pages r does not own: the end of a prefix share, or a double free."""
@@ -684,7 +715,6 @@ class Ledger:
             current, _ = shared.lookup(pages, pp.gen[pages])
             done = pages[current]  # shares of pages re-granted since ended then (early_release)
             r.shared[key] = shared.without(pages[ended])
-            pp.refs[done] -= 1
             pp.use[done] -= 1
             r.freed_pages += len(done)
         bad = pages[~ended]
@@ -706,7 +736,7 @@ class Ledger:
 
     def _on_hold(self, node: Node, h: pb.Hold) -> None:
         pool = self._pool(node, h.pool, "hold")
-        pages = self._page_array(pool, h.pages, "hold")
+        pages = self._page_array(pool, h.pages, "hold", bounded=False)  # gathered first by +=
         k = HOLDER_INDEX.get(h.holder)
         if k is None:
             raise self._bad(f"hold: holder {h.holder!r} is not one of {', '.join(HOLDERS)}")
@@ -719,13 +749,13 @@ class Ledger:
 
     def _on_release(self, node: Node, h: pb.Release) -> None:
         pool = self._pool(node, h.pool, "release")
-        pages = self._page_array(pool, h.pages, "release")
+        pages = self._page_array(pool, h.pages, "release", bounded=False)
         k = HOLDER_INDEX.get(h.holder)
         if k is None:
             raise self._bad(f"release: holder {h.holder!r} is not one of {', '.join(HOLDERS)}")
-        r = self._request(h.req, "release")
         pp = pool.pages
-        held = pp.holds[k, pages] > 0
+        held = pp.holds[k, pages] > 0  # first gather: the bounds check
+        r = self._request(h.req, "release")
         if not held.all():
             self._report(
                 "double_free",
@@ -750,7 +780,7 @@ class Ledger:
         if r.ended:
             self._progress(r, f"share of {len(pages)} prefix page(s) on {node.name}")
         pp = pool.pages
-        live = pp.refs[pages] > 0
+        live = pp.refs(pages) > 0
         if not live.all():
             self._report(
                 "use_after_free",
@@ -774,7 +804,6 @@ class Ledger:
                 pages=pages,
                 key=(pool.pool,),
             )
-        pp.refs[pages] += 1
         pp.use[pages] += 1
         key = (node.name, s.pool)
         new = Shared(pages, pp.gen[pages], pp.writer[pages], pp.wgen[pages])
@@ -799,15 +828,15 @@ class Ledger:
         checked = []
         for entry in rd.reads:  # validate the whole launch before reporting anything
             pool = self._pool(node, entry.pool, "read")
-            pages = self._page_array(pool, entry.pages, "read")
-            checked.append(
-                (self._request(entry.req, "read"), pool, self._pages_read(pool, pages, entry.tokens))
-            )
-        for r, pool, (pages, tokens) in checked:
+            pages = self._page_array(pool, entry.pages, "read", bounded=False)
+            own = pool.pages.own[pages]  # first gather: the bounds check
+            pages, tokens = self._pages_read(pool, pages, entry.tokens)
+            checked.append((self._request(entry.req, "read"), pool, pages, tokens, own[: len(pages)]))
+        for r, pool, pages, tokens, own in checked:
             if r.ended:
                 self._progress(r, f"read (attention) on {node.name}")
             r.reads += 1
-            self._check_read(r, pool, pages, tokens)
+            self._check_read(r, pool, pages, tokens, own)
 
     def _pages_read(self, pool: Pool, pages: np.ndarray, tokens: int) -> tuple[np.ndarray, int]:
         """The pages a context of `tokens` tokens actually covers (a block table may be longer)."""
@@ -820,7 +849,9 @@ class Ledger:
             )
         return (pages[:need] if need < len(pages) else pages), tokens
 
-    def _check_read(self, r: Request, pool: Pool, pages: np.ndarray, tokens: int) -> None:
+    def _check_read(
+        self, r: Request, pool: Pool, pages: np.ndarray, tokens: int, own: np.ndarray | None = None
+    ) -> None:
         """The check before attention: every slot read must hold the reader's own KV, written
         under its current grant, or prefix KV it was legitimately given."""
         n = len(pages)
@@ -828,7 +859,9 @@ class Ledger:
             return
         pp = pool.pages
         self.stats.page_transitions += n
-        if np.count_nonzero(pp.own[pages] != r.idx) == 0:
+        if own is None:
+            own = pp.own[pages]
+        if np.count_nonzero(own != r.idx) == 0:
             valid = pp.valid[pages]
             short = np.count_nonzero(valid < pp.page_size)
             if short == 0 or (short == 1 and valid[-1] >= tokens - (n - 1) * pp.page_size):
@@ -845,7 +878,7 @@ class Ledger:
         is_shared = np.zeros(len(pages), bool)
         if shared is not None:
             current, at = shared.lookup(pages, pp.gen[pages])
-            is_shared = current & ~mine & (pp.refs[pages] > 0)
+            is_shared = current & ~mine & (pp.refs(pages) > 0)
             if is_shared.any():
                 intact = (
                     (writer == shared.writer[at]) & (pp.wgen[pages] == shared.wgen[at]) & (valid >= slots)
@@ -975,7 +1008,7 @@ class Ledger:
         r.received_bytes += x.bytes
         if x.status == "done":
             expected_tokens = r.bootstrap[2] if r.bootstrap else 0
-            reserved = r.live[(node.name, x.pool)]
+            reserved = pool.live.get(r.idx, 0)
             if expected_tokens and x.tokens < expected_tokens:
                 self._mismatch(
                     r,

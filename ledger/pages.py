@@ -1,9 +1,11 @@
 """Per-page ownership state of one KV pool, as parallel NumPy arrays indexed by page.
 
-Invariants, for every page p (refs, use and holds count live users; `owner` is signed):
-- owner[p] >= 0: p is granted to request owner[p]; owner[p] < 0: no live grant, and
-  ~owner[p] is the request that held the last one (~NOBODY when never handed out).
-- use[p] == refs[p] + holds[:, p].sum(); the page is back in the free pool iff use[p] == 0.
+Invariants, for every page p (`use` and `holds` count live users; `owner` is signed):
+- owner[p] >= 0: p is granted to request owner[p]; owner[p] < 0: the grant ended, and
+  ~owner[p] is the request that held it (~NOBODY when never handed out).
+- use[p] == live grants of p (its owner and prefix sharers) + holds[:, p].sum(); the page
+  is back in the free pool iff use[p] == 0. Grants are not stored apart: `refs()` derives
+  them, so the hot path keeps one counter per page, not two.
 - own[p] == owner[p] exactly when the page holds its live owner's own KV, written under the
   current grant (writer == owner and wgen == gen); otherwise own[p] == NOBODY. This single
   tag makes the hot-path read check one gather and one compare.
@@ -38,7 +40,6 @@ class PoolPages:
         "owner",
         "page_size",
         "prior",
-        "refs",
         "use",
         "valid",
         "wgen",
@@ -51,7 +52,6 @@ class PoolPages:
         self.page_size = page_size
         self.gen = np.zeros(n, np.uint32)
         self.owner = np.full(n, ~NOBODY, np.int32)
-        self.refs = np.zeros(n, np.uint32)
         self.use = np.zeros(n, np.uint32)
         self.holds = np.zeros((len(HOLDERS), n), np.uint32)
         self.holder_req = np.zeros(n, np.int32)
@@ -67,6 +67,10 @@ class PoolPages:
         if count:
             slots[-1] = tokens - (count - 1) * self.page_size
         return slots
+
+    def refs(self, pages: np.ndarray) -> np.ndarray:
+        """Live grants (owner and prefix sharers) of each of `pages`."""
+        return self.use[pages] - self.holds[:, pages].sum(axis=0, dtype=np.uint32)
 
     def pages_of(self, req: int) -> np.ndarray:
         """Pages currently granted to request `req` (a scan of the pool: not for the hot path)."""
