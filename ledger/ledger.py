@@ -493,15 +493,21 @@ class Ledger:
         if r.state == "new":
             r.state = "admitted"
         tokens, context = self._capacity(node)
-        for limit, what in ((tokens, "KV pool holds only"), (context, "context length is")):
-            if limit and a.prompt_tokens > limit:
+        limits = [
+            (limit, what)
+            for limit, what in ((tokens, "KV pool holds only"), (context, "context length is"))
+            if limit
+        ]
+        if limits:
+            limit, what = min(limits)
+            if a.prompt_tokens > limit:
                 self._report(
                     "config_drift",
                     f"request {r.id} with a prompt of {a.prompt_tokens} tokens was admitted to {a.stage} on "
                     f"{node.name}, whose {what} {limit} tokens: it cannot fit and must be rejected",
                     req=r,
                     details={"prompt_tokens": a.prompt_tokens, "limit": limit},
-                    key=("admit", what),
+                    key=("admit",),
                 )
 
     def _end(self, r: Request, state: str, reason: str) -> None:
@@ -548,10 +554,10 @@ class Ledger:
                     self._report(
                         "config_drift",
                         f"prefill {b.prefill_node} and decode {b.decode_node} disagree on {name} of pool "
-                        f"{p.pool}: {a!r} vs {c!r}; KV sent between them would be misread",
-                        req=r,
+                        f"{p.pool}: {a!r} vs {c!r}; KV sent between them would be misread (first seen "
+                        f"with request {r.id})",
                         pool=p,
-                        details={"field": name, "prefill": a, "decode": c},
+                        details={"field": name, "prefill": a, "decode": c, "first_req": r.id},
                         key=pair,
                     )
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from google.protobuf import json_format
+from google.protobuf.message import Message
 
 from kvguard.proto import pb
 
@@ -71,6 +73,21 @@ def read_capture(lines: Iterable[str | bytes]) -> Iterator[tuple[int, pb.Event |
             yield number, CaptureError(number, str(exc))
 
 
+def message_to_dict(message: Message) -> dict[str, Any]:
+    """A message as the JSON mapping with proto field names, fields left at their default
+    omitted, and 64-bit integers as JSON numbers (which the contract allows) rather than the
+    strings of json_format, so that captures stay readable."""
+    out: dict[str, Any] = {}
+    for fd, value in message.ListFields():
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            out[fd.name] = dict(value)
+        elif fd.message_type is not None:
+            out[fd.name] = [message_to_dict(v) for v in value] if fd.is_repeated else message_to_dict(value)
+        else:
+            out[fd.name] = list(value) if fd.is_repeated else value
+    return out
+
+
 def event_to_json(event: pb.Event) -> str:
-    """The capture form of one event (one line, proto field names)."""
-    return orjson.dumps(json_format.MessageToDict(event, preserving_proto_field_name=True)).decode()
+    """The capture form of one event (one line)."""
+    return orjson.dumps(message_to_dict(event)).decode()
