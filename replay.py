@@ -87,7 +87,7 @@ def replay(
                 CaptureError(
                     number,
                     f"sequence gap on node {item.node}: {ledger.last_missing} event(s) before seq {item.seq} "
-                    "are missing (the event was applied)",
+                    "are missing or were rejected (the event was applied)",
                 )
             )
         for raw in findings:

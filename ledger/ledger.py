@@ -2,14 +2,15 @@
 
 One implementation, used by the in-engine guard (one node) and by the daemon (all nodes).
 `Ledger.apply(event)` validates an event completely before it changes any page or request
-state (a bad event raises BadEvent and changes nothing but its node's sequence number),
+state (a bad event raises BadEvent and changes nothing),
 applies its page list as a handful of vectorised NumPy operations (pages.py), and returns
 the findings it caused. Findings carry facts only; the ruleset gives them severity and
 action.
 
 Invariants kept here:
 - per node, events are applied in sequence order; a repeated sequence number is refused
-  (idempotent redelivery), a gap is reported and the event applied;
+  (idempotent redelivery), a gap is reported and the event applied, and a malformed event
+  does not advance the sequence;
 - a request that was rejected, aborted or killed may only drain (free, release, the end
   of a transfer already in flight into pages it still holds): anything else is
   rejected_progress;
@@ -250,6 +251,8 @@ class Ledger:
         if node is None:
             node = self.nodes[event.node] = Node(event.node)
         seq = event.seq
+        if seq == 0:
+            raise self._bad(f"{kind} event of node {event.node} has no sequence number (they start at 1)")
         if seq <= node.last_seq:
             raise self._bad(
                 f"sequence number {seq} of node {event.node} repeats (last applied: {node.last_seq})",
@@ -257,7 +260,7 @@ class Ledger:
             )
         self._node, self._seq, self._ts = event.node, seq, event.ts_ns
         self._found = []
-        self.last_missing = missing = seq - node.last_seq - 1
+        missing = seq - node.last_seq - 1
         payload = getattr(event, kind)
         try:
             self._handlers[kind](node, payload)
@@ -266,9 +269,11 @@ class Ledger:
             if bad is None:
                 raise
             raise bad from None
-        finally:  # a malformed event still uses up its sequence number
-            node.last_seq, node.last_ts_ns = seq, event.ts_ns
+        # Only an applied event advances its node's sequence: a malformed one, whose number
+        # may be as wrong as the rest of it, must not make later valid events look repeated.
+        node.last_seq, node.last_ts_ns = seq, event.ts_ns
         self.stats.events[kind] += 1
+        self.last_missing = missing
         if missing:
             self.stats.missing += missing
         return self._found or _NO_FINDINGS

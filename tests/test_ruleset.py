@@ -147,7 +147,7 @@ def test_default_config_drift_output_includes_detector_message() -> None:
     finding = Finding("config_drift", node="p0", pool=0, message="pool 681280 tokens < context 1048576.")
     result = load_ruleset().evaluate(finding)
     assert result is not None
-    assert result.message == "KV pool 0 on p0 is misconfigured: pool 681280 tokens < context 1048576."
+    assert result.message == "KV pool misconfigured on p0: pool 681280 tokens < context 1048576."
 
 
 def test_evaluate_returns_a_copy() -> None:

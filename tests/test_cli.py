@@ -1,0 +1,155 @@
+"""`kvguard replay` and `kvguard rules` as a user runs them: a real process, real files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kvguard.ruleset import DEFAULT_RULES_DIR
+from kvguard.ruleset.fixtures import DEFAULT_FIXTURES_DIR
+
+INCIDENT = DEFAULT_FIXTURES_DIR / "incident" / "capture.jsonl"
+NEAR_MISS = DEFAULT_FIXTURES_DIR / "stale_read-near-miss-reuse" / "capture.jsonl"
+
+
+def kvguard(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvguard", *args], input=stdin, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_replay_of_the_incident_names_the_leak() -> None:
+    run = kvguard("replay", str(INCIDENT))
+    assert run.returncode == 1
+    lines = run.stdout.splitlines()
+    assert len(lines) == 11
+    leaks = [line for line in lines if "stale_read_cross_tenant" in line]
+    assert len(leaks) == 2 and all(line.startswith("CRITICAL kill") for line in leaks)
+    assert "globex request g1 on d0 read KV written by acme request a1 (pool 0, pages 1-4)" in leaks[0]
+    assert "11 finding(s) (11 critical)" in run.stderr and "replayed 39 of 39 events" in run.stderr
+
+
+def test_replay_json_lines() -> None:
+    run = kvguard("replay", str(INCIDENT), "-o", "json")
+    findings = [json.loads(line) for line in run.stdout.splitlines()]
+    leak = [f for f in findings if f["finding"] == "stale_read" and f["victim_req"] == "a2"]
+    assert leak == [
+        {
+            "finding": "stale_read",
+            "severity": "critical",
+            "action": "kill",
+            "rule": "stale_read_cross_tenant",
+            "node": "d0",
+            "req": "g1",
+            "tenant": "globex",
+            "victim_req": "a2",
+            "victim_tenant": "acme",
+            "pool": 0,
+            "pages": [5, 6, 7, 8],
+            "seq": 20,
+            "ts_ns": 6000,
+            "message": "globex request g1 on d0 read KV written by acme request a2 (pool 0, pages 5-8)",
+            "tags": leak[0]["tags"],
+        }
+    ]
+    assert "leak" in leak[0]["tags"]
+
+
+def test_clean_capture_from_standard_input() -> None:
+    run = kvguard("replay", "-", stdin=NEAR_MISS.read_text())
+    assert (run.returncode, run.stdout) == (0, "")
+    assert "from standard input" in run.stderr and "no findings" in run.stderr
+
+
+def test_bad_lines_are_reported_and_skipped_and_nothing_valid_is_lost(tmp_path: Path) -> None:
+    good = [line for line in INCIDENT.read_text().splitlines() if line.startswith("{")]
+    assert '"seq": 2' in good[4] and '"node": "p0"' in good[4]
+    bad = [
+        "{broken",  # line 6
+        good[4],  # line 7: redelivered
+        '{"node": "p0", "seq": 3, "alloc": {"req": "zz", "pool": 0, "pages": [77]}}',  # line 8
+        '{"node": "x9", "seq": 1, "frobnicate": {}}',  # line 9
+    ]
+    path = tmp_path / "capture.jsonl"
+    path.write_text("\n".join([*good[:5], *bad, *good[5:]]) + "\n")
+    run = kvguard("replay", str(path), "-o", "json")
+    assert run.returncode == 1
+    errors = [line for line in run.stderr.splitlines() if line.startswith(str(path))]
+    assert len(errors) == 4
+    assert errors[0].startswith(f"{path}:6: not JSON: ")
+    assert errors[1] == f"{path}:7: sequence number 2 of node p0 repeats (last applied: 2)"
+    assert errors[2] == f"{path}:8: alloc: page 77 out of range for pool 0 of node p0 (6 pages)"
+    assert errors[3] == f"{path}:9: unknown payload or field 'frobnicate'"
+    # Every valid event still counts: the same 11 findings as the clean capture.
+    findings = [json.loads(line) for line in run.stdout.splitlines()]
+    clean = [json.loads(line) for line in kvguard("replay", str(INCIDENT), "-o", "json").stdout.splitlines()]
+    assert findings == clean and len(findings) == 11
+    assert "replayed 39 of 43 events" in run.stderr
+    assert "3 bad line(s) skipped, 1 repeat(s) skipped, 0 sequence number(s) missing" in run.stderr
+
+
+def test_every_line_is_accounted_for(tmp_path: Path) -> None:
+    lines = [
+        '{"node": "n0", "seq": 1, "pool": {"pool": 0, "role": "colocated", "page_size": 16, "num_pages": 8}}',
+        "not json",
+        '{"node": "n0", "seq": 4, "alloc": {"req": "a", "pool": 0, "pages": [1]}}',
+        '{"node": "n0", "seq": 4, "alloc": {"req": "b", "pool": 0, "pages": [2]}}',
+        '{"node": "n0", "seq": 5, "read": {"reads": [{"req": "a", "pool": 0, "pages": [1], "tokens": 3}]}}',
+    ]
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(lines))
+    run = kvguard("replay", str(path))
+    assert run.returncode == 1
+    assert (
+        f"{path}:3: sequence gap on node n0: 2 event(s) before seq 4 are missing or were rejected "
+        "(the event was applied)"
+    ) in run.stderr
+    assert "replayed 3 of 5 events" in run.stderr
+    assert "1 bad line(s) skipped, 1 repeat(s) skipped, 2 sequence number(s) missing" in run.stderr
+    assert "stale_read" in run.stdout
+
+
+def test_unusable_input(tmp_path: Path) -> None:
+    missing = kvguard("replay", str(tmp_path / "nope.jsonl"))
+    assert missing.returncode == 2 and "cannot read capture" in missing.stderr
+    garbage = tmp_path / "g.jsonl"
+    garbage.write_text("hello\nworld\n")
+    run = kvguard("replay", str(garbage))
+    assert run.returncode == 2 and f"{garbage}:2: not JSON" in run.stderr
+
+
+def test_bad_rules_directory_is_refused_with_file_and_line(tmp_path: Path) -> None:
+    rule = "- rule: x\n  description: d\n  finding: stale_read\n  severity: urgent\n  action: kill\n"
+    rule += "  output: o\n"
+    (tmp_path / "10-bad.yaml").write_text(rule)
+    run = kvguard("replay", str(INCIDENT), "--rules", str(tmp_path))
+    assert run.returncode == 2
+    assert f"{tmp_path / '10-bad.yaml'}:4:" in run.stderr and "urgent" in run.stderr
+    assert kvguard("rules", "check", "--rules", str(tmp_path)).returncode == 2
+
+
+def test_custom_rules_with_an_exception(tmp_path: Path) -> None:
+    for path in DEFAULT_RULES_DIR.glob("*.yaml"):
+        text = path.read_text()
+        if "rule: stale_read_cross_tenant" in text:
+            text = text.replace(
+                "- rule: stale_read_cross_tenant\n",
+                "- rule: stale_read_cross_tenant\n  exceptions:\n"
+                "    - name: acme-lab\n      condition: 'victim_tenant == \"acme\"'\n",
+            )
+        (tmp_path / path.name).write_text(text)
+    run = kvguard("replay", str(INCIDENT), "--rules", str(tmp_path))
+    assert run.returncode == 1
+    assert "stale_read" not in run.stdout
+    assert "2 suppressed by rule exceptions" in run.stderr
+
+
+def test_rules_test_and_check() -> None:
+    run = kvguard("rules", "test")
+    assert run.returncode == 0, run.stdout
+    assert run.stdout.splitlines()[-1].endswith(" passed, 0 failed")
+    assert "ok    incident: " in run.stdout
+    check = kvguard("rules", "check")
+    assert check.returncode == 0 and "stale_read_cross_tenant" in check.stdout
