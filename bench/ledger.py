@@ -94,7 +94,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs")
     args = parser.parse_args()
     print(
-        f"python {sys.version.split()[0]}, numpy {np.__version__}, pid {os.getpid()}, best of {args.repeat}"
+        f"python {sys.version.split()[0]}, numpy {np.__version__}, best of {args.repeat} runs, "
+        f"{args.transitions} page transitions per batch size"
     )
     print(f"{'batch':>5} {'path':8} {'Mtrans/s':>9} {'floor Mtrans/s':>15} {'ratio':>7} {'us/event':>9}")
     for batch in (16, 64, 256):

@@ -151,6 +151,7 @@ class Request:
     prompt_tokens = 0
     bootstrap: tuple[str, str, int] | None = None  # prefill node, decode node, prompt tokens
     output_tokens = 0
+    reserved_pages = 0  # granted on its decode node before its KV arrived
     granted_pages = 0
     written_pages = 0
     freed_pages = 0
@@ -588,6 +589,8 @@ class Ledger:
         r.history.setdefault((node.name, a.pool), []).append(pages)
         pool.live[r.idx] = pool.live.get(r.idx, 0) + len(pages)
         r.granted_pages += len(pages)
+        if r.bootstrap is not None and r.bootstrap[1] == node.name and not r.received_tokens:
+            r.reserved_pages += len(pages)
         self.stats.page_transitions += len(pages)
 
     def _early_release(self, r: Request, pool: Pool, pages: np.ndarray, busy: np.ndarray) -> None:

@@ -341,3 +341,32 @@ class TestPages:
         assert pool.pages.num_pages == 8  # a new engine, a new pool
         with pytest.raises(BadEvent, match="page 15 out of range"):
             self.run("free", req="a", pool=0, pages=[15])
+
+
+def test_incident_accounting_across_nodes() -> None:
+    from kvguard.proto.capture import read_capture
+    from kvguard.ruleset.fixtures import DEFAULT_FIXTURES_DIR
+
+    ledger = Ledger()
+    capture = (DEFAULT_FIXTURES_DIR / "incident" / "capture.jsonl").read_text().splitlines()
+    for _, event in read_capture(capture):
+        ledger.apply(event)
+    g1 = ledger.request("g1")
+    assert (g1.tenant, g1.state, g1.reason) == (
+        "globex",
+        "rejected",
+        "prompt of 128 tokens exceeds the KV pool",
+    )
+    assert g1.bootstrap == ("p0", "d0", 128)
+    assert (g1.reserved_pages, g1.granted_pages, g1.written_pages) == (8, 9, 1)
+    assert (g1.sent_pages, g1.sent_tokens, g1.received_pages, g1.received_tokens) == (1, 1, 8, 1)
+    assert g1.stages == {"p0": "prefill", "d0": "decode"}
+    transfer = ledger.transfers["x-g1"]
+    assert (transfer.send.node, transfer.send.tokens, transfer.recv.node, transfer.recv.tokens) == (
+        "p0",
+        1,
+        "d0",
+        1,
+    )
+    a1 = ledger.request("a1")
+    assert (a1.reserved_pages, a1.received_tokens, a1.state) == (4, 64, "finished")
