@@ -852,6 +852,35 @@ class Ledger:
             r.reads += 1
             self._check_read(r, pool, pages, tokens, own)
 
+    def batch_clean(
+        self, node: str, pool: int, reqs: Sequence[str], block_tables: np.ndarray, context_lens: np.ndarray
+    ) -> np.ndarray:
+        """The check before attention for a whole decode batch, as one set of array
+        operations: True for each request whose every slot to be read holds its own KV,
+        written under its current grant (and that may still make progress). Changes nothing
+        and reports nothing: the guard sends only the requests that fail it through
+        `apply()` as a `read` event, which names the finding and the victim (prefix-shared
+        pages also take that path, which accepts them).
+
+        block_tables: [B, P] page ids (entries beyond a request's context are ignored, may be
+        any value); context_lens: [B] tokens each request attends to."""
+        pp = self.nodes[node].pools[pool].pages
+        ps = pp.page_size
+        lens = np.asarray(context_lens, dtype=np.int64)
+        tables = np.asarray(block_tables, dtype=np.intp)
+        cols = np.arange(tables.shape[1])
+        needed = np.clip(lens[:, None] - cols[None, :] * ps, 0, ps)  # slots read per page
+        used = needed > 0
+        if (lens > tables.shape[1] * ps).any() or ((tables < 0) | (tables >= pp.num_pages))[used].any():
+            return np.zeros(len(reqs), bool) | (lens == 0)
+        pages = np.where(used, tables, 0)
+        readers = np.array([self._req_index.get(r, NOBODY) for r in reqs], dtype=np.int32)
+        ok = ((pp.own[pages] == readers[:, None]) & (pp.valid[pages] >= needed)) | ~used
+        clean = ok.all(axis=1) & (readers != NOBODY)
+        ended = [i for i, r in enumerate(reqs) if readers[i] and self.requests[readers[i]].ended]
+        clean[ended] = False
+        return clean | (lens == 0)
+
     def _pages_read(self, pool: Pool, pages: np.ndarray, tokens: int) -> tuple[np.ndarray, int]:
         """The pages a context of `tokens` tokens actually covers (a block table may be longer)."""
         ps = pool.pages.page_size
@@ -1008,6 +1037,8 @@ class Ledger:
             raise self._bad(
                 f"xfer_recv: {x.tokens} tokens need {need} pages of {ps} but {len(pages)} are listed"
             )
+        if x.claimed_checksums and len(x.claimed_checksums) != len(pages):
+            raise self._bad(f"xfer_recv: {len(x.claimed_checksums)} claimed checksums for {len(pages)} pages")
         r = self._request(x.req, "xfer_recv")
         t = self._transfer(x.xfer, r.id)
         if t.req != r.id:
@@ -1045,6 +1076,19 @@ class Ledger:
                     observed=need,
                     pool=pool,
                 )
+        if x.status == "done" and (x.claimed_tokens or x.claimed_bytes or x.claimed_checksums):
+            # What the sender claimed, as the transfer itself carried it: checkable here and now.
+            claim = Side(
+                x.peer_node or "sender",
+                x.pool,
+                pages,
+                x.claimed_tokens,
+                x.claimed_bytes,
+                np.array(x.claimed_checksums, np.uint64),
+                "done",
+                self._seq,
+            )
+            self._compare(r, t, claim, t.recv)
         self._reconcile(r, t)
 
     def _on_wire(self, node: Node, w: pb.Wire) -> None:
@@ -1082,37 +1126,41 @@ class Ledger:
             key=(t.xfer, what),
         )
 
+    def _compare(self, r: Request, t: Transfer, send: Side, recv: Side) -> None:
+        """Sender's and receiver's account of one transfer: tokens, bytes, per-page checksums."""
+        for what in ("tokens", "bytes"):
+            sent, got = getattr(send, what), getattr(recv, what)
+            if sent and sent != got:
+                self._mismatch(
+                    r,
+                    t,
+                    what,
+                    f"transfer {t.xfer} of {r.id}: sender {send.node} reported {sent} {what}, "
+                    f"receiver {recv.node} reported {got}",
+                    expected=sent,
+                    observed=got,
+                )
+        if len(send.checksums) and len(recv.checksums):
+            n = min(len(send.checksums), len(recv.checksums))
+            differ = np.flatnonzero(send.checksums[:n] != recv.checksums[:n])
+            if len(differ):
+                self._mismatch(
+                    r,
+                    t,
+                    "checksums",
+                    f"transfer {t.xfer} of {r.id}: {len(differ)} page(s) arrived on {recv.node} with a "
+                    f"checksum other than the one {send.node} sent",
+                    expected=0,
+                    observed=len(differ),
+                    pool=self.nodes[recv.node].pools[recv.pool],
+                    pages=recv.pages[differ[differ < len(recv.pages)]],
+                )
+
     def _reconcile(self, r: Request, t: Transfer) -> None:
         """Compare what each side reported of transfer t, as soon as two sides have spoken."""
         send, recv = t.send, t.recv
         if send and recv and send.done and recv.done:
-            for what in ("tokens", "bytes"):
-                sent, got = getattr(send, what), getattr(recv, what)
-                if sent != got:
-                    self._mismatch(
-                        r,
-                        t,
-                        what,
-                        f"transfer {t.xfer} of {r.id}: sender {send.node} reported {sent} {what}, "
-                        f"receiver {recv.node} reported {got}",
-                        expected=sent,
-                        observed=got,
-                    )
-            if len(send.checksums) and len(recv.checksums):
-                n = min(len(send.checksums), len(recv.checksums))
-                differ = np.flatnonzero(send.checksums[:n] != recv.checksums[:n])
-                if len(differ):
-                    self._mismatch(
-                        r,
-                        t,
-                        "checksums",
-                        f"transfer {t.xfer} of {r.id}: {len(differ)} page(s) arrived on {recv.node} with a "
-                        f"checksum other than the one {send.node} sent",
-                        expected=0,
-                        observed=len(differ),
-                        pool=self.nodes[recv.node].pools[recv.pool],
-                        pages=recv.pages[differ[differ < len(recv.pages)]],
-                    )
+            self._compare(r, t, send, recv)
         # Bytes beyond the claim are wrong at once; a shortfall is certain once decode reports
         # receipt, since by then every byte was written to the transport.
         if (

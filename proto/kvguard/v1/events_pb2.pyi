@@ -243,7 +243,7 @@ class XferSend(_message.Message):
     def __init__(self, req: _Optional[str] = ..., xfer: _Optional[str] = ..., peer_node: _Optional[str] = ..., pool: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., status: _Optional[str] = ...) -> None: ...
 
 class XferRecv(_message.Message):
-    __slots__ = ("req", "xfer", "peer_node", "pool", "pages", "tokens", "bytes", "checksums", "status")
+    __slots__ = ("req", "xfer", "peer_node", "pool", "pages", "tokens", "bytes", "checksums", "status", "claimed_tokens", "claimed_bytes", "claimed_checksums")
     REQ_FIELD_NUMBER: _ClassVar[int]
     XFER_FIELD_NUMBER: _ClassVar[int]
     PEER_NODE_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,9 @@ class XferRecv(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     req: str
     xfer: str
     peer_node: str
@@ -262,7 +265,10 @@ class XferRecv(_message.Message):
     bytes: int
     checksums: _containers.RepeatedScalarFieldContainer[int]
     status: str
-    def __init__(self, req: _Optional[str] = ..., xfer: _Optional[str] = ..., peer_node: _Optional[str] = ..., pool: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., status: _Optional[str] = ...) -> None: ...
+    claimed_tokens: int
+    claimed_bytes: int
+    claimed_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req: _Optional[str] = ..., xfer: _Optional[str] = ..., peer_node: _Optional[str] = ..., pool: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., status: _Optional[str] = ..., claimed_tokens: _Optional[int] = ..., claimed_bytes: _Optional[int] = ..., claimed_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Wire(_message.Message):
     __slots__ = ("xfer", "peer_node", "bytes", "calls", "probe")

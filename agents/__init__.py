@@ -1,0 +1,1 @@
+"""Node agent, in-engine guard, engine adapters and config probes."""

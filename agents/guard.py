@@ -1,0 +1,276 @@
+"""The in-engine guard: the API an engine calls at each ownership transition, backed by the
+core ledger, deciding on the spot which request must not go on.
+
+Invariants:
+- every call is one kvguard.v1 event with this node's next sequence number, applied to the
+  local ledger before the engine proceeds and queued to the sink without blocking;
+- the check before attention runs over the whole batch as array operations; only requests
+  that fail it become a `read` event, which names the finding and the victim;
+- in enforce mode a finding whose rule action is kill, kill+quarantine or block terminates
+  exactly the request it names (recorded as a `kill` event); monitor mode never kills, and
+  either mode can be set per rule.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from kvguard.agents.sink import EventSink, NullSink
+from kvguard.ledger.findings import Finding
+from kvguard.ledger.ledger import BadEvent, Ledger
+from kvguard.proto import pb
+from kvguard.ruleset import Ruleset, load_ruleset
+
+Mode = Literal["monitor", "enforce"]
+KILL_ACTIONS = frozenset({"kill", "kill+quarantine", "block"})
+
+
+@dataclass(slots=True)
+class Verdict:
+    """What the engine must do after a guard call: terminate the requests in `kill` (each
+    with the finding that condemned it, or None for a call the guard could not check)."""
+
+    findings: list[Finding] = field(default_factory=list)
+    kill: dict[str, Finding | None] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.kill
+
+    def reason(self, req: str) -> str:
+        finding = self.kill.get(req)
+        if finding is None:
+            return "kvguard could not verify this request"
+        return f"{finding.finding} ({finding.rule}): {finding.message}"
+
+
+_CLEAN = Verdict()
+
+
+def _ints(values: Any) -> list[int]:
+    if hasattr(values, "tolist"):
+        return values.tolist()  # numpy arrays and torch tensors: one conversion, not per item
+    return list(values)
+
+
+class Guard:
+    """The guard of one engine process (one node). Thread-safe: calls are serialised."""
+
+    def __init__(
+        self,
+        node: str,
+        *,
+        mode: Mode = "enforce",
+        rule_modes: dict[str, Mode] | None = None,
+        ruleset: Ruleset | None = None,
+        sink: EventSink | None = None,
+        on_finding: Callable[[Finding], None] | None = None,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        if mode not in ("monitor", "enforce"):
+            raise ValueError(f"guard mode {mode!r} is not monitor or enforce")
+        self.node = node
+        self.mode = mode
+        self.rule_modes = dict(rule_modes or {})
+        self.ruleset = ruleset if ruleset is not None else load_ruleset()
+        self.sink = sink if sink is not None else NullSink()
+        self.ledger = Ledger()
+        self.findings: list[Finding] = []
+        self.killed: dict[str, Finding | None] = {}
+        self.errors: list[str] = []
+        self._on_finding = on_finding
+        self._clock = clock
+        self._seq = 0
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ core
+
+    def _emit(self, payload: str, req: str = "", **fields: Any) -> Verdict:
+        with self._lock:
+            self._seq += 1
+            if req:
+                fields["req"] = req
+            event = pb.Event(node=self.node, seq=self._seq, ts_ns=self._clock(), **{payload: fields})
+            try:
+                found = self.ledger.apply(event)
+            except BadEvent as exc:
+                # Fail safe: what the guard cannot check does not go on.
+                self._seq -= 1
+                self.errors.append(f"{payload}: {exc}")
+                verdict = Verdict()
+                for who in [req] if req else [entry["req"] for entry in fields.get("reads", ())]:
+                    verdict.kill[who] = None
+                    self._kill(who, None)
+                return verdict
+            self.sink.put(event)
+            if not found:
+                return _CLEAN
+            return self._judge(found)
+
+    def _judge(self, found: Sequence[Finding]) -> Verdict:
+        verdict = Verdict()
+        for raw in found:
+            finding = self.ruleset.evaluate(raw)
+            if finding is None:
+                continue
+            verdict.findings.append(finding)
+            self.findings.append(finding)
+            if self._on_finding is not None:
+                self._on_finding(finding)
+            mode = self.rule_modes.get(finding.rule, self.mode)
+            if mode == "enforce" and finding.action in KILL_ACTIONS and finding.req:
+                verdict.kill.setdefault(finding.req, finding)
+        for req, finding in verdict.kill.items():
+            self._kill(req, finding)
+        return verdict
+
+    def _kill(self, req: str, finding: Finding | None) -> None:
+        if req in self.killed:
+            return
+        self.killed[req] = finding
+        self._emit(
+            "kill", req, finding=finding.finding if finding else "unverifiable", by=f"guard@{self.node}"
+        )
+
+    # ------------------------------------------------------------------ configuration and lifecycle
+
+    def pool(self, pool: int, role: str, page_size: int, num_pages: int, **fields: Any) -> Verdict:
+        return self._emit("pool", pool=pool, role=role, page_size=page_size, num_pages=num_pages, **fields)
+
+    def admit(self, req: str, tenant: str, prompt_tokens: int, stage: str) -> Verdict:
+        return self._emit("admit", req, tenant=tenant, prompt_tokens=prompt_tokens, stage=stage)
+
+    def reject(self, req: str, reason: str) -> Verdict:
+        return self._emit("reject", req, reason=reason)
+
+    def abort(self, req: str, reason: str) -> Verdict:
+        return self._emit("abort", req, reason=reason)
+
+    def finish(self, req: str, output_tokens: int) -> Verdict:
+        return self._emit("finish", req, output_tokens=output_tokens)
+
+    def bootstrap(self, req: str, prefill_node: str, decode_node: str, prompt_tokens: int) -> Verdict:
+        return self._emit(
+            "bootstrap", req, prefill_node=prefill_node, decode_node=decode_node, prompt_tokens=prompt_tokens
+        )
+
+    def heartbeat(self, agent_version: str = "") -> Verdict:
+        return self._emit("heartbeat", agent_version=agent_version, dropped=self.sink.dropped)
+
+    # ------------------------------------------------------------------ pages
+
+    def alloc(self, req: str, pool: int, pages: Iterable[int]) -> Verdict:
+        return self._emit("alloc", req, pool=pool, pages=_ints(pages))
+
+    def write(self, req: str, pool: int, pages: Iterable[int], slots: Iterable[int] | None = None) -> Verdict:
+        return self._emit(
+            "write", req, pool=pool, pages=_ints(pages), slots=_ints(slots) if slots is not None else []
+        )
+
+    def free(self, req: str, pool: int, pages: Iterable[int]) -> Verdict:
+        return self._emit("free", req, pool=pool, pages=_ints(pages))
+
+    def hold(self, req: str, pool: int, pages: Iterable[int], holder: str) -> Verdict:
+        return self._emit("hold", req, pool=pool, pages=_ints(pages), holder=holder)
+
+    def release(self, req: str, pool: int, pages: Iterable[int], holder: str) -> Verdict:
+        return self._emit("release", req, pool=pool, pages=_ints(pages), holder=holder)
+
+    def share(self, req: str, pool: int, pages: Iterable[int], origin_req: str) -> Verdict:
+        return self._emit("share", req, pool=pool, pages=_ints(pages), origin_req=origin_req)
+
+    # ------------------------------------------------------------------ transfers
+
+    def xfer_send(
+        self,
+        req: str,
+        xfer: str,
+        peer_node: str,
+        pool: int,
+        pages: Iterable[int],
+        tokens: int,
+        nbytes: int,
+        checksums: Iterable[int] = (),
+        status: str = "done",
+    ) -> Verdict:
+        return self._emit(
+            "xfer_send",
+            req,
+            xfer=xfer,
+            peer_node=peer_node,
+            pool=pool,
+            pages=_ints(pages),
+            tokens=tokens,
+            bytes=nbytes,
+            checksums=_ints(checksums),
+            status=status,
+        )
+
+    def xfer_recv(
+        self,
+        req: str,
+        xfer: str,
+        peer_node: str,
+        pool: int,
+        pages: Iterable[int],
+        tokens: int,
+        nbytes: int,
+        checksums: Iterable[int] = (),
+        status: str = "done",
+        *,
+        claimed_tokens: int = 0,
+        claimed_bytes: int = 0,
+        claimed_checksums: Iterable[int] = (),
+    ) -> Verdict:
+        """Receipt of a transfer, checked before the request may join a decode batch:
+        counts against the bootstrap and the reservation, and what arrived against what the
+        sender claimed in the transfer itself (tokens, bytes, per-page checksums)."""
+        return self._emit(
+            "xfer_recv",
+            req,
+            xfer=xfer,
+            peer_node=peer_node,
+            pool=pool,
+            pages=_ints(pages),
+            tokens=tokens,
+            bytes=nbytes,
+            checksums=_ints(checksums),
+            status=status,
+            claimed_tokens=claimed_tokens,
+            claimed_bytes=claimed_bytes,
+            claimed_checksums=_ints(claimed_checksums),
+        )
+
+    # ------------------------------------------------------------------ attention
+
+    def check_attention(
+        self, pool: int, reqs: Sequence[str], block_tables: np.ndarray, context_lens: np.ndarray
+    ) -> Verdict:
+        """The check before an attention launch over a batch. block_tables [B, P] (page ids,
+        padding beyond each context ignored), context_lens [B]. The engine must drop the
+        requests in `kill` from this launch; the rest of the batch goes on."""
+        with self._lock:
+            clean = self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens)
+            if clean.all():
+                return _CLEAN
+            tables = np.asarray(block_tables)
+            lens = np.asarray(context_lens)
+            page_size = self.ledger.nodes[self.node].pools[pool].pages.page_size
+            reads = []
+            for i in np.flatnonzero(~clean).tolist():
+                need = -(-int(lens[i]) // page_size)
+                reads.append(
+                    {"req": reqs[i], "pool": pool, "pages": tables[i, :need].tolist(), "tokens": int(lens[i])}
+                )
+            verdict = self._emit("read", reads=reads)
+            for entry in reads:  # a request killed earlier that is still batched stays out
+                req = entry["req"]
+                if req in self.killed and req not in verdict.kill:
+                    verdict.kill[req] = self.killed[req]
+            return verdict
