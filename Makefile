@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/kvguard replay ruleset/fixtures/incident/capture.jsonl; test $$? -le 1
+	$(BIN)/kvguard demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -93,6 +93,44 @@ def cmd_rules_test(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_testbed_up(args: argparse.Namespace) -> int:
+    from kvguard.testbed.router import ClusterConfig, up
+
+    prompts = {}
+    for item in args.system_prompt or []:
+        tenant, sep, text = item.partition("=")
+        if not sep:
+            print(f"kvguard testbed up: --system-prompt {item!r} is not TENANT=TEXT", file=sys.stderr)
+            return 2
+        prompts[tenant] = text
+    try:
+        config = ClusterConfig(
+            port=args.port,
+            faults=tuple(args.fault or ()),
+            guard=args.guard,
+            audit_dir=args.audit_dir,
+            context_len=args.context_len,
+            prefill_pages=args.prefill_pages,
+            system_prompts=prompts,
+            prefix_cache=args.prefix_cache,
+            host_cache=args.host_cache,
+            prefill_timeout_s=args.prefill_timeout_s,
+            prefill_ms_per_token=args.prefill_ms_per_token,
+            decode_step_ms=args.decode_step_ms,
+            offload_delay_ms=args.offload_delay_ms,
+        )
+    except ValueError as exc:
+        print(f"kvguard testbed up: {exc}", file=sys.stderr)
+        return 2
+    return up(config)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvguard.testbed.demo import run_demo
+
+    return run_demo(Path(args.out))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvguard", description="KV-cache ownership guard for shared LLM inference."
@@ -119,6 +157,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixtures", metavar="DIR", help="fixtures directory (default: the bundled fixtures)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every finding of every fixture")
     p.set_defaults(func=cmd_rules_test)
+
+    testbed = sub.add_parser("testbed", help="the testbed engine").add_subparsers(
+        dest="testbed_command", required=True
+    )
+    p = testbed.add_parser("up", help="run a router, a prefill and a decode worker in the foreground")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API (0: any)")
+    p.add_argument("--fault", action="append", metavar="NAME", help="turn a fault switch on (repeatable)")
+    p.add_argument("--guard", choices=("off", "monitor", "enforce"), default="enforce")
+    p.add_argument("--audit-dir", default="kvguard-audit", help="where the guards write their captures")
+    p.add_argument("--context-len", type=int, default=1024, help="max_model_len")
+    p.add_argument(
+        "--prefill-pages", type=int, default=0, help="prefill KV pool size (0: sized to the context)"
+    )
+    p.add_argument("--system-prompt", action="append", metavar="TENANT=TEXT", help="a tenant's hidden prompt")
+    p.add_argument("--prefix-cache", action="store_true", help="reuse the pages of identical prompts")
+    p.add_argument("--host-cache", action="store_true", help="offload prompts' KV to host memory")
+    p.add_argument("--prefill-timeout-s", type=float, default=30.0)
+    p.add_argument("--prefill-ms-per-token", type=float, default=0.0, help="test control: slow prefill")
+    p.add_argument("--decode-step-ms", type=float, default=0.0, help="test control: slow decode steps")
+    p.add_argument("--offload-delay-ms", type=float, default=50.0, help="test control: offload copy delay")
+    p.set_defaults(func=cmd_testbed_up)
+
+    p = sub.add_parser("demo", help="the 2026 PD leak on the testbed, unguarded and guarded")
+    p.add_argument("--out", default="kvguard-demo", help="where the audit captures go")
+    p.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -155,9 +155,16 @@ class Guard:
     def finish(self, req: str, output_tokens: int) -> Verdict:
         return self._emit("finish", req, output_tokens=output_tokens)
 
-    def bootstrap(self, req: str, prefill_node: str, decode_node: str, prompt_tokens: int) -> Verdict:
+    def bootstrap(
+        self, req: str, prefill_node: str, decode_node: str, prompt_tokens: int, tenant: str = ""
+    ) -> Verdict:
         return self._emit(
-            "bootstrap", req, prefill_node=prefill_node, decode_node=decode_node, prompt_tokens=prompt_tokens
+            "bootstrap",
+            req,
+            prefill_node=prefill_node,
+            decode_node=decode_node,
+            prompt_tokens=prompt_tokens,
+            tenant=tenant,
         )
 
     def heartbeat(self, agent_version: str = "") -> Verdict:
@@ -246,6 +253,13 @@ class Guard:
             claimed_bytes=claimed_bytes,
             claimed_checksums=_ints(claimed_checksums),
         )
+
+    def receive_allowed(self, req: str, pool: int, pages: Iterable[int]) -> bool:
+        """Before KV is written into pages on receipt: may it land? (Granted to the request, or
+        still held for its in-flight transfer.) A query: the receipt is reported by xfer_recv,
+        with status "refused" when the engine keeps the data out."""
+        with self._lock:
+            return self.ledger.writable(self.node, pool, req, _ints(pages))
 
     # ------------------------------------------------------------------ attention
 

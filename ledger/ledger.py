@@ -33,7 +33,7 @@ from kvguard.proto import pb
 
 ROLES = ("prefill", "decode", "colocated")
 STAGES = ("prefill", "decode")
-STATUSES = ("done", "failed")
+STATUSES = ("done", "failed", "refused")  # refused: the receiver kept the KV out of its pages
 ENDED = ("rejected", "aborted", "killed")
 _POOL_FIELDS = tuple(f.name for f in pb.PoolReport.DESCRIPTOR.fields if f.name not in ("pool", "source"))
 _NO_FINDINGS: tuple[Finding, ...] = ()
@@ -545,6 +545,8 @@ class Ledger:
         if r.ended:
             self._progress(r, f"bootstrap {b.prefill_node}->{b.decode_node}")
         r.bootstrap = (b.prefill_node, b.decode_node, b.prompt_tokens)
+        if b.tenant and not r.tenant:
+            r.tenant = b.tenant
         prefill, decode = self.nodes.get(b.prefill_node), self.nodes.get(b.decode_node)
         if prefill is None or decode is None:
             return
@@ -652,10 +654,12 @@ class Ledger:
         *,
         drain: bool,
         owner: np.ndarray | None = None,
+        land: bool = True,
     ) -> None:
         """KV of request r lands in `pages`. Pages r does not own are a late write (another
         request owns them now) or a use after free (nobody does), except, when `drain`, pages
-        kept alive by a transfer_recv hold: the end of a transfer already in flight."""
+        kept alive by a transfer_recv hold: the end of a transfer already in flight. With
+        land=False the write was attempted but refused: it is judged, the pages keep their KV."""
         pp = pool.pages
         if owner is None:
             owner = pp.owner[pages]
@@ -665,7 +669,7 @@ class Ledger:
             other = owner[foreign]
             bad = np.ones(len(sel), bool)
             if drain:
-                bad = ~((other < 0) & (pp.holds[HOLDER_INDEX["transfer_recv"], sel] > 0))
+                bad = ~((other == ~r.idx) & (pp.holds[HOLDER_INDEX["transfer_recv"], sel] > 0))
             late = bad & (other >= 0)
             if late.any():
                 self._by_victim(
@@ -688,9 +692,12 @@ class Ledger:
                     key=(pool.pool, "write"),
                 )
             mine = pages[~foreign]
-            pp.own[sel] = NOBODY
+            if land:
+                pp.own[sel] = NOBODY
         else:
             mine = pages
+        if not land:
+            return
         # The content changes wherever the bytes landed, owned or not: whoever reads these
         # pages next reads r's KV.
         pp.writer[pages] = r.idx
@@ -881,6 +888,18 @@ class Ledger:
         clean[ended] = False
         return clean | (lens == 0)
 
+    def writable(self, node: str, pool: int, req: str, pages: Sequence[int]) -> bool:
+        """Whether KV of `req` may land in `pages` now: each is granted to it, or kept for it
+        by a transfer_recv hold after its grant ended (a transfer draining). A query only."""
+        pp = self.nodes[node].pools[pool].pages
+        idx = np.asarray(pages, dtype=np.intp)
+        if len(idx) and (idx.min() < 0 or idx.max() >= pp.num_pages):
+            return False
+        r = self._req_index.get(req, NOBODY)
+        owner = pp.owner[idx]
+        draining = (owner == ~r) & (pp.holds[HOLDER_INDEX["transfer_recv"], idx] > 0)
+        return bool(r != NOBODY and ((owner == r) | draining).all())
+
     def _pages_read(self, pool: Pool, pages: np.ndarray, tokens: int) -> tuple[np.ndarray, int]:
         """The pages a context of `tokens` tokens actually covers (a block table may be longer)."""
         ps = pool.pages.page_size
@@ -1033,7 +1052,7 @@ class Ledger:
         pool, pages = self._xfer_fields(node, x, "xfer_recv")
         ps = pool.pages.page_size
         need = -(-x.tokens // ps)
-        if x.status == "done" and need > len(pages):
+        if x.status != "failed" and need > len(pages):
             raise self._bad(
                 f"xfer_recv: {x.tokens} tokens need {need} pages of {ps} but {len(pages)} are listed"
             )
@@ -1043,8 +1062,9 @@ class Ledger:
         t = self._transfer(x.xfer, r.id)
         if t.req != r.id:
             raise self._bad(f"xfer_recv: transfer {x.xfer} belongs to request {t.req}, not {r.id}")
-        if x.status == "done" and need:
-            self._write(r, pool, pages[:need], pool.pages.slots_read(need, x.tokens), drain=True)
+        if x.status in ("done", "refused") and need:
+            slots = pool.pages.slots_read(need, x.tokens)
+            self._write(r, pool, pages[:need], slots, drain=True, land=x.status == "done")
         t.recv = Side(
             node.name, x.pool, pages, x.tokens, x.bytes, np.array(x.checksums, np.uint64), x.status, self._seq
         )

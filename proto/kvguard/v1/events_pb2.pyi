@@ -123,16 +123,18 @@ class Finish(_message.Message):
     def __init__(self, req: _Optional[str] = ..., output_tokens: _Optional[int] = ...) -> None: ...
 
 class Bootstrap(_message.Message):
-    __slots__ = ("req", "prefill_node", "decode_node", "prompt_tokens")
+    __slots__ = ("req", "prefill_node", "decode_node", "prompt_tokens", "tenant")
     REQ_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
     DECODE_NODE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     req: str
     prefill_node: str
     decode_node: str
     prompt_tokens: int
-    def __init__(self, req: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_node: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, req: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_node: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class Alloc(_message.Message):
     __slots__ = ("req", "pool", "pages")
