@@ -108,6 +108,7 @@ def cmd_testbed_up(args: argparse.Namespace) -> int:
             port=args.port,
             faults=tuple(args.fault or ()),
             guard=args.guard,
+            unguarded_roles=tuple(r for r in (args.unguarded_roles or "").split(",") if r),
             audit_dir=args.audit_dir,
             context_len=args.context_len,
             prefill_pages=args.prefill_pages,
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API (0: any)")
     p.add_argument("--fault", action="append", metavar="NAME", help="turn a fault switch on (repeatable)")
     p.add_argument("--guard", choices=("off", "monitor", "enforce"), default="enforce")
+    p.add_argument("--unguarded-roles", metavar="ROLES", help="comma-separated roles run without a guard")
     p.add_argument("--audit-dir", default="kvguard-audit", help="where the guards write their captures")
     p.add_argument("--context-len", type=int, default=1024, help="max_model_len")
     p.add_argument(

@@ -288,6 +288,7 @@ class PrefillWorker(Worker):
     def _send(
         self, req: str, pages: list[int], tokens: bytes, decode_kv: tuple[str, int], msg: dict[str, Any]
     ) -> int:
+        pages = pages[: math.ceil(len(tokens) / self.config.page_size)]  # a shared prefix may hold more
         table = torch.tensor(pages, dtype=torch.long)
         checksums = self.pool.page_checksums(table)
         send_pages = pages

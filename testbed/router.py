@@ -35,6 +35,7 @@ class ClusterConfig:
     port: int = 8000
     faults: tuple[str, ...] = ()
     guard: str = "off"  # off, monitor, enforce
+    unguarded_roles: tuple[str, ...] = ()  # workers that run without a guard whatever `guard` says
     audit_dir: str = "kvguard-audit"
     context_len: int = 1024
     page_size: int = 16
@@ -68,7 +69,7 @@ def _spawn(config: ClusterConfig, role: str) -> tuple[subprocess.Popen[str], dic
         "page_size": config.page_size,
         "num_pages": config.prefill_pages if role == "prefill" else config.decode_pages,
         "context_len": config.context_len,
-        "guard": config.guard,
+        "guard": "off" if role in config.unguarded_roles else config.guard,
         "faults": list(config.faults),
         "audit_dir": config.audit_dir,
         "prefill_ms_per_token": config.prefill_ms_per_token,
