@@ -15,10 +15,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kvguard demo
 
+# The rule fixtures (`kvguard rules test`) run inside pytest (tests/test_fixtures.py, test_cli.py).
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
-	$(BIN)/kvguard rules test
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -29,6 +29,7 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/ledger.py
+	$(BIN)/python bench/overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
