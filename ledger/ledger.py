@@ -209,6 +209,7 @@ class Ledger:
         self.dedupe = dedupe
         self._reported: set[tuple[Any, ...]] = set()
         self._drift_pairs: set[tuple[str, str, str]] = set()
+        self._wire_pending: dict[int, Transfer] = {}  # request -> transfer the probe saw short so far
         self.last_missing = 0
         # Context of the event being applied, for the findings it raises.
         self._node = ""
@@ -529,8 +530,15 @@ class Ledger:
     def _on_kill(self, node: Node, x: pb.Kill) -> None:
         self._end(self._request(x.req, "kill"), "killed", f"{x.finding} by {x.by}".strip())
 
+    def _settle_wire(self, r: Request) -> None:
+        t = self._wire_pending.pop(r.idx, None)
+        if t is not None:
+            self._wire_verdict(r, t)
+
     def _on_finish(self, node: Node, x: pb.Finish) -> None:
         r = self._request(x.req, "finish")
+        if self._wire_pending:
+            self._settle_wire(r)
         r.output_tokens += x.output_tokens
         if not r.ended:
             r.state = "finished"
@@ -601,7 +609,9 @@ class Ledger:
         pp = pool.pages
         sel = pages[busy > 0]
         refs, owner = pp.refs(sel), pp.owner[sel]
-        victims = np.where(refs > 0, np.where(owner >= 0, owner, ~owner), pp.holder_req[sel])
+        kind = np.argmax(pp.holds[:, sel] > 0, axis=0)  # the first kind of hold still on each page
+        holder = pp.holder_req[kind, sel]
+        victims = np.where(refs > 0, np.where(owner >= 0, owner, ~owner), holder)
         for victim in np.unique(victims):
             mask = victims == victim
             held = pp.holds[:, sel[mask]].any(axis=1)
@@ -712,6 +722,8 @@ class Ledger:
         pp = pool.pages
         owner = pp.owner[pages]  # first gather: the bounds check
         r = self._request(f.req, "free")
+        if self._wire_pending:
+            self._settle_wire(r)
         mine = owner == r.idx
         n_mine = int(np.count_nonzero(mine))
         if n_mine != len(pages):
@@ -765,7 +777,7 @@ class Ledger:
         pp = pool.pages
         pp.holds[k, pages] += 1
         pp.use[pages] += 1
-        pp.holder_req[pages] = r.idx
+        pp.holder_req[k, pages] = r.idx
         self.stats.page_transitions += len(pages)
 
     def _on_release(self, node: Node, h: pb.Release) -> None:
@@ -777,6 +789,8 @@ class Ledger:
         pp = pool.pages
         held = pp.holds[k, pages] > 0  # first gather: the bounds check
         r = self._request(h.req, "release")
+        if self._wire_pending:
+            self._settle_wire(r)
         if not held.all():
             self._report(
                 "double_free",
@@ -827,7 +841,10 @@ class Ledger:
             )
         pp.use[pages] += 1
         key = (node.name, s.pool)
-        new = Shared(pages, pp.gen[pages], pp.writer[pages], pp.wgen[pages])
+        # What the sharer is promised: the origin's own KV, written under the page's current
+        # grant. If the page holds anyone else's, the sharer's first read of it is a stale read.
+        gen = pp.gen[pages]
+        new = Shared(pages, gen, np.full(len(pages), origin.idx, np.int32), gen)
         old = r.shared.get(key)
         r.shared[key] = old.merged(new) if old is not None else new.merged(Shared(*(pages[:0],) * 4))
         r.shared_pages += len(pages)
@@ -854,6 +871,8 @@ class Ledger:
             pages, tokens = self._pages_read(pool, pages, entry.tokens)
             checked.append((self._request(entry.req, "read"), pool, pages, tokens, own[: len(pages)]))
         for r, pool, pages, tokens, own in checked:
+            if self._wire_pending:
+                self._settle_wire(r)
             if r.ended:
                 self._progress(r, f"read (attention) on {node.name}")
             r.reads += 1
@@ -1181,14 +1200,21 @@ class Ledger:
         send, recv = t.send, t.recv
         if send and recv and send.done and recv.done:
             self._compare(r, t, send, recv)
-        # Bytes beyond the claim are wrong at once; a shortfall is certain once decode reports
-        # receipt, since by then every byte was written to the transport.
-        if (
-            t.wire_events
-            and send
-            and send.done
-            and (t.wire_bytes > send.bytes or (recv is not None and t.wire_bytes < send.bytes))
-        ):
+        # Bytes beyond the claim are wrong at once. A shortfall is only suspected at receipt: the
+        # probe's report may still be on its way from the sender's node. It is judged at the
+        # request's next attention, release, free or finish, i.e. before its KV is used.
+        if not (t.wire_events and send and send.done):
+            return
+        if t.wire_bytes < send.bytes and recv is not None:
+            self._wire_pending[r.idx] = t
+            return
+        self._wire_pending.pop(r.idx, None)
+        if t.wire_bytes > send.bytes:
+            self._wire_verdict(r, t)
+
+    def _wire_verdict(self, r: Request, t: Transfer) -> None:
+        send = t.send
+        if send is not None:
             probes = ", ".join(sorted(t.probes)) or "probe"
             self._mismatch(
                 r,

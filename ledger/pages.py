@@ -54,7 +54,7 @@ class PoolPages:
         self.owner = np.full(n, ~NOBODY, np.int32)
         self.use = np.zeros(n, np.uint32)
         self.holds = np.zeros((len(HOLDERS), n), np.uint32)
-        self.holder_req = np.zeros(n, np.int32)
+        self.holder_req = np.zeros((len(HOLDERS), n), np.int32)  # per kind: who took the latest hold
         self.writer = np.zeros(n, np.int32)
         self.wgen = np.zeros(n, np.uint32)
         self.valid = np.zeros(n, np.uint32)
