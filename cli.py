@@ -96,19 +96,25 @@ def cmd_rules_test(args: argparse.Namespace) -> int:
 def cmd_testbed_up(args: argparse.Namespace) -> int:
     from kvguard.testbed.router import ClusterConfig, up
 
-    prompts = {}
-    for item in args.system_prompt or []:
-        tenant, sep, text = item.partition("=")
-        if not sep:
-            print(f"kvguard testbed up: --system-prompt {item!r} is not TENANT=TEXT", file=sys.stderr)
-            return 2
-        prompts[tenant] = text
+    pairs: dict[str, dict[str, str]] = {"system_prompt": {}, "rule_mode": {}}
+    for option, shape in (("system_prompt", "TENANT=TEXT"), ("rule_mode", "RULE=MODE")):
+        for item in getattr(args, option) or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                print(
+                    f"kvguard testbed up: --{option.replace('_', '-')} {item!r} is not {shape}",
+                    file=sys.stderr,
+                )
+                return 2
+            pairs[option][key] = value
+    prompts = pairs["system_prompt"]
     try:
         config = ClusterConfig(
             port=args.port,
             faults=tuple(args.fault or ()),
             guard=args.guard,
             unguarded_roles=tuple(r for r in (args.unguarded_roles or "").split(",") if r),
+            rule_modes=pairs["rule_mode"],
             audit_dir=args.audit_dir,
             context_len=args.context_len,
             prefill_pages=args.prefill_pages,
@@ -167,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault", action="append", metavar="NAME", help="turn a fault switch on (repeatable)")
     p.add_argument("--guard", choices=("off", "monitor", "enforce"), default="enforce")
     p.add_argument("--unguarded-roles", metavar="ROLES", help="comma-separated roles run without a guard")
+    p.add_argument("--rule-mode", action="append", metavar="RULE=MODE", help="monitor or enforce one rule")
     p.add_argument("--audit-dir", default="kvguard-audit", help="where the guards write their captures")
     p.add_argument("--context-len", type=int, default=1024, help="max_model_len")
     p.add_argument(

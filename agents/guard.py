@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kvguard.agents.sink import EventSink, NullSink
-from kvguard.ledger.findings import Finding
+from kvguard.ledger.findings import SEVERITIES, Finding
 from kvguard.ledger.ledger import BadEvent, Ledger
 from kvguard.proto import pb
 from kvguard.ruleset import Ruleset, load_ruleset
@@ -51,6 +51,7 @@ class Verdict:
 
 
 _CLEAN = Verdict()
+_RANK = {severity: i for i, severity in enumerate(SEVERITIES)}
 
 
 def _ints(values: Any) -> list[int]:
@@ -125,7 +126,9 @@ class Guard:
                 self._on_finding(finding)
             mode = self.rule_modes.get(finding.rule, self.mode)
             if mode == "enforce" and finding.action in KILL_ACTIONS and finding.req:
-                verdict.kill.setdefault(finding.req, finding)
+                known = verdict.kill.get(finding.req)
+                if known is None or _RANK[finding.severity] < _RANK[known.severity]:
+                    verdict.kill[finding.req] = finding  # the gravest reason is the one given
         for req, finding in verdict.kill.items():
             self._kill(req, finding)
         return verdict

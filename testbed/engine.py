@@ -60,6 +60,7 @@ class WorkerConfig:
     num_pages: int = 256
     context_len: int = 1024
     guard: str = "off"  # off, monitor, enforce
+    rule_modes: dict[str, str] = field(default_factory=dict)  # rule id -> monitor or enforce
     faults: frozenset[str] = frozenset()
     audit_dir: str = ""
     prefill_ms_per_token: float = 0.0  # test control: a slow prefill, to stage an abort
@@ -83,7 +84,13 @@ class Worker:
         self.guard: Guard | None = None
         if config.guard != "off":
             sink = CaptureSink(Path(config.audit_dir) / f"{config.node}.jsonl") if config.audit_dir else None
-            self.guard = Guard(config.node, mode=config.guard, sink=sink, on_finding=self._log_finding)  # type: ignore[arg-type]
+            self.guard = Guard(
+                config.node,
+                mode=config.guard,  # type: ignore[arg-type]
+                rule_modes=config.rule_modes,  # type: ignore[arg-type]
+                sink=sink,
+                on_finding=self._log_finding,
+            )
         self.g(
             "pool",
             0,

@@ -36,6 +36,7 @@ class ClusterConfig:
     faults: tuple[str, ...] = ()
     guard: str = "off"  # off, monitor, enforce
     unguarded_roles: tuple[str, ...] = ()  # workers that run without a guard whatever `guard` says
+    rule_modes: dict[str, str] = field(default_factory=dict)  # per-rule monitor/enforce
     audit_dir: str = "kvguard-audit"
     context_len: int = 1024
     page_size: int = 16
@@ -54,6 +55,9 @@ class ClusterConfig:
         self.faults = tuple(sorted(check_faults(self.faults)))
         if self.guard not in ("off", "monitor", "enforce"):
             raise ValueError(f"guard mode {self.guard!r} is not off, monitor or enforce")
+        for rule, mode in self.rule_modes.items():
+            if mode not in ("monitor", "enforce"):
+                raise ValueError(f"rule {rule}: mode {mode!r} is not monitor or enforce")
         if not self.prefill_pages:
             context_pages = -(-self.context_len // self.page_size)
             # The incident's pool: 681,280 tokens for a context of 1,048,576, i.e. 65 %.
@@ -70,6 +74,7 @@ def _spawn(config: ClusterConfig, role: str) -> tuple[subprocess.Popen[str], dic
         "num_pages": config.prefill_pages if role == "prefill" else config.decode_pages,
         "context_len": config.context_len,
         "guard": "off" if role in config.unguarded_roles else config.guard,
+        "rule_modes": config.rule_modes,
         "faults": list(config.faults),
         "audit_dir": config.audit_dir,
         "prefill_ms_per_token": config.prefill_ms_per_token,
