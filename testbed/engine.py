@@ -468,16 +468,10 @@ class DecodeWorker(Worker):
             ps = self.config.page_size
             tokens = min(int(header["tokens"]), arrived * ps)
             checked = r.pages[:claimed_pages]
-            receipt = {
-                "claimed_tokens": int(header["tokens"]),
-                "claimed_bytes": int(header["bytes"]),
-                "claimed_checksums": header["checksums"],
-            }
             landing = r.pages[: math.ceil(tokens / ps)]
-            enforcing = self.guard is not None and self.guard.mode == "enforce"
-            if enforcing and not self.guard.receive_allowed(req, 0, landing):  # type: ignore[union-attr]
-                # Keep the KV out of pages that are no longer held for this request.
-                self.g(
+
+            def report(status: str, checksums: Any) -> Verdict:
+                return self.g(
                     "xfer_recv",
                     req,
                     header["xfer"],
@@ -486,30 +480,23 @@ class DecodeWorker(Worker):
                     checked,
                     tokens,
                     arrived * nbytes,
-                    [],
-                    "refused",
-                    **receipt,
+                    checksums,
+                    status,
+                    claimed_tokens=int(header["tokens"]),
+                    claimed_bytes=int(header["bytes"]),
+                    claimed_checksums=header["checksums"],
                 )
+
+            enforcing = self.guard is not None and self.guard.mode == "enforce"
+            if enforcing and not self.guard.receive_allowed(req, 0, landing):  # type: ignore[union-attr]
+                report("refused", [])  # keep the KV out of pages no longer held for this request
                 return {"error": f"{req}: pages no longer held for this transfer; refused"}
             target = torch.tensor(r.pages[:arrived], dtype=torch.long)
             shape = (arrived, self.pool.num_layers, 2, ps, self.pool.num_kv_heads, self.pool.head_dim)
             if arrived:
                 data = torch.frombuffer(payload[: arrived * nbytes], dtype=torch.float32).view(shape)
                 self.pool.import_pages(target, data)
-            checksums = self.pool.page_checksums(torch.tensor(checked, dtype=torch.long))
-            verdict = self.g(
-                "xfer_recv",
-                req,
-                header["xfer"],
-                header.get("peer", "prefill"),
-                0,
-                checked,
-                tokens,
-                arrived * nbytes,
-                checksums,
-                "done",
-                **receipt,
-            )
+            verdict = report("done", self.pool.page_checksums(torch.tensor(checked, dtype=torch.long)))
             if r.held:
                 self.g("release", req, 0, r.pages, "transfer_recv")
                 r.held = False
