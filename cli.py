@@ -22,6 +22,8 @@ def _open_capture(path: str) -> TextIO:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.to:
+        return cmd_replay_to(args)
     from kvguard.replay import format_text, replay
     from kvguard.ruleset import RulesetError, load_ruleset
 
@@ -60,6 +62,81 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if summary.lines and not summary.applied and summary.bad:
         return 2
     return 1 if summary.total_findings else 0
+
+
+def cmd_replay_to(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvguard.daemon.client import DaemonRefused, send_capture
+
+    source = "standard input" if args.capture == "-" else args.capture
+    try:
+        stream = _open_capture(args.capture)
+    except OSError as exc:
+        print(f"kvguard replay: cannot read capture {args.capture}: {exc.strerror}", file=sys.stderr)
+        return 2
+    try:
+        with stream:
+            summary = send_capture(stream, args.to)
+    except (grpc.RpcError, DaemonRefused) as exc:
+        detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+        print(f"kvguard replay: the daemon at {args.to} refused: {detail}", file=sys.stderr)
+        return 2
+    for err in summary.bad_lines:
+        print(f"{source}:{err.line}: {err.reason}", file=sys.stderr)
+    for line, reason in summary.rejected:
+        print(f"{source}:{line}: refused by the daemon: {reason}", file=sys.stderr)
+    print(
+        f"sent {summary.events} events from {source} to {args.to}: {summary.accepted} stored, "
+        f"{summary.repeats} already there, {len(summary.rejected)} refused, "
+        f"{len(summary.bad_lines)} bad line(s)",
+        file=sys.stderr,
+    )
+    return 0 if not (summary.rejected or summary.bad_lines) else 1
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvguard.daemon.server import Daemon, serve
+    from kvguard.daemon.store import Store
+    from kvguard.ruleset import RulesetError, load_ruleset
+
+    try:
+        ruleset = load_ruleset(Path(args.rules) if args.rules else None)
+    except RulesetError as exc:
+        print(f"kvguard daemon: the ruleset is not usable:\n{exc}", file=sys.stderr)
+        return 2
+    store = Store(args.store)
+    daemon = Daemon(store, ruleset)
+    server, port = serve(daemon, args.listen)
+    print(
+        f"kvguard daemon listening on port {port}; store {store.url}; "
+        f"{daemon.counters['rebuilt_events']} events rebuilt",
+        file=sys.stderr,
+        flush=True,
+    )
+    print(f"READY {port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2).wait()
+    store.close()
+    return 0
+
+
+def cmd_audit_verify(args: argparse.Namespace) -> int:
+    from kvguard.daemon.store import Store
+
+    store = Store(args.store)
+    ok, n, problem = store.verify()
+    if ok:
+        print(f"audit log {store.url}: {n} records, chain intact")
+        return 0
+    print(f"audit log {store.url}: NOT intact after {n} good records: {problem}", file=sys.stderr)
+    return 1
 
 
 def cmd_rules_check(args: argparse.Namespace) -> int:
@@ -149,7 +226,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("capture", help="capture file (JSON Lines of kvguard.v1 events), or - for standard input")
     p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
     p.add_argument("-o", "--output", choices=("text", "json"), default="text", help="findings format")
+    p.add_argument(
+        "--to", metavar="ADDR", help="send the events to the daemon at ADDR instead, as agents would"
+    )
     p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("daemon", help="the global ledger, audit store and alert feed over gRPC")
+    p.add_argument("--listen", default="127.0.0.1:7463", help="gRPC address (host:port)")
+    p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
+    p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
+    p.set_defaults(func=cmd_daemon)
+
+    audit = sub.add_parser("audit", help="the audit log").add_subparsers(dest="audit_command", required=True)
+    p = audit.add_parser("verify", help="prove that no record was altered, removed or reordered")
+    p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
+    p.set_defaults(func=cmd_audit_verify)
 
     rules = sub.add_parser("rules", help="check or test a ruleset").add_subparsers(
         dest="rules_command", required=True

@@ -1,0 +1,104 @@
+"""Talking to the daemon as an agent does: one stream per node, batches in, acks back.
+
+`AgentStream.send()` returns only when the daemon has acknowledged the batch, i.e. when it
+is durable; commands (kill, quarantine) that arrive meanwhile are kept in `commands`.
+`send_capture()` is `kvguard replay CAPTURE --to ADDR`: it keeps the capture's global order
+across nodes by sending each run of one node's events as a batch and waiting for its ack
+before the next.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvguard.proto import pb
+from kvguard.proto.capture import CaptureError, read_capture
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
+
+
+class DaemonRefused(RuntimeError):
+    """The daemon ended the stream with an error (identity, malformed)."""
+
+
+class AgentStream:
+    def __init__(self, channel: grpc.Channel, node: str, agent_version: str = "kvguard") -> None:
+        self.node = node
+        self._out: queue.Queue[svc.AgentMessage | None] = queue.Queue()
+        self._responses = svc_grpc.AgentServiceStub(channel).Stream(iter(self._out.get, None))
+        self.commands: list[svc.Command] = []
+        self._out.put(svc.AgentMessage(hello=svc.Hello(node=node, agent_version=agent_version)))
+        self.durable_seq = self._next_ack().durable_seq  # what the daemon already has of this node
+
+    def _next_ack(self) -> svc.Ack:
+        for msg in self._responses:
+            body = msg.WhichOneof("body")
+            if body == "ack":
+                return msg.ack
+            if body == "command":
+                self.commands.append(msg.command)
+            elif body == "error":
+                raise DaemonRefused(f"{msg.error.code}: {msg.error.message}")
+        raise DaemonRefused("the daemon closed the stream")
+
+    def send(self, events: Iterable[pb.Event]) -> svc.Ack:
+        self._out.put(svc.AgentMessage(batch=svc.EventBatch(events=list(events))))
+        ack = self._next_ack()
+        self.durable_seq = ack.durable_seq
+        return ack
+
+    def close(self) -> None:
+        self._out.put(None)
+        self._responses.cancel()
+
+
+@dataclass
+class SendSummary:
+    events: int = 0
+    accepted: int = 0
+    repeats: int = 0
+    rejected: list[tuple[int, str]] = field(default_factory=list)  # (capture line, reason)
+    bad_lines: list[CaptureError] = field(default_factory=list)
+
+
+def _runs(
+    items: Iterator[tuple[int, pb.Event | CaptureError]], summary: SendSummary, limit: int
+) -> Iterator[list[tuple[int, pb.Event]]]:
+    run: list[tuple[int, pb.Event]] = []
+    for number, item in items:
+        if isinstance(item, CaptureError):
+            summary.bad_lines.append(item)
+            continue
+        if run and (run[-1][1].node != item.node or len(run) >= limit):
+            yield run
+            run = []
+        run.append((number, item))
+    if run:
+        yield run
+
+
+def send_capture(lines: Iterable[str | bytes], address: str, batch: int = 4096) -> SendSummary:
+    """Send a capture's events to the daemon at `address`, in order, as their nodes' agents would."""
+    summary = SendSummary()
+    streams: dict[str, AgentStream] = {}
+    with grpc.insecure_channel(address) as channel:
+        try:
+            for run in _runs(read_capture(lines), summary, batch):
+                node = run[0][1].node
+                stream = streams.get(node)
+                if stream is None:
+                    stream = streams[node] = AgentStream(channel, node, "kvguard-replay")
+                ack = stream.send(e for _, e in run)
+                summary.events += len(run)
+                summary.accepted += ack.accepted
+                summary.repeats += ack.repeats
+                line_of = {e.seq: n for n, e in run}
+                summary.rejected += [(line_of.get(r.seq, 0), r.reason) for r in ack.rejected]
+        finally:
+            for stream in streams.values():
+                stream.close()
+    return summary

@@ -1,0 +1,245 @@
+"""The audit store: events, findings and commands, append-only, in one hash chain.
+
+SQLite (WAL) in a file by default, PostgreSQL (or any SQLAlchemy URL) for clusters. The
+schema is created and changed only by Alembic migrations (daemon/migrations). Invariants:
+records are only ever inserted, with ids 1, 2, 3, ... without gaps; each record's hash covers
+its id, every column and the previous record's hash, so `verify()` proves that nothing was
+altered, removed or reordered; one store has one writer (the daemon), which owns the chain.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Engine,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    event,
+    func,
+    select,
+)
+
+from kvguard.ledger.findings import Finding
+from kvguard.proto import pb
+
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+GENESIS = bytes(32)
+
+metadata = MetaData()
+records = Table(
+    "records",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=False),
+    Column("kind", String(16), nullable=False),
+    Column("node", String(128), nullable=False),
+    Column("seq", BigInteger(), nullable=False),
+    Column("ts_ns", BigInteger(), nullable=False),
+    Column("req", String(256), nullable=False),
+    Column("tenant", String(128), nullable=False),
+    Column("victim_tenant", String(128), nullable=False),
+    Column("finding", String(32), nullable=False),
+    Column("severity", String(16), nullable=False),
+    Column("body", LargeBinary(), nullable=False),
+    Column("prev_hash", LargeBinary(32), nullable=False),
+    Column("hash", LargeBinary(32), nullable=False),
+)
+_COLUMNS = ("kind", "node", "seq", "ts_ns", "req", "tenant", "victim_tenant", "finding", "severity")
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One row to append. `body` is the serialized protobuf (Event, Finding or Command)."""
+
+    kind: str  # event, finding, command
+    node: str
+    seq: int
+    ts_ns: int
+    body: bytes
+    req: str = ""
+    tenant: str = ""
+    victim_tenant: str = ""
+    finding: str = ""
+    severity: str = ""
+
+    @staticmethod
+    def of_event(event: pb.Event) -> Record:
+        kind = event.WhichOneof("payload") or ""
+        payload = getattr(event, kind) if kind else None
+        req = getattr(payload, "req", "") if payload is not None else ""
+        tenant = getattr(payload, "tenant", "") if payload is not None else ""
+        return Record("event", event.node, event.seq, event.ts_ns, event.SerializeToString(), req, tenant)
+
+    @staticmethod
+    def of_finding(finding: Finding) -> Record:
+        return Record(
+            "finding",
+            finding.node,
+            finding.seq,
+            finding.ts_ns,
+            finding.to_proto().SerializeToString(),
+            finding.req,
+            finding.tenant,
+            finding.victim_tenant,
+            finding.finding,
+            finding.severity,
+        )
+
+
+def _chain(prev: bytes, record_id: int, values: dict[str, Any]) -> bytes:
+    h = hashlib.sha256(prev)
+    h.update(struct.pack(">Q", record_id))
+    for name in _COLUMNS:
+        data = str(values[name]).encode()
+        h.update(struct.pack(">I", len(data)) + data)
+    h.update(struct.pack(">I", len(values["body"])) + values["body"])
+    return h.digest()
+
+
+def store_url(where: str) -> str:
+    """A SQLAlchemy URL, or a plain file path taken as a SQLite database."""
+    return where if "://" in where else f"sqlite:///{Path(where).resolve()}"
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the schema to the newest revision (Alembic)."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "head")
+
+
+class StoreError(RuntimeError):
+    """The store could not commit: nothing of the batch is durable."""
+
+
+class Store:
+    def __init__(self, where: str) -> None:
+        self.url = store_url(where)
+        sqlite = self.url.startswith("sqlite")
+        self.engine = create_engine(self.url, connect_args={"check_same_thread": False} if sqlite else {})
+        if sqlite:
+
+            @event.listens_for(self.engine, "connect")
+            def _pragmas(dbapi_conn: Any, _: Any) -> None:
+                cursor = dbapi_conn.cursor()
+                cursor.execute("PRAGMA journal_mode=WAL")
+                cursor.execute("PRAGMA synchronous=FULL")  # a commit survives a crash of the machine too
+                cursor.close()
+
+        migrate(self.engine)
+        self._lock = threading.Lock()
+        with self.engine.connect() as conn:
+            last = conn.execute(
+                select(records.c.id, records.c.hash).order_by(records.c.id.desc()).limit(1)
+            ).first()
+        self._next_id, self._last_hash = (last[0] + 1, last[1]) if last else (1, GENESIS)
+
+    def append(self, rows: Sequence[Record]) -> list[int]:
+        """Append rows in one transaction; returns their ids. StoreError if it did not commit."""
+        if not rows:
+            return []
+        with self._lock:
+            prev, next_id = self._last_hash, self._next_id
+            values = []
+            for i, row in enumerate(rows):
+                v = {name: getattr(row, name) for name in (*_COLUMNS, "body")}
+                v["id"] = next_id + i
+                v["prev_hash"] = prev
+                v["hash"] = prev = _chain(prev, v["id"], v)
+                values.append(v)
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(records.insert(), values)
+            except Exception as exc:  # any failure means: not durable
+                raise StoreError(f"audit store {self.url}: commit failed: {exc}") from exc
+            self._next_id, self._last_hash = next_id + len(rows), prev
+            return [v["id"] for v in values]
+
+    def count(self, kind: str | None = None) -> int:
+        query = select(func.count()).select_from(records)
+        if kind:
+            query = query.where(records.c.kind == kind)
+        with self.engine.connect() as conn:
+            return int(conn.execute(query).scalar_one())
+
+    def events(self) -> Iterator[pb.Event]:
+        """Every stored event in the order it was applied (to rebuild the ledger)."""
+        with self.engine.connect() as conn:
+            result = conn.execution_options(stream_results=True, yield_per=2000).execute(
+                select(records.c.body).where(records.c.kind == "event").order_by(records.c.id)
+            )
+            for (body,) in result:
+                yield pb.Event.FromString(body)
+
+    def rows(
+        self,
+        *,
+        kind: str = "",
+        after: int = 0,
+        tenant: str = "",
+        req: str = "",
+        node: str = "",
+        finding: str = "",
+        since_ns: int = 0,
+        until_ns: int = 0,
+        limit: int = 0,
+    ) -> Iterator[tuple[int, str, bytes]]:
+        """(id, kind, body) of the records that match, in id order. A tenant matches as offender
+        or as victim."""
+        c = records.c
+        query = select(c.id, c.kind, c.body).where(c.id > after).order_by(c.id)
+        if kind:
+            query = query.where(c.kind == kind)
+        if tenant:
+            query = query.where((c.tenant == tenant) | (c.victim_tenant == tenant))
+        if req:
+            query = query.where(c.req == req)
+        if node:
+            query = query.where(c.node == node)
+        if finding:
+            query = query.where(c.finding == finding)
+        if since_ns:
+            query = query.where(c.ts_ns >= since_ns)
+        if until_ns:
+            query = query.where(c.ts_ns <= until_ns)
+        if limit:
+            query = query.limit(limit)
+        with self.engine.connect() as conn:
+            yield from conn.execution_options(stream_results=True, yield_per=2000).execute(query)
+
+    def verify(self) -> tuple[bool, int, str]:
+        """Walk the chain: (intact, records checked, what is wrong where)."""
+        prev, expected_id, n = GENESIS, 1, 0
+        with self.engine.connect() as conn:
+            result = conn.execution_options(stream_results=True, yield_per=2000).execute(
+                select(records).order_by(records.c.id)
+            )
+            for row in result:
+                v = row._mapping
+                if v["id"] != expected_id:
+                    return False, n, f"record {expected_id} is missing (next is {v['id']})"
+                if v["prev_hash"] != prev:
+                    return False, n, f"record {v['id']}: the chain is broken before it"
+                if _chain(prev, v["id"], dict(v)) != v["hash"]:
+                    return False, n, f"record {v['id']} ({v['kind']} of {v['node']}) was altered"
+                prev, expected_id, n = v["hash"], expected_id + 1, n + 1
+        return True, n, ""
+
+    def close(self) -> None:
+        self.engine.dispose()

@@ -1,0 +1,205 @@
+from kvguard.proto.kvguard.v1 import events_pb2 as _events_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Hello(_message.Message):
+    __slots__ = ("node", "agent_version")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    agent_version: str
+    def __init__(self, node: _Optional[str] = ..., agent_version: _Optional[str] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[_events_pb2.Event]
+    def __init__(self, events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ...) -> None: ...
+
+class AgentMessage(_message.Message):
+    __slots__ = ("hello", "batch")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    batch: EventBatch
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
+
+class Rejected(_message.Message):
+    __slots__ = ("seq", "reason")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    reason: str
+    def __init__(self, seq: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("node", "durable_seq", "accepted", "repeats", "rejected")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    durable_seq: int
+    accepted: int
+    repeats: int
+    rejected: _containers.RepeatedCompositeFieldContainer[Rejected]
+    def __init__(self, node: _Optional[str] = ..., durable_seq: _Optional[int] = ..., accepted: _Optional[int] = ..., repeats: _Optional[int] = ..., rejected: _Optional[_Iterable[_Union[Rejected, _Mapping]]] = ...) -> None: ...
+
+class KillRequest(_message.Message):
+    __slots__ = ("req", "finding", "rule", "message")
+    REQ_FIELD_NUMBER: _ClassVar[int]
+    FINDING_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    req: str
+    finding: str
+    rule: str
+    message: str
+    def __init__(self, req: _Optional[str] = ..., finding: _Optional[str] = ..., rule: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class QuarantinePages(_message.Message):
+    __slots__ = ("pool", "pages", "finding")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    FINDING_FIELD_NUMBER: _ClassVar[int]
+    pool: int
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    finding: str
+    def __init__(self, pool: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., finding: _Optional[str] = ...) -> None: ...
+
+class Command(_message.Message):
+    __slots__ = ("id", "kill", "quarantine")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KILL_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    kill: KillRequest
+    quarantine: QuarantinePages
+    def __init__(self, id: _Optional[int] = ..., kill: _Optional[_Union[KillRequest, _Mapping]] = ..., quarantine: _Optional[_Union[QuarantinePages, _Mapping]] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DaemonMessage(_message.Message):
+    __slots__ = ("ack", "command", "error")
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ack: Ack
+    command: Command
+    error: StreamError
+    def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
+class AlertFilter(_message.Message):
+    __slots__ = ("findings", "severities", "tenant", "node", "after")
+    FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    SEVERITIES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    findings: _containers.RepeatedScalarFieldContainer[str]
+    severities: _containers.RepeatedScalarFieldContainer[str]
+    tenant: str
+    node: str
+    after: int
+    def __init__(self, findings: _Optional[_Iterable[str]] = ..., severities: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., node: _Optional[str] = ..., after: _Optional[int] = ...) -> None: ...
+
+class Alert(_message.Message):
+    __slots__ = ("cursor", "finding")
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    FINDING_FIELD_NUMBER: _ClassVar[int]
+    cursor: int
+    finding: _events_pb2.Finding
+    def __init__(self, cursor: _Optional[int] = ..., finding: _Optional[_Union[_events_pb2.Finding, _Mapping]] = ...) -> None: ...
+
+class AuditQuery(_message.Message):
+    __slots__ = ("kind", "tenant", "req", "node", "finding", "since_ns", "until_ns", "limit")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    REQ_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    FINDING_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_NS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    tenant: str
+    req: str
+    node: str
+    finding: str
+    since_ns: int
+    until_ns: int
+    limit: int
+    def __init__(self, kind: _Optional[str] = ..., tenant: _Optional[str] = ..., req: _Optional[str] = ..., node: _Optional[str] = ..., finding: _Optional[str] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class AuditRecord(_message.Message):
+    __slots__ = ("id", "kind", "event", "finding")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    FINDING_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    kind: str
+    event: _events_pb2.Event
+    finding: _events_pb2.Finding
+    def __init__(self, id: _Optional[int] = ..., kind: _Optional[str] = ..., event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., finding: _Optional[_Union[_events_pb2.Finding, _Mapping]] = ...) -> None: ...
+
+class FleetRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolState(_message.Message):
+    __slots__ = ("node", "report", "pages_in_use")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    PAGES_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    report: _events_pb2.PoolReport
+    pages_in_use: int
+    def __init__(self, node: _Optional[str] = ..., report: _Optional[_Union[_events_pb2.PoolReport, _Mapping]] = ..., pages_in_use: _Optional[int] = ...) -> None: ...
+
+class NodeState(_message.Message):
+    __slots__ = ("node", "last_seq", "last_ts_ns", "connected", "dropped", "pools")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_TS_NS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    last_seq: int
+    last_ts_ns: int
+    connected: bool
+    dropped: int
+    pools: _containers.RepeatedCompositeFieldContainer[PoolState]
+    def __init__(self, node: _Optional[str] = ..., last_seq: _Optional[int] = ..., last_ts_ns: _Optional[int] = ..., connected: _Optional[bool] = ..., dropped: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ...) -> None: ...
+
+class FleetState(_message.Message):
+    __slots__ = ("nodes", "requests", "events", "findings")
+    class FindingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
+    requests: int
+    events: int
+    findings: _containers.ScalarMap[str, int]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -1,0 +1,217 @@
+"""The daemon over real gRPC on loopback: durable acknowledgement, idempotent redelivery,
+restart from the store, node identity on the stream, alerts resumable by cursor, kill
+commands back to the right node, health and reflection, a tamper-evident audit log."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvguard.daemon.client import AgentStream, DaemonRefused, send_capture
+from kvguard.daemon.store import Store
+from kvguard.ledger.ledger import Ledger
+from kvguard.proto import pb
+from kvguard.proto.capture import read_capture
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
+from kvguard.replay import replay
+from kvguard.ruleset import load_ruleset
+from kvguard.ruleset.fixtures import DEFAULT_FIXTURES_DIR
+
+INCIDENT = (DEFAULT_FIXTURES_DIR / "incident" / "capture.jsonl").read_text().splitlines()
+EVENTS = [e for _, e in read_capture(INCIDENT)]
+
+
+class Daemon:
+    def __init__(self, store: Path) -> None:
+        self.store = store
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvguard", "daemon", "--listen", "127.0.0.1:0", "--store", str(store)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        assert line.startswith("READY "), self.proc.stderr.read() if self.proc.stderr else line
+        self.address = f"127.0.0.1:{line.split()[1]}"
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=20)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    d = Daemon(tmp_path / "audit.db")
+    yield d
+    d.stop()
+
+
+def facts(findings: list[pb.Finding] | list) -> Counter:
+    return Counter((f.finding, f.rule, f.node, f.req, f.victim_req, tuple(f.pages), f.seq) for f in findings)
+
+
+def local_findings() -> list:
+    found: list = []
+    replay(INCIDENT, load_ruleset(), found.append, lambda e: None, Ledger())
+    return found
+
+
+def stored_findings(store: Path) -> list[pb.Finding]:
+    s = Store(str(store))
+    try:
+        return [pb.Finding.FromString(body) for _, _, body in s.rows(kind="finding")]
+    finally:
+        s.close()
+
+
+def test_the_daemon_stores_what_a_local_replay_finds(daemon: Daemon) -> None:
+    summary = send_capture(INCIDENT, daemon.address)
+    assert (summary.events, summary.accepted, summary.repeats, summary.rejected) == (39, 39, 0, [])
+    assert facts(stored_findings(daemon.store)) == facts(local_findings())
+    assert len(local_findings()) == 11
+
+
+def test_redelivery_and_a_killed_daemon_lose_and_double_nothing(tmp_path: Path) -> None:
+    store = tmp_path / "audit.db"
+    first = Daemon(store)
+    half = [line for line in INCIDENT if line.startswith("{")][:20]
+    assert send_capture(half, first.address).accepted == 20
+    first.kill()  # SIGKILL: no shutdown, no flush
+    second = Daemon(store)
+    try:
+        again = send_capture(INCIDENT, second.address)  # the agent resends what it holds
+        assert (again.accepted, again.repeats, again.rejected) == (19, 20, [])
+        with grpc.insecure_channel(second.address) as channel:
+            state = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest())
+        assert {n.node: n.last_seq for n in state.nodes} == {"p0": 17, "d0": 22}
+    finally:
+        second.stop()
+    s = Store(str(store))
+    events = [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")]
+    assert sorted((e.node, e.seq) for e in events) == sorted((e.node, e.seq) for e in EVENTS)
+    assert s.verify() == (True, s.count(), "")
+    s.close()
+    assert facts(stored_findings(store)) == facts(local_findings())
+
+
+def test_a_node_may_speak_only_for_itself(daemon: Daemon) -> None:
+    with grpc.insecure_channel(daemon.address) as channel:
+        p0 = AgentStream(channel, "p0")
+        ack = p0.send([EVENTS[0], EVENTS[1]])  # p0's pool report, then d0's
+        assert ack.accepted == 1 and [r.reason for r in ack.rejected] == [
+            "event of node 'd0' on the stream of 'p0'"
+        ]
+        with pytest.raises(DaemonRefused, match="identity: node 'p0' is already connected"):
+            AgentStream(channel, "p0")
+        p0.close()
+        out = iter([svc.AgentMessage(batch=svc.EventBatch(events=[EVENTS[0]]))])
+        first = next(svc_grpc.AgentServiceStub(channel).Stream(out))
+        assert first.error.code == "identity" and "hello" in first.error.message
+    assert Store(str(daemon.store)).count("event") == 1
+
+
+def test_bad_events_are_refused_with_a_reason_and_the_rest_kept(daemon: Daemon) -> None:
+    with grpc.insecure_channel(daemon.address) as channel:
+        stream = AgentStream(channel, "p0")
+        bad = pb.Event(node="p0", seq=2, alloc=pb.Alloc(req="r", pool=0, pages=[99]))
+        good = pb.Event(node="p0", seq=2, alloc=pb.Alloc(req="r", pool=0, pages=[1]))
+        ack = stream.send([EVENTS[0], bad, good, good])
+        assert (ack.accepted, ack.repeats, ack.durable_seq) == (2, 1, 2)
+        assert [(r.seq, r.reason) for r in ack.rejected] == [
+            (2, "alloc: page 99 out of range for pool 0 of node p0 (6 pages)")
+        ]
+        with pytest.raises(grpc.RpcError) as err:
+            huge = pb.Event(node="p0", seq=3, alloc=pb.Alloc(req="r", pool=0, pages=[300] * (9 << 20)))
+            stream.send([huge])
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert Store(str(daemon.store)).count("event") == 2
+
+
+def test_alerts_resume_from_a_cursor(daemon: Daemon) -> None:
+    send_capture(INCIDENT, daemon.address)
+    with grpc.insecure_channel(daemon.address) as channel:
+        alerts = svc_grpc.AlertServiceStub(channel)
+        stream = alerts.Subscribe(svc.AlertFilter())
+        first = [next(stream) for _ in range(11)]
+        stream.cancel()
+        assert [a.finding.finding for a in first].count("stale_read") == 2
+        cursors = [a.cursor for a in first]
+        assert cursors == sorted(cursors)
+        resumed = alerts.Subscribe(svc.AlertFilter(after=cursors[4], severities=["critical"]))
+        rest = [next(resumed) for _ in range(6)]
+        resumed.cancel()
+        assert [a.cursor for a in rest] == cursors[5:]
+        only = alerts.Subscribe(svc.AlertFilter(findings=["stale_read"], tenant="acme"))
+        leaks = [next(only) for _ in range(2)]
+        only.cancel()
+        assert {a.finding.victim_req for a in leaks} == {"a1", "a2"}
+
+
+def test_kill_commands_reach_the_node_that_holds_the_request(daemon: Daemon) -> None:
+    with grpc.insecure_channel(daemon.address) as channel:
+        streams = {node: AgentStream(channel, node) for node in ("p0", "d0")}
+        for event in EVENTS:
+            streams[event.node].send([event])
+        streams["p0"].send([])  # collect what is queued for p0
+        streams["d0"].send([])
+        kills = {node: {(c.kill.req, c.kill.finding) for c in s.commands} for node, s in streams.items()}
+        for stream in streams.values():
+            stream.close()
+    assert ("g1", "stale_read") in kills["d0"] and ("g1", "transfer_mismatch") in kills["d0"]
+    assert ("g1", "rejected_progress") in kills["p0"] and all(req == "g1" for req, _ in kills["p0"])
+
+
+def test_stock_grpc_tools_see_health_and_services(daemon: Daemon) -> None:
+    with grpc.insecure_channel(daemon.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", "kvguard.v1.AgentService"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=name))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        response = next(
+            refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        )
+        names = {s.name for s in response.list_services_response.service}
+        assert {
+            "kvguard.v1.AgentService",
+            "kvguard.v1.AlertService",
+            "kvguard.v1.AuditService",
+            "kvguard.v1.FleetService",
+            "grpc.health.v1.Health",
+        } <= names
+
+
+def test_audit_verify_finds_an_altered_record(daemon: Daemon) -> None:
+    send_capture(INCIDENT, daemon.address)
+    daemon.stop()
+    verify = [sys.executable, "-m", "kvguard", "audit", "verify", "--store", str(daemon.store)]
+    ok = subprocess.run(verify, capture_output=True, text=True)
+    assert ok.returncode == 0 and "chain intact" in ok.stdout
+    with sqlite3.connect(daemon.store) as db:
+        db.execute(
+            "UPDATE records SET victim_tenant = 'nobody' WHERE kind = 'finding' AND victim_tenant = 'acme'"
+        )
+    bad = subprocess.run(verify, capture_output=True, text=True)
+    assert bad.returncode == 1 and "was altered" in bad.stderr
+    with sqlite3.connect(daemon.store) as db:
+        db.execute("DELETE FROM records WHERE id = 3")
+    gone = subprocess.run(verify, capture_output=True, text=True)
+    assert gone.returncode == 1 and "NOT intact" in gone.stderr
+    assert os.path.exists(daemon.store)
