@@ -127,6 +127,28 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_agent(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvguard.agents.agent import NodeAgent
+
+    agent = NodeAgent(args.socket, args.daemon, args.spool)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: agent.stopping.set())
+    thread = threading.Thread(target=agent.serve, daemon=True)
+    thread.start()
+    print(
+        f"kvguard agent: guards connect to {args.socket}; daemon {args.daemon}; spool {args.spool}",
+        file=sys.stderr,
+    )
+    print("READY", flush=True)
+    agent.stopping.wait()
+    thread.join(timeout=2)
+    agent.stop()
+    return 0
+
+
 def cmd_audit_verify(args: argparse.Namespace) -> int:
     from kvguard.daemon.store import Store
 
@@ -236,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
     p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
     p.set_defaults(func=cmd_daemon)
+
+    p = sub.add_parser("agent", help="the node agent: guards' events to the daemon, durably; kills back")
+    p.add_argument("--socket", default="/run/kvguard/agent.sock", help="Unix socket the guards connect to")
+    p.add_argument("--daemon", default="127.0.0.1:7463", help="the daemon's gRPC address")
+    p.add_argument("--spool", default="/var/lib/kvguard/spool", help="where unacknowledged events wait")
+    p.set_defaults(func=cmd_agent)
 
     audit = sub.add_parser("audit", help="the audit log").add_subparsers(dest="audit_command", required=True)
     p = audit.add_parser("verify", help="prove that no record was altered, removed or reordered")

@@ -2,19 +2,24 @@
 
 `put()` never waits: an event that does not fit the bounded queue is counted in `dropped`,
 which the guard reports in-band (heartbeat), never silently. A background thread drains the
-queue. Until the node agent exists, `CaptureSink` writes a JSON Lines capture that
-`kvguard replay` reads.
+queue: `AgentSink` to the node agent's Unix socket, `CaptureSink` to a JSON Lines capture
+that `kvguard replay` reads.
 """
 
 from __future__ import annotations
 
 import queue
+import socket
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from kvguard.agents.local import recv_frame, send_frame
 from kvguard.proto import pb
 from kvguard.proto.capture import event_to_json
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 
 class EventSink(Protocol):
@@ -88,3 +93,113 @@ class CaptureSink:
             self._queue.put(None)
             self._thread.join(timeout=10)
         self._file.close()
+
+
+class AgentSink:
+    """Sends a guard's events to the node agent over its Unix socket, from a background thread;
+    commands the agent relays (kill a request) go to `on_command`. While the agent is away the
+    events wait in the bounded queue; only what overflows it is dropped, and counted."""
+
+    def __init__(
+        self,
+        socket_path: str | Path,
+        node: str,
+        *,
+        capacity: int = 65536,
+        on_command: Callable[[svc.Command], None] | None = None,
+    ) -> None:
+        self.socket_path = str(socket_path)
+        self.node = node
+        self.dropped = 0
+        self.sent = 0
+        self.connected = threading.Event()
+        self._on_command = on_command
+        self._queue: queue.Queue[pb.Event | None] = queue.Queue(capacity)
+        self._pending: list[pb.Event] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kvguard-agent-sink-{node}", daemon=True)
+        self._thread.start()
+
+    def put(self, event: pb.Event) -> bool:
+        try:
+            self._queue.put_nowait(event)
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def _connect(self) -> socket.socket:
+        while not self._closed:
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(self.socket_path)
+                send_frame(sock, svc.AgentMessage(hello=svc.Hello(node=self.node, agent_version="guard")))
+                threading.Thread(target=self._read_commands, args=(sock,), daemon=True).start()
+                self.connected.set()
+                return sock
+            except OSError:
+                time.sleep(0.2)
+        raise ConnectionError("sink closed")
+
+    def _read_commands(self, sock: socket.socket) -> None:
+        try:
+            while True:
+                msg = svc.DaemonMessage.FromString(recv_frame(sock))
+                if msg.WhichOneof("body") == "command" and self._on_command is not None:
+                    self._on_command(msg.command)
+        except (OSError, ConnectionError, ValueError):
+            self.connected.clear()
+
+    def _run(self) -> None:
+        sock: socket.socket | None = None
+        while True:
+            if not self._pending:
+                item = self._queue.get()
+                batch = [item]
+                while len(batch) < 4096:
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                self._pending = [e for e in batch if e is not None]
+                stop = len(self._pending) != len(batch)
+                for _ in batch:
+                    self._queue.task_done()
+            else:
+                stop = False
+            while self._pending:
+                try:
+                    if sock is None:
+                        sock = self._connect()
+                    send_frame(sock, svc.AgentMessage(batch=svc.EventBatch(events=self._pending)))
+                    self.sent += len(self._pending)
+                    self._pending = []
+                except (OSError, ConnectionError):
+                    if sock is not None:
+                        sock.close()
+                    sock = None
+                    if self._closed:
+                        return
+                    time.sleep(0.2)
+            if stop:
+                if sock is not None:
+                    sock.close()
+                return
+
+    @property
+    def waiting(self) -> int:
+        """Events not handed to the agent yet (queued, or in the batch being sent)."""
+        return self._queue.qsize() + len(self._pending)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every event queued so far has been handed to the agent."""
+        deadline = time.monotonic() + timeout
+        self._queue.join()
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._pending
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+        self._closed = True

@@ -1,0 +1,234 @@
+"""`kvguard agent`: the node agent between the in-engine guards of a host and the daemon.
+
+Guards connect to a Unix socket (agents.local) and stream their events; the agent writes
+them to a spool on disk before anything else, forwards them to the daemon over one gRPC
+stream per node, and forgets them only when the daemon acknowledges them as durable.
+Commands from the daemon (kill a request) go to the guard that owns the node.
+
+Invariants: an event a guard handed over survives a crash of the agent or the daemon (it
+is in the spool until acknowledged, and resent after a reconnect or a restart; the daemon
+drops what it already has by (node, seq)); the agent never makes a guard wait on the
+network: the socket is read as fast as the spool can be appended to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import grpc
+
+from kvguard.agents.local import recv_frame, send_frame
+from kvguard.daemon.client import AgentStream, DaemonRefused
+from kvguard.proto import pb
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+_LEN = struct.Struct(">I")
+
+
+class Spool:
+    """A node's unacknowledged events: in memory, and in an append-only file for restarts."""
+
+    def __init__(self, directory: Path, node: str) -> None:
+        self.path = directory / f"{node}.spool"
+        self.pending: deque[pb.Event] = deque()
+        self.cond = threading.Condition()
+        self._trimmed = 0
+        if self.path.exists():
+            data = self.path.read_bytes()
+            offset = 0
+            while offset + _LEN.size <= len(data):
+                (n,) = _LEN.unpack_from(data, offset)
+                if offset + _LEN.size + n > len(data):
+                    break  # a torn last write: that event never reached the spool whole
+                self.pending.append(pb.Event.FromString(data[offset + _LEN.size : offset + _LEN.size + n]))
+                offset += _LEN.size + n
+        self._file = self.path.open("ab")
+
+    def append(self, events: list[pb.Event]) -> None:
+        if not events:
+            return
+        blob = b"".join(_LEN.pack(len(b)) + b for b in (e.SerializeToString() for e in events))
+        with self.cond:
+            self._file.write(blob)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self.pending.extend(events)
+            self.cond.notify_all()
+
+    def take(self, limit: int, timeout: float) -> list[pb.Event]:
+        """The oldest unacknowledged events (at most `limit`), waiting up to `timeout` for one."""
+        with self.cond:
+            if not self.pending:
+                self.cond.wait(timeout)
+            return [self.pending[i] for i in range(min(limit, len(self.pending)))]
+
+    def ack(self, durable_seq: int, rejected: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        with self.cond:
+            while self.pending and (self.pending[0].seq <= durable_seq or self.pending[0].seq in rejected):
+                self.pending.popleft()
+                self._trimmed += 1
+            if not self.pending:
+                self._file.truncate(0)
+                self._file.seek(0)
+                self._trimmed = 0
+            elif self._trimmed > 50_000:  # rewrite the file with what is still unacknowledged
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_bytes(
+                    b"".join(_LEN.pack(len(b)) + b for b in (e.SerializeToString() for e in self.pending))
+                )
+                os.replace(tmp, self.path)
+                self._file.close()
+                self._file = self.path.open("ab")
+                self._trimmed = 0
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class NodeAgent:
+    def __init__(
+        self, socket_path: str | Path, daemon: str, spool_dir: str | Path, batch: int = 4096
+    ) -> None:
+        self.socket_path = Path(socket_path)
+        self.daemon = daemon
+        self.spool_dir = Path(spool_dir)
+        self.spool_dir.mkdir(parents=True, exist_ok=True)
+        self.batch = batch
+        self.spools: dict[str, Spool] = {}
+        self.guards: dict[str, socket.socket] = {}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.counters: dict[str, int] = {
+            "events": 0,
+            "acked": 0,
+            "rejected": 0,
+            "commands": 0,
+            "reconnects": 0,
+        }
+        self._channel = grpc.insecure_channel(daemon)
+        for path in sorted(self.spool_dir.glob("*.spool")):
+            self._spool(path.stem)  # events of an earlier run go out first
+
+    def _spool(self, node: str) -> Spool:
+        with self.lock:
+            spool = self.spools.get(node)
+            if spool is None:
+                spool = self.spools[node] = Spool(self.spool_dir, node)
+                threading.Thread(target=self._upstream, args=(node, spool), daemon=True).start()
+            return spool
+
+    # ------------------------------------------------------------------ guards -> spool
+
+    def serve(self) -> None:
+        if self.socket_path.exists():
+            self.socket_path.unlink()
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(str(self.socket_path))
+        server.listen(64)
+        server.settimeout(0.5)
+        while not self.stopping.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self._guard, args=(conn,), daemon=True).start()
+        server.close()
+
+    def _guard(self, conn: socket.socket) -> None:
+        node = ""
+        try:
+            hello = svc.AgentMessage.FromString(recv_frame(conn))
+            node = hello.hello.node
+            if not node:
+                return
+            with self.lock:
+                self.guards[node] = conn
+            spool = self._spool(node)
+            while True:
+                msg = svc.AgentMessage.FromString(recv_frame(conn))
+                if msg.WhichOneof("body") != "batch":
+                    continue
+                events = [e for e in msg.batch.events if e.node == node]
+                self.counters["rejected"] += len(msg.batch.events) - len(
+                    events
+                )  # a guard speaks for its node
+                spool.append(events)
+                self.counters["events"] += len(events)
+        except (OSError, ConnectionError, ValueError):
+            pass
+        finally:
+            with self.lock:
+                if node and self.guards.get(node) is conn:
+                    del self.guards[node]
+            conn.close()
+
+    # ------------------------------------------------------------------ spool -> daemon
+
+    def _upstream(self, node: str, spool: Spool) -> None:
+        delay = 0.1
+        while not self.stopping.is_set():
+            stream = None
+            try:
+                stream = AgentStream(self._channel, node, "kvguard-agent")
+                spool.ack(stream.durable_seq)
+                delay = 0.1
+                while not self.stopping.is_set():
+                    batch = spool.take(self.batch, timeout=0.2)
+                    if not batch:
+                        continue
+                    ack = stream.send(batch)
+                    rejected = {r.seq for r in ack.rejected}
+                    for r in ack.rejected:
+                        print(
+                            f"kvguard agent: the daemon refused {node} seq {r.seq}: {r.reason}",
+                            file=sys.stderr,
+                        )
+                    self.counters["rejected"] += len(rejected)
+                    self.counters["acked"] += ack.accepted + ack.repeats
+                    # The daemon settled the whole batch (stored, had it, or refused it for good).
+                    spool.ack(max(ack.durable_seq, batch[-1].seq), rejected)
+                    self._relay(node, stream)
+            except (grpc.RpcError, DaemonRefused) as exc:
+                self.counters["reconnects"] += 1
+                detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+                print(
+                    f"kvguard agent: daemon {self.daemon} unavailable for {node} ({detail}); retrying",
+                    file=sys.stderr,
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            finally:
+                if stream is not None:
+                    stream.close()
+
+    def _relay(self, node: str, stream: AgentStream) -> None:
+        commands, stream.commands = stream.commands, []
+        for command in commands:
+            self.counters["commands"] += 1
+            with self.lock:
+                conn = self.guards.get(node)
+            if conn is None:
+                print(
+                    f"kvguard agent: no guard of {node} connected for command {command.id}", file=sys.stderr
+                )
+                continue
+            with contextlib.suppress(OSError):
+                send_frame(conn, svc.DaemonMessage(command=command))
+
+    def idle(self) -> bool:
+        """Nothing waits to be acknowledged (for tests and orderly shutdown)."""
+        return all(not s.pending for s in self.spools.values())
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._channel.close()
+        for spool in self.spools.values():
+            spool.close()

@@ -1,0 +1,42 @@
+"""The local link between in-engine guards and the node agent: a Unix socket carrying
+length-prefixed kvguard.v1 service messages (the same AgentMessage / DaemonMessage the
+agent and the daemon exchange over gRPC).
+
+Guard -> agent: a Hello naming the guard's node, then EventBatch messages.
+Agent -> guard: Command messages (kill a request, quarantine pages).
+Invariant: a frame is read whole or the connection is dropped; a frame larger than
+MAX_FRAME is refused (the peer is misbehaving).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+MAX_FRAME = 16 << 20
+_LEN = struct.Struct(">I")
+
+
+def send_frame(sock: socket.socket, message: svc.AgentMessage | svc.DaemonMessage) -> None:
+    data = message.SerializeToString()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("the peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> bytes:
+    (n,) = _LEN.unpack(_exact(sock, _LEN.size))
+    if n > MAX_FRAME:
+        raise ConnectionError(f"frame of {n} bytes (at most {MAX_FRAME})")
+    return _exact(sock, n)
