@@ -43,8 +43,8 @@ class Proc:
             self.proc.wait(timeout=20)
 
 
-def start_daemon(store: Path, port: int = 0) -> tuple[Proc, str]:
-    d = Proc("daemon", "--listen", f"127.0.0.1:{port}", "--store", str(store), ready="READY ")
+def start_daemon(store: str, port: int = 0) -> tuple[Proc, str]:
+    d = Proc("daemon", "--listen", f"127.0.0.1:{port}", "--store", store, ready="READY ")
     return d, f"127.0.0.1:{d.line.split()[1]}"
 
 
@@ -61,8 +61,8 @@ def start_agent(tmp: Path, address: str) -> Proc:
     )
 
 
-def stored(store: Path) -> list[pb.Event]:
-    s = Store(str(store))
+def stored(store: str) -> list[pb.Event]:
+    s = Store(store)
     try:
         return [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")]
     finally:
@@ -79,8 +79,8 @@ def wait_for(predicate, timeout: float = 20.0) -> bool:  # type: ignore[no-untyp
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[Path, str, Proc, Proc]]:
-    store = tmp_path / "audit.db"
+def cluster(tmp_path: Path) -> Iterator[tuple[str, str, Proc, Proc]]:
+    store = str(tmp_path / "audit.db")
     daemon, address = start_daemon(store)
     agent = start_agent(tmp_path, address)
     yield store, address, daemon, agent
@@ -124,8 +124,8 @@ def test_events_reach_the_store_and_kills_reach_the_guard(tmp_path: Path, cluste
     sink.close()
 
 
-def test_nothing_is_lost_or_doubled_when_the_agent_and_the_daemon_die(tmp_path: Path) -> None:
-    store = tmp_path / "audit.db"
+def test_nothing_is_lost_or_doubled_when_the_agent_and_the_daemon_die(tmp_path: Path, store_url: str) -> None:
+    store = store_url
     daemon, address = start_daemon(store)
     port = int(address.split(":")[1])
     agent = start_agent(tmp_path, address)
@@ -152,7 +152,7 @@ def test_nothing_is_lost_or_doubled_when_the_agent_and_the_daemon_die(tmp_path: 
         daemon.stop()
     seqs = [e.seq for e in stored(store)]
     assert sorted(seqs) == list(range(1, guard._seq + 1))  # every event, exactly once
-    assert Store(str(store)).verify()[0]
+    assert Store(store).verify()[0]
 
 
 def test_an_unreachable_agent_never_blocks_the_engine(tmp_path: Path) -> None:

@@ -4,19 +4,17 @@ commands back to the right node, health and reflection, a tamper-evident audit l
 
 from __future__ import annotations
 
-import os
 import signal
-import sqlite3
 import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from sqlalchemy import create_engine, text
 
 from kvguard.daemon.client import AgentStream, DaemonRefused, send_capture
 from kvguard.daemon.store import Store
@@ -34,7 +32,7 @@ EVENTS = [e for _, e in read_capture(INCIDENT)]
 
 
 class Daemon:
-    def __init__(self, store: Path) -> None:
+    def __init__(self, store: str) -> None:
         self.store = store
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvguard", "daemon", "--listen", "127.0.0.1:0", "--store", str(store)],
@@ -57,8 +55,8 @@ class Daemon:
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(tmp_path / "audit.db")
+def daemon(store_url: str) -> Iterator[Daemon]:
+    d = Daemon(store_url)
     yield d
     d.stop()
 
@@ -73,7 +71,7 @@ def local_findings() -> list:
     return found
 
 
-def stored_findings(store: Path) -> list[pb.Finding]:
+def stored_findings(store: str) -> list[pb.Finding]:
     s = Store(str(store))
     try:
         return [pb.Finding.FromString(body) for _, _, body in s.rows(kind="finding")]
@@ -88,8 +86,8 @@ def test_the_daemon_stores_what_a_local_replay_finds(daemon: Daemon) -> None:
     assert len(local_findings()) == 11
 
 
-def test_redelivery_and_a_killed_daemon_lose_and_double_nothing(tmp_path: Path) -> None:
-    store = tmp_path / "audit.db"
+def test_redelivery_and_a_killed_daemon_lose_and_double_nothing(store_url: str) -> None:
+    store = store_url
     first = Daemon(store)
     half = [line for line in INCIDENT if line.startswith("{")][:20]
     assert send_capture(half, first.address).accepted == 20
@@ -124,7 +122,7 @@ def test_a_node_may_speak_only_for_itself(daemon: Daemon) -> None:
         out = iter([svc.AgentMessage(batch=svc.EventBatch(events=[EVENTS[0]]))])
         first = next(svc_grpc.AgentServiceStub(channel).Stream(out))
         assert first.error.code == "identity" and "hello" in first.error.message
-    assert Store(str(daemon.store)).count("event") == 1
+    assert Store(daemon.store).count("event") == 1
 
 
 def test_bad_events_are_refused_with_a_reason_and_the_rest_kept(daemon: Daemon) -> None:
@@ -141,7 +139,7 @@ def test_bad_events_are_refused_with_a_reason_and_the_rest_kept(daemon: Daemon) 
             huge = pb.Event(node="p0", seq=3, alloc=pb.Alloc(req="r", pool=0, pages=[300] * (9 << 20)))
             stream.send([huge])
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert Store(str(daemon.store)).count("event") == 2
+    assert Store(daemon.store).count("event") == 2
 
 
 def test_alerts_resume_from_a_cursor(daemon: Daemon) -> None:
@@ -201,17 +199,18 @@ def test_stock_grpc_tools_see_health_and_services(daemon: Daemon) -> None:
 def test_audit_verify_finds_an_altered_record(daemon: Daemon) -> None:
     send_capture(INCIDENT, daemon.address)
     daemon.stop()
-    verify = [sys.executable, "-m", "kvguard", "audit", "verify", "--store", str(daemon.store)]
+    verify = [sys.executable, "-m", "kvguard", "audit", "verify", "--store", daemon.store]
     ok = subprocess.run(verify, capture_output=True, text=True)
-    assert ok.returncode == 0 and "chain intact" in ok.stdout
-    with sqlite3.connect(daemon.store) as db:
+    assert ok.returncode == 0 and "60 records, chain intact" in ok.stdout
+    engine = create_engine(Store(daemon.store).url)
+    with engine.begin() as db:
         db.execute(
-            "UPDATE records SET victim_tenant = 'nobody' WHERE kind = 'finding' AND victim_tenant = 'acme'"
+            text("UPDATE records SET victim_tenant = 'x' WHERE kind = 'finding' AND victim_tenant = 'acme'")
         )
     bad = subprocess.run(verify, capture_output=True, text=True)
     assert bad.returncode == 1 and "was altered" in bad.stderr
-    with sqlite3.connect(daemon.store) as db:
-        db.execute("DELETE FROM records WHERE id = 3")
+    with engine.begin() as db:
+        db.execute(text("DELETE FROM records WHERE id = 3"))
+    engine.dispose()
     gone = subprocess.run(verify, capture_output=True, text=True)
     assert gone.returncode == 1 and "NOT intact" in gone.stderr
-    assert os.path.exists(daemon.store)
