@@ -215,6 +215,8 @@ def cmd_testbed_up(args: argparse.Namespace) -> int:
             unguarded_roles=tuple(r for r in (args.unguarded_roles or "").split(",") if r),
             rule_modes=pairs["rule_mode"],
             audit_dir=args.audit_dir,
+            agent_socket=args.agent_socket or "",
+            node_prefix=args.node_prefix,
             context_len=args.context_len,
             prefill_pages=args.prefill_pages,
             system_prompts=prompts,
@@ -294,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unguarded-roles", metavar="ROLES", help="comma-separated roles run without a guard")
     p.add_argument("--rule-mode", action="append", metavar="RULE=MODE", help="monitor or enforce one rule")
     p.add_argument("--audit-dir", default="kvguard-audit", help="where the guards write their captures")
+    p.add_argument(
+        "--agent-socket", metavar="PATH", help="send the guards' events to this node agent instead"
+    )
+    p.add_argument("--node-prefix", default="", help="prefix of the workers' node names")
     p.add_argument("--context-len", type=int, default=1024, help="max_model_len")
     p.add_argument(
         "--prefill-pages", type=int, default=0, help="prefill KV pool size (0: sized to the context)"

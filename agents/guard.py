@@ -133,13 +133,19 @@ class Guard:
             self._kill(req, finding)
         return verdict
 
-    def _kill(self, req: str, finding: Finding | None) -> None:
+    def _kill(self, req: str, finding: Finding | None, by: str = "") -> None:
         if req in self.killed:
             return
         self.killed[req] = finding
         self._emit(
-            "kill", req, finding=finding.finding if finding else "unverifiable", by=f"guard@{self.node}"
+            "kill", req, finding=finding.finding if finding else "unverifiable", by=by or f"guard@{self.node}"
         )
+
+    def kill(self, req: str, finding: str, rule: str, message: str, by: str = "daemon") -> None:
+        """Record a kill ordered from outside (the daemon's verdict, relayed by the agent)."""
+        with self._lock:
+            record = Finding(finding, node=self.node, req=req, message=message, rule=rule, action="kill")
+            self._kill(req, record, by)
 
     # ------------------------------------------------------------------ configuration and lifecycle
 

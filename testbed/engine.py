@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvguard.agents.guard import Guard, Verdict
-from kvguard.agents.sink import CaptureSink
+from kvguard.agents.sink import AgentSink, CaptureSink, EventSink
 from kvguard.testbed import wire
 from kvguard.testbed.faults import check_faults
 from kvguard.testbed.models import EchoModel
@@ -63,6 +63,7 @@ class WorkerConfig:
     rule_modes: dict[str, str] = field(default_factory=dict)  # rule id -> monitor or enforce
     faults: frozenset[str] = frozenset()
     audit_dir: str = ""
+    agent_socket: str = ""  # when set, events go to the node agent (and its kills come back)
     prefill_ms_per_token: float = 0.0  # test control: a slow prefill, to stage an abort
     decode_step_ms: float = 0.0  # test control: a slow decode step, to stage overlap
     offload_delay_ms: float = 50.0
@@ -83,7 +84,11 @@ class Worker:
         self.lock = threading.RLock()
         self.guard: Guard | None = None
         if config.guard != "off":
-            sink = CaptureSink(Path(config.audit_dir) / f"{config.node}.jsonl") if config.audit_dir else None
+            sink: EventSink | None = None
+            if config.agent_socket:
+                sink = AgentSink(config.agent_socket, config.node, on_command=self._command)
+            elif config.audit_dir:
+                sink = CaptureSink(Path(config.audit_dir) / f"{config.node}.jsonl")
             self.guard = Guard(
                 config.node,
                 mode=config.guard,  # type: ignore[arg-type]
@@ -110,6 +115,18 @@ class Worker:
         if self.guard is None:
             return _OK
         return getattr(self.guard, method)(*args, **kwargs)
+
+    def _command(self, command: Any) -> None:
+        """A command of the daemon, relayed by the agent: end the request it names."""
+        if command.WhichOneof("body") != "kill" or self.guard is None:
+            return
+        kill = command.kill
+        with self.lock:
+            self.guard.kill(kill.req, kill.finding, kill.rule, kill.message)
+            self.on_kill(kill.req, f"{kill.finding} ({kill.rule}): {kill.message}")
+
+    def on_kill(self, req: str, reason: str) -> None:
+        """The engine's part of a kill ordered from outside (each worker knows its requests)."""
 
     def _log_finding(self, finding: Any) -> None:
         where = f"[{self.config.node}] {finding.severity.upper()} {finding.action} {finding.rule}"
@@ -180,7 +197,7 @@ class Worker:
 
     def op_flush(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Write every queued guard event to the audit capture (for tests and shutdown)."""
-        if self.guard is not None and isinstance(self.guard.sink, CaptureSink):
+        if self.guard is not None and isinstance(self.guard.sink, CaptureSink | AgentSink):
             self.guard.sink.flush()
         findings = [f.to_json_dict() for f in self.guard.findings] if self.guard else []
         return {"ok": True, "findings": findings, "free_pages": len(self.free_list)}
@@ -546,6 +563,12 @@ class DecodeWorker(Worker):
             # The bug: the row is copied from the neighbouring batch slot beyond the first page.
             other = self.slot_tables[neighbours[0].slot]
             row[1 : len(r.pages)] = other[1 : len(r.pages)]
+
+    def on_kill(self, req: str, reason: str) -> None:
+        r = self.requests.get(req)
+        if r is not None and r.state in ("reserved", "ready", "running"):
+            self._fail(r, f"terminated by the kvguard daemon: {reason}")
+            self.wake.notify_all()
 
     # -- abort: the router gave up on the request
 

@@ -38,6 +38,8 @@ class ClusterConfig:
     unguarded_roles: tuple[str, ...] = ()  # workers that run without a guard whatever `guard` says
     rule_modes: dict[str, str] = field(default_factory=dict)  # per-rule monitor/enforce
     audit_dir: str = "kvguard-audit"
+    agent_socket: str = ""  # send the guards' events to this node agent instead of capture files
+    node_prefix: str = ""  # node names are <prefix>prefill-0 and <prefix>decode-0
     context_len: int = 1024
     page_size: int = 16
     decode_pages: int = 512
@@ -69,7 +71,8 @@ class ClusterConfig:
 def _spawn(config: ClusterConfig, role: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     worker = {
         "role": role,
-        "node": f"{role}-0",
+        "node": f"{config.node_prefix}{role}-0",
+        "agent_socket": config.agent_socket,
         "page_size": config.page_size,
         "num_pages": config.prefill_pages if role == "prefill" else config.decode_pages,
         "context_len": config.context_len,
@@ -179,7 +182,7 @@ class Router:
             tenant=tenant,
             prompt_tokens=len(tokens),
             max_tokens=max_tokens,
-            prefill_node="prefill-0",
+            prefill_node=f"{self.config.node_prefix}prefill-0",
         )
         if boot.get("status") != "ok":
             return self._failed(req, boot, inflight=False, reserved=False)
@@ -193,7 +196,7 @@ class Router:
                 tokens=list(tokens),
                 user_tokens=list(user_tokens),
                 decode_kv=boot["kv"],
-                decode_node="decode-0",
+                decode_node=f"{self.config.node_prefix}decode-0",
             )
         except TimeoutError:
             self._call(self.decode, op="abort", req=req, reason="prefill timed out", inflight=True)

@@ -1,0 +1,74 @@
+"""The whole path, for real: testbed engine -> in-engine guard -> node agent -> daemon ->
+audit store, and the daemon's kill back to the engine. The guards only watch (monitor
+mode); the daemon's global verdict is what stops the leak, before decode attends."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvguard.daemon.store import Store
+from kvguard.proto import pb
+from kvguard.testbed.cluster import Cluster
+
+SECRET = "acme memo: Initech deal closes Dec 14 at 4.2B, keep private."
+
+
+def start(*args: str, ready: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvguard", *args], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline() if proc.stdout else ""
+    assert line.startswith(ready), line
+    return proc, line
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=20)
+
+
+def test_the_daemon_stops_a_leak_the_local_guard_only_watched(tmp_path: Path) -> None:
+    store = str(tmp_path / "audit.db")
+    daemon, line = start("daemon", "--listen", "127.0.0.1:0", "--store", store, ready="READY ")
+    address = f"127.0.0.1:{line.split()[1]}"
+    sock = str(tmp_path / "agent.sock")
+    agent, _ = start(
+        "agent", "--socket", sock, "--daemon", address, "--spool", str(tmp_path / "spool"), ready="READY"
+    )
+    try:
+        with Cluster(
+            tmp_path / "captures",
+            faults=("incident",),
+            guard="monitor",
+            agent_socket=sock,
+            decode_step_ms=40,
+        ) as c:
+            status, reply = c.complete("acme", SECRET, max_tokens=len(SECRET))
+            assert status == 200 and Cluster.text(reply) == SECRET
+            status, reply = c.complete(
+                "globex", "Summarize: " + "calm markets, mild weather. " * 26, max_tokens=48
+            )
+            c.findings()  # flush the guards' sinks to the agent
+        assert status == 500 and "terminated by the kvguard daemon" in reply["error"]["message"]
+        assert "deal closes" not in str(reply)
+        deadline = time.monotonic() + 20
+        while True:
+            s = Store(store)
+            findings = [pb.Finding.FromString(b) for _, _, b in s.rows(kind="finding")]
+            kills = [b for _, k, b in s.rows(kind="event") if pb.Event.FromString(b).HasField("kill")]
+            s.close()
+            if kills or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        by_node = {(f.finding, f.node) for f in findings if f.tenant == "globex"}
+        # Only the daemon sees both nodes: decode admitted a request that prefill had rejected,
+        # and the hand-off did not add up; it killed the request before its first attention.
+        assert ("rejected_progress", "decode-0") in by_node and ("transfer_mismatch", "decode-0") in by_node
+        assert not any(f.finding == "stale_read" for f in findings)
+        assert {f.node for f in findings} >= {"prefill-0", "decode-0"}
+        assert any(pb.Event.FromString(b).kill.by == "daemon" for b in kills)  # the engine's record of it
+    finally:
+        stop(agent)
+        stop(daemon)
