@@ -109,7 +109,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         print(f"kvguard daemon: the ruleset is not usable:\n{exc}", file=sys.stderr)
         return 2
     store = Store(args.store)
-    daemon = Daemon(store, ruleset)
+    daemon = Daemon(store, ruleset, mode=args.mode)
     server, port = serve(daemon, args.listen)
     print(
         f"kvguard daemon listening on port {port}; store {store.url}; "
@@ -259,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:7463", help="gRPC address (host:port)")
     p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
     p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
+    p.add_argument(
+        "--mode", choices=("monitor", "enforce"), default="enforce", help="monitor: never order a kill"
+    )
     p.set_defaults(func=cmd_daemon)
 
     p = sub.add_parser("agent", help="the node agent: guards' events to the daemon, durably; kills back")
@@ -271,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = audit.add_parser("verify", help="prove that no record was altered, removed or reordered")
     p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
     p.set_defaults(func=cmd_audit_verify)
+    from kvguard.daemon.audit import add_parsers as add_audit_queries
+
+    add_audit_queries(audit)
 
     rules = sub.add_parser("rules", help="check or test a ruleset").add_subparsers(
         dest="rules_command", required=True

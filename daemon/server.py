@@ -60,7 +60,10 @@ def _matches(f: svc.AlertFilter, finding: Finding) -> bool:
 class Daemon:
     """The global ledger, the store and the fan-out; the gRPC services call into it."""
 
-    def __init__(self, store: Store, ruleset: Ruleset | None = None) -> None:
+    def __init__(self, store: Store, ruleset: Ruleset | None = None, *, mode: str = "enforce") -> None:
+        if mode not in ("monitor", "enforce"):
+            raise ValueError(f"daemon mode {mode!r} is not monitor or enforce")
+        self.mode = mode  # monitor: record and alert, never order a kill
         self.store = store
         self.ruleset = ruleset if ruleset is not None else load_ruleset()
         self.ledger = Ledger()
@@ -130,7 +133,7 @@ class Daemon:
                     sub.dropped += 1  # the subscriber resumes from the store by cursor
 
     def _dispatch(self, finding: Finding) -> None:
-        if finding.action not in KILL_ACTIONS or not finding.req:
+        if self.mode != "enforce" or finding.action not in KILL_ACTIONS or not finding.req:
             return
         outbox = self.outboxes.get(finding.node)
         with self.lock:
@@ -310,7 +313,7 @@ class AuditServicer(svc_grpc.AuditServiceServicer):
             elif kind == "finding":
                 yield svc.AuditRecord(id=record_id, kind=kind, finding=pb.Finding.FromString(body))
             else:
-                yield svc.AuditRecord(id=record_id, kind=kind)
+                yield svc.AuditRecord(id=record_id, kind=kind, command=svc.Command.FromString(body))
 
 
 class FleetServicer(svc_grpc.FleetServiceServicer):

@@ -81,6 +81,8 @@ class Record:
         kind = event.WhichOneof("payload") or ""
         payload = getattr(event, kind) if kind else None
         req = getattr(payload, "req", "") if payload is not None else ""
+        if kind == "read" and payload.reads:
+            req = payload.reads[0].req  # indexed by its first request; the others are in the body
         tenant = getattr(payload, "tenant", "") if payload is not None else ""
         return Record("event", event.node, event.seq, event.ts_ns, event.SerializeToString(), req, tenant)
 

@@ -4,7 +4,10 @@ Two testbed clusters (router, prefill and decode worker each) run side by side w
 `incident` fault switch on: one unguarded (kvguard only watching, in monitor mode), one
 guarded (enforce). Both serve the same ordinary traffic of two tenants; then globex sends a
 prompt longer than the prefill KV pool to both. The unguarded one answers HTTP 200 with
-acme's confidential text; the guarded one answers with an error and no secret.
+acme's confidential text; the guarded one answers with an error and no secret. Every guard
+streams its events through a node agent to a daemon (SQLite audit store) that records and
+alerts (monitor mode: the local guards do the enforcing here), and the demo ends with the
+daemon's exposure report for acme.
 Invariant: the demo prints what the clients actually received, never a scripted result.
 """
 
@@ -12,12 +15,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import shutil
+import signal
+import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvguard.daemon.audit import exposure_of, format_exposure, open_source
 from kvguard.testbed.cluster import Cluster
 
 SECRET = "acme board memo: we acquire Initech at 4.2B on Dec 14, do not disclose. "
@@ -34,20 +40,71 @@ def _short(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _start(*args: str, ready: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvguard", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line.startswith(ready):
+        proc.kill()
+        raise RuntimeError(f"kvguard {args[0]} did not start")
+    return proc, line
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def run_demo(out_dir: Path, out: TextIO = sys.stdout) -> int:
     started = time.monotonic()
     if out_dir.exists():
         shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    store = out_dir / "audit.db"
+    sock = out_dir / "agent.sock"
+    daemon, line = _start(
+        "daemon", "--listen", "127.0.0.1:0", "--store", str(store), "--mode", "monitor", ready="READY "
+    )
+    address = f"127.0.0.1:{line.split()[1]}"
+    spool = out_dir / "spool"
+    agent, _ = _start(
+        "agent", "--socket", str(sock), "--daemon", address, "--spool", str(spool), ready="READY"
+    )
+    try:
+        return _demo(out_dir, store, sock, address, started, out)
+    finally:
+        _stop(agent)
+        _stop(daemon)
+
+
+def _settled(spool: Path) -> None:
+    """Wait until the agent has nothing left to deliver (its spool files are empty)."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if all(f.stat().st_size == 0 for f in spool.glob("*.spool")):
+            return
+        time.sleep(0.1)
+
+
+def _demo(out_dir: Path, store: Path, sock: Path, address: str, started: float, out: TextIO) -> int:
     runs = {"unguarded": "monitor", "guarded": "enforce"}
     clusters = {
-        name: Cluster(out_dir / name, faults=("incident",), guard=mode) for name, mode in runs.items()
+        name: Cluster(
+            out_dir / name, faults=("incident",), guard=mode, agent_socket=str(sock), node_prefix=f"{name}-"
+        )
+        for name, mode in runs.items()
     }
     p = out.write
     p("kvguard demo: the 2026 prefill/decode disaggregation leak, unguarded and guarded\n\n")
     p("Two testbed clusters (router + prefill worker + decode worker, real paged attention, KV sent\n")
     p("over TCP) run with the `incident` fault switch: the prefill KV pool is smaller than the\n")
     p("context, admission asks finished() instead of rejected, a one-page hand-off is reported done.\n")
-    p("unguarded = kvguard in monitor mode (it reports, never acts); guarded = enforce.\n\n")
+    p("unguarded = kvguard in monitor mode (it reports, never acts); guarded = enforce.\n")
+    p(f"Both clusters' guards stream to one node agent and the kvguard daemon at {address}.\n\n")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda c: c.__enter__(), clusters.values()))
     try:
@@ -98,11 +155,29 @@ def run_demo(out_dir: Path, out: TextIO = sys.stdout) -> int:
     finally:
         for cluster in clusters.values():
             cluster.__exit__(None, None, None)
-    p(f"\naudit captures (JSON Lines of kvguard.v1 events, one file per node) in {out_dir}/:\n")
-    for name in runs:
-        files = sorted((out_dir / name).glob("*.jsonl"))
-        p(f"   {name}: {', '.join(str(f) for f in files)}\n")
-    p(f"   replay one with: kvguard replay {out_dir}/unguarded/decode.jsonl\n")
+    _settled(out_dir / "spool")
+    p("\n4. the daemon's exposure report for acme (kvguard audit exposure --tenant acme):\n\n")
+    format_exposure(exposure_of(open_source(str(store), None), "acme"), _Indented(out))
+    p(f"\naudit log: {store} (kvguard audit query --store {store}; kvguard audit verify --store {store})\n")
     p(f"\ndone in {time.monotonic() - started:.1f}s\n")
     good = leaked["unguarded"] and not leaked["guarded"] and results["guarded"][0] >= 500
     return 0 if good else 1
+
+
+class _Indented:
+    """Writes through to `out`, three spaces in from the margin."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.fresh = True
+
+    def write(self, text: str) -> int:
+        for piece in text.splitlines(keepends=True):
+            if self.fresh and piece.strip():
+                self.out.write("   ")
+            self.out.write(piece)
+            self.fresh = piece.endswith("\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()

@@ -144,16 +144,18 @@ class AuditQuery(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., tenant: _Optional[str] = ..., req: _Optional[str] = ..., node: _Optional[str] = ..., finding: _Optional[str] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class AuditRecord(_message.Message):
-    __slots__ = ("id", "kind", "event", "finding")
+    __slots__ = ("id", "kind", "event", "finding", "command")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     FINDING_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
     id: int
     kind: str
     event: _events_pb2.Event
     finding: _events_pb2.Finding
-    def __init__(self, id: _Optional[int] = ..., kind: _Optional[str] = ..., event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., finding: _Optional[_Union[_events_pb2.Finding, _Mapping]] = ...) -> None: ...
+    command: Command
+    def __init__(self, id: _Optional[int] = ..., kind: _Optional[str] = ..., event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., finding: _Optional[_Union[_events_pb2.Finding, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
 
 class FleetRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,562 @@
+"""Daemon ingest over loopback gRPC: page transitions/s beside the transport floor, alert latency.
+
+Events and page transitions per second through `kvguard daemon` from 1, 4 and 16 concurrent
+agents, beside the same stream sent to a gRPC server that discards it, and the p50/p99
+latency from sending an event to the arrival of its alert.
+
+The daemon runs as it is deployed, in its own process (`python -m kvguard daemon --listen
+127.0.0.1:0 --store FILE`, a fresh SQLite store per run), so its GIL is its own. The agents
+run here, one thread and one channel (one TCP connection) each, all driven by
+`kvguard.daemon.client.AgentStream.send()`, which waits for the ack of each batch (so a batch
+is durable in the store before the agent sends the next). The transport floor is this same
+client code against a gRPC server, also in its own process (`bench/ingest.py --floor-server`),
+that implements the same AgentService.Stream and acknowledges every batch at once without
+looking at it: what loopback gRPC, protobuf and this client cost without the daemon.
+
+Workload per agent (node n0..nK), built in memory before timing: a pool report, then correct
+request lifecycles, each alloc / write / one attention read / free of R pages (--req-pages,
+64) taken from the agent's own pool: 4 R page transitions, no finding. Sent in batches of
+--batch-events (64) events. Every --plant-every-th (16th) batch of an agent also carries one
+planted fault, on a fresh request: alloc one page, read it without writing it (a
+stale_read, which the default ruleset answers with a kill), free it. The event-to-alert
+latency runs from just before the client sends the batch holding the planted read to the
+arrival of its alert on an AlertService.Subscribe stream (filtered on stale_read) in this
+process. The same stream (same batches, same plants) goes to the floor, which produces no
+alert. Each run is capped at --seconds; its workload is sized for the goal rate, so a
+daemon that meets the goal runs out of events first.
+
+The runs above are closed loop: an agent sends its next batch when the last is acknowledged,
+so with N agents a batch waits behind up to N-1 others and latency is mostly queueing. One
+more run (--paced, default the goal rate) has the most agents offer a fixed rate of page
+transitions, each batch on its schedule, and measures latency from the scheduled send: the
+goal's "sustained rate with p99 under 10 ms" as stated. --py-spy DIR records the daemon with
+`py-spy record --gil` (samples of the thread holding the GIL: where its Python time goes).
+
+Machines are shared and noisy: compare the ratio (daemon / floor, measured side by side in
+one run), not absolute rates.
+
+    python bench/ingest.py [--agents 1,4,16] [--seconds N] [--batch-events N] [--pages N]
+                           [--req-pages N] [--paced TRANS_PER_S] [--py-spy DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvguard.daemon.client import AgentStream
+from kvguard.proto import pb
+from kvguard.proto.builder import EventLog
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
+
+GOAL_TRANSITIONS = 2_000_000  # page transitions per second, sustained
+GOAL_P99_MS = 10.0  # event-to-alert
+PAGE_SIZE = 16
+MAX_MESSAGE = 16 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+]
+PLANTED = "stale_read"
+
+
+# ---------------------------------------------------------------------------- workload
+
+
+@dataclass
+class Workload:
+    """One agent's batches, built before timing."""
+
+    node: str
+    batches: list[list[pb.Event]]
+    transitions: list[int]  # page transitions per batch
+    planted: dict[int, str] = field(default_factory=dict)  # batch index -> planted request
+
+
+def build_agent(
+    node: str, events: int, batch_events: int, req_pages: int, pool_pages: int, plant_every: int, seed: int
+) -> Workload:
+    """About `events` events of node `node` (pool report first), cut into batches."""
+    log = EventLog()
+    pool_event = log.add(node, "pool", pool=0, role="colocated", page_size=PAGE_SIZE, num_pages=pool_pages)
+    order = np.random.default_rng(seed).permutation(pool_pages).tolist()
+    cursor = 0
+
+    def take(n: int) -> list[int]:
+        nonlocal cursor
+        if cursor + n > pool_pages:
+            cursor = 0
+        cursor += n
+        return order[cursor - n : cursor]
+
+    tokens = PAGE_SIZE * req_pages
+    batches: list[list[pb.Event]] = []
+    transitions: list[int] = []
+    planted: dict[int, str] = {}
+    current: list[pb.Event] = [pool_event]
+    moved = 0
+    n_events = 1
+    i = 0
+    while n_events < events:
+        index = len(batches)
+        if plant_every and index % plant_every == plant_every - 1 and index not in planted:
+            req = f"{node}-planted{index}"
+            page = take(1)
+            current += [
+                log.add(node, "alloc", req=req, pool=0, pages=page),
+                log.add(node, "read", reads=[{"req": req, "pool": 0, "pages": page, "tokens": PAGE_SIZE}]),
+                log.add(node, "free", req=req, pool=0, pages=page),
+            ]
+            planted[index] = req
+            moved += 3
+            n_events += 3
+        req = f"{node}-r{i}"
+        i += 1
+        pages = take(req_pages)
+        current += [
+            log.add(node, "alloc", req=req, pool=0, pages=pages),
+            log.add(node, "write", req=req, pool=0, pages=pages),
+            log.add(node, "read", reads=[{"req": req, "pool": 0, "pages": pages, "tokens": tokens}]),
+            log.add(node, "free", req=req, pool=0, pages=pages),
+        ]
+        moved += 4 * req_pages
+        n_events += 4
+        if len(current) >= batch_events:
+            batches.append(current)
+            transitions.append(moved)
+            current, moved = [], 0
+    if current:
+        batches.append(current)
+        transitions.append(moved)
+    return Workload(node, batches, transitions, planted)
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+class FloorServicer(svc_grpc.AgentServiceServicer):
+    """The same AgentService.Stream, acknowledging each batch at once and doing nothing else."""
+
+    def Stream(self, request_iterator: Iterator[svc.AgentMessage], context: grpc.ServicerContext) -> Any:
+        node = ""
+        for msg in request_iterator:
+            if msg.WhichOneof("body") == "hello":
+                node = msg.hello.node
+                yield svc.DaemonMessage(ack=svc.Ack(node=node))
+            else:
+                events = msg.batch.events
+                n = len(events)
+                yield svc.DaemonMessage(
+                    ack=svc.Ack(node=node, accepted=n, durable_seq=events[n - 1].seq if n else 0)
+                )
+
+
+def floor_server() -> None:
+    """`bench/ingest.py --floor-server`: serve the floor on a free port, print READY <port>."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=CHANNEL_OPTIONS)
+    svc_grpc.add_AgentServiceServicer_to_server(FloorServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(f"READY {port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=1).wait()
+
+
+@dataclass
+class Process:
+    proc: subprocess.Popen[str]
+    port: int
+    target: int  # the pid to signal (the server itself, also when py-spy runs it)
+    log: Path
+
+
+def start(cmd: list[str], log: Path, timeout: float = 60.0) -> Process:
+    """Start a server that prints READY <port> on stdout."""
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    line = ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line or line.startswith("READY "):
+            break
+    if not line.startswith("READY "):
+        proc.kill()
+        raise SystemExit(f"{shlex.join(cmd)} did not start:\n{log.read_text()}")
+    target = proc.pid
+    if cmd[0].endswith("py-spy"):  # the server is py-spy's child
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        target = int(children[0])
+    return Process(proc, int(line.split()[1]), target, log)
+
+
+def stop(p: Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(p.target, signal.SIGTERM)
+    try:
+        p.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.proc.kill()
+        p.proc.wait()
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+@dataclass
+class Run:
+    events: int = 0
+    transitions: int = 0
+    elapsed: float = 0.0
+    acks: list[float] = field(default_factory=list)  # seconds, send to ack, every batch
+    alerts: list[float] = field(default_factory=list)  # seconds, send to alert, planted batches
+    planted_sent: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def event_rate(self) -> float:
+        return self.events / self.elapsed if self.elapsed else 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.transitions / self.elapsed if self.elapsed else 0.0
+
+
+class Alerts:
+    """A Subscribe stream in this process; records when each planted request's alert arrives."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.arrived: dict[str, float] = {}
+        self.others = 0
+        self.cond = threading.Condition()
+        self.call = svc_grpc.AlertServiceStub(channel).Subscribe(svc.AlertFilter(findings=[PLANTED]))
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for alert in self.call:
+                now = time.perf_counter()
+                with self.cond:
+                    if alert.finding.req in self.arrived:
+                        self.others += 1
+                    self.arrived[alert.finding.req] = now
+                    self.cond.notify_all()
+        except grpc.RpcError:
+            pass
+
+    def wait_for(self, reqs: list[str], timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: all(r in self.arrived for r in reqs), timeout)
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.thread.join(5)
+
+
+def probe(address: str, alerts: Alerts) -> None:
+    """A planted fault on a node of its own, sent before timing: the subscription is live and
+    the daemon's paths are warm when the clock starts."""
+    log = EventLog()
+    log.add("probe", "pool", pool=0, role="colocated", page_size=PAGE_SIZE, num_pages=64)
+    log.add("probe", "alloc", req="probe-planted", pool=0, pages=[1])
+    log.add("probe", "read", reads=[{"req": "probe-planted", "pool": 0, "pages": [1], "tokens": PAGE_SIZE}])
+    log.add("probe", "free", req="probe-planted", pool=0, pages=[1])
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stream = AgentStream(channel, "probe", "kvguard-bench")
+        stream.send(log.events)
+        stream.close()
+    if not alerts.wait_for(["probe-planted"], 30):
+        raise SystemExit("the probe's planted stale_read raised no alert within 30 s")
+
+
+def drive(
+    address: str, workloads: list[Workload], seconds: float, alerts: Alerts | None, paced: float = 0.0
+) -> Run:
+    """Each agent on its own thread and channel sends its batches, one at a time, each waiting
+    for its ack, until its batches or `seconds` run out. Closed loop (paced=0): the next batch
+    goes as soon as the last is acknowledged. Paced: the agents together offer `paced` page
+    transitions per second, each batch on its schedule; latencies then run from the batch's
+    scheduled time, so an agent that falls behind counts the wait too."""
+    run = Run()
+    per_agent = paced / len(workloads)
+    lock = threading.Lock()
+    sent_at: dict[str, float] = {}
+    started = [0.0]
+    ready = threading.Barrier(len(workloads) + 1, action=lambda: started.__setitem__(0, time.perf_counter()))
+    finished: list[float] = []
+
+    def agent(k: int, w: Workload) -> None:
+        acks: list[float] = []
+        events = transitions = planted = 0
+        errors: list[str] = []
+        last = 0.0
+        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            try:
+                stream = AgentStream(channel, w.node, "kvguard-bench")
+            except Exception as exc:
+                ready.abort()  # the run cannot start: release the others
+                with lock:
+                    run.errors.append(f"{w.node}: cannot open its stream: {type(exc).__name__}: {exc}")
+                return
+            try:
+                ready.wait()
+                deadline = started[0] + seconds
+                # paced agents start spread over one batch interval, not all at once
+                due = started[0] + (k / len(workloads) * max(w.transitions) / per_agent if paced else 0.0)
+                for i, batch in enumerate(w.batches):
+                    t0 = time.perf_counter()
+                    if t0 >= deadline:
+                        break
+                    if paced:
+                        if due > t0:
+                            time.sleep(due - t0)
+                        t0 = due
+                        due += w.transitions[i] / per_agent
+                    req = w.planted.get(i)
+                    if req is not None:
+                        sent_at[req] = t0
+                    ack = stream.send(batch)
+                    last = time.perf_counter()
+                    acks.append(last - t0)
+                    if ack.accepted != len(batch) or ack.rejected or ack.repeats:
+                        errors.append(
+                            f"{w.node} batch {i}: {ack.accepted}/{len(batch)} accepted, {ack.repeats} "
+                            f"repeats, rejected {[(r.seq, r.reason) for r in ack.rejected][:3]}"
+                        )
+                        break
+                    events += len(batch)
+                    transitions += w.transitions[i]
+                    planted += req is not None
+            except Exception as exc:  # reported, not raised: the other agents still finish
+                errors.append(f"{w.node}: {type(exc).__name__}: {exc}")
+            finally:
+                stream.close()
+        with lock:
+            run.acks += acks
+            run.events += events
+            run.transitions += transitions
+            run.planted_sent += planted
+            run.errors += errors
+            if last:
+                finished.append(last)
+
+    threads = [threading.Thread(target=agent, args=(k, w), daemon=True) for k, w in enumerate(workloads)]
+    for t in threads:
+        t.start()
+    with contextlib.suppress(threading.BrokenBarrierError):
+        ready.wait()  # every stream is open (hello acknowledged); the clock starts
+    for t in threads:
+        t.join()
+    if ready.broken:
+        raise SystemExit(f"the agents could not start: {run.errors}")
+    run.elapsed = max(finished, default=started[0]) - started[0]
+    if alerts is not None:
+        wanted = list(sent_at)
+        if not alerts.wait_for(wanted, 10):
+            missing = [r for r in wanted if r not in alerts.arrived]
+            run.errors.append(f"{len(missing)} planted faults raised no alert (first: {missing[:3]})")
+        run.alerts = [alerts.arrived[r] - t for r, t in sent_at.items() if r in alerts.arrived]
+    return run
+
+
+def fleet_check(address: str, run: Run) -> None:
+    """The daemon's own count: every event stored, one finding per planted fault, no other."""
+    with grpc.insecure_channel(address) as channel:
+        state = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest(), timeout=30)
+    expected_events = run.events + 4  # the probe's
+    findings = dict(state.findings)
+    if state.events != expected_events:
+        run.errors.append(f"daemon counts {state.events} events, the agents had {expected_events} acked")
+    if findings != {PLANTED: run.planted_sent + 1}:
+        run.errors.append(f"daemon findings {findings}, expected {{{PLANTED!r}: {run.planted_sent + 1}}}")
+
+
+def daemon_run(
+    workloads: list[Workload], seconds: float, store_dir: Path, tag: str, spy: Path | None, paced: float = 0.0
+) -> tuple[Run, int]:
+    store = store_dir / f"ingest-{tag}.db"
+    cmd = [sys.executable, "-m", "kvguard", "daemon", "--listen", "127.0.0.1:0", "--store", str(store)]
+    if spy is not None:
+        py_spy = Path(sys.executable).with_name("py-spy")
+        spy.mkdir(parents=True, exist_ok=True)
+        out = spy / f"daemon-{tag}.txt"
+        cmd = [str(py_spy), "record", "--nonblocking", "--gil", "--format", "raw", "-o", str(out), "--", *cmd]
+    daemon = start(cmd, store_dir / f"daemon-{tag}.log")
+    address = f"127.0.0.1:{daemon.port}"
+    try:
+        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            alerts = Alerts(channel)
+            try:
+                probe(address, alerts)
+                run = drive(address, workloads, seconds, alerts, paced)
+            finally:
+                alerts.close()
+        fleet_check(address, run)
+    finally:
+        stop(daemon)
+    return run, store.stat().st_size
+
+
+def floor_run(workloads: list[Workload], seconds: float, store_dir: Path, tag: str) -> Run:
+    server = start([sys.executable, __file__, "--floor-server"], store_dir / f"floor-{tag}.log")
+    try:
+        return drive(f"127.0.0.1:{server.port}", workloads, seconds, None)
+    finally:
+        stop(server)
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def ms(values: list[float], q: float) -> str:
+    return f"{np.percentile(values, q) * 1e3:.2f}" if values else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", default="1,4,16", help="concurrent agents per run, comma-separated")
+    parser.add_argument("--seconds", type=float, default=10.0, help="time cap of each run")
+    parser.add_argument("--batch-events", type=int, default=64, help="events per EventBatch")
+    parser.add_argument("--req-pages", type=int, default=64, help="pages per request (per event)")
+    parser.add_argument("--pages", type=int, default=1 << 16, help="pages in each agent's pool")
+    parser.add_argument("--plant-every", type=int, default=16, help="a planted fault per N batches")
+    parser.add_argument(
+        "--events", type=int, default=0, help="events per run (default: the goal rate times --seconds, +25%%)"
+    )
+    parser.add_argument(
+        "--paced",
+        type=float,
+        default=GOAL_TRANSITIONS,
+        metavar="TRANS_PER_S",
+        help="also offer this many page transitions/s, paced, from the most agents (0: skip)",
+    )
+    parser.add_argument("--store-dir", type=Path, help="where the SQLite stores go (default: a temp dir)")
+    parser.add_argument("--py-spy", type=Path, metavar="DIR", help="record the daemon with py-spy into DIR")
+    parser.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.floor_server:
+        floor_server()
+        return
+    counts = [int(a) for a in args.agents.split(",")]
+    total = args.events or int(GOAL_TRANSITIONS * args.seconds * 1.25 / args.req_pages)
+    print(
+        f"python {sys.version.split()[0]}, grpcio {grpc.__version__}, numpy {np.__version__}, "
+        f"{os.cpu_count()} cores; daemon: `python -m kvguard daemon` in its own process, SQLite store "
+        f"(WAL, synchronous=FULL); agents: threads of this process, one channel each"
+    )
+    print(
+        f"{total} events per run ({args.req_pages}-page requests, {args.batch_events}-event batches, one "
+        f"planted {PLANTED} per {args.plant_every} batches an agent), each run capped at {args.seconds:g} s"
+    )
+    header = (
+        f"{'agents':>8} {'events/s':>9} {'Mtrans/s':>9} {'floor Mtrans/s':>14} {'ratio':>6} "
+        f"{'alert p50 ms':>12} {'alert p99 ms':>12} {'alerts':>6} {'ack p50 ms':>10} {'ack p99 ms':>10} "
+        f"{'floor ack p50':>13} {'store MB':>8}"
+    )
+    rows: list[str] = []
+    results: list[tuple[int, Run, Run]] = []
+    paced: Run | None = None
+    with tempfile.TemporaryDirectory(prefix="kvguard-bench-") as tmp:
+        store_dir = args.store_dir or Path(tmp)
+        store_dir.mkdir(parents=True, exist_ok=True)
+        for n in counts:
+            built = time.perf_counter()
+            workloads = [
+                build_agent(
+                    f"n{k}", total // n, args.batch_events, args.req_pages, args.pages, args.plant_every, k
+                )
+                for k in range(n)
+            ]
+            gc.collect()
+            gc.freeze()  # the workload's objects are not scanned by the collector during timing
+            built = time.perf_counter() - built
+            tag = f"{n}-{os.getpid()}"
+            daemon, size = daemon_run(workloads, args.seconds, store_dir, tag, args.py_spy)
+            floor = floor_run(workloads, args.seconds, store_dir, tag)
+            ratio = daemon.rate / floor.rate if floor.rate else 0.0
+            rows.append(
+                f"{n:>8} {daemon.event_rate:>9.0f} {daemon.rate / 1e6:>9.3f} {floor.rate / 1e6:>14.3f} "
+                f"{ratio:>6.3f} {ms(daemon.alerts, 50):>12} {ms(daemon.alerts, 99):>12} "
+                f"{len(daemon.alerts):>6} {ms(daemon.acks, 50):>10} {ms(daemon.acks, 99):>10} "
+                f"{ms(floor.acks, 50):>13} {size / 1e6:>8.1f}"
+            )
+            print(
+                f"  {n} agents: workload built in {built:.1f} s; daemon {daemon.events} events in "
+                f"{daemon.elapsed:.1f} s, floor {floor.events} events in {floor.elapsed:.1f} s",
+                flush=True,
+            )
+            for name, run in (("daemon", daemon), ("floor", floor)):
+                for error in run.errors:
+                    print(f"  ERROR ({name}, {n} agents): {error}", flush=True)
+            results.append((n, daemon, floor))
+            if args.paced and n == max(counts):
+                paced, size = daemon_run(
+                    workloads, args.seconds, store_dir, f"{tag}-paced", args.py_spy, args.paced
+                )
+                rows.append(
+                    f"{f'{n} paced':>8} {paced.event_rate:>9.0f} {paced.rate / 1e6:>9.3f} {'-':>14} {'-':>6} "
+                    f"{ms(paced.alerts, 50):>12} {ms(paced.alerts, 99):>12} {len(paced.alerts):>6} "
+                    f"{ms(paced.acks, 50):>10} {ms(paced.acks, 99):>10} {'-':>13} {size / 1e6:>8.1f}"
+                )
+                print(
+                    f"  {n} agents paced at {args.paced / 1e6:g} M trans/s: daemon {paced.events} events in "
+                    f"{paced.elapsed:.1f} s",
+                    flush=True,
+                )
+                for error in paced.errors:
+                    print(f"  ERROR (daemon, {n} agents paced): {error}", flush=True)
+            del workloads
+            gc.unfreeze()
+            gc.collect()
+    print()
+    print(header)
+    print(*rows, sep="\n")
+    print(f"command: python bench/ingest.py {shlex.join(sys.argv[1:])}".rstrip())
+    print(
+        "closed loop: each agent sends its next batch when the last is acknowledged, so latency there "
+        "is queueing behind the other agents' batches;\npaced: the agents together offer --paced "
+        "page transitions/s, latency from each batch's scheduled send"
+    )
+    best = max(d.rate for _, d, _ in results)
+    print(
+        f"goal >= {GOAL_TRANSITIONS / 1e6:g} M page transitions/s: "
+        f"{'met' if best >= GOAL_TRANSITIONS else 'MISSED'} (best closed loop {best / 1e6:.3f} M/s)"
+    )
+    if paced is not None and paced.alerts:
+        p99 = float(np.percentile(paced.alerts, 99)) * 1e3
+        kept = paced.rate >= 0.98 * args.paced
+        print(
+            f"goal p99 event-to-alert < {GOAL_P99_MS:g} ms at {args.paced / 1e6:g} M/s offered: "
+            f"{'met' if kept and p99 < GOAL_P99_MS else 'MISSED'} ({paced.rate / 1e6:.3f} M/s kept up, "
+            f"p99 {p99:.2f} ms)"
+        )
+    runs = [r for _, d, f in results for r in (d, f)] + ([paced] if paced else [])
+    if any(r.errors for r in runs):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
