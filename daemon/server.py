@@ -19,12 +19,14 @@ import queue
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -71,58 +73,111 @@ class Daemon:
         self.counters: Counter[str] = Counter()
         self.subscribers: list[Subscriber] = []
         self.outboxes: dict[str, queue.Queue[svc.DaemonMessage | None]] = {}
-        self._command_id = 0
+        self._command_id = store.count("command")
+        self._command_node: dict[int, str] = {}
+        self._inbox: queue.Queue[Any] = queue.Queue()
         rebuilt = 0
         for event in store.events():
             self.ledger.apply(event)  # verdicts are already stored; this rebuilds the state
             rebuilt += 1
         self.counters["rebuilt_events"] = rebuilt
+        threading.Thread(target=self._write_loop, name="kvguard-daemon-writer", daemon=True).start()
 
     # ------------------------------------------------------------------ ingest
 
-    def ingest(self, node: str, events: Any) -> svc.Ack:
-        ack = svc.Ack(node=node)
-        with self.lock:
-            rows: list[Record] = []
-            findings: list[Finding] = []
-            for event in events:
-                if event.node != node:
-                    self.counters["identity"] += 1
-                    ack.rejected.add(
-                        seq=event.seq, reason=f"event of node {event.node!r} on the stream of {node!r}"
-                    )
-                    continue
+    def ingest(self, node: str, events: Sequence[pb.Event], raw: Sequence[bytes] | None = None) -> svc.Ack:
+        """Apply and commit one batch of a node's events; returns its acknowledgement once
+        durable. The batches of all streams are committed together by one writer thread
+        (group commit), so a stream waits for one commit, not for everyone else's in turn."""
+        done: Future[svc.Ack] = Future()
+        self._inbox.put((node, events, raw, done))
+        return done.result()
+
+    def _write_loop(self) -> None:
+        while True:
+            items = [self._inbox.get()]
+            count = len(items[0][1])
+            while count < 16384:
                 try:
-                    raw = self.ledger.apply(event)
-                except BadEvent as exc:
-                    self.counters[exc.kind] += 1
-                    if exc.kind == "repeat":
-                        ack.repeats += 1
-                    else:
-                        ack.rejected.add(seq=event.seq, reason=str(exc))
-                    continue
-                ack.accepted += 1
-                rows.append(Record.of_event(event))
-                for f in raw:
-                    evaluated = self.ruleset.evaluate(f)
-                    if evaluated is not None:
-                        findings.append(evaluated)
-                        rows.append(Record.of_finding(evaluated))
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                items.append(item)
+                count += len(item[1])
             try:
-                ids = self.store.append(rows)
+                self._commit(items)
+            except BaseException as exc:  # every waiter must learn of it
+                for *_, done in items:
+                    if not done.done():
+                        done.set_exception(exc)
+
+    def _commit(self, items: list[Any]) -> None:
+        rows: list[Record] = []
+        findings: list[tuple[int, Finding]] = []  # (index of its row, finding)
+        commands: list[svc.Command] = []
+        acks: list[svc.Ack] = []
+        with self.lock:
+            for node, events, raw, _ in items:
+                ack = svc.Ack(node=node)
+                for i, event in enumerate(events):
+                    if event.node != node:
+                        self.counters["identity"] += 1
+                        reason = f"event of node {event.node!r} on the stream of {node!r}"
+                        ack.rejected.add(seq=event.seq, reason=reason)
+                        continue
+                    try:
+                        found = self.ledger.apply(event)
+                    except BadEvent as exc:
+                        self.counters[exc.kind] += 1
+                        if exc.kind == "repeat":
+                            ack.repeats += 1
+                        else:
+                            ack.rejected.add(seq=event.seq, reason=str(exc))
+                        continue
+                    ack.accepted += 1
+                    rows.append(Record.of_event(event, raw[i] if raw is not None else None))
+                    for f in found:
+                        evaluated = self.ruleset.evaluate(f)
+                        if evaluated is None:
+                            continue
+                        findings.append((len(rows), evaluated))
+                        rows.append(Record.of_finding(evaluated))
+                        command = self._command_for(evaluated)
+                        if command is not None:
+                            commands.append(command)
+                            body = command.SerializeToString()
+                            rows.append(
+                                Record(
+                                    "command",
+                                    evaluated.node,
+                                    command.id,
+                                    evaluated.ts_ns,
+                                    body,
+                                    evaluated.req,
+                                )
+                            )
+                known = self.ledger.nodes.get(node)
+                ack.durable_seq = known.last_seq if known else 0
+                acks.append(ack)
+            try:
+                ids = self.store.append(rows)  # the batches, their findings and commands: one commit
             except StoreError as exc:
                 # The ledger has moved past what is durable: stop, and rebuild from the store.
                 print(f"kvguard daemon: {exc}; stopping", file=sys.stderr, flush=True)
                 os._exit(70)
-            known = self.ledger.nodes.get(node)
-            ack.durable_seq = known.last_seq if known else 0
-            finding_ids = [i for i, row in zip(ids, rows, strict=True) if row.kind == "finding"]
-            self.counters["events"] += ack.accepted
+            self.counters["events"] += sum(a.accepted for a in acks)
             self.counters["findings"] += len(findings)
-        for record_id, finding in zip(finding_ids, findings, strict=True):
-            self._publish(record_id, finding)
-            self._dispatch(finding)
-        return ack
+        # Commands first: a stream's commands then reach its agent before the ack of the batch
+        # that caused them.
+        for command in commands:
+            self.counters["kills"] += 1
+            outbox = self.outboxes.get(self._command_node.pop(command.id, ""))
+            if outbox is not None:
+                outbox.put(svc.DaemonMessage(command=command))
+        for (_, _, _, done), ack in zip(items, acks, strict=True):
+            done.set_result(ack)
+        for row_index, finding in findings:
+            self._publish(ids[row_index], finding)
 
     def _publish(self, record_id: int, finding: Finding) -> None:
         for sub in list(self.subscribers):
@@ -132,33 +187,16 @@ class Daemon:
                 except queue.Full:
                     sub.dropped += 1  # the subscriber resumes from the store by cursor
 
-    def _dispatch(self, finding: Finding) -> None:
+    def _command_for(self, finding: Finding) -> svc.Command | None:
+        """The kill for the node that holds the request (enforce mode), or None."""
         if self.mode != "enforce" or finding.action not in KILL_ACTIONS or not finding.req:
-            return
-        outbox = self.outboxes.get(finding.node)
-        with self.lock:
-            self._command_id += 1
-            command = svc.Command(
-                id=self._command_id,
-                kill=svc.KillRequest(
-                    req=finding.req, finding=finding.finding, rule=finding.rule, message=finding.message
-                ),
-            )
-            self.store.append(
-                [
-                    Record(
-                        "command",
-                        finding.node,
-                        self._command_id,
-                        finding.ts_ns,
-                        command.SerializeToString(),
-                        finding.req,
-                    )
-                ]
-            )
-        self.counters["kills"] += 1
-        if outbox is not None:
-            outbox.put(svc.DaemonMessage(command=command))
+            return None
+        self._command_id += 1
+        self._command_node[self._command_id] = finding.node
+        kill = svc.KillRequest(
+            req=finding.req, finding=finding.finding, rule=finding.rule, message=finding.message
+        )
+        return svc.Command(id=self._command_id, kill=kill)
 
     # ------------------------------------------------------------------ fleet
 
@@ -185,7 +223,7 @@ class AgentServicer(svc_grpc.AgentServiceServicer):
         self.daemon = daemon
 
     def Stream(
-        self, request_iterator: Iterator[svc.AgentMessage], context: grpc.ServicerContext
+        self, request_iterator: Iterator[svc.RawAgentMessage], context: grpc.ServicerContext
     ) -> Iterator[Any]:
         out: queue.Queue[svc.DaemonMessage | None] = queue.Queue()
         node: list[str] = []
@@ -217,12 +255,16 @@ class AgentServicer(svc_grpc.AgentServiceServicer):
                             )
                         )
                     elif body == "batch":
-                        if len(msg.batch.events) > MAX_BATCH:
-                            fail(
-                                "malformed", f"batch of {len(msg.batch.events)} events (at most {MAX_BATCH})"
-                            )
+                        raw = list(msg.batch.events)
+                        if len(raw) > MAX_BATCH:
+                            fail("malformed", f"batch of {len(raw)} events (at most {MAX_BATCH})")
                             return
-                        out.put(svc.DaemonMessage(ack=self.daemon.ingest(node[0], msg.batch.events)))
+                        try:
+                            events = [pb.Event.FromString(b) for b in raw]
+                        except DecodeError as exc:
+                            fail("malformed", f"an event of the batch is not a kvguard.v1.Event: {exc}")
+                            return
+                        out.put(svc.DaemonMessage(ack=self.daemon.ingest(node[0], events, raw)))
                     else:
                         fail("malformed", f"unexpected {body or 'empty'} message after hello")
                         return
@@ -333,7 +375,15 @@ def serve(daemon: Daemon, listen: str) -> tuple[grpc.Server, int]:
             ("grpc.max_send_message_length", MAX_MESSAGE),
         ],
     )
-    svc_grpc.add_AgentServiceServicer_to_server(AgentServicer(daemon), server)
+    # AgentService by hand: its requests are read as RawAgentMessage (the same bytes on the
+    # wire), so each event's bytes go to the store as received.
+    handler = grpc.stream_stream_rpc_method_handler(
+        AgentServicer(daemon).Stream,
+        request_deserializer=svc.RawAgentMessage.FromString,
+        response_serializer=svc.DaemonMessage.SerializeToString,
+    )
+    generic = grpc.method_handlers_generic_handler("kvguard.v1.AgentService", {"Stream": handler})
+    server.add_generic_rpc_handlers((generic,))
     svc_grpc.add_AlertServiceServicer_to_server(AlertServicer(daemon), server)
     svc_grpc.add_AuditServiceServicer_to_server(AuditServicer(daemon), server)
     svc_grpc.add_FleetServiceServicer_to_server(FleetServicer(daemon), server)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvguard.proto.kvguard.v1 import events_pb2 as kvguard_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvguard/v1/services.proto\x12\nkvguard.v1\x1a\x17kvguard/v1/events.proto\",\n\x05Hello\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x15\n\ragent_version\x18\x02 \x01(\t\"/\n\nEventBatch\x12!\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x11.kvguard.v1.Event\"c\n\x0c\x41gentMessage\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.kvguard.v1.HelloH\x00\x12\'\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x16.kvguard.v1.EventBatchH\x00\x42\x06\n\x04\x62ody\"\'\n\x08Rejected\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"s\n\x03\x41\x63k\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0b\x64urable_seq\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x04\x12\x0f\n\x07repeats\x18\x04 \x01(\x04\x12&\n\x08rejected\x18\x05 \x03(\x0b\x32\x14.kvguard.v1.Rejected\"J\n\x0bKillRequest\x12\x0b\n\x03req\x18\x01 \x01(\t\x12\x0f\n\x07\x66inding\x18\x02 \x01(\t\x12\x0c\n\x04rule\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"?\n\x0fQuarantinePages\x12\x0c\n\x04pool\x18\x01 \x01(\r\x12\r\n\x05pages\x18\x02 \x03(\r\x12\x0f\n\x07\x66inding\x18\x03 \x01(\t\"y\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\x04\x12\'\n\x04kill\x18\x02 \x01(\x0b\x32\x17.kvguard.v1.KillRequestH\x00\x12\x31\n\nquarantine\x18\x03 \x01(\x0b\x32\x1b.kvguard.v1.QuarantinePagesH\x00\x42\x06\n\x04\x62ody\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x89\x01\n\rDaemonMessage\x12\x1e\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x0f.kvguard.v1.AckH\x00\x12&\n\x07\x63ommand\x18\x02 \x01(\x0b\x32\x13.kvguard.v1.CommandH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.kvguard.v1.StreamErrorH\x00\x42\x06\n\x04\x62ody\"`\n\x0b\x41lertFilter\x12\x10\n\x08\x66indings\x18\x01 \x03(\t\x12\x12\n\nseverities\x18\x02 \x03(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x05 \x01(\x04\"=\n\x05\x41lert\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\x12$\n\x07\x66inding\x18\x02 \x01(\x0b\x32\x13.kvguard.v1.Finding\"\x89\x01\n\nAuditQuery\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0b\n\x03req\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x0f\n\x07\x66inding\x18\x05 \x01(\t\x12\x10\n\x08since_ns\x18\x06 \x01(\x03\x12\x10\n\x08until_ns\x18\x07 \x01(\x03\x12\r\n\x05limit\x18\x08 \x01(\r\"\xa3\x01\n\x0b\x41uditRecord\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\"\n\x05\x65vent\x18\x03 \x01(\x0b\x32\x11.kvguard.v1.EventH\x00\x12&\n\x07\x66inding\x18\x04 \x01(\x0b\x32\x13.kvguard.v1.FindingH\x00\x12&\n\x07\x63ommand\x18\x05 \x01(\x0b\x32\x13.kvguard.v1.CommandH\x00\x42\x06\n\x04\x62ody\"\x0e\n\x0c\x46leetRequest\"W\n\tPoolState\x12\x0c\n\x04node\x18\x01 \x01(\t\x12&\n\x06report\x18\x02 \x01(\x0b\x32\x16.kvguard.v1.PoolReport\x12\x14\n\x0cpages_in_use\x18\x03 \x01(\x04\"\x89\x01\n\tNodeState\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\x12\n\nlast_ts_ns\x18\x03 \x01(\x03\x12\x11\n\tconnected\x18\x04 \x01(\x08\x12\x0f\n\x07\x64ropped\x18\x05 \x01(\x04\x12$\n\x05pools\x18\x06 \x03(\x0b\x32\x15.kvguard.v1.PoolState\"\xbd\x01\n\nFleetState\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.kvguard.v1.NodeState\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x0e\n\x06\x65vents\x18\x03 \x01(\x04\x12\x36\n\x08\x66indings\x18\x04 \x03(\x0b\x32$.kvguard.v1.FleetState.FindingsEntry\x1a/\n\rFindingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32Q\n\x0c\x41gentService\x12\x41\n\x06Stream\x12\x18.kvguard.v1.AgentMessage\x1a\x19.kvguard.v1.DaemonMessage(\x01\x30\x01\x32I\n\x0c\x41lertService\x12\x39\n\tSubscribe\x12\x17.kvguard.v1.AlertFilter\x1a\x11.kvguard.v1.Alert0\x01\x32J\n\x0c\x41uditService\x12:\n\x05Query\x12\x16.kvguard.v1.AuditQuery\x1a\x17.kvguard.v1.AuditRecord0\x01\x32I\n\x0c\x46leetService\x12\x39\n\x05State\x12\x18.kvguard.v1.FleetRequest\x1a\x16.kvguard.v1.FleetStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvguard/v1/services.proto\x12\nkvguard.v1\x1a\x17kvguard/v1/events.proto\",\n\x05Hello\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x15\n\ragent_version\x18\x02 \x01(\t\"/\n\nEventBatch\x12!\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x11.kvguard.v1.Event\"c\n\x0c\x41gentMessage\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.kvguard.v1.HelloH\x00\x12\'\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x16.kvguard.v1.EventBatchH\x00\x42\x06\n\x04\x62ody\"\'\n\x08Rejected\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"s\n\x03\x41\x63k\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0b\x64urable_seq\x18\x02 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x04\x12\x0f\n\x07repeats\x18\x04 \x01(\x04\x12&\n\x08rejected\x18\x05 \x03(\x0b\x32\x14.kvguard.v1.Rejected\"J\n\x0bKillRequest\x12\x0b\n\x03req\x18\x01 \x01(\t\x12\x0f\n\x07\x66inding\x18\x02 \x01(\t\x12\x0c\n\x04rule\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"?\n\x0fQuarantinePages\x12\x0c\n\x04pool\x18\x01 \x01(\r\x12\r\n\x05pages\x18\x02 \x03(\r\x12\x0f\n\x07\x66inding\x18\x03 \x01(\t\"y\n\x07\x43ommand\x12\n\n\x02id\x18\x01 \x01(\x04\x12\'\n\x04kill\x18\x02 \x01(\x0b\x32\x17.kvguard.v1.KillRequestH\x00\x12\x31\n\nquarantine\x18\x03 \x01(\x0b\x32\x1b.kvguard.v1.QuarantinePagesH\x00\x42\x06\n\x04\x62ody\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x89\x01\n\rDaemonMessage\x12\x1e\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x0f.kvguard.v1.AckH\x00\x12&\n\x07\x63ommand\x18\x02 \x01(\x0b\x32\x13.kvguard.v1.CommandH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.kvguard.v1.StreamErrorH\x00\x42\x06\n\x04\x62ody\"\x1f\n\rRawEventBatch\x12\x0e\n\x06\x65vents\x18\x01 \x03(\x0c\"i\n\x0fRawAgentMessage\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.kvguard.v1.HelloH\x00\x12*\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x19.kvguard.v1.RawEventBatchH\x00\x42\x06\n\x04\x62ody\"`\n\x0b\x41lertFilter\x12\x10\n\x08\x66indings\x18\x01 \x03(\t\x12\x12\n\nseverities\x18\x02 \x03(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x05 \x01(\x04\"=\n\x05\x41lert\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\x12$\n\x07\x66inding\x18\x02 \x01(\x0b\x32\x13.kvguard.v1.Finding\"\x89\x01\n\nAuditQuery\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0b\n\x03req\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x0f\n\x07\x66inding\x18\x05 \x01(\t\x12\x10\n\x08since_ns\x18\x06 \x01(\x03\x12\x10\n\x08until_ns\x18\x07 \x01(\x03\x12\r\n\x05limit\x18\x08 \x01(\r\"\xa3\x01\n\x0b\x41uditRecord\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\"\n\x05\x65vent\x18\x03 \x01(\x0b\x32\x11.kvguard.v1.EventH\x00\x12&\n\x07\x66inding\x18\x04 \x01(\x0b\x32\x13.kvguard.v1.FindingH\x00\x12&\n\x07\x63ommand\x18\x05 \x01(\x0b\x32\x13.kvguard.v1.CommandH\x00\x42\x06\n\x04\x62ody\"\x0e\n\x0c\x46leetRequest\"W\n\tPoolState\x12\x0c\n\x04node\x18\x01 \x01(\t\x12&\n\x06report\x18\x02 \x01(\x0b\x32\x16.kvguard.v1.PoolReport\x12\x14\n\x0cpages_in_use\x18\x03 \x01(\x04\"\x89\x01\n\tNodeState\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\x12\n\nlast_ts_ns\x18\x03 \x01(\x03\x12\x11\n\tconnected\x18\x04 \x01(\x08\x12\x0f\n\x07\x64ropped\x18\x05 \x01(\x04\x12$\n\x05pools\x18\x06 \x03(\x0b\x32\x15.kvguard.v1.PoolState\"\xbd\x01\n\nFleetState\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.kvguard.v1.NodeState\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x0e\n\x06\x65vents\x18\x03 \x01(\x04\x12\x36\n\x08\x66indings\x18\x04 \x03(\x0b\x32$.kvguard.v1.FleetState.FindingsEntry\x1a/\n\rFindingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32Q\n\x0c\x41gentService\x12\x41\n\x06Stream\x12\x18.kvguard.v1.AgentMessage\x1a\x19.kvguard.v1.DaemonMessage(\x01\x30\x01\x32I\n\x0c\x41lertService\x12\x39\n\tSubscribe\x12\x17.kvguard.v1.AlertFilter\x1a\x11.kvguard.v1.Alert0\x01\x32J\n\x0c\x41uditService\x12:\n\x05Query\x12\x16.kvguard.v1.AuditQuery\x1a\x17.kvguard.v1.AuditRecord0\x01\x32I\n\x0c\x46leetService\x12\x39\n\x05State\x12\x18.kvguard.v1.FleetRequest\x1a\x16.kvguard.v1.FleetStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -54,30 +54,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMERROR']._serialized_end=728
   _globals['_DAEMONMESSAGE']._serialized_start=731
   _globals['_DAEMONMESSAGE']._serialized_end=868
-  _globals['_ALERTFILTER']._serialized_start=870
-  _globals['_ALERTFILTER']._serialized_end=966
-  _globals['_ALERT']._serialized_start=968
-  _globals['_ALERT']._serialized_end=1029
-  _globals['_AUDITQUERY']._serialized_start=1032
-  _globals['_AUDITQUERY']._serialized_end=1169
-  _globals['_AUDITRECORD']._serialized_start=1172
-  _globals['_AUDITRECORD']._serialized_end=1335
-  _globals['_FLEETREQUEST']._serialized_start=1337
-  _globals['_FLEETREQUEST']._serialized_end=1351
-  _globals['_POOLSTATE']._serialized_start=1353
-  _globals['_POOLSTATE']._serialized_end=1440
-  _globals['_NODESTATE']._serialized_start=1443
-  _globals['_NODESTATE']._serialized_end=1580
-  _globals['_FLEETSTATE']._serialized_start=1583
-  _globals['_FLEETSTATE']._serialized_end=1772
-  _globals['_FLEETSTATE_FINDINGSENTRY']._serialized_start=1725
-  _globals['_FLEETSTATE_FINDINGSENTRY']._serialized_end=1772
-  _globals['_AGENTSERVICE']._serialized_start=1774
-  _globals['_AGENTSERVICE']._serialized_end=1855
-  _globals['_ALERTSERVICE']._serialized_start=1857
-  _globals['_ALERTSERVICE']._serialized_end=1930
-  _globals['_AUDITSERVICE']._serialized_start=1932
-  _globals['_AUDITSERVICE']._serialized_end=2006
-  _globals['_FLEETSERVICE']._serialized_start=2008
-  _globals['_FLEETSERVICE']._serialized_end=2081
+  _globals['_RAWEVENTBATCH']._serialized_start=870
+  _globals['_RAWEVENTBATCH']._serialized_end=901
+  _globals['_RAWAGENTMESSAGE']._serialized_start=903
+  _globals['_RAWAGENTMESSAGE']._serialized_end=1008
+  _globals['_ALERTFILTER']._serialized_start=1010
+  _globals['_ALERTFILTER']._serialized_end=1106
+  _globals['_ALERT']._serialized_start=1108
+  _globals['_ALERT']._serialized_end=1169
+  _globals['_AUDITQUERY']._serialized_start=1172
+  _globals['_AUDITQUERY']._serialized_end=1309
+  _globals['_AUDITRECORD']._serialized_start=1312
+  _globals['_AUDITRECORD']._serialized_end=1475
+  _globals['_FLEETREQUEST']._serialized_start=1477
+  _globals['_FLEETREQUEST']._serialized_end=1491
+  _globals['_POOLSTATE']._serialized_start=1493
+  _globals['_POOLSTATE']._serialized_end=1580
+  _globals['_NODESTATE']._serialized_start=1583
+  _globals['_NODESTATE']._serialized_end=1720
+  _globals['_FLEETSTATE']._serialized_start=1723
+  _globals['_FLEETSTATE']._serialized_end=1912
+  _globals['_FLEETSTATE_FINDINGSENTRY']._serialized_start=1865
+  _globals['_FLEETSTATE_FINDINGSENTRY']._serialized_end=1912
+  _globals['_AGENTSERVICE']._serialized_start=1914
+  _globals['_AGENTSERVICE']._serialized_end=1995
+  _globals['_ALERTSERVICE']._serialized_start=1997
+  _globals['_ALERTSERVICE']._serialized_end=2070
+  _globals['_AUDITSERVICE']._serialized_start=2072
+  _globals['_AUDITSERVICE']._serialized_end=2146
+  _globals['_FLEETSERVICE']._serialized_start=2148
+  _globals['_FLEETSERVICE']._serialized_end=2221
 # @@protoc_insertion_point(module_scope)

@@ -101,6 +101,20 @@ class DaemonMessage(_message.Message):
     error: StreamError
     def __init__(self, ack: _Optional[_Union[Ack, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
 
+class RawEventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, events: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class RawAgentMessage(_message.Message):
+    __slots__ = ("hello", "batch")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    batch: RawEventBatch
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[RawEventBatch, _Mapping]] = ...) -> None: ...
+
 class AlertFilter(_message.Message):
     __slots__ = ("findings", "severities", "tenant", "node", "after")
     FINDINGS_FIELD_NUMBER: _ClassVar[int]
