@@ -132,8 +132,20 @@ def cmd_agent(args: argparse.Namespace) -> int:
     import threading
 
     from kvguard.agents.agent import NodeAgent
+    from kvguard.agents.probes import gpu_facts
 
     agent = NodeAgent(args.socket, args.daemon, args.spool)
+    for spec in args.probe or []:
+        parts = spec.split(":", 3)
+        if len(parts) != 4:
+            print(f"kvguard agent: --probe {spec!r} is not NODE:ENGINE:ROLE:SOURCE", file=sys.stderr)
+            return 2
+        try:
+            agent.add_probe(*parts)
+        except ValueError as exc:
+            print(f"kvguard agent: {exc}", file=sys.stderr)
+            return 2
+    print(f"kvguard agent: {gpu_facts().describe()}", file=sys.stderr)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: agent.stopping.set())
     thread = threading.Thread(target=agent.serve, daemon=True)
@@ -268,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", default="/run/kvguard/agent.sock", help="Unix socket the guards connect to")
     p.add_argument("--daemon", default="127.0.0.1:7463", help="the daemon's gRPC address")
     p.add_argument("--spool", default="/var/lib/kvguard/spool", help="where unacknowledged events wait")
+    p.add_argument(
+        "--probe",
+        action="append",
+        metavar="NODE:ENGINE:ROLE:SOURCE",
+        help="report an unguarded engine's pool (ENGINE sglang|vllm; SOURCE a log file or http://host:port)",
+    )
     p.set_defaults(func=cmd_agent)
 
     audit = sub.add_parser("audit", help="the audit log").add_subparsers(dest="audit_command", required=True)

@@ -26,6 +26,14 @@ from pathlib import Path
 import grpc
 
 from kvguard.agents.local import recv_frame, send_frame
+from kvguard.agents.probes import (
+    PoolFacts,
+    fetch_json,
+    from_openai_models,
+    from_sglang_server_info,
+    parse_sglang_log,
+    parse_vllm_log,
+)
 from kvguard.daemon.client import AgentStream, DaemonRefused
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -223,6 +231,41 @@ class NodeAgent:
             with contextlib.suppress(OSError):
                 send_frame(conn, svc.DaemonMessage(command=command))
 
+    # ------------------------------------------------------------------ engine probes
+
+    def add_probe(self, node: str, engine: str, role: str, source: str, interval: float = 2.0) -> None:
+        """Watch an engine that has no in-engine guard: read its pool and context where it
+        states them (a startup log file, or its HTTP server), and report them as `pool`
+        events of node `node`, whose sequence this agent keeps (in the spool directory)."""
+        if engine not in ("sglang", "vllm"):
+            raise ValueError(f"probe {node}: engine {engine!r} is not sglang or vllm")
+        if role not in ("prefill", "decode", "colocated"):
+            raise ValueError(f"probe {node}: role {role!r} is not prefill, decode or colocated")
+        threading.Thread(target=self._probe, args=(node, engine, role, source, interval), daemon=True).start()
+
+    def _probe(self, node: str, engine: str, role: str, source: str, interval: float) -> None:
+        seq_file = self.spool_dir / f"{node}.seq"
+        seq = int(seq_file.read_text()) if seq_file.exists() else 0
+        last: pb.PoolReport | None = None
+        warned = False
+        while not self.stopping.is_set():
+            try:
+                facts = read_engine(engine, source)
+            except (OSError, ValueError) as exc:
+                if not warned:
+                    print(f"kvguard agent: probe {node}: cannot read {source}: {exc}", file=sys.stderr)
+                    warned = True
+                facts = None
+            if facts is not None and facts.pool_tokens:
+                report = facts.report(0, role)
+                if last is None or report != last:
+                    seq += 1
+                    event = pb.Event(node=node, seq=seq, ts_ns=time.time_ns(), pool=report)
+                    self._spool(node).append([event])
+                    seq_file.write_text(str(seq))
+                    last = report
+            self.stopping.wait(interval)
+
     def idle(self) -> bool:
         """Nothing waits to be acknowledged (for tests and orderly shutdown)."""
         return all(not s.pending for s in self.spools.values())
@@ -232,3 +275,15 @@ class NodeAgent:
         self._channel.close()
         for spool in self.spools.values():
             spool.close()
+
+
+def read_engine(engine: str, source: str) -> PoolFacts | None:
+    """An engine's pool facts from its log file or its HTTP server (None: not stated yet)."""
+    if source.startswith(("http://", "https://")):
+        base = source.rstrip("/")
+        if engine == "sglang":
+            return from_sglang_server_info(fetch_json(base + "/get_server_info"), base + "/get_server_info")
+        return from_openai_models(fetch_json(base + "/v1/models"), engine, base + "/v1/models")
+    with open(source, encoding="utf-8", errors="replace") as log:
+        lines = log.readlines()
+    return parse_sglang_log(lines) if engine == "sglang" else parse_vllm_log(lines)
