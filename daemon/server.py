@@ -215,6 +215,8 @@ class Daemon:
                     ns.pools.add(node=name, report=pool.report, pages_in_use=int((pool.pages.use > 0).sum()))
             for kind, n in self.ledger.stats.findings.items():
                 state.findings[kind] = n
+            for name, n in self.counters.items():
+                state.counters[name] = n
         return state
 
 

@@ -122,6 +122,8 @@ def test_a_node_may_speak_only_for_itself(daemon: Daemon) -> None:
         out = iter([svc.AgentMessage(batch=svc.EventBatch(events=[EVENTS[0]]))])
         first = next(svc_grpc.AgentServiceStub(channel).Stream(out))
         assert first.error.code == "identity" and "hello" in first.error.message
+        counters = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest()).counters
+        assert (counters["identity"], counters["stream_identity"]) == (1, 2)
     assert Store(daemon.store).count("event") == 1
 
 
@@ -139,6 +141,8 @@ def test_bad_events_are_refused_with_a_reason_and_the_rest_kept(daemon: Daemon) 
             huge = pb.Event(node="p0", seq=3, alloc=pb.Alloc(req="r", pool=0, pages=[300] * (9 << 20)))
             stream.send([huge])
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        counters = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest()).counters
+        assert (counters["malformed"], counters["repeat"]) == (1, 1)
     assert Store(daemon.store).count("event") == 2
 
 

@@ -202,8 +202,15 @@ class NodeState(_message.Message):
     def __init__(self, node: _Optional[str] = ..., last_seq: _Optional[int] = ..., last_ts_ns: _Optional[int] = ..., connected: _Optional[bool] = ..., dropped: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ...) -> None: ...
 
 class FleetState(_message.Message):
-    __slots__ = ("nodes", "requests", "events", "findings")
+    __slots__ = ("nodes", "requests", "events", "findings", "counters")
     class FindingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -214,8 +221,10 @@ class FleetState(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
     requests: int
     events: int
     findings: _containers.ScalarMap[str, int]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
