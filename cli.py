@@ -108,6 +108,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     except RulesetError as exc:
         print(f"kvguard daemon: the ruleset is not usable:\n{exc}", file=sys.stderr)
         return 2
+    # The daemon hands each batch between threads (gRPC reader, writer, responder): with
+    # Python's default 5 ms GIL switch interval those hand-offs, not the work, set the latency.
+    sys.setswitchinterval(0.0005)
     store = Store(args.store)
     daemon = Daemon(store, ruleset, mode=args.mode)
     server, port = serve(daemon, args.listen)
