@@ -111,8 +111,11 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     # The daemon hands each batch between threads (gRPC reader, writer, responder): with
     # Python's default 5 ms GIL switch interval those hand-offs, not the work, set the latency.
     sys.setswitchinterval(0.0005)
+    from kvguard.daemon.writer import StoreWriter
+
     store = Store(args.store)
-    daemon = Daemon(store, ruleset, mode=args.mode)
+    writer = StoreWriter(args.store)  # hashing and inserts run on another core, overlapping the ledger
+    daemon = Daemon(store, ruleset, mode=args.mode, writer=writer)
     server, port = serve(daemon, args.listen)
     print(
         f"kvguard daemon listening on port {port}; store {store.url}; "
@@ -126,6 +129,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=2).wait()
+    writer.close()
     store.close()
     return 0
 

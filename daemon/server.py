@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvguard.agents.guard import KILL_ACTIONS
 from kvguard.daemon.store import Record, Store, StoreError
+from kvguard.daemon.writer import StoreWriter
 from kvguard.ledger.findings import Finding
 from kvguard.ledger.ledger import BadEvent, Ledger
 from kvguard.proto import pb
@@ -50,6 +51,23 @@ class Subscriber:
     dropped: int = 0
 
 
+class InlineWriter:
+    """The store written from the daemon's own process (tests, tools): the same interface as
+    StoreWriter, each group committed before submit() returns."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def submit(self, rows: Sequence[Record]) -> Future[int]:
+        done: Future[int] = Future()
+        try:
+            ids = self.store.append(rows)
+            done.set_result(ids[0] if ids else 0)
+        except StoreError as exc:
+            done.set_exception(exc)
+        return done
+
+
 def _matches(f: svc.AlertFilter, finding: Finding) -> bool:
     return (
         (not f.findings or finding.finding in f.findings)
@@ -62,7 +80,14 @@ def _matches(f: svc.AlertFilter, finding: Finding) -> bool:
 class Daemon:
     """The global ledger, the store and the fan-out; the gRPC services call into it."""
 
-    def __init__(self, store: Store, ruleset: Ruleset | None = None, *, mode: str = "enforce") -> None:
+    def __init__(
+        self,
+        store: Store,
+        ruleset: Ruleset | None = None,
+        *,
+        mode: str = "enforce",
+        writer: StoreWriter | None = None,
+    ) -> None:
         if mode not in ("monitor", "enforce"):
             raise ValueError(f"daemon mode {mode!r} is not monitor or enforce")
         self.mode = mode  # monitor: record and alert, never order a kill
@@ -76,12 +101,15 @@ class Daemon:
         self._command_id = store.count("command")
         self._command_node: dict[int, str] = {}
         self._inbox: queue.Queue[Any] = queue.Queue()
+        self._completions: queue.Queue[Any] = queue.Queue()
+        self.writer: StoreWriter | InlineWriter = writer if writer is not None else InlineWriter(store)
         rebuilt = 0
         for event in store.events():
             self.ledger.apply(event)  # verdicts are already stored; this rebuilds the state
             rebuilt += 1
         self.counters["rebuilt_events"] = rebuilt
-        threading.Thread(target=self._write_loop, name="kvguard-daemon-writer", daemon=True).start()
+        threading.Thread(target=self._write_loop, name="kvguard-daemon-apply", daemon=True).start()
+        threading.Thread(target=self._complete_loop, name="kvguard-daemon-complete", daemon=True).start()
 
     # ------------------------------------------------------------------ ingest
 
@@ -105,13 +133,40 @@ class Daemon:
                 items.append(item)
                 count += len(item[1])
             try:
-                self._commit(items)
+                applied = self._apply(items)
+                committed = self.writer.submit(applied[0])
             except BaseException as exc:  # every waiter must learn of it
                 for *_, done in items:
                     if not done.done():
                         done.set_exception(exc)
+                continue
+            # The next group is applied while this one commits; acks wait for the commit.
+            self._completions.put((items, applied, committed))
 
-    def _commit(self, items: list[Any]) -> None:
+    def _complete_loop(self) -> None:
+        while True:
+            items, (_, findings, commands, acks), committed = self._completions.get()
+            try:
+                first_id = committed.result()
+            except StoreError as exc:
+                # The ledger has moved past what is durable: stop, and rebuild from the store.
+                print(f"kvguard daemon: {exc}; stopping", file=sys.stderr, flush=True)
+                os._exit(70)
+            # Commands first: a stream's commands reach its agent before the ack of the batch
+            # that caused them.
+            for command in commands:
+                self.counters["kills"] += 1
+                outbox = self.outboxes.get(self._command_node.pop(command.id, ""))
+                if outbox is not None:
+                    outbox.put(svc.DaemonMessage(command=command))
+            for (_, _, _, done), ack in zip(items, acks, strict=True):
+                done.set_result(ack)
+            for row_index, finding in findings:
+                self._publish(first_id + row_index, finding)
+
+    def _apply(
+        self, items: list[Any]
+    ) -> tuple[list[Record], list[tuple[int, Finding]], list[svc.Command], list[svc.Ack]]:
         rows: list[Record] = []
         findings: list[tuple[int, Finding]] = []  # (index of its row, finding)
         commands: list[svc.Command] = []
@@ -159,25 +214,9 @@ class Daemon:
                 known = self.ledger.nodes.get(node)
                 ack.durable_seq = known.last_seq if known else 0
                 acks.append(ack)
-            try:
-                ids = self.store.append(rows)  # the batches, their findings and commands: one commit
-            except StoreError as exc:
-                # The ledger has moved past what is durable: stop, and rebuild from the store.
-                print(f"kvguard daemon: {exc}; stopping", file=sys.stderr, flush=True)
-                os._exit(70)
             self.counters["events"] += sum(a.accepted for a in acks)
             self.counters["findings"] += len(findings)
-        # Commands first: a stream's commands then reach its agent before the ack of the batch
-        # that caused them.
-        for command in commands:
-            self.counters["kills"] += 1
-            outbox = self.outboxes.get(self._command_node.pop(command.id, ""))
-            if outbox is not None:
-                outbox.put(svc.DaemonMessage(command=command))
-        for (_, _, _, done), ack in zip(items, acks, strict=True):
-            done.set_result(ack)
-        for row_index, finding in findings:
-            self._publish(ids[row_index], finding)
+        return rows, findings, commands, acks
 
     def _publish(self, record_id: int, finding: Finding) -> None:
         for sub in list(self.subscribers):

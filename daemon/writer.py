@@ -1,0 +1,96 @@
+"""The audit store's writer in a process of its own, so that hashing and inserting records
+runs on another core than the daemon's ledger, and overlaps it: while group k commits, the
+daemon applies group k+1.
+
+Invariants: groups are committed in the order they were submitted, each in one
+transaction; `submit()` returns a future that resolves to the group's first record id only
+once the group is durable; if the writer fails or dies, every pending and later future fails
+(the daemon then stops and rebuilds from the store). The writer exits when the daemon goes
+(its end of the pipe closes).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+
+from kvguard.daemon.store import Record, Store, StoreError
+
+
+def _serve(where: str, conn: Connection) -> None:
+    store = Store(where)
+    try:
+        while True:
+            try:
+                rows = conn.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                ids = store.append([Record(*row) for row in rows])
+                conn.send(("ok", ids[0] if ids else 0))
+            except StoreError as exc:
+                conn.send(("error", str(exc)))
+                return
+    finally:
+        store.close()
+
+
+class StoreWriter:
+    """Submits groups of records to the writer process; resolves their futures in order."""
+
+    def __init__(self, where: str, max_in_flight: int = 4) -> None:
+        context = multiprocessing.get_context("spawn")  # never fork a process that runs gRPC threads
+        self._conn, child = context.Pipe()
+        self._proc = context.Process(
+            target=_serve, args=(where, child), name="kvguard-store-writer", daemon=True
+        )
+        self._proc.start()
+        child.close()
+        self._pending: deque[Future[int]] = deque()
+        self._slots = threading.Semaphore(max_in_flight)
+        self._lock = threading.Lock()
+        self._failed: BaseException | None = None
+        threading.Thread(target=self._replies, name="kvguard-store-replies", daemon=True).start()
+
+    def submit(self, rows: Sequence[Record]) -> Future[int]:
+        done: Future[int] = Future()
+        self._slots.acquire()
+        with self._lock:
+            if self._failed is not None:
+                self._slots.release()
+                done.set_exception(self._failed)
+                return done
+            self._pending.append(done)
+            self._conn.send([tuple(row) for row in rows])
+        return done
+
+    def _replies(self) -> None:
+        while True:
+            try:
+                status, value = self._conn.recv()
+            except (EOFError, OSError):
+                status, value = "error", "the audit store's writer process died"
+            with self._lock:
+                done = self._pending.popleft() if self._pending else None
+                if status != "ok":
+                    self._failed = StoreError(str(value))
+                    waiting = [done, *self._pending] if done else list(self._pending)
+                    self._pending.clear()
+            self._slots.release()
+            if status == "ok":
+                if done is not None:
+                    done.set_result(int(value))
+                continue
+            for future in waiting:
+                future.set_exception(self._failed)  # type: ignore[arg-type]
+            return
+
+    def close(self) -> None:
+        self._conn.close()
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
