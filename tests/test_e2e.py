@@ -63,9 +63,10 @@ def test_the_daemon_stops_a_leak_the_local_guard_only_watched(tmp_path: Path) ->
                 break
             time.sleep(0.2)
         by_node = {(f.finding, f.node) for f in findings if f.tenant == "globex"}
-        # Only the daemon sees both nodes: decode admitted a request that prefill had rejected,
-        # and the hand-off did not add up; it killed the request before its first attention.
-        assert ("rejected_progress", "decode-0") in by_node and ("transfer_mismatch", "decode-0") in by_node
+        # The daemon saw the rejected request go on at prefill and the hand-off not add up at
+        # decode, and killed it before its first attention. (Whether decode's admission came
+        # before the kill, adding a rejected_progress on decode-0, depends on timing.)
+        assert ("rejected_progress", "prefill-0") in by_node and ("transfer_mismatch", "decode-0") in by_node
         assert not any(f.finding == "stale_read" for f in findings)
         assert {f.node for f in findings} >= {"prefill-0", "decode-0"}
         assert any(pb.Event.FromString(b).kill.by == "daemon" for b in kills)  # the engine's record of it
