@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import shutil
-import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -24,6 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvguard.daemon.audit import exposure_of, format_exposure, open_source
+from kvguard.daemon.process import start_agent, start_daemon
 from kvguard.testbed.cluster import Cluster
 
 SECRET = "acme board memo: we acquire Initech at 4.2B on Dec 14, do not disclose. "
@@ -40,25 +39,6 @@ def _short(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _start(*args: str, ready: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvguard", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    line = proc.stdout.readline() if proc.stdout else ""
-    if not line.startswith(ready):
-        proc.kill()
-        raise RuntimeError(f"kvguard {args[0]} did not start")
-    return proc, line
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 def run_demo(out_dir: Path, out: TextIO = sys.stdout) -> int:
     started = time.monotonic()
     if out_dir.exists():
@@ -66,19 +46,14 @@ def run_demo(out_dir: Path, out: TextIO = sys.stdout) -> int:
     out_dir.mkdir(parents=True)
     store = out_dir / "audit.db"
     sock = out_dir / "agent.sock"
-    daemon, line = _start(
-        "daemon", "--listen", "127.0.0.1:0", "--store", str(store), "--mode", "monitor", ready="READY "
-    )
-    address = f"127.0.0.1:{line.split()[1]}"
-    spool = out_dir / "spool"
-    agent, _ = _start(
-        "agent", "--socket", str(sock), "--daemon", address, "--spool", str(spool), ready="READY"
-    )
+    daemon = start_daemon(str(store), 0, "--mode", "monitor", quiet=True)
+    address = daemon.address
+    agent = start_agent(str(sock), address, str(out_dir / "spool"), quiet=True)
     try:
         return _demo(out_dir, store, sock, address, started, out)
     finally:
-        _stop(agent)
-        _stop(daemon)
+        agent.stop()
+        daemon.stop()
 
 
 def _settled(spool: Path) -> None:

@@ -4,9 +4,6 @@ and the daemon's kill reaches the guard that owns the request."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +14,9 @@ import pytest
 
 from kvguard.agents.guard import Guard
 from kvguard.agents.sink import AgentSink
+from kvguard.daemon.process import Service
+from kvguard.daemon.process import start_agent as agent_service
+from kvguard.daemon.process import start_daemon as daemon_service
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -25,40 +25,13 @@ from kvguard.ruleset import load_ruleset
 RULES = load_ruleset()
 
 
-class Proc:
-    def __init__(self, *args: str, ready: str) -> None:
-        self.args = [sys.executable, "-m", "kvguard", *args]
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        assert line.startswith(ready), self.proc.stderr.read() if self.proc.stderr else line
-        self.line = line
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=20)
+def start_daemon(store: str, port: int = 0) -> tuple[Service, str]:
+    d = daemon_service(store, port)
+    return d, d.address
 
 
-def start_daemon(store: str, port: int = 0) -> tuple[Proc, str]:
-    d = Proc("daemon", "--listen", f"127.0.0.1:{port}", "--store", store, ready="READY ")
-    return d, f"127.0.0.1:{d.line.split()[1]}"
-
-
-def start_agent(tmp: Path, address: str) -> Proc:
-    return Proc(
-        "agent",
-        "--socket",
-        str(tmp / "agent.sock"),
-        "--daemon",
-        address,
-        "--spool",
-        str(tmp / "spool"),
-        ready="READY",
-    )
+def start_agent(tmp: Path, address: str) -> Service:
+    return agent_service(str(tmp / "agent.sock"), address, str(tmp / "spool"))
 
 
 def stored(store: str) -> list[pb.Event]:
@@ -79,7 +52,7 @@ def wait_for(predicate, timeout: float = 20.0) -> bool:  # type: ignore[no-untyp
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[str, str, Proc, Proc]]:
+def cluster(tmp_path: Path) -> Iterator[tuple[str, str, Service, Service]]:
     store = str(tmp_path / "audit.db")
     daemon, address = start_daemon(store)
     agent = start_agent(tmp_path, address)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from google.protobuf import json_format
 
 from kvguard.daemon.audit import format_time, main, page_ranges, parse_time
 from kvguard.daemon.client import send_capture
+from kvguard.daemon.process import Service, start_daemon
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
 from kvguard.proto.capture import read_capture
@@ -82,28 +82,9 @@ SECOND = [
 COMMAND_BODIES = "command" in svc.AuditRecord.DESCRIPTOR.fields_by_name
 
 
-class Daemon:
-    def __init__(self, store: Path) -> None:
-        self.store = store
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvguard", "daemon", "--listen", "127.0.0.1:0", "--store", str(store)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        assert line.startswith("READY "), self.proc.stderr.read() if self.proc.stderr else line
-        self.address = f"127.0.0.1:{line.split()[1]}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=20)
-
-
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("audit") / "audit.db")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    d = start_daemon(str(tmp_path_factory.mktemp("audit") / "audit.db"))
     try:
         for capture in (INCIDENT, SECOND):
             summary = send_capture(capture, d.address)
@@ -121,11 +102,11 @@ def audit(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str
     return rc, out, err
 
 
-def store_of(d: Daemon) -> tuple[str, str]:
+def store_of(d: Service) -> tuple[str, str]:
     return ("--store", str(d.store))
 
 
-def stored(d: Daemon) -> list[tuple[int, str, bytes]]:
+def stored(d: Service) -> list[tuple[int, str, bytes]]:
     s = Store(str(d.store))
     try:
         return list(s.rows())
@@ -148,7 +129,7 @@ def jsonl(text: str) -> list[dict]:
 
 
 def test_the_exposure_of_acme_names_every_request_that_reached_its_kv(
-    daemon: Daemon, capsys: pytest.CaptureFixture[str]
+    daemon: Service, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rc, out, _ = audit(capsys, "exposure", "--tenant", "acme", *store_of(daemon))
     assert rc == 1
@@ -171,7 +152,7 @@ def test_the_exposure_of_acme_names_every_request_that_reached_its_kv(
     )
 
 
-def test_the_exposure_as_json_lines(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_exposure_as_json_lines(daemon: Service, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = audit(capsys, "exposure", "--tenant", "acme", *store_of(daemon), "-o", "json")
     assert rc == 1
     *exposures, summary = jsonl(out)
@@ -197,7 +178,7 @@ def test_the_exposure_as_json_lines(daemon: Daemon, capsys: pytest.CaptureFixtur
     assert (summary["requests"], summary["killed"], summary["stopped"], summary["unchecked"]) == (4, 2, 1, 1)
 
 
-def test_globex_has_no_exposure(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+def test_globex_has_no_exposure(daemon: Service, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = audit(capsys, "exposure", "--tenant", "globex", *store_of(daemon))
     assert rc == 0
     assert out == "globex: no request of another tenant reached globex's KV (0 exposures).\n"
@@ -205,7 +186,7 @@ def test_globex_has_no_exposure(daemon: Daemon, capsys: pytest.CaptureFixture[st
     assert rc == 0 and [(o["type"], o["requests"]) for o in jsonl(out)] == [("summary", 0)]
 
 
-def test_the_exposure_in_a_time_window(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_exposure_in_a_time_window(daemon: Service, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = audit(
         capsys, "exposure", "--tenant", "acme", "--since", "9000", "--until", "10500", *store_of(daemon)
     )
@@ -223,7 +204,7 @@ def test_the_exposure_in_a_time_window(daemon: Daemon, capsys: pytest.CaptureFix
 # ------------------------------------------------------------------------------------ request
 
 
-def test_the_timeline_of_g1_across_nodes(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_timeline_of_g1_across_nodes(daemon: Service, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = audit(capsys, "request", "g1", *store_of(daemon), "-o", "json")
     assert rc == 1  # findings name it
     records = jsonl(out)
@@ -250,7 +231,7 @@ def test_the_timeline_of_g1_across_nodes(daemon: Daemon, capsys: pytest.CaptureF
 
 
 def test_a_read_launch_belongs_to_every_request_it_lists(
-    daemon: Daemon, capsys: pytest.CaptureFixture[str]
+    daemon: Service, capsys: pytest.CaptureFixture[str]
 ) -> None:
     launches = {}
     for req in ("a3", "i1", "i2"):
@@ -262,7 +243,7 @@ def test_a_read_launch_belongs_to_every_request_it_lists(
     assert [e["req"] for e in launches["i2"]["event"]["read"]["reads"]] == ["a3", "i1", "i2"]
 
 
-def test_a_victim_sees_the_findings_that_name_it(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_victim_sees_the_findings_that_name_it(daemon: Service, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = audit(capsys, "request", "a1", *store_of(daemon), "-o", "json")
     assert rc == 1
     findings = [r["finding"] for r in jsonl(out) if r["kind"] == "finding"]
@@ -275,7 +256,7 @@ def test_a_victim_sees_the_findings_that_name_it(daemon: Daemon, capsys: pytest.
 # ------------------------------------------------------------------------------------ query
 
 
-def test_json_lines_round_trip_ids_and_bodies(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_lines_round_trip_ids_and_bodies(daemon: Service, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = audit(capsys, "query", *store_of(daemon), "-o", "json")
     assert rc == 0
     records = jsonl(out)
@@ -286,7 +267,7 @@ def test_json_lines_round_trip_ids_and_bodies(daemon: Daemon, capsys: pytest.Cap
         assert json_format.ParseDict(record[kind], types[kind]()) == types[kind].FromString(body)
 
 
-def test_query_filters(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+def test_query_filters(daemon: Service, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = audit(
         capsys, "query", *store_of(daemon), "--kind", "finding", "--finding", "stale_read", "-o", "json"
     )
@@ -353,7 +334,7 @@ def _comparable(out: str, json_lines: bool) -> str:
     ids=lambda argv: " ".join(argv),
 )
 def test_the_daemon_gives_the_same_output_as_the_store(
-    daemon: Daemon, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]
+    daemon: Service, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]
 ) -> None:
     from_store = audit(capsys, *argv, *store_of(daemon))
     from_daemon = audit(capsys, *argv, "--daemon", daemon.address)
@@ -366,7 +347,7 @@ def test_the_daemon_gives_the_same_output_as_the_store(
 @pytest.mark.skipif(
     not COMMAND_BODIES, reason="needs AuditRecord.command in services.proto, served by the daemon"
 )
-def test_the_daemon_serves_command_bodies(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_daemon_serves_command_bodies(daemon: Service, capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (("request", "g1"), ("query", "--kind", "command", "-o", "json")):
         # exit code and stdout; stderr's summary names the source, which differs
         assert (
@@ -390,14 +371,14 @@ def test_the_daemon_serves_command_bodies(daemon: Daemon, capsys: pytest.Capture
     ],
 )
 def test_bad_arguments_exit_2_naming_the_input(
-    daemon: Daemon, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], named: str
+    daemon: Service, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], named: str
 ) -> None:
     rc, out, err = audit(capsys, *argv, *store_of(daemon))
     assert (rc, out) == (2, "") and named in err
 
 
 def test_bad_sources_exit_2_naming_the_source(
-    daemon: Daemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    daemon: Service, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     missing = tmp_path / "nowhere.db"
     rc, _, err = audit(capsys, "query", "--store", str(missing))
@@ -437,7 +418,7 @@ def test_times_and_pages() -> None:
 # ------------------------------------------------------------------------------------ the CLI
 
 
-def test_kvguard_audit_exposure_as_a_user_runs_it(daemon: Daemon) -> None:
+def test_kvguard_audit_exposure_as_a_user_runs_it(daemon: Service) -> None:
     """Needs cli.py to call kvguard.daemon.audit.add_parsers on the `kvguard audit` group."""
     run = subprocess.run(
         [

@@ -4,7 +4,6 @@ commands back to the right node, health and reflection, a tamper-evident audit l
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from collections import Counter
@@ -17,6 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sqlalchemy import create_engine, text
 
 from kvguard.daemon.client import AgentStream, DaemonRefused, send_capture
+from kvguard.daemon.process import Service, start_daemon
 from kvguard.daemon.store import Store
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb
@@ -31,31 +31,12 @@ INCIDENT = (DEFAULT_FIXTURES_DIR / "incident" / "capture.jsonl").read_text().spl
 EVENTS = [e for _, e in read_capture(INCIDENT)]
 
 
-class Daemon:
-    def __init__(self, store: str) -> None:
-        self.store = store
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvguard", "daemon", "--listen", "127.0.0.1:0", "--store", str(store)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        assert line.startswith("READY "), self.proc.stderr.read() if self.proc.stderr else line
-        self.address = f"127.0.0.1:{line.split()[1]}"
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=20)
+def Daemon(store: str) -> Service:
+    return start_daemon(store)
 
 
 @pytest.fixture
-def daemon(store_url: str) -> Iterator[Daemon]:
+def daemon(store_url: str) -> Iterator[Service]:
     d = Daemon(store_url)
     yield d
     d.stop()
@@ -79,7 +60,7 @@ def stored_findings(store: str) -> list[pb.Finding]:
         s.close()
 
 
-def test_the_daemon_stores_what_a_local_replay_finds(daemon: Daemon) -> None:
+def test_the_daemon_stores_what_a_local_replay_finds(daemon: Service) -> None:
     summary = send_capture(INCIDENT, daemon.address)
     assert (summary.events, summary.accepted, summary.repeats, summary.rejected) == (39, 39, 0, [])
     assert facts(stored_findings(daemon.store)) == facts(local_findings())
@@ -109,7 +90,7 @@ def test_redelivery_and_a_killed_daemon_lose_and_double_nothing(store_url: str) 
     assert facts(stored_findings(store)) == facts(local_findings())
 
 
-def test_a_node_may_speak_only_for_itself(daemon: Daemon) -> None:
+def test_a_node_may_speak_only_for_itself(daemon: Service) -> None:
     with grpc.insecure_channel(daemon.address) as channel:
         p0 = AgentStream(channel, "p0")
         ack = p0.send([EVENTS[0], EVENTS[1]])  # p0's pool report, then d0's
@@ -127,7 +108,7 @@ def test_a_node_may_speak_only_for_itself(daemon: Daemon) -> None:
     assert Store(daemon.store).count("event") == 1
 
 
-def test_bad_events_are_refused_with_a_reason_and_the_rest_kept(daemon: Daemon) -> None:
+def test_bad_events_are_refused_with_a_reason_and_the_rest_kept(daemon: Service) -> None:
     with grpc.insecure_channel(daemon.address) as channel:
         stream = AgentStream(channel, "p0")
         bad = pb.Event(node="p0", seq=2, alloc=pb.Alloc(req="r", pool=0, pages=[99]))
@@ -146,7 +127,7 @@ def test_bad_events_are_refused_with_a_reason_and_the_rest_kept(daemon: Daemon) 
     assert Store(daemon.store).count("event") == 2
 
 
-def test_alerts_resume_from_a_cursor(daemon: Daemon) -> None:
+def test_alerts_resume_from_a_cursor(daemon: Service) -> None:
     send_capture(INCIDENT, daemon.address)
     with grpc.insecure_channel(daemon.address) as channel:
         alerts = svc_grpc.AlertServiceStub(channel)
@@ -166,7 +147,7 @@ def test_alerts_resume_from_a_cursor(daemon: Daemon) -> None:
         assert {a.finding.victim_req for a in leaks} == {"a1", "a2"}
 
 
-def test_kill_commands_reach_the_node_that_holds_the_request(daemon: Daemon) -> None:
+def test_kill_commands_reach_the_node_that_holds_the_request(daemon: Service) -> None:
     with grpc.insecure_channel(daemon.address) as channel:
         streams = {node: AgentStream(channel, node) for node in ("p0", "d0")}
         for event in EVENTS:
@@ -180,7 +161,7 @@ def test_kill_commands_reach_the_node_that_holds_the_request(daemon: Daemon) -> 
     assert ("g1", "rejected_progress") in kills["p0"] and all(req == "g1" for req, _ in kills["p0"])
 
 
-def test_stock_grpc_tools_see_health_and_services(daemon: Daemon) -> None:
+def test_stock_grpc_tools_see_health_and_services(daemon: Service) -> None:
     with grpc.insecure_channel(daemon.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for name in ("", "kvguard.v1.AgentService"):
@@ -200,7 +181,7 @@ def test_stock_grpc_tools_see_health_and_services(daemon: Daemon) -> None:
         } <= names
 
 
-def test_audit_verify_finds_an_altered_record(daemon: Daemon) -> None:
+def test_audit_verify_finds_an_altered_record(daemon: Service) -> None:
     send_capture(INCIDENT, daemon.address)
     daemon.stop()
     verify = [sys.executable, "-m", "kvguard", "audit", "verify", "--store", daemon.store]

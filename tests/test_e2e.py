@@ -4,12 +4,10 @@ mode); the daemon's global verdict is what stops the leak, before decode attends
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+from kvguard.daemon.process import start_agent, start_daemon
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
 from kvguard.testbed.cluster import Cluster
@@ -17,26 +15,11 @@ from kvguard.testbed.cluster import Cluster
 SECRET = "acme memo: Initech deal closes Dec 14 at 4.2B, keep private."
 
 
-def start(*args: str, ready: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvguard", *args], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline() if proc.stdout else ""
-    assert line.startswith(ready), line
-    return proc, line
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=20)
-
-
 def test_the_daemon_stops_a_leak_the_local_guard_only_watched(tmp_path: Path) -> None:
     store = str(tmp_path / "audit.db")
-    daemon, line = start("daemon", "--listen", "127.0.0.1:0", "--store", store, ready="READY ")
-    address = f"127.0.0.1:{line.split()[1]}"
+    daemon = start_daemon(store)
     sock = str(tmp_path / "agent.sock")
-    agent, _ = start(
-        "agent", "--socket", sock, "--daemon", address, "--spool", str(tmp_path / "spool"), ready="READY"
-    )
+    agent = start_agent(sock, daemon.address, str(tmp_path / "spool"))
     try:
         with Cluster(
             tmp_path / "captures",
@@ -71,5 +54,5 @@ def test_the_daemon_stops_a_leak_the_local_guard_only_watched(tmp_path: Path) ->
         assert {f.node for f in findings} >= {"prefill-0", "decode-0"}
         assert any(pb.Event.FromString(b).kill.by == "daemon" for b in kills)  # the engine's record of it
     finally:
-        stop(agent)
-        stop(daemon)
+        agent.stop()
+        daemon.stop()
