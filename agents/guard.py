@@ -34,10 +34,14 @@ KILL_ACTIONS = frozenset({"kill", "kill+quarantine", "block"})
 @dataclass(slots=True)
 class Verdict:
     """What the engine must do after a guard call: terminate the requests in `kill` (each
-    with the finding that condemned it, or None for a call the guard could not check)."""
+    with the finding that condemned it, or None for a call the guard could not check), keep
+    the pages in `quarantine` out of circulation, and refuse the prefix share when `deny`.
+    Each is set only by findings whose rule is enforced (the guard's mode, or the rule's)."""
 
     findings: list[Finding] = field(default_factory=list)
     kill: dict[str, Finding | None] = field(default_factory=dict)
+    quarantine: set[int] = field(default_factory=set)
+    deny: bool = False
 
     @property
     def ok(self) -> bool:
@@ -124,11 +128,16 @@ class Guard:
             self.findings.append(finding)
             if self._on_finding is not None:
                 self._on_finding(finding)
-            mode = self.rule_modes.get(finding.rule, self.mode)
-            if mode == "enforce" and finding.action in KILL_ACTIONS and finding.req:
+            if self.rule_modes.get(finding.rule, self.mode) != "enforce":
+                continue
+            if finding.action in KILL_ACTIONS and finding.req:
                 known = verdict.kill.get(finding.req)
                 if known is None or _RANK[finding.severity] < _RANK[known.severity]:
                     verdict.kill[finding.req] = finding  # the gravest reason is the one given
+            if "quarantine" in finding.action:
+                verdict.quarantine.update(finding.pages)
+            if finding.action == "deny":
+                verdict.deny = True
         for req, finding in verdict.kill.items():
             self._kill(req, finding)
         return verdict

@@ -139,8 +139,8 @@ class Worker:
                 return None
             pages = [self.free_list.pop() for _ in range(n)]
             verdict = self.g("alloc", req, 0, pages)
-            bad = {p for f in verdict.findings if "quarantine" in f.action for p in f.pages}
-            if bad and self.guard is not None and self.guard.mode == "enforce":
+            bad = verdict.quarantine
+            if bad:
                 # Quarantine: pages still in use elsewhere leave circulation; take others.
                 self.quarantined |= bad
                 self.g("free", req, 0, sorted(bad))
@@ -160,9 +160,8 @@ class Worker:
 
     def free_pages(self, req: str, pages: list[int]) -> None:
         with self.lock:
-            verdict = self.g("free", req, 0, pages)
-            bad = {p for f in verdict.findings if "quarantine" in f.action for p in f.pages}
-            if bad and self.guard is not None and self.guard.mode == "enforce":
+            bad = self.g("free", req, 0, pages).quarantine
+            if bad:
                 self.quarantined |= bad
                 self.free_list = [p for p in self.free_list if p not in bad]
             self.give_back(pages)
@@ -273,15 +272,10 @@ class PrefillWorker(Worker):
         entry = self.prefix_cache.get(self._cache_key(tenant, tokens, user_tokens)) if self._caching else None
         if entry is not None:
             verdict = self.g("share", req, 0, entry.pages, entry.origin)
-            denied = (
-                any(f.action == "deny" for f in verdict.findings)
-                and self.guard
-                and self.guard.mode == "enforce"
-            )
             if verdict.kill:
                 self.g("free", req, 0, entry.pages)
                 raise Killed(verdict.reason(req))
-            if not denied:
+            if not verdict.deny:
                 return entry.pages, entry.origin
             self.g("free", req, 0, entry.pages)  # the share is refused: compute instead
         n = math.ceil(len(tokens) / self.config.page_size)
