@@ -266,10 +266,6 @@ class NodeAgent:
                     last = report
             self.stopping.wait(interval)
 
-    def idle(self) -> bool:
-        """Nothing waits to be acknowledged (for tests and orderly shutdown)."""
-        return all(not s.pending for s in self.spools.values())
-
     def stop(self) -> None:
         self.stopping.set()
         self._channel.close()

@@ -155,40 +155,36 @@ _ENTRY_REQ = pb.ReadEntry.DESCRIPTOR.fields_by_name["req"].number
 _VICTIM_REQ = pb.Finding.DESCRIPTOR.fields_by_name["victim_req"].number
 
 
+def _read_varint(body: bytes, i: int) -> tuple[int, int]:
+    """(the varint at body[i], the index after it); IndexError if it runs off the end."""
+    value = shift = 0
+    while True:
+        b = body[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            return value, i
+
+
 def _has_top_field(body: bytes, number: int) -> bool:
     """Whether a serialized message has top-level field `number`, by walking its tags without
     decoding it; True when the bytes cannot be walked (then the caller decodes to be sure)."""
     i, n = 0, len(body)
     try:
         while i < n:
-            tag = shift = 0
-            while True:
-                b = body[i]
-                i += 1
-                tag |= (b & 0x7F) << shift
-                shift += 7
-                if b < 0x80:
-                    break
+            tag, i = _read_varint(body, i)
             if tag >> 3 == number:
                 return True
             wire = tag & 7
             if wire == 0:
-                while body[i] & 0x80:
-                    i += 1
-                i += 1
+                _, i = _read_varint(body, i)
             elif wire == 1:
                 i += 8
             elif wire == 5:
                 i += 4
             elif wire == 2:
-                length = shift = 0
-                while True:
-                    b = body[i]
-                    i += 1
-                    length |= (b & 0x7F) << shift
-                    shift += 7
-                    if b < 0x80:
-                        break
+                length, i = _read_varint(body, i)
                 i += length
             else:
                 return True

@@ -337,7 +337,7 @@ class AlertServicer(svc_grpc.AlertServiceServicer):
             last = request.after
             for record_id, _, body in self.daemon.store.rows(kind="finding", after=request.after):
                 finding = pb.Finding.FromString(body)
-                if _matches(request, _from_proto(finding)):
+                if _matches(request, Finding.from_proto(finding)):
                     yield svc.Alert(cursor=record_id, finding=finding)
                 last = record_id
             while context.is_active():
@@ -353,27 +353,6 @@ class AlertServicer(svc_grpc.AlertServiceServicer):
                     yield svc.Alert(cursor=record_id, finding=finding.to_proto())
         finally:
             self.daemon.subscribers.remove(sub)
-
-
-def _from_proto(msg: pb.Finding) -> Finding:
-    return Finding(
-        finding=msg.finding,
-        node=msg.node,
-        req=msg.req,
-        tenant=msg.tenant,
-        victim_req=msg.victim_req,
-        victim_tenant=msg.victim_tenant,
-        pool=msg.pool if msg.HasField("pool") else None,
-        pages=tuple(msg.pages),
-        seq=msg.seq,
-        ts_ns=msg.ts_ns,
-        message=msg.message,
-        details=dict(msg.details),
-        severity=msg.severity,
-        action=msg.action,
-        rule=msg.rule,
-        tags=tuple(msg.tags),
-    )
 
 
 class AuditServicer(svc_grpc.AuditServiceServicer):

@@ -102,6 +102,28 @@ class Finding:
             out["details"] = dict(self.details)
         return out
 
+    @staticmethod
+    def from_proto(msg: pb.Finding) -> Finding:
+        """The inverse of to_proto (a stored or streamed finding back as facts and verdict)."""
+        return Finding(
+            finding=msg.finding,
+            node=msg.node,
+            req=msg.req,
+            tenant=msg.tenant,
+            victim_req=msg.victim_req,
+            victim_tenant=msg.victim_tenant,
+            pool=msg.pool if msg.HasField("pool") else None,
+            pages=tuple(msg.pages),
+            seq=msg.seq,
+            ts_ns=msg.ts_ns,
+            message=msg.message,
+            details=dict(msg.details),
+            severity=msg.severity,
+            action=msg.action,
+            rule=msg.rule,
+            tags=tuple(msg.tags),
+        )
+
     def to_proto(self) -> pb.Finding:
         msg = pb.Finding(
             finding=self.finding,

@@ -280,13 +280,6 @@ class Ledger:
             self.stats.missing += missing
         return self._found or _NO_FINDINGS
 
-    def apply_all(self, events: Iterable[pb.Event]) -> list[Finding]:
-        """Apply events in order (bad ones raise); return every finding. For tests and tools."""
-        found: list[Finding] = []
-        for event in events:
-            found.extend(self.apply(event))
-        return found
-
     # ------------------------------------------------------------------ lookups
 
     def request(self, req: str) -> Request | None:

@@ -71,7 +71,3 @@ class PoolPages:
     def refs(self, pages: np.ndarray) -> np.ndarray:
         """Live grants (owner and prefix sharers) of each of `pages`."""
         return self.use[pages] - self.holds[:, pages].sum(axis=0, dtype=np.uint32)
-
-    def pages_of(self, req: int) -> np.ndarray:
-        """Pages currently granted to request `req` (a scan of the pool: not for the hot path)."""
-        return np.flatnonzero(self.owner == req)
