@@ -42,20 +42,13 @@ class NullSink:
         pass
 
 
-class CaptureSink:
-    """Appends events to a JSON Lines capture file from a background thread."""
+class _QueuedSink:
+    """The engine's side of a sink: a bounded queue that never waits; what overflows it is
+    counted in `dropped`. A background thread of the subclass drains `_queue` (None: stop)."""
 
-    def __init__(self, path: str | Path, capacity: int = 65536) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, capacity: int) -> None:
         self.dropped = 0
-        self.written = 0
         self._queue: queue.Queue[pb.Event | None] = queue.Queue(capacity)
-        self._file = self.path.open("a", encoding="utf-8")
-        self._thread = threading.Thread(
-            target=self._drain, name=f"kvguard-sink-{self.path.name}", daemon=True
-        )
-        self._thread.start()
 
     def put(self, event: pb.Event) -> bool:
         try:
@@ -64,6 +57,21 @@ class CaptureSink:
         except queue.Full:
             self.dropped += 1
             return False
+
+
+class CaptureSink(_QueuedSink):
+    """Appends events to a JSON Lines capture file from a background thread."""
+
+    def __init__(self, path: str | Path, capacity: int = 65536) -> None:
+        super().__init__(capacity)
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.written = 0
+        self._file = self.path.open("a", encoding="utf-8")
+        self._thread = threading.Thread(
+            target=self._drain, name=f"kvguard-sink-{self.path.name}", daemon=True
+        )
+        self._thread.start()
 
     def _drain(self) -> None:
         while True:
@@ -95,7 +103,7 @@ class CaptureSink:
         self._file.close()
 
 
-class AgentSink:
+class AgentSink(_QueuedSink):
     """Sends a guard's events to the node agent over its Unix socket, from a background thread;
     commands the agent relays (kill a request) go to `on_command`. While the agent is away the
     events wait in the bounded queue; only what overflows it is dropped, and counted."""
@@ -108,25 +116,16 @@ class AgentSink:
         capacity: int = 65536,
         on_command: Callable[[svc.Command], None] | None = None,
     ) -> None:
+        super().__init__(capacity)
         self.socket_path = str(socket_path)
         self.node = node
-        self.dropped = 0
         self.sent = 0
         self.connected = threading.Event()
         self._on_command = on_command
-        self._queue: queue.Queue[pb.Event | None] = queue.Queue(capacity)
         self._pending: list[pb.Event] = []
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"kvguard-agent-sink-{node}", daemon=True)
         self._thread.start()
-
-    def put(self, event: pb.Event) -> bool:
-        try:
-            self._queue.put_nowait(event)
-            return True
-        except queue.Full:
-            self.dropped += 1
-            return False
 
     def _connect(self) -> socket.socket:
         while not self._closed:
