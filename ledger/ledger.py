@@ -672,7 +672,7 @@ class Ledger:
             other = owner[foreign]
             bad = np.ones(len(sel), bool)
             if drain:
-                bad = ~((other == ~r.idx) & (pp.holds[HOLDER_INDEX["transfer_recv"], sel] > 0))
+                bad = ~pp.draining(r.idx, sel, other)
             late = bad & (other >= 0)
             if late.any():
                 self._by_victim(
@@ -909,8 +909,7 @@ class Ledger:
             return False
         r = self._req_index.get(req, NOBODY)
         owner = pp.owner[idx]
-        draining = (owner == ~r) & (pp.holds[HOLDER_INDEX["transfer_recv"], idx] > 0)
-        return bool(r != NOBODY and ((owner == r) | draining).all())
+        return bool(r != NOBODY and ((owner == r) | pp.draining(r, idx, owner)).all())
 
     def _pages_read(self, pool: Pool, pages: np.ndarray, tokens: int) -> tuple[np.ndarray, int]:
         """The pages a context of `tokens` tokens actually covers (a block table may be longer)."""

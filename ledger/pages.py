@@ -68,6 +68,11 @@ class PoolPages:
             slots[-1] = tokens - (count - 1) * self.page_size
         return slots
 
+    def draining(self, req: int, pages: np.ndarray, owner: np.ndarray) -> np.ndarray:
+        """Which of `pages` (whose owners are `owner`) req's grant left while a transfer_recv
+        hold keeps them for it: a transfer already in flight may still land there."""
+        return (owner == ~req) & (self.holds[HOLDER_INDEX["transfer_recv"], pages] > 0)
+
     def refs(self, pages: np.ndarray) -> np.ndarray:
         """Live grants (owner and prefix sharers) of each of `pages`."""
         return self.use[pages] - self.holds[:, pages].sum(axis=0, dtype=np.uint32)
