@@ -22,13 +22,12 @@ from typing import Any, Literal
 import numpy as np
 
 from kvguard.agents.sink import EventSink, NullSink
-from kvguard.ledger.findings import SEVERITIES, Finding
+from kvguard.ledger.findings import KILL_ACTIONS, SEVERITIES, Finding
 from kvguard.ledger.ledger import BadEvent, Ledger
 from kvguard.proto import pb
 from kvguard.ruleset import Ruleset, load_ruleset
 
 Mode = Literal["monitor", "enforce"]
-KILL_ACTIONS = frozenset({"kill", "kill+quarantine", "block"})
 
 
 @dataclass(slots=True)

@@ -30,10 +30,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvguard.agents.guard import KILL_ACTIONS
 from kvguard.daemon.store import Record, Store, StoreError
 from kvguard.daemon.writer import StoreWriter
-from kvguard.ledger.findings import Finding
+from kvguard.ledger.findings import KILL_ACTIONS, Finding
 from kvguard.ledger.ledger import BadEvent, Ledger
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc

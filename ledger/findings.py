@@ -29,6 +29,7 @@ SEVERITIES: tuple[str, ...] = ("critical", "high", "medium", "low", "info")
 # kill: end the one offending request; +quarantine: keep its pages out of the pool;
 # block: refuse admission; deny: refuse the prefix share; alert/log: report only.
 ACTIONS: tuple[str, ...] = ("kill", "kill+quarantine", "alert+quarantine", "block", "deny", "alert", "log")
+KILL_ACTIONS = frozenset({"kill", "kill+quarantine", "block"})  # the actions that end the request
 
 
 @dataclass(frozen=True, slots=True)
