@@ -245,35 +245,49 @@ class Run:
 
 
 class Alerts:
-    """A Subscribe stream in this process; records when each planted request's alert arrives."""
+    """The alert subscriber, as a SIEM would run it: a process of its own (`bench/ingest.py
+    --subscribe ADDR`) holding an AlertService.Subscribe stream, so its arrival times do not
+    wait for this process's GIL. It prints `<perf_counter> <req>` per alert; perf_counter is
+    CLOCK_MONOTONIC, the same clock in every process of the machine."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, address: str) -> None:
         self.arrived: dict[str, float] = {}
         self.others = 0
         self.cond = threading.Condition()
-        self.call = svc_grpc.AlertServiceStub(channel).Subscribe(svc.AlertFilter(findings=[PLANTED]))
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--subscribe", address], stdout=subprocess.PIPE, text=True
+        )
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
     def _read(self) -> None:
-        try:
-            for alert in self.call:
-                now = time.perf_counter()
-                with self.cond:
-                    if alert.finding.req in self.arrived:
-                        self.others += 1
-                    self.arrived[alert.finding.req] = now
-                    self.cond.notify_all()
-        except grpc.RpcError:
-            pass
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            at, req = line.split()
+            with self.cond:
+                if req in self.arrived:
+                    self.others += 1
+                self.arrived[req] = float(at)
+                self.cond.notify_all()
 
     def wait_for(self, reqs: list[str], timeout: float) -> bool:
         with self.cond:
             return self.cond.wait_for(lambda: all(r in self.arrived for r in reqs), timeout)
 
     def close(self) -> None:
-        self.call.cancel()
+        self.proc.terminate()
+        self.proc.wait(10)
         self.thread.join(5)
+
+
+def subscriber(address: str) -> None:
+    """`bench/ingest.py --subscribe ADDR`: print each planted alert's arrival time."""
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        call = svc_grpc.AlertServiceStub(channel).Subscribe(svc.AlertFilter(findings=[PLANTED]))
+        signal.signal(signal.SIGTERM, lambda *_: call.cancel())
+        with contextlib.suppress(grpc.RpcError):
+            for alert in call:
+                print(f"{time.perf_counter()!r} {alert.finding.req}", flush=True)
 
 
 def probe(address: str, alerts: Alerts) -> None:
@@ -407,13 +421,12 @@ def daemon_run(
     daemon = start(cmd, store_dir / f"daemon-{tag}.log")
     address = f"127.0.0.1:{daemon.port}"
     try:
-        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-            alerts = Alerts(channel)
-            try:
-                probe(address, alerts)
-                run = drive(address, workloads, seconds, alerts, paced)
-            finally:
-                alerts.close()
+        alerts = Alerts(address)
+        try:
+            probe(address, alerts)
+            run = drive(address, workloads, seconds, alerts, paced)
+        finally:
+            alerts.close()
         fleet_check(address, run)
     finally:
         stop(daemon)
@@ -456,10 +469,19 @@ def main() -> None:
     parser.add_argument("--store-dir", type=Path, help="where the SQLite stores go (default: a temp dir)")
     parser.add_argument("--py-spy", type=Path, metavar="DIR", help="record the daemon with py-spy into DIR")
     parser.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--subscribe", metavar="ADDR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.floor_server:
         floor_server()
         return
+    if args.subscribe:
+        subscriber(args.subscribe)
+        return
+    # The agents are threads here (on a cluster, processes on other machines): with Python's
+    # default 5 ms GIL switch interval an agent woken by its ack would wait for the others'
+    # turns, and that wait would be counted as the daemon's latency. The daemon runs with the
+    # same 0.5 ms.
+    sys.setswitchinterval(0.0005)
     counts = [int(a) for a in args.agents.split(",")]
     total = args.events or int(GOAL_TRANSITIONS * args.seconds * 1.25 / args.req_pages)
     print(

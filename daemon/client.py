@@ -18,7 +18,6 @@ import grpc
 from kvguard.proto import pb
 from kvguard.proto.capture import CaptureError, read_capture
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
-from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 
 
 class DaemonRefused(RuntimeError):
@@ -28,10 +27,19 @@ class DaemonRefused(RuntimeError):
 class AgentStream:
     def __init__(self, channel: grpc.Channel, node: str, agent_version: str = "kvguard") -> None:
         self.node = node
-        self._out: queue.Queue[svc.AgentMessage | None] = queue.Queue()
-        self._responses = svc_grpc.AgentServiceStub(channel).Stream(iter(self._out.get, None))
+        self._out: queue.Queue[bytes | None] = queue.Queue()
+        # Requests go as bytes: a batch is each event serialized into a RawAgentMessage (the
+        # same bytes on the wire as an AgentMessage), which skips copying every event into a
+        # new message first.
+        stream = channel.stream_stream(
+            "/kvguard.v1.AgentService/Stream",
+            request_serializer=None,
+            response_deserializer=svc.DaemonMessage.FromString,
+        )
+        self._responses = stream(iter(self._out.get, None))
         self.commands: list[svc.Command] = []
-        self._out.put(svc.AgentMessage(hello=svc.Hello(node=node, agent_version=agent_version)))
+        hello = svc.AgentMessage(hello=svc.Hello(node=node, agent_version=agent_version))
+        self._out.put(hello.SerializeToString())
         self.durable_seq = self._next_ack().durable_seq  # what the daemon already has of this node
 
     def _next_ack(self) -> svc.Ack:
@@ -46,7 +54,8 @@ class AgentStream:
         raise DaemonRefused("the daemon closed the stream")
 
     def send(self, events: Iterable[pb.Event]) -> svc.Ack:
-        self._out.put(svc.AgentMessage(batch=svc.EventBatch(events=list(events))))
+        batch = svc.RawEventBatch(events=[e.SerializeToString() for e in events])
+        self._out.put(svc.RawAgentMessage(batch=batch).SerializeToString())
         ack = self._next_ack()
         self.durable_seq = ack.durable_seq
         return ack

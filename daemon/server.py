@@ -14,12 +14,15 @@ than run ahead of it).
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import sys
 import threading
+import time
+import traceback
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -30,7 +33,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvguard.daemon.store import Record, Store, StoreError
+from kvguard.daemon.store import EventRun, Record, Store, StoreError, rows_of
 from kvguard.daemon.writer import StoreWriter
 from kvguard.ledger.findings import KILL_ACTIONS, Finding
 from kvguard.ledger.ledger import BadEvent, Ledger
@@ -41,6 +44,8 @@ from kvguard.ruleset import Ruleset, load_ruleset
 
 MAX_MESSAGE = 16 << 20
 MAX_BATCH = 65536
+MAX_IN_FLIGHT = 8  # batches of one stream applied or committing but not yet acknowledged
+FREEZE_EVERY_S = 1.0  # how often long-lived objects leave the garbage collector's view
 
 
 @dataclass
@@ -57,14 +62,42 @@ class InlineWriter:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def submit(self, rows: Sequence[Record]) -> Future[int]:
+    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> Future[int]:
         done: Future[int] = Future()
         try:
-            ids = self.store.append(rows)
+            ids = self.store.append(rows_of(messages, parts))
             done.set_result(ids[0] if ids else 0)
         except StoreError as exc:
             done.set_exception(exc)
         return done
+
+
+Reply = Callable[[svc.DaemonMessage], None]
+
+
+@dataclass(slots=True)
+class Batch:
+    """One stream's batch on its way through the daemon."""
+
+    node: str
+    events: Sequence[pb.Event]
+    message: bytes  # the AgentMessage as received: what the store keeps of each event
+    reply: Reply  # where its ack goes (the stream's outbox)
+
+
+@dataclass(slots=True)
+class Applied:
+    """What applying a group produced, to commit and then release."""
+
+    parts: list[Record | EventRun] = field(default_factory=list)
+    rows: int = 0  # rows the parts expand to
+    findings: list[tuple[int, Finding]] = field(default_factory=list)  # (index of its row, finding)
+    commands: list[svc.Command] = field(default_factory=list)
+    acks: list[svc.Ack] = field(default_factory=list)
+
+    def add(self, part: Record | EventRun) -> None:
+        self.parts.append(part)
+        self.rows += part.stop - part.start if isinstance(part, EventRun) else 1
 
 
 def _matches(f: svc.AlertFilter, finding: Finding) -> bool:
@@ -99,123 +132,140 @@ class Daemon:
         self.outboxes: dict[str, queue.Queue[svc.DaemonMessage | None]] = {}
         self._command_id = store.count("command")
         self._command_node: dict[int, str] = {}
-        self._inbox: queue.Queue[Any] = queue.Queue()
-        self._completions: queue.Queue[Any] = queue.Queue()
+        self._inbox: queue.Queue[Batch] = queue.Queue()
         self.writer: StoreWriter | InlineWriter = writer if writer is not None else InlineWriter(store)
         rebuilt = 0
         for event in store.events():
             self.ledger.apply(event)  # verdicts are already stored; this rebuilds the state
             rebuilt += 1
         self.counters["rebuilt_events"] = rebuilt
+        gc.freeze()
         threading.Thread(target=self._write_loop, name="kvguard-daemon-apply", daemon=True).start()
-        threading.Thread(target=self._complete_loop, name="kvguard-daemon-complete", daemon=True).start()
 
     # ------------------------------------------------------------------ ingest
 
-    def ingest(self, node: str, events: Sequence[pb.Event], raw: Sequence[bytes] | None = None) -> svc.Ack:
-        """Apply and commit one batch of a node's events; returns its acknowledgement once
-        durable. The batches of all streams are committed together by one writer thread
+    def ingest(self, batch: Batch) -> None:
+        """Queue one batch of a node's events; its ack goes to `batch.reply` once it is
+        durable. The batches of all streams are applied by one thread and committed together
         (group commit), so a stream waits for one commit, not for everyone else's in turn."""
-        done: Future[svc.Ack] = Future()
-        self._inbox.put((node, events, raw, done))
-        return done.result()
+        self._inbox.put(batch)
 
     def _write_loop(self) -> None:
+        frozen = time.monotonic()
         while True:
-            items = [self._inbox.get()]
-            count = len(items[0][1])
+            group = [self._inbox.get()]
+            count = len(group[0].events)
             while count < 16384:
                 try:
-                    item = self._inbox.get_nowait()
+                    batch = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                items.append(item)
-                count += len(item[1])
+                group.append(batch)
+                count += len(batch.events)
+            applied = self._apply(group)
             try:
-                applied = self._apply(items)
-                committed = self.writer.submit(applied[0])
-            except BaseException as exc:  # every waiter must learn of it
-                for *_, done in items:
-                    if not done.done():
-                        done.set_exception(exc)
-                continue
-            # The next group is applied while this one commits; acks wait for the commit.
-            self._completions.put((items, applied, committed))
-
-    def _complete_loop(self) -> None:
-        while True:
-            items, (_, findings, commands, acks), committed = self._completions.get()
-            try:
-                first_id = committed.result()
+                committed = self.writer.submit([b.message for b in group], applied.parts)
             except StoreError as exc:
-                # The ledger has moved past what is durable: stop, and rebuild from the store.
-                print(f"kvguard daemon: {exc}; stopping", file=sys.stderr, flush=True)
-                os._exit(70)
-            # Commands first: a stream's commands reach its agent before the ack of the batch
-            # that caused them.
-            for command in commands:
-                self.counters["kills"] += 1
-                outbox = self.outboxes.get(self._command_node.pop(command.id, ""))
-                if outbox is not None:
-                    outbox.put(svc.DaemonMessage(command=command))
-            for (_, _, _, done), ack in zip(items, acks, strict=True):
-                done.set_result(ack)
-            for row_index, finding in findings:
-                self._publish(first_id + row_index, finding)
+                self._store_failed(exc)
+            # The next group is applied while this one commits; acks wait for the commit.
+            committed.add_done_callback(lambda done, g=group, a=applied: self._release(g, a, done))
+            if time.monotonic() - frozen > FREEZE_EVERY_S:
+                # The ledger only grows (a request object per request), and a full collection
+                # walks every object it can see: at 10^5-10^6 requests that is a 50-100 ms
+                # stop of every thread, the daemon's worst alert latency. Survivors of the
+                # last second move out of its view (gc.freeze, O(1)); what the ledger keeps is
+                # not cyclic garbage, so nothing that could be collected is kept by it.
+                gc.freeze()
+                frozen = time.monotonic()
 
-    def _apply(
-        self, items: list[Any]
-    ) -> tuple[list[Record], list[tuple[int, Finding]], list[svc.Command], list[svc.Ack]]:
-        rows: list[Record] = []
-        findings: list[tuple[int, Finding]] = []  # (index of its row, finding)
-        commands: list[svc.Command] = []
-        acks: list[svc.Ack] = []
+    def _store_failed(self, exc: BaseException) -> None:
+        # The ledger has moved past what is durable: stop, and rebuild from the store.
+        print(f"kvguard daemon: {exc}; stopping", file=sys.stderr, flush=True)
+        os._exit(70)
+
+    def _release(self, group: list[Batch], applied: Applied, committed: Future[int]) -> None:
+        """A group is durable: send its commands, its acks, its alerts (in that order, so a
+        stream's commands reach its agent before the ack of the batch that caused them)."""
+        try:
+            first_id = committed.result()
+        except BaseException as exc:
+            self._store_failed(exc)
+        for command in applied.commands:
+            self.counters["kills"] += 1
+            outbox = self.outboxes.get(self._command_node.pop(command.id, ""))
+            if outbox is not None:
+                outbox.put(svc.DaemonMessage(command=command))
+        for batch, ack in zip(group, applied.acks, strict=True):
+            batch.reply(svc.DaemonMessage(ack=ack))
+        for row_index, finding in applied.findings:
+            self._publish(first_id + row_index, finding)
+
+    def _apply(self, group: list[Batch]) -> Applied:
+        """Apply a group to the ledger; the accepted events become runs of rows, each finding
+        (and the kill it orders) a row right after the event that raised it."""
+        out = Applied()
         with self.lock:
-            for node, events, raw, _ in items:
+            for m, batch in enumerate(group):
+                node = batch.node
                 ack = svc.Ack(node=node)
-                for i, event in enumerate(events):
-                    if event.node != node:
-                        self.counters["identity"] += 1
-                        reason = f"event of node {event.node!r} on the stream of {node!r}"
-                        ack.rejected.add(seq=event.seq, reason=reason)
-                        continue
-                    try:
-                        found = self.ledger.apply(event)
-                    except BadEvent as exc:
-                        self.counters[exc.kind] += 1
-                        if exc.kind == "repeat":
-                            ack.repeats += 1
-                        else:
-                            ack.rejected.add(seq=event.seq, reason=str(exc))
+                run = -1  # start of the current run of accepted events
+                for i, event in enumerate(batch.events):
+                    found = self._apply_event(node, event, ack)
+                    if found is None:  # not applied: not stored
+                        if run >= 0:
+                            out.add(EventRun(m, run, i))
+                            run = -1
                         continue
                     ack.accepted += 1
-                    rows.append(Record.of_event(event, raw[i] if raw is not None else None))
-                    for f in found:
-                        evaluated = self.ruleset.evaluate(f)
-                        if evaluated is None:
-                            continue
-                        findings.append((len(rows), evaluated))
-                        rows.append(Record.of_finding(evaluated))
-                        command = self._command_for(evaluated)
-                        if command is not None:
-                            commands.append(command)
-                            body = command.SerializeToString()
-                            rows.append(
-                                Record(
-                                    "command",
-                                    evaluated.node,
-                                    command.id,
-                                    evaluated.ts_ns,
-                                    body,
-                                    evaluated.req,
-                                )
-                            )
+                    if run < 0:
+                        run = i
+                    if found:
+                        out.add(EventRun(m, run, i + 1))
+                        run = -1
+                        self._judge(found, out)
+                if run >= 0:
+                    out.add(EventRun(m, run, len(batch.events)))
                 known = self.ledger.nodes.get(node)
                 ack.durable_seq = known.last_seq if known else 0
-                acks.append(ack)
-            self.counters["events"] += sum(a.accepted for a in acks)
-            self.counters["findings"] += len(findings)
-        return rows, findings, commands, acks
+                out.acks.append(ack)
+            self.counters["events"] += sum(a.accepted for a in out.acks)
+            self.counters["findings"] += len(out.findings)
+        return out
+
+    def _apply_event(self, node: str, event: pb.Event, ack: svc.Ack) -> Sequence[Finding] | None:
+        """One event to the ledger: its findings, or None (and why, in the ack) if it was not
+        applied."""
+        if event.node != node:
+            self.counters["identity"] += 1
+            ack.rejected.add(seq=event.seq, reason=f"event of node {event.node!r} on the stream of {node!r}")
+            return None
+        try:
+            return self.ledger.apply(event)
+        except BadEvent as exc:
+            self.counters[exc.kind] += 1
+            if exc.kind == "repeat":
+                ack.repeats += 1
+            else:
+                ack.rejected.add(seq=event.seq, reason=str(exc))
+        except Exception as exc:  # a bug must not take the daemon or the stream down
+            self.counters["internal"] += 1
+            ack.rejected.add(seq=event.seq, reason=f"internal error applying the event: {exc!r}")
+            traceback.print_exc(file=sys.stderr)
+        return None
+
+    def _judge(self, found: Sequence[Finding], out: Applied) -> None:
+        """The ruleset's verdict on each finding of an event: its row, and its kill."""
+        for f in found:
+            evaluated = self.ruleset.evaluate(f)
+            if evaluated is None:
+                continue
+            out.findings.append((out.rows, evaluated))
+            out.add(Record.of_finding(evaluated))
+            command = self._command_for(evaluated)
+            if command is not None:
+                out.commands.append(command)
+                body = command.SerializeToString()
+                out.add(Record("command", evaluated.node, command.id, evaluated.ts_ns, body, evaluated.req))
 
     def _publish(self, record_id: int, finding: Finding) -> None:
         for sub in list(self.subscribers):
@@ -262,19 +312,29 @@ class AgentServicer(svc_grpc.AgentServiceServicer):
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
-    def Stream(
-        self, request_iterator: Iterator[svc.RawAgentMessage], context: grpc.ServicerContext
-    ) -> Iterator[Any]:
+    def Stream(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+        """Requests arrive as bytes (AgentMessage as sent): each batch is parsed once, here,
+        and its bytes go on to the store as they arrived."""
         out: queue.Queue[svc.DaemonMessage | None] = queue.Queue()
+        in_flight = threading.BoundedSemaphore(MAX_IN_FLIGHT)
         node: list[str] = []
 
         def fail(code: str, message: str) -> None:
             self.daemon.counters[f"stream_{code}"] += 1
             out.put(svc.DaemonMessage(error=svc.StreamError(code=code, message=message)))
 
+        def reply(msg: svc.DaemonMessage) -> None:
+            out.put(msg)
+            in_flight.release()
+
         def read() -> None:
             try:
-                for msg in request_iterator:
+                for data in request_iterator:
+                    try:
+                        msg = svc.AgentMessage.FromString(data)
+                    except DecodeError as exc:
+                        fail("malformed", f"the message is not a kvguard.v1.AgentMessage: {exc}")
+                        return
                     body = msg.WhichOneof("body")
                     if not node:
                         name = msg.hello.node if body == "hello" else ""
@@ -295,22 +355,20 @@ class AgentServicer(svc_grpc.AgentServiceServicer):
                             )
                         )
                     elif body == "batch":
-                        raw = list(msg.batch.events)
-                        if len(raw) > MAX_BATCH:
-                            fail("malformed", f"batch of {len(raw)} events (at most {MAX_BATCH})")
+                        events = msg.batch.events
+                        if len(events) > MAX_BATCH:
+                            fail("malformed", f"batch of {len(events)} events (at most {MAX_BATCH})")
                             return
-                        try:
-                            events = [pb.Event.FromString(b) for b in raw]
-                        except DecodeError as exc:
-                            fail("malformed", f"an event of the batch is not a kvguard.v1.Event: {exc}")
-                            return
-                        out.put(svc.DaemonMessage(ack=self.daemon.ingest(node[0], events, raw)))
+                        in_flight.acquire()  # an agent that does not wait for acks is held here
+                        self.daemon.ingest(Batch(node[0], events, data, reply))
                     else:
                         fail("malformed", f"unexpected {body or 'empty'} message after hello")
                         return
             except grpc.RpcError:
                 pass
             finally:
+                for _ in range(MAX_IN_FLIGHT):  # the acks of what was accepted go out first
+                    in_flight.acquire()
                 out.put(None)
 
         threading.Thread(target=read, daemon=True).start()
@@ -394,11 +452,11 @@ def serve(daemon: Daemon, listen: str) -> tuple[grpc.Server, int]:
             ("grpc.max_send_message_length", MAX_MESSAGE),
         ],
     )
-    # AgentService by hand: its requests are read as RawAgentMessage (the same bytes on the
-    # wire), so each event's bytes go to the store as received.
+    # AgentService by hand: its requests are taken as bytes, so each event's bytes go to the
+    # store as received.
     handler = grpc.stream_stream_rpc_method_handler(
         AgentServicer(daemon).Stream,
-        request_deserializer=svc.RawAgentMessage.FromString,
+        request_deserializer=None,
         response_serializer=svc.DaemonMessage.SerializeToString,
     )
     generic = grpc.method_handlers_generic_handler("kvguard.v1.AgentService", {"Stream": handler})

@@ -36,6 +36,7 @@ from sqlalchemy import (
 
 from kvguard.ledger.findings import Finding
 from kvguard.proto import pb
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 GENESIS = bytes(32)
@@ -63,7 +64,7 @@ _COLUMNS = ("kind", "node", "seq", "ts_ns", "req", "tenant", "victim_tenant", "f
 
 class Record(NamedTuple):
     """One row to append. `body` is the serialized protobuf (Event, Finding or Command).
-    A tuple: the daemon builds one per event on its hot path."""
+    A tuple: one is built per event, on the store writer's hot path."""
 
     kind: str  # event, finding, command
     node: str
@@ -102,6 +103,38 @@ class Record(NamedTuple):
             finding.finding,
             finding.severity,
         )
+
+
+class EventRun(NamedTuple):
+    """Events [start, stop) of the batch `message` (an index into the group's messages): the
+    daemon names the events it accepted this way instead of building their rows, which the
+    store's writer does on its own core."""
+
+    message: int
+    start: int
+    stop: int
+
+
+def rows_of(messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> list[Record]:
+    """The rows of a group: each EventRun expanded into its events' rows (the bytes each event
+    arrived as, and its index columns), Records as they are. `messages` are AgentMessage
+    batches as received; each is parsed once."""
+    parsed: dict[int, tuple[Sequence[bytes], Sequence[pb.Event]]] = {}
+    rows: list[Record] = []
+    for part in parts:
+        if not isinstance(part, EventRun):
+            rows.append(part)
+            continue
+        found = parsed.get(part.message)
+        if found is None:
+            data = messages[part.message]
+            found = parsed[part.message] = (
+                svc.RawAgentMessage.FromString(data).batch.events,
+                svc.AgentMessage.FromString(data).batch.events,
+            )
+        bodies, events = found
+        rows += [Record.of_event(events[i], bodies[i]) for i in range(part.start, part.stop)]
+    return rows
 
 
 def _chain(prev: bytes, record_id: int, columns: Sequence[Any], body: bytes) -> bytes:

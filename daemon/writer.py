@@ -1,6 +1,7 @@
-"""The audit store's writer in a process of its own, so that hashing and inserting records
-runs on another core than the daemon's ledger, and overlaps it: while group k commits, the
-daemon applies group k+1.
+"""The audit store's writer in a process of its own, so that building, hashing and inserting
+records runs on another core than the daemon's ledger, and overlaps it: while group k
+commits, the daemon applies group k+1. A group travels as the batches' bytes as received and
+the runs of accepted events in them (`EventRun`), so the daemon never builds an event's row.
 
 Invariants: groups are committed in the order they were submitted, each in one
 transaction; `submit()` returns a future that resolves to the group's first record id only
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
-from kvguard.daemon.store import Record, Store, StoreError
+from kvguard.daemon.store import EventRun, Record, Store, StoreError, rows_of
 
 
 def _serve(where: str, conn: Connection) -> None:
@@ -26,11 +27,11 @@ def _serve(where: str, conn: Connection) -> None:
     try:
         while True:
             try:
-                rows = conn.recv()
+                messages, parts = conn.recv()
             except (EOFError, OSError):
                 return
             try:
-                ids = store.append([Record(*row) for row in rows])
+                ids = store.append(rows_of(messages, parts))
                 conn.send(("ok", ids[0] if ids else 0))
             except StoreError as exc:
                 conn.send(("error", str(exc)))
@@ -56,7 +57,9 @@ class StoreWriter:
         self._failed: BaseException | None = None
         threading.Thread(target=self._replies, name="kvguard-store-replies", daemon=True).start()
 
-    def submit(self, rows: Sequence[Record]) -> Future[int]:
+    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> Future[int]:
+        """Commit a group: `rows_of(messages, parts)`, in one transaction, after every group
+        submitted before it. Blocks while `max_in_flight` groups are pending."""
         done: Future[int] = Future()
         self._slots.acquire()
         with self._lock:
@@ -65,7 +68,7 @@ class StoreWriter:
                 done.set_exception(self._failed)
                 return done
             self._pending.append(done)
-            self._conn.send([tuple(row) for row in rows])
+            self._conn.send((messages, parts))
         return done
 
     def _replies(self) -> None:
