@@ -116,7 +116,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     store = Store(args.store)
     writer = StoreWriter(args.store)  # hashing and inserts run on another core, overlapping the ledger
     daemon = Daemon(store, ruleset, mode=args.mode, writer=writer)
-    server, port = serve(daemon, args.listen)
+    server = serve(daemon, args.listen)
+    port = server.port
     print(
         f"kvguard daemon listening on port {port}; store {store.url}; "
         f"{daemon.counters['rebuilt_events']} events rebuilt",
@@ -128,7 +129,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    server.stop(grace=2).wait()
+    server.stop(grace=2)
     writer.close()
     store.close()
     return 0

@@ -14,6 +14,7 @@ than run ahead of it).
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import queue
@@ -22,11 +23,10 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -45,14 +45,36 @@ from kvguard.ruleset import Ruleset, load_ruleset
 MAX_MESSAGE = 16 << 20
 MAX_BATCH = 65536
 MAX_IN_FLIGHT = 8  # batches of one stream applied or committing but not yet acknowledged
+SUBSCRIBER_QUEUE = 100_000  # alerts waiting for one slow subscriber before it reads from the store
+BACKLOG_PAGE = 1000  # alerts read from the store at a time
 FREEZE_EVERY_S = 1.0  # how often long-lived objects leave the garbage collector's view
 
 
 @dataclass
 class Subscriber:
+    """One alert stream's live feed: filled from the daemon's commit thread, drained by the
+    stream on the server's event loop. When it overflows, later alerts are not queued: the
+    stream catches up from the store instead (it holds everything published)."""
+
     filter: svc.AlertFilter
-    queue: queue.Queue[tuple[int, Finding] | None] = field(default_factory=lambda: queue.Queue(100_000))
+    loop: asyncio.AbstractEventLoop
+    live: asyncio.Queue[tuple[int, Finding]] = field(default_factory=lambda: asyncio.Queue(SUBSCRIBER_QUEUE))
+    overflowed: bool = False
     dropped: int = 0
+
+    def push(self, record_id: int, finding: Finding) -> None:
+        """Thread-safe."""
+        self.loop.call_soon_threadsafe(self._put, record_id, finding)
+
+    def _put(self, record_id: int, finding: Finding) -> None:
+        if self.overflowed:
+            self.dropped += 1
+            return
+        try:
+            self.live.put_nowait((record_id, finding))
+        except asyncio.QueueFull:
+            self.overflowed = True
+            self.dropped += 1
 
 
 class InlineWriter:
@@ -129,7 +151,7 @@ class Daemon:
         self.lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self.subscribers: list[Subscriber] = []
-        self.outboxes: dict[str, queue.Queue[svc.DaemonMessage | None]] = {}
+        self.outboxes: dict[str, Reply] = {}  # node -> how to send to its stream (thread-safe)
         self._command_id = store.count("command")
         self._command_node: dict[int, str] = {}
         self._inbox: queue.Queue[Batch] = queue.Queue()
@@ -184,7 +206,7 @@ class Daemon:
         os._exit(70)
 
     def _release(self, group: list[Batch], applied: Applied, committed: Future[int]) -> None:
-        """A group is durable: send its commands, its acks, its alerts (in that order, so a
+        """A group is durable: send its commands, its alerts, its acks (in that order: a
         stream's commands reach its agent before the ack of the batch that caused them)."""
         try:
             first_id = committed.result()
@@ -194,11 +216,11 @@ class Daemon:
             self.counters["kills"] += 1
             outbox = self.outboxes.get(self._command_node.pop(command.id, ""))
             if outbox is not None:
-                outbox.put(svc.DaemonMessage(command=command))
-        for batch, ack in zip(group, applied.acks, strict=True):
-            batch.reply(svc.DaemonMessage(ack=ack))
+                outbox(svc.DaemonMessage(command=command))
         for row_index, finding in applied.findings:
             self._publish(first_id + row_index, finding)
+        for batch, ack in zip(group, applied.acks, strict=True):
+            batch.reply(svc.DaemonMessage(ack=ack))
 
     def _apply(self, group: list[Batch]) -> Applied:
         """Apply a group to the ledger; the accepted events become runs of rows, each finding
@@ -270,10 +292,7 @@ class Daemon:
     def _publish(self, record_id: int, finding: Finding) -> None:
         for sub in list(self.subscribers):
             if _matches(sub.filter, finding):
-                try:
-                    sub.queue.put_nowait((record_id, finding))
-                except queue.Full:
-                    sub.dropped += 1  # the subscriber resumes from the store by cursor
+                sub.push(record_id, finding)
 
     def _command_for(self, finding: Finding) -> svc.Command | None:
         """The kill for the node that holds the request (enforce mode), or None."""
@@ -308,28 +327,39 @@ class Daemon:
         return state
 
 
-class AgentServicer(svc_grpc.AgentServiceServicer):
+class AgentServicer:
+    """AgentService.Stream on the server's event loop. Requests arrive as bytes (AgentMessage
+    as sent): each batch is parsed once, here, and its bytes go on to the store as they
+    arrived. Acks and commands come from the daemon's commit thread."""
+
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
-    def Stream(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
-        """Requests arrive as bytes (AgentMessage as sent): each batch is parsed once, here,
-        and its bytes go on to the store as they arrived."""
-        out: queue.Queue[svc.DaemonMessage | None] = queue.Queue()
-        in_flight = threading.BoundedSemaphore(MAX_IN_FLIGHT)
+    async def Stream(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[svc.DaemonMessage]:
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[svc.DaemonMessage | None] = asyncio.Queue()
+        in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
         node: list[str] = []
+
+        def acked(msg: svc.DaemonMessage) -> None:
+            out.put_nowait(msg)
+            in_flight.release()
+
+        def reply(msg: svc.DaemonMessage) -> None:  # from the commit thread
+            loop.call_soon_threadsafe(acked, msg)
+
+        def send(msg: svc.DaemonMessage) -> None:  # commands, from the commit thread
+            loop.call_soon_threadsafe(out.put_nowait, msg)
 
         def fail(code: str, message: str) -> None:
             self.daemon.counters[f"stream_{code}"] += 1
-            out.put(svc.DaemonMessage(error=svc.StreamError(code=code, message=message)))
+            out.put_nowait(svc.DaemonMessage(error=svc.StreamError(code=code, message=message)))
 
-        def reply(msg: svc.DaemonMessage) -> None:
-            out.put(msg)
-            in_flight.release()
-
-        def read() -> None:
+        async def read() -> None:
             try:
-                for data in request_iterator:
+                async for data in request_iterator:
                     try:
                         msg = svc.AgentMessage.FromString(data)
                     except DecodeError as exc:
@@ -347,67 +377,86 @@ class AgentServicer(svc_grpc.AgentServiceServicer):
                             fail("identity", f"node {name!r} is already connected on another stream")
                             return
                         node.append(name)
-                        self.daemon.outboxes[name] = out
+                        self.daemon.outboxes[name] = send
                         known = self.daemon.ledger.nodes.get(name)
-                        out.put(
-                            svc.DaemonMessage(
-                                ack=svc.Ack(node=name, durable_seq=known.last_seq if known else 0)
-                            )
-                        )
+                        durable = known.last_seq if known else 0
+                        out.put_nowait(svc.DaemonMessage(ack=svc.Ack(node=name, durable_seq=durable)))
                     elif body == "batch":
                         events = msg.batch.events
                         if len(events) > MAX_BATCH:
                             fail("malformed", f"batch of {len(events)} events (at most {MAX_BATCH})")
                             return
-                        in_flight.acquire()  # an agent that does not wait for acks is held here
+                        await in_flight.acquire()  # an agent that does not wait for acks waits here
                         self.daemon.ingest(Batch(node[0], events, data, reply))
                     else:
                         fail("malformed", f"unexpected {body or 'empty'} message after hello")
                         return
-            except grpc.RpcError:
+            except (grpc.RpcError, asyncio.CancelledError):
                 pass
             finally:
                 for _ in range(MAX_IN_FLIGHT):  # the acks of what was accepted go out first
-                    in_flight.acquire()
-                out.put(None)
+                    await in_flight.acquire()
+                out.put_nowait(None)
 
-        threading.Thread(target=read, daemon=True).start()
+        reader = asyncio.create_task(read())
         try:
-            while True:
-                item = out.get()
-                if item is None:
-                    break
+            while (item := await out.get()) is not None:
                 yield item
         finally:
-            if node and self.daemon.outboxes.get(node[0]) is out:
+            reader.cancel()
+            if node and self.daemon.outboxes.get(node[0]) is send:
                 del self.daemon.outboxes[node[0]]
 
 
-class AlertServicer(svc_grpc.AlertServiceServicer):
+class AlertServicer:
+    """AlertService.Subscribe on the server's event loop: the store's backlog after the
+    subscriber's cursor, then live alerts, each once, in cursor order."""
+
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
-    def Subscribe(self, request: svc.AlertFilter, context: grpc.ServicerContext) -> Iterator[svc.Alert]:
-        sub = Subscriber(request)
-        self.daemon.subscribers.append(sub)  # before reading the backlog: nothing falls between
-        try:
-            last = request.after
-            for record_id, _, body in self.daemon.store.rows(kind="finding", after=request.after):
+    def _backlog(self, request: svc.AlertFilter, after: int) -> list[tuple[int, bytes]]:
+        return [
+            (record_id, body)
+            for record_id, _, body in self.daemon.store.rows(kind="finding", after=after, limit=BACKLOG_PAGE)
+        ]
+
+    async def _catch_up(self, request: svc.AlertFilter, after: int) -> AsyncIterator[svc.Alert]:
+        """The stored alerts after `after`, read a page at a time off the event loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            page = await loop.run_in_executor(None, self._backlog, request, after)
+            for record_id, body in page:
                 finding = pb.Finding.FromString(body)
                 if _matches(request, Finding.from_proto(finding)):
                     yield svc.Alert(cursor=record_id, finding=finding)
-                last = record_id
-            while context.is_active():
-                try:
-                    item = sub.queue.get(timeout=0.5)
-                except queue.Empty:
-                    continue
-                if item is None:
-                    break
-                record_id, finding = item
-                if record_id > last:
-                    last = record_id
-                    yield svc.Alert(cursor=record_id, finding=finding.to_proto())
+                after = record_id
+            if len(page) < BACKLOG_PAGE:
+                return
+
+    async def Subscribe(
+        self, request: svc.AlertFilter, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[svc.Alert]:
+        sub = Subscriber(request, asyncio.get_running_loop())
+        self.daemon.subscribers.append(sub)  # before reading the backlog: nothing falls between
+        try:
+            last = request.after
+            while True:
+                # Live alerts from here on are queued; what came before, or is dropped while
+                # the queue is full, is read from the store (the loop runs one step at a
+                # time, so nothing is published between these two lines).
+                sub.overflowed = False
+                while not sub.live.empty():
+                    sub.live.get_nowait()
+                async for alert in self._catch_up(request, last):
+                    last = alert.cursor
+                    yield alert
+                while not sub.overflowed:
+                    record_id, finding = await sub.live.get()
+                    if record_id > last:
+                        last = record_id
+                        yield svc.Alert(cursor=record_id, finding=finding.to_proto())
+                self.daemon.counters["subscriber_caught_up"] += 1
         finally:
             self.daemon.subscribers.remove(sub)
 
@@ -443,35 +492,59 @@ class FleetServicer(svc_grpc.FleetServiceServicer):
         return self.daemon.fleet()
 
 
-def serve(daemon: Daemon, listen: str) -> tuple[grpc.Server, int]:
-    """Start the gRPC server (health checking and reflection on); returns it and its port."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=64),
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE),
-            ("grpc.max_send_message_length", MAX_MESSAGE),
-        ],
-    )
-    # AgentService by hand: its requests are taken as bytes, so each event's bytes go to the
-    # store as received.
-    handler = grpc.stream_stream_rpc_method_handler(
-        AgentServicer(daemon).Stream,
-        request_deserializer=None,
-        response_serializer=svc.DaemonMessage.SerializeToString,
-    )
-    generic = grpc.method_handlers_generic_handler("kvguard.v1.AgentService", {"Stream": handler})
-    server.add_generic_rpc_handlers((generic,))
-    svc_grpc.add_AlertServiceServicer_to_server(AlertServicer(daemon), server)
-    svc_grpc.add_AuditServiceServicer_to_server(AuditServicer(daemon), server)
-    svc_grpc.add_FleetServiceServicer_to_server(FleetServicer(daemon), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [s.full_name for s in svc.DESCRIPTOR.services_by_name.values()]
-    for name in ["", *names]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
-    server.start()
-    return server, port
+class Server:
+    """The gRPC server, on an asyncio event loop in a thread of its own: the agent and alert
+    streams run on the loop (no thread per stream, so a batch changes threads only to be
+    applied and committed); audit queries and fleet state run in a small thread pool."""
+
+    def __init__(self, daemon: Daemon, listen: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvguard-grpc", daemon=True)
+        self._thread.start()
+        self._server: grpc.aio.Server | None = None
+        self.port = asyncio.run_coroutine_threadsafe(self._start(daemon, listen), self.loop).result()
+
+    async def _start(self, daemon: Daemon, listen: str) -> int:
+        server = grpc.aio.server(
+            migration_thread_pool=futures.ThreadPoolExecutor(max_workers=8),
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE),
+                ("grpc.max_send_message_length", MAX_MESSAGE),
+            ],
+        )
+        # AgentService by hand: its requests are taken as bytes, so each event's bytes go to
+        # the store as received.
+        handler = grpc.stream_stream_rpc_method_handler(
+            AgentServicer(daemon).Stream,
+            request_deserializer=None,
+            response_serializer=svc.DaemonMessage.SerializeToString,
+        )
+        generic = grpc.method_handlers_generic_handler("kvguard.v1.AgentService", {"Stream": handler})
+        server.add_generic_rpc_handlers((generic,))
+        svc_grpc.add_AlertServiceServicer_to_server(AlertServicer(daemon), server)  # type: ignore[arg-type]
+        svc_grpc.add_AuditServiceServicer_to_server(AuditServicer(daemon), server)
+        svc_grpc.add_FleetServiceServicer_to_server(FleetServicer(daemon), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        names = [s.full_name for s in svc.DESCRIPTOR.services_by_name.values()]
+        for name in ["", *names]:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        port = server.add_insecure_port(listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {listen}")
+        await server.start()
+        self._server = server
+        return port
+
+    def stop(self, grace: float) -> None:
+        """Stop serving; streams get `grace` seconds to end."""
+        if self._server is not None:
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=grace + 5)
+
+
+def serve(daemon: Daemon, listen: str) -> Server:
+    """Start the gRPC server (health checking and reflection on); `.port` is where it listens."""
+    return Server(daemon, listen)

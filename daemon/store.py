@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -62,6 +63,12 @@ records = Table(
 _COLUMNS = ("kind", "node", "seq", "ts_ns", "req", "tenant", "victim_tenant", "finding", "severity")
 
 
+_PAYLOADS = pb.Event.DESCRIPTOR.oneofs_by_name["payload"].fields
+# Which payloads carry the indexed columns (a getattr with a default is slow where it misses).
+_HAS_REQ = frozenset(f.name for f in _PAYLOADS if "req" in f.message_type.fields_by_name)
+_HAS_TENANT = frozenset(f.name for f in _PAYLOADS if "tenant" in f.message_type.fields_by_name)
+
+
 class Record(NamedTuple):
     """One row to append. `body` is the serialized protobuf (Event, Finding or Command).
     A tuple: one is built per event, on the store writer's hot path."""
@@ -81,11 +88,16 @@ class Record(NamedTuple):
     def of_event(event: pb.Event, body: bytes | None = None) -> Record:
         """The row of an event; `body` is its bytes as received, when the caller has them."""
         kind = event.WhichOneof("payload") or ""
-        payload = getattr(event, kind) if kind else None
-        req = getattr(payload, "req", "") if payload is not None else ""
-        if kind == "read" and payload.reads:
-            req = payload.reads[0].req  # indexed by its first request; the others are in the body
-        tenant = getattr(payload, "tenant", "") if payload is not None else ""
+        req = tenant = ""
+        if kind == "read":
+            reads = event.read.reads
+            req = reads[0].req if reads else ""  # indexed by its first request; the others are in the body
+        elif kind:
+            payload = getattr(event, kind)
+            if kind in _HAS_REQ:
+                req = payload.req
+            if kind in _HAS_TENANT:
+                tenant = payload.tenant
         data = body if body is not None else event.SerializeToString()
         return Record("event", event.node, event.seq, event.ts_ns, data, req, tenant)
 
@@ -137,14 +149,18 @@ def rows_of(messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> li
     return rows
 
 
+_ID = struct.Struct(">Q").pack
+_LEN = struct.Struct(">I").pack
+
+
 def _chain(prev: bytes, record_id: int, columns: Sequence[Any], body: bytes) -> bytes:
     """sha256(prev hash, id, each column length-prefixed, body length-prefixed)."""
-    parts = [prev, struct.pack(">Q", record_id)]
+    parts = [prev, _ID(record_id)]
     for value in columns:
         data = str(value).encode()
-        parts.append(struct.pack(">I", len(data)))
+        parts.append(_LEN(len(data)))
         parts.append(data)
-    parts.append(struct.pack(">I", len(body)))
+    parts.append(_LEN(len(body)))
     parts.append(body)
     return hashlib.sha256(b"".join(parts)).digest()
 
@@ -186,6 +202,15 @@ class Store:
         # The hot insert bypasses SQLAlchemy's per-row parameter handling: one long-lived DBAPI
         # connection, one executemany of tuples per commit.
         self._raw = self.engine.raw_connection()
+        self._checkpoints: threading.Event | None = None
+        self._closed = False
+        if sqlite:
+            # WAL pages go back into the database file from a thread of their own: done by the
+            # committing connection (SQLite's default), a checkpoint and its fsync of the whole
+            # file would now and then stall a commit, and with it every ack and alert waiting.
+            cursor = self._raw.cursor()
+            cursor.execute("PRAGMA wal_autocheckpoint=0")
+            cursor.close()
         marks = ", ".join(["?"] * 13 if self.engine.dialect.paramstyle == "qmark" else ["%s"] * 13)
         names = ("id", *_COLUMNS, "body", "prev_hash", "hash")
         self._insert = f"INSERT INTO records ({', '.join(names)}) VALUES ({marks})"
@@ -218,7 +243,29 @@ class Store:
                     self._raw.rollback()
                 raise StoreError(f"audit store {self.url}: commit failed: {exc}") from exc
             self._next_id, self._last_hash = next_id + len(rows), prev
-            return [v[0] for v in values]
+        if self._checkpoints is not None:
+            self._checkpoints.set()
+        elif self.url.startswith("sqlite"):
+            self._checkpoints = threading.Event()
+            name = "kvguard-store-checkpoint"
+            threading.Thread(target=self._checkpoint_loop, name=name, daemon=True).start()
+        return [v[0] for v in values]
+
+    def _checkpoint_loop(self) -> None:
+        assert self._checkpoints is not None
+        conn = self.engine.raw_connection()
+        try:
+            while True:
+                self._checkpoints.wait()
+                self._checkpoints.clear()
+                if self._closed:
+                    return
+                cursor = conn.cursor()
+                cursor.execute("PRAGMA wal_checkpoint(PASSIVE)")  # never waits for the writer
+                cursor.close()
+                time.sleep(0.05)  # at most 20 a second, each copying everything committed since
+        finally:
+            conn.close()
 
     def count(self, kind: str | None = None) -> int:
         query = select(func.count()).select_from(records)
@@ -291,5 +338,8 @@ class Store:
         return True, n, ""
 
     def close(self) -> None:
+        self._closed = True
+        if self._checkpoints is not None:
+            self._checkpoints.set()
         self._raw.close()
         self.engine.dispose()

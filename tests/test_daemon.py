@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,11 +16,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sqlalchemy import create_engine, text
 
+from kvguard.daemon import server
 from kvguard.daemon.client import AgentStream, DaemonRefused, send_capture
 from kvguard.daemon.process import Service, start_daemon
 from kvguard.daemon.store import Store
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb
+from kvguard.proto.builder import EventLog
 from kvguard.proto.capture import read_capture
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
@@ -199,3 +202,64 @@ def test_audit_verify_finds_an_altered_record(daemon: Service) -> None:
     engine.dispose()
     gone = subprocess.run(verify, capture_output=True, text=True)
     assert gone.returncode == 1 and "NOT intact" in gone.stderr
+
+
+def stale_reads(node: str, n: int) -> list[pb.Event]:
+    """A pool report, then n requests that each read a page they never wrote (n findings)."""
+    log = EventLog()
+    log.add(node, "pool", pool=0, role="colocated", page_size=16, num_pages=64)
+    for i in range(n):
+        req, page = f"{node}-r{i}", [i % 64]
+        log.add(node, "alloc", req=req, pool=0, pages=page)
+        log.add(node, "read", reads=[{"req": req, "pool": 0, "pages": page, "tokens": 16}])
+        log.add(node, "free", req=req, pool=0, pages=page)
+    return log.lines
+
+
+def test_an_agent_may_send_batches_without_waiting_for_acks(daemon: Service) -> None:
+    events = stale_reads("p9", 40)
+    batches = [events[i : i + 11] for i in range(0, len(events), 11)]
+    hello = svc.AgentMessage(hello=svc.Hello(node="p9")).SerializeToString()
+    wire = [svc.AgentMessage(batch=svc.EventBatch(events=b)).SerializeToString() for b in batches]
+    with grpc.insecure_channel(daemon.address) as channel:
+        call = channel.stream_stream(
+            "/kvguard.v1.AgentService/Stream",
+            request_serializer=None,
+            response_deserializer=svc.DaemonMessage.FromString,
+        )
+        replies = [m for m in call(iter([hello, *wire])) if m.WhichOneof("body") == "ack"]
+    # One ack for the hello, then one per batch, in order, each durable up to its last event.
+    assert [m.ack.durable_seq for m in replies] == [0, *[b[-1].seq for b in batches]]
+    assert sum(m.ack.accepted for m in replies) == len(events)
+    assert Store(daemon.store).count("event") == len(events)
+
+
+def test_a_subscriber_that_falls_behind_catches_up_from_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A live queue of 4 alerts: while the subscriber does not read, the daemon drops from it,
+    # and the stream reads what it missed from the store; every alert arrives once, in order.
+    monkeypatch.setattr(server, "SUBSCRIBER_QUEUE", 4)
+    store = Store(str(tmp_path / "audit.db"))
+    daemon = server.Daemon(store, mode="monitor")
+    grpc_server = server.serve(daemon, "127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}") as channel:
+            stream = AgentStream(channel, "p8")
+            first = stale_reads("p8", 1)
+            stream.send(first)
+            alerts = svc_grpc.AlertServiceStub(channel).Subscribe(svc.AlertFilter())
+            seen = [next(alerts)]  # live now; from here on it does not read for a while
+            events = stale_reads("p8", 601)[len(first) :]
+            for i in range(0, len(events), 300):
+                stream.send(events[i : i + 300])
+            seen += [next(alerts) for _ in range(600)]
+            alerts.cancel()
+            stream.close()
+        assert [a.finding.req for a in seen] == [f"p8-r{i}" for i in range(601)]
+        cursors = [a.cursor for a in seen]
+        assert cursors == sorted(set(cursors))
+        assert daemon.counters["subscriber_caught_up"] >= 1
+    finally:
+        grpc_server.stop(grace=1)
+        store.close()
