@@ -42,7 +42,8 @@ from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 from kvguard.ruleset import Ruleset, load_ruleset
 
-MAX_MESSAGE = 16 << 20
+MAX_MESSAGE = 16 << 20  # the largest agent message accepted (refused above, with a reason and a count)
+TRANSPORT_LIMIT = 64 << 20  # gRPC's own limit: beyond it gRPC refuses, before the daemon sees a byte
 MAX_BATCH = 65536
 MAX_IN_FLIGHT = 8  # batches of one stream applied or committing but not yet acknowledged
 SUBSCRIBER_QUEUE = 100_000  # alerts waiting for one slow subscriber before it reads from the store
@@ -360,6 +361,9 @@ class AgentServicer:
         async def read() -> None:
             try:
                 async for data in request_iterator:
+                    if len(data) > MAX_MESSAGE:
+                        fail("oversized", f"message of {len(data)} bytes (at most {MAX_MESSAGE})")
+                        return
                     try:
                         msg = svc.AgentMessage.FromString(data)
                     except DecodeError as exc:
@@ -508,8 +512,8 @@ class Server:
         server = grpc.aio.server(
             migration_thread_pool=futures.ThreadPoolExecutor(max_workers=8),
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE),
-                ("grpc.max_send_message_length", MAX_MESSAGE),
+                ("grpc.max_receive_message_length", TRANSPORT_LIMIT),
+                ("grpc.max_send_message_length", TRANSPORT_LIMIT),
             ],
         )
         # AgentService by hand: its requests are taken as bytes, so each event's bytes go to

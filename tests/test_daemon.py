@@ -121,12 +121,12 @@ def test_bad_events_are_refused_with_a_reason_and_the_rest_kept(daemon: Service)
         assert [(r.seq, r.reason) for r in ack.rejected] == [
             (2, "alloc: page 99 out of range for pool 0 of node p0 (6 pages)")
         ]
-        with pytest.raises(grpc.RpcError) as err:
+        too_big = r"oversized: message of 18874\d\d\d bytes \(at most 16777216\)"
+        with pytest.raises(DaemonRefused, match=too_big):
             huge = pb.Event(node="p0", seq=3, alloc=pb.Alloc(req="r", pool=0, pages=[300] * (9 << 20)))
             stream.send([huge])
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         counters = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest()).counters
-        assert (counters["malformed"], counters["repeat"]) == (1, 1)
+        assert (counters["malformed"], counters["repeat"], counters["stream_oversized"]) == (1, 1, 1)
     assert Store(daemon.store).count("event") == 2
 
 
