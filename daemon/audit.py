@@ -776,11 +776,7 @@ def exposure_of(source: Source, tenant: str, since_ns: int = 0, until_ns: int = 
             continue
         for item in source.records(Filters(req=offender.req)):
             body = item.body
-            if item.kind == "command" and body is None:
-                # A daemon without command bodies: the daemon sends only kill commands for a
-                # request (quarantine commands name pages), so this one is a kill.
-                offender.kill_commands += 1
-            elif isinstance(body, svc.Command) and body.WhichOneof("body") == "kill":
+            if isinstance(body, svc.Command) and body.WhichOneof("body") == "kill":
                 if body.kill.req != offender.req:
                     continue
                 offender.kill_commands += 1

@@ -214,7 +214,7 @@ class Daemon:
         except BaseException as exc:
             self._store_failed(exc)
         for command in applied.commands:
-            self.counters["kills"] += 1
+            self.counters["kills" if command.HasField("kill") else "quarantines"] += 1
             outbox = self.outboxes.get(self._command_node.pop(command.id, ""))
             if outbox is not None:
                 outbox(svc.DaemonMessage(command=command))
@@ -277,15 +277,14 @@ class Daemon:
         return None
 
     def _judge(self, found: Sequence[Finding], out: Applied) -> None:
-        """The ruleset's verdict on each finding of an event: its row, and its kill."""
+        """The ruleset's verdict on each finding of an event: its row, then its commands'."""
         for f in found:
             evaluated = self.ruleset.evaluate(f)
             if evaluated is None:
                 continue
             out.findings.append((out.rows, evaluated))
             out.add(Record.of_finding(evaluated))
-            command = self._command_for(evaluated)
-            if command is not None:
+            for command in self._commands_for(evaluated):
                 out.commands.append(command)
                 body = command.SerializeToString()
                 out.add(Record("command", evaluated.node, command.id, evaluated.ts_ns, body, evaluated.req))
@@ -295,16 +294,25 @@ class Daemon:
             if _matches(sub.filter, finding):
                 sub.push(record_id, finding)
 
-    def _command_for(self, finding: Finding) -> svc.Command | None:
-        """The kill for the node that holds the request (enforce mode), or None."""
-        if self.mode != "enforce" or finding.action not in KILL_ACTIONS or not finding.req:
-            return None
-        self._command_id += 1
-        self._command_node[self._command_id] = finding.node
-        kill = svc.KillRequest(
-            req=finding.req, finding=finding.finding, rule=finding.rule, message=finding.message
-        )
-        return svc.Command(id=self._command_id, kill=kill)
+    def _commands_for(self, finding: Finding) -> list[svc.Command]:
+        """In enforce mode, for the node of the finding (it holds the request and the pages):
+        kill the request, and take the pages out of circulation, as the rule's action says."""
+        if self.mode != "enforce":
+            return []
+        commands = []
+        if finding.action in KILL_ACTIONS and finding.req:
+            kill = svc.KillRequest(
+                req=finding.req, finding=finding.finding, rule=finding.rule, message=finding.message
+            )
+            commands.append(svc.Command(kill=kill))
+        if "quarantine" in finding.action and finding.pages and finding.pool is not None:
+            pages = svc.QuarantinePages(pool=finding.pool, pages=finding.pages, finding=finding.finding)
+            commands.append(svc.Command(quarantine=pages))
+        for command in commands:
+            self._command_id += 1
+            command.id = self._command_id
+            self._command_node[command.id] = finding.node
+        return commands
 
     # ------------------------------------------------------------------ fleet
 

@@ -117,8 +117,15 @@ class Worker:
         return getattr(self.guard, method)(*args, **kwargs)
 
     def _command(self, command: Any) -> None:
-        """A command of the daemon, relayed by the agent: end the request it names."""
-        if command.WhichOneof("body") != "kill" or self.guard is None:
+        """A command of the daemon, relayed by the agent: end the request it names, or take
+        the pages it names out of circulation."""
+        which = command.WhichOneof("body")
+        if which == "quarantine":
+            with self.lock:
+                self.quarantined |= set(command.quarantine.pages)
+                self.free_list = [p for p in self.free_list if p not in self.quarantined]
+            return
+        if which != "kill" or self.guard is None:
             return
         kill = command.kill
         with self.lock:

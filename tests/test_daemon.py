@@ -263,3 +263,33 @@ def test_a_subscriber_that_falls_behind_catches_up_from_the_store(
     finally:
         grpc_server.stop(grace=1)
         store.close()
+
+
+def test_quarantine_commands_name_the_pages_a_lifetime_finding_names(daemon: Service) -> None:
+    log = EventLog()
+    log.add("p7", "pool", pool=0, role="colocated", page_size=16, num_pages=16)
+    log.add("p7", "alloc", req="a", pool=0, pages=[3, 4])
+    log.add("p7", "free", req="a", pool=0, pages=[3, 4])
+    log.add("p7", "free", req="a", pool=0, pages=[4])  # double free: alert+quarantine
+    log.add("p7", "alloc", req="b", pool=0, pages=[5])
+    log.add("p7", "free", req="b", pool=0, pages=[5])
+    log.add("p7", "write", req="b", pool=0, pages=[5])  # use after free: kill+quarantine
+    with grpc.insecure_channel(daemon.address) as channel:
+        stream = AgentStream(channel, "p7")
+        stream.send(log.lines)
+        stream.close()
+        counters = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest()).counters
+    commands = [
+        (c.WhichOneof("body"), c.kill.req, c.quarantine.finding, list(c.quarantine.pages))
+        for c in stream.commands
+    ]
+    assert commands == [
+        ("quarantine", "", "double_free", [4]),
+        ("kill", "b", "", []),
+        ("quarantine", "", "use_after_free", [5]),
+    ]
+    assert (counters["kills"], counters["quarantines"]) == (1, 2)
+    s = Store(daemon.store)
+    stored = [svc.Command.FromString(body) for _, _, body in s.rows(kind="command")]
+    s.close()
+    assert [c.id for c in stored] == [c.id for c in stream.commands]
