@@ -68,7 +68,13 @@ def cmd_replay_to(args: argparse.Namespace) -> int:
     import grpc
 
     from kvguard.daemon.client import DaemonRefused, send_capture
+    from kvguard.daemon.tls import TlsError, from_args
 
+    try:
+        tls = from_args(args)
+    except TlsError as exc:
+        print(f"kvguard replay: {exc}", file=sys.stderr)
+        return 2
     source = "standard input" if args.capture == "-" else args.capture
     try:
         stream = _open_capture(args.capture)
@@ -77,7 +83,7 @@ def cmd_replay_to(args: argparse.Namespace) -> int:
         return 2
     try:
         with stream:
-            summary = send_capture(stream, args.to)
+            summary = send_capture(stream, args.to, tls=tls)
     except (grpc.RpcError, DaemonRefused) as exc:
         detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
         print(f"kvguard replay: the daemon at {args.to} refused: {detail}", file=sys.stderr)
@@ -101,8 +107,14 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     from kvguard.daemon.server import Daemon, serve
     from kvguard.daemon.store import Store
+    from kvguard.daemon.tls import TlsError, from_args
     from kvguard.ruleset import RulesetError, load_ruleset
 
+    try:
+        tls = from_args(args)
+    except TlsError as exc:
+        print(f"kvguard daemon: {exc}", file=sys.stderr)
+        return 2
     try:
         ruleset = load_ruleset(Path(args.rules) if args.rules else None)
     except RulesetError as exc:
@@ -116,7 +128,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     store = Store(args.store)
     writer = StoreWriter(args.store)  # hashing and inserts run on another core, overlapping the ledger
     daemon = Daemon(store, ruleset, mode=args.mode, writer=writer)
-    server = serve(daemon, args.listen)
+    server = serve(daemon, args.listen, tls)
     port = server.port
     print(
         f"kvguard daemon listening on port {port}; store {store.url}; "
@@ -141,8 +153,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     from kvguard.agents.agent import NodeAgent
     from kvguard.agents.probes import gpu_facts
+    from kvguard.daemon.tls import TlsError, from_args
 
-    agent = NodeAgent(args.socket, args.daemon, args.spool)
+    try:
+        tls = from_args(args)
+    except TlsError as exc:
+        print(f"kvguard agent: {exc}", file=sys.stderr)
+        return 2
+    agent = NodeAgent(args.socket, args.daemon, args.spool, tls=tls)
     for spec in args.probe or []:
         parts = spec.split(":", 3)
         if len(parts) != 4:
@@ -265,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvguard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    from kvguard.daemon.tls import add_arguments as tls_arguments
 
     p = sub.add_parser("replay", help="run a JSON Lines capture through the ledger and the ruleset")
     p.add_argument("capture", help="capture file (JSON Lines of kvguard.v1 events), or - for standard input")
@@ -273,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--to", metavar="ADDR", help="send the events to the daemon at ADDR instead, as agents would"
     )
+    tls_arguments(p)
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("daemon", help="the global ledger, audit store and alert feed over gRPC")
@@ -282,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mode", choices=("monitor", "enforce"), default="enforce", help="monitor: never order a kill"
     )
+    tls_arguments(p)
     p.set_defaults(func=cmd_daemon)
 
     p = sub.add_parser("agent", help="the node agent: guards' events to the daemon, durably; kills back")
@@ -294,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NODE:ENGINE:ROLE:SOURCE",
         help="report an unguarded engine's pool (ENGINE sglang|vllm; SOURCE a log file or http://host:port)",
     )
+    tls_arguments(p)
     p.set_defaults(func=cmd_agent)
 
     audit = sub.add_parser("audit", help="the audit log").add_subparsers(dest="audit_command", required=True)

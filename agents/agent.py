@@ -35,6 +35,7 @@ from kvguard.agents.probes import (
     parse_vllm_log,
 )
 from kvguard.daemon.client import AgentStream, DaemonRefused
+from kvguard.daemon.tls import Tls, channel
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
@@ -103,7 +104,12 @@ class Spool:
 
 class NodeAgent:
     def __init__(
-        self, socket_path: str | Path, daemon: str, spool_dir: str | Path, batch: int = 4096
+        self,
+        socket_path: str | Path,
+        daemon: str,
+        spool_dir: str | Path,
+        batch: int = 4096,
+        tls: Tls | None = None,
     ) -> None:
         self.socket_path = Path(socket_path)
         self.daemon = daemon
@@ -121,7 +127,7 @@ class NodeAgent:
             "commands": 0,
             "reconnects": 0,
         }
-        self._channel = grpc.insecure_channel(daemon)
+        self._channel = channel(daemon, tls)
         for path in sorted(self.spool_dir.glob("*.spool")):
             self._spool(path.stem)  # events of an earlier run go out first
 

@@ -43,6 +43,10 @@ from typing import Any, NamedTuple, Protocol, TextIO
 import orjson
 from google.protobuf.message import Message
 
+from kvguard.daemon.tls import Tls, TlsError
+from kvguard.daemon.tls import add_arguments as tls_arguments
+from kvguard.daemon.tls import channel as daemon_channel
+from kvguard.daemon.tls import from_args as tls_from_args
 from kvguard.proto import pb
 from kvguard.proto.capture import message_to_dict
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -289,16 +293,14 @@ _RECORD_BODIES = frozenset(f.name for f in svc.AuditRecord.DESCRIPTOR.oneofs_by_
 class DaemonSource:
     """A running daemon's AuditService."""
 
-    def __init__(self, address: str) -> None:
-        import grpc
-
+    def __init__(self, address: str, tls: Tls | None = None) -> None:
         from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise UsageError(f"--daemon {address!r} is not host:port")
         self.label = address
-        self.channel = grpc.insecure_channel(address)
+        self.channel = daemon_channel(address, tls)
         self.stub = svc_grpc.AuditServiceStub(self.channel)
 
     def records(self, f: Filters) -> Iterator[AuditItem]:
@@ -338,12 +340,12 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def open_source(store: str | None, daemon: str | None) -> Source:
+def open_source(store: str | None, daemon: str | None, tls: Tls | None = None) -> Source:
     """The one source the arguments name (the default store when neither is given)."""
     if store is not None and daemon is not None:
         raise UsageError(f"give --store ({store}) or --daemon ({daemon}), not both")
     if daemon is not None:
-        return DaemonSource(daemon)
+        return DaemonSource(daemon, tls)
     return StoreSource(store if store is not None else DEFAULT_STORE)
 
 
@@ -856,9 +858,10 @@ def _source_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--daemon", metavar="ADDR", help="read from the daemon at host:port instead of a store")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    tls_arguments(p)
 
 
-def _usage(prog: str, exc: UsageError) -> int:
+def _usage(prog: str, exc: Exception) -> int:
     print(f"{prog}: {exc}", file=sys.stderr)
     return 2
 
@@ -868,8 +871,8 @@ def _run(prog: str, args: argparse.Namespace, body: Callable[[Source], int]) -> 
     from sqlalchemy.exc import SQLAlchemyError
 
     try:
-        source = open_source(args.store, args.daemon)
-    except UsageError as exc:
+        source = open_source(args.store, args.daemon, tls_from_args(args))
+    except (UsageError, TlsError) as exc:
         return _usage(prog, exc)
     try:
         return body(source)

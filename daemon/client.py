@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvguard.daemon.tls import Tls
+from kvguard.daemon.tls import channel as daemon_channel
 from kvguard.proto import pb
 from kvguard.proto.capture import CaptureError, read_capture
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -90,11 +92,13 @@ def _runs(
         yield run
 
 
-def send_capture(lines: Iterable[str | bytes], address: str, batch: int = 4096) -> SendSummary:
+def send_capture(
+    lines: Iterable[str | bytes], address: str, batch: int = 4096, tls: Tls | None = None
+) -> SendSummary:
     """Send a capture's events to the daemon at `address`, in order, as their nodes' agents would."""
     summary = SendSummary()
     streams: dict[str, AgentStream] = {}
-    with grpc.insecure_channel(address) as channel:
+    with daemon_channel(address, tls) as channel:
         try:
             for run in _runs(read_capture(lines), summary, batch):
                 node = run[0][1].node

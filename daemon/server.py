@@ -34,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvguard.daemon.store import EventRun, Record, Store, StoreError, rows_of
+from kvguard.daemon.tls import Tls, peer_names
 from kvguard.daemon.writer import StoreWriter
 from kvguard.ledger.findings import KILL_ACTIONS, Finding
 from kvguard.ledger.ledger import BadEvent, Ledger
@@ -388,6 +389,14 @@ class AgentServicer:
                         if name in self.daemon.outboxes:
                             fail("identity", f"node {name!r} is already connected on another stream")
                             return
+                        names = peer_names(context)
+                        if names is not None and name not in names:
+                            fail(
+                                "identity",
+                                f"node {name!r} is not named by the client's certificate "
+                                f"(it names {', '.join(sorted(names))})",
+                            )
+                            return
                         node.append(name)
                         self.daemon.outboxes[name] = send
                         known = self.daemon.ledger.nodes.get(name)
@@ -509,14 +518,15 @@ class Server:
     streams run on the loop (no thread per stream, so a batch changes threads only to be
     applied and committed); audit queries and fleet state run in a small thread pool."""
 
-    def __init__(self, daemon: Daemon, listen: str) -> None:
+    def __init__(self, daemon: Daemon, listen: str, tls: Tls | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvguard-grpc", daemon=True)
         self._thread.start()
         self._server: grpc.aio.Server | None = None
-        self.port = asyncio.run_coroutine_threadsafe(self._start(daemon, listen), self.loop).result()
+        start = self._start(daemon, listen, tls)
+        self.port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
 
-    async def _start(self, daemon: Daemon, listen: str) -> int:
+    async def _start(self, daemon: Daemon, listen: str, tls: Tls | None) -> int:
         server = grpc.aio.server(
             migration_thread_pool=futures.ThreadPoolExecutor(max_workers=8),
             options=[
@@ -542,7 +552,10 @@ class Server:
         for name in ["", *names]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        port = server.add_insecure_port(listen)
+        if tls is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, tls.server_credentials())
         if port == 0:
             raise OSError(f"cannot listen on {listen}")
         await server.start()
@@ -557,6 +570,7 @@ class Server:
         self._thread.join(timeout=grace + 5)
 
 
-def serve(daemon: Daemon, listen: str) -> Server:
-    """Start the gRPC server (health checking and reflection on); `.port` is where it listens."""
-    return Server(daemon, listen)
+def serve(daemon: Daemon, listen: str, tls: Tls | None = None) -> Server:
+    """Start the gRPC server (health checking and reflection on; mutual TLS when `tls` is
+    given, else plaintext); `.port` is where it listens."""
+    return Server(daemon, listen, tls)
