@@ -1,11 +1,16 @@
 """`kvguard daemon`: the global ledger behind gRPC.
 
 Agents stream event batches in (AgentService); each batch is checked (the stream's node
-identity, sequence, bounds), applied to the one global ledger, evaluated by the ruleset and
-committed to the audit store with its findings, and only then acknowledged. Findings fan out
-to alert subscribers (AlertService, resumable by cursor) and kill/quarantine commands go back
-to the agent of the node that holds the request. On start the ledger is rebuilt from the
-store, so a restart loses nothing and changes no verdict.
+identity, bound to its client certificate under mutual TLS; sequence; bounds), applied to the
+one global ledger, evaluated by the ruleset and committed to the audit store with its findings
+and commands, and only then acknowledged. Findings fan out to alert subscribers (AlertService,
+resumable by cursor) and kill/quarantine commands go back to the agent of the node they name.
+On start the ledger is rebuilt from the store, so a restart loses nothing and changes no
+verdict.
+
+Where a batch goes: the gRPC event loop parses it; one apply thread applies the batches of
+all streams to the ledger, in groups; a store-writer process commits each group (on another
+core, while the next group is applied); the commit's callback sends commands, alerts, acks.
 
 Invariants: an acknowledged event is durable; (node, seq) is applied and stored at most once;
 a store failure after the ledger moved on stops the daemon (it restarts from the store rather
@@ -46,6 +51,7 @@ from kvguard.ruleset import Ruleset, load_ruleset
 MAX_MESSAGE = 16 << 20  # the largest agent message accepted (refused above, with a reason and a count)
 TRANSPORT_LIMIT = 64 << 20  # gRPC's own limit: beyond it gRPC refuses, before the daemon sees a byte
 MAX_BATCH = 65536
+GROUP_EVENTS = 16384  # events applied, then committed, together at most
 MAX_IN_FLIGHT = 8  # batches of one stream applied or committing but not yet acknowledged
 SUBSCRIBER_QUEUE = 100_000  # alerts waiting for one slow subscriber before it reads from the store
 BACKLOG_PAGE = 1000  # alerts read from the store at a time
@@ -164,7 +170,7 @@ class Daemon:
             rebuilt += 1
         self.counters["rebuilt_events"] = rebuilt
         gc.freeze()
-        threading.Thread(target=self._write_loop, name="kvguard-daemon-apply", daemon=True).start()
+        threading.Thread(target=self._apply_loop, name="kvguard-daemon-apply", daemon=True).start()
 
     # ------------------------------------------------------------------ ingest
 
@@ -174,12 +180,12 @@ class Daemon:
         (group commit), so a stream waits for one commit, not for everyone else's in turn."""
         self._inbox.put(batch)
 
-    def _write_loop(self) -> None:
+    def _apply_loop(self) -> None:
         frozen = time.monotonic()
         while True:
             group = [self._inbox.get()]
             count = len(group[0].events)
-            while count < 16384:
+            while count < GROUP_EVENTS:
                 try:
                     batch = self._inbox.get_nowait()
                 except queue.Empty:
@@ -197,8 +203,9 @@ class Daemon:
                 # The ledger only grows (a request object per request), and a full collection
                 # walks every object it can see: at 10^5-10^6 requests that is a 50-100 ms
                 # stop of every thread, the daemon's worst alert latency. Survivors of the
-                # last second move out of its view (gc.freeze, O(1)); what the ledger keeps is
-                # not cyclic garbage, so nothing that could be collected is kept by it.
+                # last second move out of its view (gc.freeze, O(1)). They are the ledger's,
+                # which live on anyway; only cyclic garbage among them would never be freed,
+                # and the daemon's objects are freed by reference counting.
                 gc.freeze()
                 frozen = time.monotonic()
 
