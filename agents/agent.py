@@ -34,7 +34,7 @@ from kvguard.agents.probes import (
     parse_sglang_log,
     parse_vllm_log,
 )
-from kvguard.daemon.client import AgentStream, DaemonRefused
+from kvguard.daemon.client import MAX_BATCH_BYTES, MAX_MESSAGE, AgentStream, DaemonRefused
 from kvguard.daemon.tls import Tls, channel
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -48,6 +48,7 @@ class Spool:
     def __init__(self, directory: Path, node: str) -> None:
         self.path = directory / f"{node}.spool"
         self.pending: deque[pb.Event] = deque()
+        self.sizes: deque[int] = deque()  # each pending event's serialized size
         self.cond = threading.Condition()
         self._trimmed = 0
         if self.path.exists():
@@ -58,31 +59,41 @@ class Spool:
                 if offset + _LEN.size + n > len(data):
                     break  # a torn last write: that event never reached the spool whole
                 self.pending.append(pb.Event.FromString(data[offset + _LEN.size : offset + _LEN.size + n]))
+                self.sizes.append(n)
                 offset += _LEN.size + n
         self._file = self.path.open("ab")
 
     def append(self, events: list[pb.Event]) -> None:
         if not events:
             return
-        blob = b"".join(_LEN.pack(len(b)) + b for b in (e.SerializeToString() for e in events))
+        bodies = [e.SerializeToString() for e in events]
+        blob = b"".join(_LEN.pack(len(b)) + b for b in bodies)
         with self.cond:
             self._file.write(blob)
             self._file.flush()
             os.fsync(self._file.fileno())
             self.pending.extend(events)
+            self.sizes.extend(len(b) for b in bodies)
             self.cond.notify_all()
 
-    def take(self, limit: int, timeout: float) -> list[pb.Event]:
-        """The oldest unacknowledged events (at most `limit`), waiting up to `timeout` for one."""
+    def take(self, limit: int, max_bytes: int, timeout: float) -> list[pb.Event]:
+        """The oldest unacknowledged events, at most `limit` of them and `max_bytes` of their
+        bytes (but always the first), waiting up to `timeout` for one."""
         with self.cond:
             if not self.pending:
                 self.cond.wait(timeout)
-            return [self.pending[i] for i in range(min(limit, len(self.pending)))]
+            n = total = 0
+            for size in self.sizes:
+                if n == limit or (n and total + size > max_bytes):
+                    break
+                n, total = n + 1, total + size
+            return [self.pending[i] for i in range(n)]
 
     def ack(self, durable_seq: int, rejected: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         with self.cond:
             while self.pending and (self.pending[0].seq <= durable_seq or self.pending[0].seq in rejected):
                 self.pending.popleft()
+                self.sizes.popleft()
                 self._trimmed += 1
             if not self.pending:
                 self._file.truncate(0)
@@ -126,6 +137,7 @@ class NodeAgent:
             "rejected": 0,
             "commands": 0,
             "reconnects": 0,
+            "oversized": 0,
         }
         self._channel = channel(daemon, tls)
         for path in sorted(self.spool_dir.glob("*.spool")):
@@ -195,8 +207,18 @@ class NodeAgent:
                 spool.ack(stream.durable_seq)
                 delay = 0.1
                 while not self.stopping.is_set():
-                    batch = spool.take(self.batch, timeout=0.2)
+                    batch = spool.take(self.batch, MAX_BATCH_BYTES, timeout=0.2)
                     if not batch:
+                        continue
+                    if len(batch) == 1 and batch[0].ByteSize() > MAX_MESSAGE - 64:
+                        # The daemon would refuse the message, and the agent resend it, forever.
+                        print(
+                            f"kvguard agent: {node} seq {batch[0].seq} is {batch[0].ByteSize()} bytes, over "
+                            f"the daemon's {MAX_MESSAGE}; dropped",
+                            file=sys.stderr,
+                        )
+                        self.counters["oversized"] += 1
+                        spool.ack(0, {batch[0].seq})
                         continue
                     ack = stream.send(batch)
                     rejected = {r.seq for r in ack.rejected}

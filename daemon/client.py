@@ -21,6 +21,9 @@ from kvguard.proto import pb
 from kvguard.proto.capture import CaptureError, read_capture
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
+MAX_MESSAGE = 16 << 20  # the largest AgentMessage the daemon accepts
+MAX_BATCH_BYTES = MAX_MESSAGE // 2  # what an agent puts in one batch (the events' bytes), at most
+
 
 class DaemonRefused(RuntimeError):
     """The daemon ended the stream with an error (identity, malformed)."""

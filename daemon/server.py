@@ -38,6 +38,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvguard.daemon.client import MAX_MESSAGE  # the largest agent message accepted (refused above)
 from kvguard.daemon.store import EventRun, Record, Store, StoreError, rows_of
 from kvguard.daemon.tls import Tls, peer_names
 from kvguard.daemon.writer import StoreWriter
@@ -48,7 +49,6 @@ from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 from kvguard.ruleset import Ruleset, load_ruleset
 
-MAX_MESSAGE = 16 << 20  # the largest agent message accepted (refused above, with a reason and a count)
 TRANSPORT_LIMIT = 64 << 20  # gRPC's own limit: beyond it gRPC refuses, before the daemon sees a byte
 MAX_BATCH = 65536
 GROUP_EVENTS = 16384  # events applied, then committed, together at most

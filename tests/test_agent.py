@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvguard.agents import agent as agent_module
+from kvguard.agents.agent import NodeAgent, Spool
 from kvguard.agents.guard import Guard
 from kvguard.agents.sink import AgentSink
 from kvguard.daemon.process import Service
@@ -142,3 +144,54 @@ def test_an_unreachable_agent_never_blocks_the_engine(tmp_path: Path) -> None:
     # queue is full; the next one that gets through carries the total).
     assert guard.ledger.nodes["d0"].dropped == before
     threading.Thread(target=sink.close, daemon=True).start()  # close() waits for a connection
+
+
+def test_batches_stay_under_the_daemons_message_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Long contexts make big events: the agent cuts its batches by bytes, not only by count,
+    # and an event the daemon could never take is dropped with a reason and a count rather
+    # than resent forever. (Limits scaled down: 4 KiB messages, 2 KiB batches.)
+    monkeypatch.setattr(agent_module, "MAX_MESSAGE", 4096)
+    monkeypatch.setattr(agent_module, "MAX_BATCH_BYTES", 2048)
+    store = str(tmp_path / "audit.db")
+    daemon, address = start_daemon(store)
+    agent = NodeAgent(tmp_path / "agent.sock", address, tmp_path / "spool")
+    threading.Thread(target=agent.serve, daemon=True).start()
+    try:
+        sink = AgentSink(tmp_path / "agent.sock", "d0")
+        guard = Guard("d0", mode="monitor", ruleset=RULES, sink=sink)
+        guard.pool(0, "decode", page_size=16, num_pages=16384, context_len=1 << 18)
+        for i in range(12):  # ~1 KiB each: 12 events that no 2 KiB batch holds together
+            guard.alloc(f"r{i}", 0, list(range(4096 + 400 * i, 4096 + 400 * (i + 1))))
+        guard.alloc("huge", 0, list(range(1000, 3200)))  # ~4.4 KiB: over the limit
+        guard.alloc("after", 0, [1])
+        assert sink.flush()
+        assert wait_for(lambda: len(stored(store)) == guard._seq - 1)
+        kept = stored(store)
+        assert [e.alloc.req for e in kept[1:]] == [*(f"r{i}" for i in range(12)), "after"]
+        assert agent.counters["oversized"] == 1
+        assert agent.counters["acked"] == guard._seq - 1
+        sink.close()
+    finally:
+        agent.stop()
+        daemon.stop()
+
+
+def test_the_spool_hands_out_batches_by_count_and_by_bytes(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, "d0")
+    events = [
+        pb.Event(node="d0", seq=i + 1, alloc=pb.Alloc(req=f"r{i}", pool=0, pages=range(100 * i, 100 * i + n)))
+        for i, n in enumerate([300, 300, 300, 2000, 10])
+    ]
+    spool.append(events)
+    sizes = [e.ByteSize() for e in events]
+    assert [e.seq for e in spool.take(10, sizes[0] + sizes[1], timeout=0)] == [1, 2]
+    assert [e.seq for e in spool.take(2, 1 << 20, timeout=0)] == [1, 2]
+    spool.ack(3)
+    assert [e.seq for e in spool.take(10, 100, timeout=0)] == [4]  # alone, however big
+    spool.close()
+    again = Spool(tmp_path, "d0")  # after a restart: the same sizes, from the file
+    again.ack(3)  # what the daemon's hello says it has
+    assert [e.seq for e in again.take(10, sizes[3] + sizes[4], timeout=0)] == [4, 5]
+    again.close()
