@@ -37,6 +37,7 @@ STATUSES = ("done", "failed", "refused")  # refused: the receiver kept the KV ou
 ENDED = ("rejected", "aborted", "killed")
 _POOL_FIELDS = tuple(f.name for f in pb.PoolReport.DESCRIPTOR.fields if f.name not in ("pool", "source"))
 _NO_FINDINGS: tuple[Finding, ...] = ()
+GRANT_RUNS = 16  # a request's grants in one pool kept as separate arrays before they are merged
 
 
 class BadEvent(ValueError):
@@ -169,7 +170,8 @@ class Request:
         self.idx = idx
         self.stages: dict[str, str] = {}  # node -> stage it was admitted to there
         self.shared: dict[tuple[str, int], Shared] = {}  # (node, pool) -> prefix pages it reads
-        self.history: dict[tuple[str, int], list[np.ndarray]] = {}  # (node, pool) -> every grant
+        # (node, pool) -> every page ever granted, as arrays (merged into one past GRANT_RUNS)
+        self.history: dict[tuple[str, int], list[np.ndarray]] = {}
 
     @property
     def ended(self) -> bool:
@@ -589,7 +591,15 @@ class Ledger:
         pp.owner[pages] = r.idx
         pp.own[pages] = NOBODY
         pp.prior[pages] = pp.writer[pages]
-        r.history.setdefault((node.name, a.pool), []).append(pages)
+        grants = r.history.get(key := (node.name, a.pool))
+        if grants is None:
+            r.history[key] = [pages]
+        else:
+            grants.append(pages)
+            if len(grants) > GRANT_RUNS:
+                # Decode grants a page at a time: hundreds of one-page arrays per request, kept
+                # for as long as the ledger keeps the request. One int32 array is 30x smaller.
+                r.history[key] = [np.concatenate(grants).astype(np.int32)]
         pool.live[r.idx] = pool.live.get(r.idx, 0) + len(pages)
         r.granted_pages += len(pages)
         if r.bootstrap is not None and r.bootstrap[1] == node.name and not r.received_tokens:

@@ -370,3 +370,25 @@ def test_incident_accounting_across_nodes() -> None:
     )
     a1 = ledger.request("a1")
     assert (a1.reserved_pages, a1.received_tokens, a1.state) == (4, 64, "finished")
+
+
+class TestGrantHistory:
+    def test_a_long_decode_remembers_every_page_it_was_ever_granted(self) -> None:
+        # Decode grants a page at a time; the ledger merges the grants into one array past a
+        # few dozen, and must still tell a read of a page the request once held (use after
+        # free) from one it never held (foreign read).
+        log = EventLog()
+        log.add("n0", "pool", pool=0, role="decode", page_size=16, num_pages=128, context_len=2048)
+        for page in range(40):
+            log.add("n0", "alloc", req="r", pool=0, pages=[page])
+            log.add("n0", "write", req="r", pool=0, pages=[page])
+        log.add("n0", "free", req="r", pool=0, pages=list(range(40)))
+        log.add("n0", "read", reads=[{"req": "r", "pool": 0, "pages": [3, 77], "tokens": 32}])
+        ledger = Ledger()
+        found = [f for e in log.lines for f in ledger.apply(e)]
+        assert [(f.finding, tuple(f.pages)) for f in found] == [
+            ("use_after_free", (3,)),
+            ("foreign_read", (77,)),
+        ]
+        history = ledger.request("r").history[("n0", 0)]
+        assert len(history) < 40 and sorted(np.concatenate(history).tolist()) == list(range(40))
