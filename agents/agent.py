@@ -24,8 +24,9 @@ from collections import deque
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from kvguard.agents.local import recv_frame, send_frame
+from kvguard.agents.local import PEER_CLOSED, recv_frame, send_frame
 from kvguard.agents.probes import (
     PoolFacts,
     fetch_json,
@@ -138,6 +139,7 @@ class NodeAgent:
             "commands": 0,
             "reconnects": 0,
             "oversized": 0,
+            "malformed": 0,
         }
         self._channel = channel(daemon, tls)
         for path in sorted(self.spool_dir.glob("*.spool")):
@@ -174,7 +176,7 @@ class NodeAgent:
             hello = svc.AgentMessage.FromString(recv_frame(conn))
             node = hello.hello.node
             if not node:
-                return
+                raise ValueError("the first message must be hello with the guard's node")
             with self.lock:
                 self.guards[node] = conn
             spool = self._spool(node)
@@ -183,12 +185,22 @@ class NodeAgent:
                 if msg.WhichOneof("body") != "batch":
                     continue
                 events = [e for e in msg.batch.events if e.node == node]
-                self.counters["rejected"] += len(msg.batch.events) - len(
-                    events
-                )  # a guard speaks for its node
+                foreign = len(msg.batch.events) - len(events)
+                if foreign:  # a guard speaks for its own node only
+                    self.counters["rejected"] += foreign
+                    print(
+                        f"kvguard agent: the guard of {node} sent {foreign} event(s) of other nodes; refused",
+                        file=sys.stderr,
+                    )
                 spool.append(events)
                 self.counters["events"] += len(events)
-        except (OSError, ConnectionError, ValueError):
+        except (DecodeError, ValueError, ConnectionError) as exc:
+            # A misbehaving peer on the local socket: say who and why, count it, drop it.
+            # (ConnectionError also covers a guard that simply went away: not counted.)
+            if not (isinstance(exc, ConnectionError) and str(exc) == PEER_CLOSED):
+                self.counters["malformed"] += 1
+                print(f"kvguard agent: guard {node or '(no hello)'} dropped: {exc}", file=sys.stderr)
+        except OSError:
             pass
         finally:
             with self.lock:

@@ -16,6 +16,7 @@ import struct
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 MAX_FRAME = 16 << 20
+PEER_CLOSED = "the peer closed the connection"
 _LEN = struct.Struct(">I")
 
 
@@ -30,7 +31,7 @@ def _exact(sock: socket.socket, n: int) -> bytes:
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
-            raise ConnectionError("the peer closed the connection")
+            raise ConnectionError(PEER_CLOSED)
         got += k
     return bytes(buf)
 

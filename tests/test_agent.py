@@ -4,6 +4,8 @@ and the daemon's kill reaches the guard that owns the request."""
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ import pytest
 from kvguard.agents import agent as agent_module
 from kvguard.agents.agent import NodeAgent, Spool
 from kvguard.agents.guard import Guard
+from kvguard.agents.local import MAX_FRAME, send_frame
 from kvguard.agents.sink import AgentSink
 from kvguard.daemon.process import Service
 from kvguard.daemon.process import start_agent as agent_service
@@ -195,3 +198,43 @@ def test_the_spool_hands_out_batches_by_count_and_by_bytes(tmp_path: Path) -> No
     again.ack(3)  # what the daemon's hello says it has
     assert [e.seq for e in again.take(10, sizes[3] + sizes[4], timeout=0)] == [4, 5]
     again.close()
+
+
+def test_the_local_socket_refuses_bad_guards_and_keeps_serving(tmp_path: Path) -> None:
+    store = str(tmp_path / "audit.db")
+    daemon, address = start_daemon(store)
+    agent = NodeAgent(tmp_path / "agent.sock", address, tmp_path / "spool")
+    threading.Thread(target=agent.serve, daemon=True).start()
+    try:
+        assert wait_for(lambda: (tmp_path / "agent.sock").exists())
+
+        def connect() -> socket.socket:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(str(tmp_path / "agent.sock"))
+            return sock
+
+        garbage = connect()  # not a protobuf message
+        garbage.sendall(struct.pack(">I", 5) + b"\xff\xff\xff\xff\xff")
+        huge = connect()  # a frame over the limit, announced
+        huge.sendall(struct.pack(">I", MAX_FRAME + 1))
+        nameless = connect()  # a hello without a node
+        send_frame(nameless, svc.AgentMessage(hello=svc.Hello()))
+        liar = connect()  # a guard of d1 sending d2's events
+        send_frame(liar, svc.AgentMessage(hello=svc.Hello(node="d1")))
+        pool = pb.Event(
+            node="d2", seq=1, pool=pb.PoolReport(pool=0, role="decode", page_size=16, num_pages=8)
+        )
+        send_frame(liar, svc.AgentMessage(batch=svc.EventBatch(events=[pool])))
+        assert wait_for(lambda: agent.counters["malformed"] == 3 and agent.counters["rejected"] == 1)
+        # ... and an honest guard is still served.
+        sink = AgentSink(tmp_path / "agent.sock", "d0")
+        guard = Guard("d0", mode="monitor", ruleset=RULES, sink=sink)
+        guard.pool(0, "decode", page_size=16, num_pages=8, context_len=128)
+        assert sink.flush()
+        assert wait_for(lambda: [e.node for e in stored(store)] == ["d0"])
+        sink.close()
+        for sock in (garbage, huge, nameless, liar):
+            sock.close()
+    finally:
+        agent.stop()
+        daemon.stop()
