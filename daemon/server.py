@@ -53,6 +53,7 @@ TRANSPORT_LIMIT = 64 << 20  # gRPC's own limit: beyond it gRPC refuses, before t
 MAX_BATCH = 65536
 GROUP_EVENTS = 16384  # events applied, then committed, together at most
 MAX_IN_FLIGHT = 8  # batches of one stream applied or committing but not yet acknowledged
+MAX_UNDELIVERED = 10_000  # commands kept per node while it is not connected
 SUBSCRIBER_QUEUE = 100_000  # alerts waiting for one slow subscriber before it reads from the store
 BACKLOG_PAGE = 1000  # alerts read from the store at a time
 FREEZE_EVERY_S = 1.0  # how often long-lived objects leave the garbage collector's view
@@ -160,6 +161,8 @@ class Daemon:
         self.counters: Counter[str] = Counter()
         self.subscribers: list[Subscriber] = []
         self.outboxes: dict[str, Reply] = {}  # node -> how to send to its stream (thread-safe)
+        self._outbox_lock = threading.Lock()
+        self._undelivered: dict[str, list[svc.Command]] = {}  # commands that found their node away
         self._command_id = store.count("command")
         self._command_node: dict[int, str] = {}
         self._inbox: queue.Queue[Batch] = queue.Queue()
@@ -223,9 +226,7 @@ class Daemon:
             self._store_failed(exc)
         for command in applied.commands:
             self.counters["kills" if command.HasField("kill") else "quarantines"] += 1
-            outbox = self.outboxes.get(self._command_node.pop(command.id, ""))
-            if outbox is not None:
-                outbox(svc.DaemonMessage(command=command))
+            self.send_command(self._command_node.pop(command.id, ""), command)
         for row_index, finding in applied.findings:
             self._publish(first_id + row_index, finding)
         for batch, ack in zip(group, applied.acks, strict=True):
@@ -297,6 +298,41 @@ class Daemon:
                 body = command.SerializeToString()
                 out.add(Record("command", evaluated.node, command.id, evaluated.ts_ns, body, evaluated.req))
 
+    # ------------------------------------------------------------------ streams and commands
+
+    def connect(self, node: str, send: Reply) -> bool:
+        """A node's stream is open (False: the node has one already). Commands that found the
+        node away go out on it now."""
+        with self._outbox_lock:
+            if node in self.outboxes:
+                return False
+            self.outboxes[node] = send
+            waiting = self._undelivered.pop(node, [])
+        for command in waiting:
+            send(svc.DaemonMessage(command=command))
+        self.counters["commands_late"] += len(waiting)
+        return True
+
+    def disconnect(self, node: str, send: Reply) -> None:
+        with self._outbox_lock:
+            if self.outboxes.get(node) is send:
+                del self.outboxes[node]
+
+    def send_command(self, node: str, command: svc.Command) -> None:
+        """To the node's stream; kept for its next stream while it has none (an agent that
+        reconnects resends what was not acknowledged, which the ledger has seen: the command
+        would never be ordered again)."""
+        with self._outbox_lock:
+            outbox = self.outboxes.get(node)
+            if outbox is None:
+                waiting = self._undelivered.setdefault(node, [])
+                if len(waiting) >= MAX_UNDELIVERED:
+                    self.counters["commands_dropped"] += 1
+                    return
+                waiting.append(command)
+                return
+        outbox(svc.DaemonMessage(command=command))
+
     def _publish(self, record_id: int, finding: Finding) -> None:
         for sub in list(self.subscribers):
             if _matches(sub.filter, finding):
@@ -359,6 +395,7 @@ class AgentServicer:
         out: asyncio.Queue[svc.DaemonMessage | None] = asyncio.Queue()
         in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
         node: list[str] = []
+        closed: list[bool] = []
 
         def acked(msg: svc.DaemonMessage) -> None:
             out.put_nowait(msg)
@@ -367,8 +404,14 @@ class AgentServicer:
         def reply(msg: svc.DaemonMessage) -> None:  # from the commit thread
             loop.call_soon_threadsafe(acked, msg)
 
+        def command(msg: svc.DaemonMessage) -> None:
+            if closed:  # the stream ended before this reached it: the node's next one takes it
+                self.daemon.send_command(node[0], msg.command)
+            else:
+                out.put_nowait(msg)
+
         def send(msg: svc.DaemonMessage) -> None:  # commands, from the commit thread
-            loop.call_soon_threadsafe(out.put_nowait, msg)
+            loop.call_soon_threadsafe(command, msg)
 
         def fail(code: str, message: str) -> None:
             self.daemon.counters[f"stream_{code}"] += 1
@@ -393,9 +436,6 @@ class AgentServicer:
                                 "identity", "the first message of a stream must be hello with the node's name"
                             )
                             return
-                        if name in self.daemon.outboxes:
-                            fail("identity", f"node {name!r} is already connected on another stream")
-                            return
                         names = peer_names(context)
                         if names is not None and name not in names:
                             fail(
@@ -404,8 +444,12 @@ class AgentServicer:
                                 f"(it names {', '.join(sorted(names))})",
                             )
                             return
+                        # Commands waiting for the node come through `send`, i.e. on the
+                        # loop after this step: after the hello's ack.
+                        if not self.daemon.connect(name, send):
+                            fail("identity", f"node {name!r} is already connected on another stream")
+                            return
                         node.append(name)
-                        self.daemon.outboxes[name] = send
                         known = self.daemon.ledger.nodes.get(name)
                         durable = known.last_seq if known else 0
                         out.put_nowait(svc.DaemonMessage(ack=svc.Ack(node=name, durable_seq=durable)))
@@ -432,8 +476,13 @@ class AgentServicer:
                 yield item
         finally:
             reader.cancel()
-            if node and self.daemon.outboxes.get(node[0]) is send:
-                del self.daemon.outboxes[node[0]]
+            if node:
+                self.daemon.disconnect(node[0], send)
+                closed.append(True)
+                while not out.empty():  # commands queued but never sent
+                    item = out.get_nowait()
+                    if item is not None and item.HasField("command"):
+                        self.daemon.send_command(node[0], item.command)
 
 
 class AlertServicer:

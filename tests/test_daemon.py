@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -293,3 +294,31 @@ def test_quarantine_commands_name_the_pages_a_lifetime_finding_names(daemon: Ser
     stored = [svc.Command.FromString(body) for _, _, body in s.rows(kind="command")]
     s.close()
     assert [c.id for c in stored] == [c.id for c in stream.commands]
+
+
+def test_a_kill_ordered_while_its_node_is_away_reaches_its_next_stream(tmp_path: Path) -> None:
+    # An agent that loses its stream after sending a batch resends the batch on its next
+    # stream; the ledger has it already, so the kill it caused is never ordered again. The
+    # daemon keeps the command for the node's next stream instead of dropping it.
+    store = Store(str(tmp_path / "audit.db"))
+    daemon = server.Daemon(store)
+    grpc_server = server.serve(daemon, "127.0.0.1:0")
+    try:
+        events = stale_reads("p6", 1)
+        batch = svc.AgentMessage(batch=svc.EventBatch(events=events))
+        acked: list[svc.DaemonMessage] = []
+        daemon.ingest(server.Batch("p6", batch.batch.events, batch.SerializeToString(), acked.append))
+        deadline = time.monotonic() + 10
+        while not acked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert acked and acked[0].ack.accepted == len(events)  # durable, and nobody to tell
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}") as channel:
+            stream = AgentStream(channel, "p6")
+            assert stream.durable_seq == len(events)
+            stream.send([])  # a round trip: what was queued for p6 has arrived
+            stream.close()
+        assert [(c.kill.req, c.kill.finding) for c in stream.commands] == [("p6-r0", "stale_read")]
+        assert daemon.counters["commands_late"] == 1
+    finally:
+        grpc_server.stop(grace=1)
+        store.close()
