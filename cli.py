@@ -68,13 +68,9 @@ def cmd_replay_to(args: argparse.Namespace) -> int:
     import grpc
 
     from kvguard.daemon.client import DaemonRefused, send_capture
-    from kvguard.daemon.tls import TlsError, from_args
+    from kvguard.daemon.tls import from_args
 
-    try:
-        tls = from_args(args)
-    except TlsError as exc:
-        print(f"kvguard replay: {exc}", file=sys.stderr)
-        return 2
+    tls = from_args(args)
     source = "standard input" if args.capture == "-" else args.capture
     try:
         stream = _open_capture(args.capture)
@@ -107,14 +103,10 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     from kvguard.daemon.server import Daemon, serve
     from kvguard.daemon.store import Store
-    from kvguard.daemon.tls import TlsError, from_args
+    from kvguard.daemon.tls import from_args
     from kvguard.ruleset import RulesetError, load_ruleset
 
-    try:
-        tls = from_args(args)
-    except TlsError as exc:
-        print(f"kvguard daemon: {exc}", file=sys.stderr)
-        return 2
+    tls = from_args(args)
     try:
         ruleset = load_ruleset(Path(args.rules) if args.rules else None)
     except RulesetError as exc:
@@ -153,13 +145,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     from kvguard.agents.agent import NodeAgent
     from kvguard.agents.probes import gpu_facts
-    from kvguard.daemon.tls import TlsError, from_args
+    from kvguard.daemon.tls import from_args
 
-    try:
-        tls = from_args(args)
-    except TlsError as exc:
-        print(f"kvguard agent: {exc}", file=sys.stderr)
-        return 2
+    tls = from_args(args)
     agent = NodeAgent(args.socket, args.daemon, args.spool, tls=tls)
     for spec in args.probe or []:
         parts = spec.split(":", 3)
@@ -374,8 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvguard.daemon.tls import TlsError
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except TlsError as exc:  # unusable --tls-* options, from any command that takes them
+        print(f"kvguard {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
