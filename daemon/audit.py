@@ -35,7 +35,7 @@ import re
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TextIO
@@ -100,6 +100,8 @@ class AuditItem:
 
 @dataclass(frozen=True, slots=True)
 class Filters:
+    """The fields of kvguard.v1.AuditQuery, which are the filters of Store.rows(): same names."""
+
     kind: str = ""
     tenant: str = ""
     req: str = ""
@@ -241,16 +243,7 @@ class StoreSource:
         self.label = where
 
     def records(self, f: Filters) -> Iterator[AuditItem]:
-        for record_id, kind, body in self.store.rows(
-            kind=f.kind,
-            tenant=f.tenant,
-            req=f.req,
-            node=f.node,
-            finding=f.finding,
-            since_ns=f.since_ns,
-            until_ns=f.until_ns,
-            limit=f.limit,
-        ):
+        for record_id, kind, body in self.store.rows(**asdict(f)):
             yield AuditItem(record_id, kind, _decode(kind, body))
 
     def _scan(self, kind: str, req: str) -> Iterator[tuple[int, bytes]]:
@@ -304,17 +297,7 @@ class DaemonSource:
         self.stub = svc_grpc.AuditServiceStub(self.channel)
 
     def records(self, f: Filters) -> Iterator[AuditItem]:
-        query = svc.AuditQuery(
-            kind=f.kind,
-            tenant=f.tenant,
-            req=f.req,
-            node=f.node,
-            finding=f.finding,
-            since_ns=f.since_ns,
-            until_ns=f.until_ns,
-            limit=f.limit,
-        )
-        for record in self.stub.Query(query):
+        for record in self.stub.Query(svc.AuditQuery(**asdict(f))):
             which = record.WhichOneof("body")
             body = getattr(record, which) if which else None
             yield AuditItem(record.id, record.kind, body, f.req if body is None else "")

@@ -543,16 +543,9 @@ class AuditServicer(svc_grpc.AuditServiceServicer):
         self.daemon = daemon
 
     def Query(self, request: svc.AuditQuery, context: grpc.ServicerContext) -> Iterator[svc.AuditRecord]:
-        for record_id, kind, body in self.daemon.store.rows(
-            kind=request.kind,
-            tenant=request.tenant,
-            req=request.req,
-            node=request.node,
-            finding=request.finding,
-            since_ns=request.since_ns,
-            until_ns=request.until_ns,
-            limit=request.limit,
-        ):
+        # AuditQuery's fields are Store.rows()'s filters, by the same names.
+        filters = {f.name: getattr(request, f.name) for f in request.DESCRIPTOR.fields}
+        for record_id, kind, body in self.daemon.store.rows(**filters):
             if kind == "event":
                 yield svc.AuditRecord(id=record_id, kind=kind, event=pb.Event.FromString(body))
             elif kind == "finding":
