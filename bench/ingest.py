@@ -62,7 +62,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvguard.daemon.client import AgentStream
+from kvguard.daemon.client import MAX_MESSAGE, AgentStream
 from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -71,7 +71,6 @@ from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 GOAL_TRANSITIONS = 2_000_000  # page transitions per second, sustained
 GOAL_P99_MS = 10.0  # event-to-alert
 PAGE_SIZE = 16
-MAX_MESSAGE = 16 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),
