@@ -49,7 +49,7 @@ class Spool:
     def __init__(self, directory: Path, node: str) -> None:
         self.path = directory / f"{node}.spool"
         self.pending: deque[pb.Event] = deque()
-        self.sizes: deque[int] = deque()  # each pending event's serialized size
+        self.bodies: deque[bytes] = deque()  # each pending event serialized: sent and spooled as is
         self.cond = threading.Condition()
         self._trimmed = 0
         if self.path.exists():
@@ -59,8 +59,9 @@ class Spool:
                 (n,) = _LEN.unpack_from(data, offset)
                 if offset + _LEN.size + n > len(data):
                     break  # a torn last write: that event never reached the spool whole
-                self.pending.append(pb.Event.FromString(data[offset + _LEN.size : offset + _LEN.size + n]))
-                self.sizes.append(n)
+                body = data[offset + _LEN.size : offset + _LEN.size + n]
+                self.pending.append(pb.Event.FromString(body))
+                self.bodies.append(body)
                 offset += _LEN.size + n
         self._file = self.path.open("ab")
 
@@ -74,27 +75,27 @@ class Spool:
             self._file.flush()
             os.fsync(self._file.fileno())
             self.pending.extend(events)
-            self.sizes.extend(len(b) for b in bodies)
+            self.bodies.extend(bodies)
             self.cond.notify_all()
 
-    def take(self, limit: int, max_bytes: int, timeout: float) -> list[pb.Event]:
-        """The oldest unacknowledged events, at most `limit` of them and `max_bytes` of their
-        bytes (but always the first), waiting up to `timeout` for one."""
+    def take(self, limit: int, max_bytes: int, timeout: float) -> tuple[list[pb.Event], list[bytes]]:
+        """The oldest unacknowledged events and their bytes, at most `limit` of them and
+        `max_bytes` of bytes (but always the first), waiting up to `timeout` for one."""
         with self.cond:
             if not self.pending:
                 self.cond.wait(timeout)
             n = total = 0
-            for size in self.sizes:
-                if n == limit or (n and total + size > max_bytes):
+            for body in self.bodies:
+                if n == limit or (n and total + len(body) > max_bytes):
                     break
-                n, total = n + 1, total + size
-            return [self.pending[i] for i in range(n)]
+                n, total = n + 1, total + len(body)
+            return [self.pending[i] for i in range(n)], [self.bodies[i] for i in range(n)]
 
     def ack(self, durable_seq: int, rejected: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         with self.cond:
             while self.pending and (self.pending[0].seq <= durable_seq or self.pending[0].seq in rejected):
                 self.pending.popleft()
-                self.sizes.popleft()
+                self.bodies.popleft()
                 self._trimmed += 1
             if not self.pending:
                 self._file.truncate(0)
@@ -102,9 +103,7 @@ class Spool:
                 self._trimmed = 0
             elif self._trimmed > 50_000:  # rewrite the file with what is still unacknowledged
                 tmp = self.path.with_suffix(".tmp")
-                tmp.write_bytes(
-                    b"".join(_LEN.pack(len(b)) + b for b in (e.SerializeToString() for e in self.pending))
-                )
+                tmp.write_bytes(b"".join(_LEN.pack(len(b)) + b for b in self.bodies))
                 os.replace(tmp, self.path)
                 self._file.close()
                 self._file = self.path.open("ab")
@@ -219,20 +218,20 @@ class NodeAgent:
                 spool.ack(stream.durable_seq)
                 delay = 0.1
                 while not self.stopping.is_set():
-                    batch = spool.take(self.batch, MAX_BATCH_BYTES, timeout=0.2)
+                    batch, bodies = spool.take(self.batch, MAX_BATCH_BYTES, timeout=0.2)
                     if not batch:
                         continue
-                    if len(batch) == 1 and batch[0].ByteSize() > MAX_MESSAGE - 64:
+                    if len(batch) == 1 and len(bodies[0]) > MAX_MESSAGE - 64:
                         # The daemon would refuse the message, and the agent resend it, forever.
                         print(
-                            f"kvguard agent: {node} seq {batch[0].seq} is {batch[0].ByteSize()} bytes, over "
+                            f"kvguard agent: {node} seq {batch[0].seq} is {len(bodies[0])} bytes, over "
                             f"the daemon's {MAX_MESSAGE}; dropped",
                             file=sys.stderr,
                         )
                         self.counters["oversized"] += 1
                         spool.ack(0, {batch[0].seq})
                         continue
-                    ack = stream.send(batch)
+                    ack = stream.send_serialized(bodies)
                     rejected = {r.seq for r in ack.rejected}
                     for r in ack.rejected:
                         print(

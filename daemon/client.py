@@ -59,8 +59,11 @@ class AgentStream:
         raise DaemonRefused("the daemon closed the stream")
 
     def send(self, events: Iterable[pb.Event]) -> svc.Ack:
-        batch = svc.RawEventBatch(events=[e.SerializeToString() for e in events])
-        self._out.put(svc.RawAgentMessage(batch=batch).SerializeToString())
+        return self.send_serialized([e.SerializeToString() for e in events])
+
+    def send_serialized(self, bodies: list[bytes]) -> svc.Ack:
+        """send() for events that are serialized already (the agent's spool keeps them so)."""
+        self._out.put(svc.RawAgentMessage(batch=svc.RawEventBatch(events=bodies)).SerializeToString())
         ack = self._next_ack()
         self.durable_seq = ack.durable_seq
         return ack

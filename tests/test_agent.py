@@ -189,14 +189,14 @@ def test_the_spool_hands_out_batches_by_count_and_by_bytes(tmp_path: Path) -> No
     ]
     spool.append(events)
     sizes = [e.ByteSize() for e in events]
-    assert [e.seq for e in spool.take(10, sizes[0] + sizes[1], timeout=0)] == [1, 2]
-    assert [e.seq for e in spool.take(2, 1 << 20, timeout=0)] == [1, 2]
+    assert [e.seq for e in spool.take(10, sizes[0] + sizes[1], timeout=0)[0]] == [1, 2]
+    assert [e.seq for e in spool.take(2, 1 << 20, timeout=0)[0]] == [1, 2]
     spool.ack(3)
-    assert [e.seq for e in spool.take(10, 100, timeout=0)] == [4]  # alone, however big
+    assert [e.seq for e in spool.take(10, 100, timeout=0)[0]] == [4]  # alone, however big
     spool.close()
     again = Spool(tmp_path, "d0")  # after a restart: the same sizes, from the file
     again.ack(3)  # what the daemon's hello says it has
-    assert [e.seq for e in again.take(10, sizes[3] + sizes[4], timeout=0)] == [4, 5]
+    assert [e.seq for e in again.take(10, sizes[3] + sizes[4], timeout=0)[0]] == [4, 5]
     again.close()
 
 
