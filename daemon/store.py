@@ -153,16 +153,48 @@ _ID = struct.Struct(">Q").pack
 _LEN = struct.Struct(">I").pack
 
 
+_PREFIXED: dict[str, bytes] = {}  # length-prefixed bytes of the few distinct kinds, nodes, ...
+
+
+def _prefixed(text: str) -> bytes:
+    """A low-cardinality column (kind, node, victim tenant, finding, severity), encoded once."""
+    data = _PREFIXED.get(text)
+    if data is None:
+        if len(_PREFIXED) > 65536:
+            _PREFIXED.clear()
+        raw = text.encode()
+        data = _PREFIXED[text] = _LEN(len(raw)) + raw
+    return data
+
+
 def _chain(prev: bytes, record_id: int, columns: Sequence[Any], body: bytes) -> bytes:
-    """sha256(prev hash, id, each column length-prefixed, body length-prefixed)."""
-    parts = [prev, _ID(record_id)]
-    for value in columns:
-        data = str(value).encode()
-        parts.append(_LEN(len(data)))
-        parts.append(data)
-    parts.append(_LEN(len(body)))
-    parts.append(body)
-    return hashlib.sha256(b"".join(parts)).digest()
+    """sha256(prev hash, id, each column length-prefixed (as text), body length-prefixed).
+    Written out column by column: it runs once per stored event, on the writer's hot path."""
+    kind, node, seq, ts_ns, req, tenant, victim_tenant, finding, severity = columns
+    seq_b, ts_b, req_b, tenant_b = b"%d" % seq, b"%d" % ts_ns, req.encode(), tenant.encode()
+    return hashlib.sha256(
+        b"".join(
+            (
+                prev,
+                _ID(record_id),
+                _prefixed(kind),
+                _prefixed(node),
+                _LEN(len(seq_b)),
+                seq_b,
+                _LEN(len(ts_b)),
+                ts_b,
+                _LEN(len(req_b)),
+                req_b,
+                _LEN(len(tenant_b)),
+                tenant_b,
+                _prefixed(victim_tenant),
+                _prefixed(finding),
+                _prefixed(severity),
+                _LEN(len(body)),
+                body,
+            )
+        )
+    ).digest()
 
 
 def store_url(where: str) -> str:

@@ -13,14 +13,17 @@ from pathlib import Path
 
 import grpc
 import pytest
+from alembic import command
+from alembic.config import Config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, inspect, text
 
 from kvguard.daemon import server
 from kvguard.daemon.client import AgentStream, DaemonRefused, send_capture
 from kvguard.daemon.process import Service, start_daemon
-from kvguard.daemon.store import Store
+from kvguard.daemon.store import MIGRATIONS, Record, Store
+from kvguard.daemon.store import store_url as url_of
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
@@ -92,6 +95,36 @@ def test_redelivery_and_a_killed_daemon_lose_and_double_nothing(store_url: str) 
     assert s.verify() == (True, s.count(), "")
     s.close()
     assert facts(stored_findings(store)) == facts(local_findings())
+
+
+def test_a_store_of_an_earlier_schema_is_upgraded_in_place(store_url: str) -> None:
+    """Migrations run on open: a store written under revision 0001 keeps every record and its
+    chain, and loses only the index 0002 drops."""
+    s = Store(store_url)
+    s.append([Record.of_event(e) for e in EVENTS])
+    s.close()
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with create_engine(url_of(store_url)).begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, "0001")
+    assert "records_event_node_seq" in indexes(store_url)
+    s = Store(store_url)
+    try:
+        events = [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")]
+        assert events == EVENTS
+        assert s.verify() == (True, len(EVENTS), "")
+    finally:
+        s.close()
+    assert "records_event_node_seq" not in indexes(store_url)
+
+
+def indexes(where: str) -> set[str]:
+    engine = create_engine(url_of(where))
+    try:
+        return {i["name"] for i in inspect(engine).get_indexes("records")}
+    finally:
+        engine.dispose()
 
 
 def test_a_node_may_speak_only_for_itself(daemon: Service) -> None:
