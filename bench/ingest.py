@@ -7,23 +7,28 @@ latency from sending an event to the arrival of its alert.
 The daemon runs as it is deployed, in its own process (`python -m kvguard daemon --listen
 127.0.0.1:0 --store FILE`, a fresh SQLite store per run), so its GIL is its own. The agents
 run here, one thread and one channel (one TCP connection) each, all driven by
-`kvguard.daemon.client.AgentStream.send()`, which waits for the ack of each batch (so a batch
-is durable in the store before the agent sends the next). The transport floor is this same
-client code against a gRPC server, also in its own process (`bench/ingest.py --floor-server`),
-that implements the same AgentService.Stream and acknowledges every batch at once without
-looking at it: what loopback gRPC, protobuf and this client cost without the daemon.
+`kvguard.daemon.client.AgentStream.send_serialized()`, which waits for the ack of each batch
+(so a batch is durable in the store before the agent sends the next). Like the node agent,
+whose spool keeps events as the bytes it wrote, they send events serialized beforehand. The
+transport floor is this same client code against a gRPC server, also in its own process
+(`bench/ingest.py --floor-server`), that implements the same AgentService.Stream and
+acknowledges every batch at once without looking at it: what loopback gRPC, protobuf and
+this client cost without the daemon.
 
 Workload per agent (node n0..nK), built in memory before timing: a pool report, then correct
-request lifecycles, each alloc / write / one attention read / free of R pages (--req-pages,
-64) taken from the agent's own pool: 4 R page transitions, no finding. Sent in batches of
---batch-events (64) events. Every --plant-every-th (4th) batch of an agent also carries one
-planted fault, on a fresh request: alloc one page, read it without writing it (a
+request lifecycles, each alloc / write / one attention read / free of R pages taken from the
+agent's own pool: 4 R page transitions, no finding. The daemon's cost is per event, so the
+same page rate costs it more in small events: every run is repeated for each R of
+--req-pages (default 64 and 256: a 1K- and a 4K-token context at 16 tokens a page). Sent in
+batches of --batch-events (64) events. Every --plant-every-th (4th) batch of an agent also
+carries one planted fault, on a fresh request: alloc one page, read it without writing it (a
 stale_read, which the default ruleset answers with a kill), free it. The event-to-alert
 latency runs from just before the client sends the batch holding the planted read to the
-arrival of its alert on an AlertService.Subscribe stream (filtered on stale_read) in this
-process. The same stream (same batches, same plants) goes to the floor, which produces no
-alert. Each run is capped at --seconds; its workload is sized for the goal rate, so a
-daemon that meets the goal runs out of events first.
+arrival of its alert on an AlertService.Subscribe stream (filtered on stale_read) held by a
+subscriber process of its own, as a SIEM would hold it. The same stream (same batches, same
+plants) goes to the floor, which produces no alert. Each run is capped at --seconds; its
+workload is sized for the goal rate, so a daemon that meets the goal runs out of events
+first.
 
 The runs above are closed loop: an agent sends its next batch when the last is acknowledged,
 so with N agents a batch waits behind up to N-1 others and latency is mostly queueing. More
@@ -37,7 +42,7 @@ Machines are shared and noisy: compare the ratio (daemon / floor, measured side 
 one run), not absolute rates.
 
     python bench/ingest.py [--agents 1,4,16] [--seconds N] [--batch-events N] [--pages N]
-                           [--req-pages N] [--paced TRANS_PER_S,...] [--py-spy DIR]
+                           [--req-pages R,...] [--paced TRANS_PER_S,...] [--py-spy DIR]
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ class Workload:
 
     node: str
     batches: list[list[pb.Event]]
+    bodies: list[list[bytes]]  # each batch's events serialized, as the agent's spool keeps them
     transitions: list[int]  # page transitions per batch
     planted: dict[int, str] = field(default_factory=dict)  # batch index -> planted request
 
@@ -146,7 +152,8 @@ def build_agent(
     if current:
         batches.append(current)
         transitions.append(moved)
-    return Workload(node, batches, transitions, planted)
+    bodies = [[e.SerializeToString() for e in batch] for batch in batches]
+    return Workload(node, batches, bodies, transitions, planted)
 
 
 # ---------------------------------------------------------------------------- servers
@@ -352,7 +359,7 @@ def drive(
                     req = w.planted.get(i)
                     if req is not None:
                         sent_at[req] = t0
-                    ack = stream.send(batch)
+                    ack = stream.send_serialized(w.bodies[i])
                     last = time.perf_counter()
                     acks.append(last - t0)
                     if ack.accepted != len(batch) or ack.rejected or ack.repeats:
@@ -453,7 +460,9 @@ def main() -> None:
     parser.add_argument("--agents", default="1,4,16", help="concurrent agents per run, comma-separated")
     parser.add_argument("--seconds", type=float, default=10.0, help="time cap of each run")
     parser.add_argument("--batch-events", type=int, default=64, help="events per EventBatch")
-    parser.add_argument("--req-pages", type=int, default=64, help="pages per request (per event)")
+    parser.add_argument(
+        "--req-pages", default="64,256", help="pages per request (per event), comma-separated: a pass each"
+    )
     parser.add_argument("--pages", type=int, default=1 << 16, help="pages in each agent's pool")
     parser.add_argument("--plant-every", type=int, default=4, help="a planted fault per N batches")
     parser.add_argument(
@@ -482,104 +491,108 @@ def main() -> None:
     # same 0.5 ms.
     sys.setswitchinterval(0.0005)
     counts = [int(a) for a in args.agents.split(",")]
-    total = args.events or int(GOAL_TRANSITIONS * args.seconds * 1.25 / args.req_pages)
+    sizes = [int(p) for p in args.req_pages.split(",")]
     print(
         f"python {sys.version.split()[0]}, grpcio {grpc.__version__}, numpy {np.__version__}, "
         f"{os.cpu_count()} cores; daemon: `python -m kvguard daemon` in its own process, SQLite store "
         f"(WAL, synchronous=FULL); agents: threads of this process, one channel each"
     )
     print(
-        f"{total} events per run ({args.req_pages}-page requests, {args.batch_events}-event batches, one "
-        f"planted {PLANTED} per {args.plant_every} batches an agent), each run capped at {args.seconds:g} s"
+        f"{args.batch_events}-event batches, one planted {PLANTED} per {args.plant_every} batches an agent; "
+        f"each run capped at {args.seconds:g} s"
     )
     header = (
-        f"{'agents':>8} {'events/s':>9} {'Mtrans/s':>9} {'floor Mtrans/s':>14} {'ratio':>6} "
+        f"{'pages':>5} {'agents':>8} {'events/s':>9} {'Mtrans/s':>9} {'floor Mtrans/s':>14} {'ratio':>6} "
         f"{'alert p50 ms':>12} {'alert p99 ms':>12} {'alerts':>6} {'ack p50 ms':>10} {'ack p99 ms':>10} "
         f"{'floor ack p50':>13} {'store MB':>8}"
     )
     rows: list[str] = []
-    results: list[tuple[int, Run, Run]] = []
-    paced: list[tuple[float, Run]] = []
+    results: list[tuple[int, int, Run, Run]] = []  # (pages per request, agents, daemon, floor)
+    paced: list[tuple[int, float, Run]] = []  # (pages per request, offered, run)
     offers = [float(x) for x in args.paced.split(",") if float(x) > 0]
     with tempfile.TemporaryDirectory(prefix="kvguard-bench-") as tmp:
         store_dir = args.store_dir or Path(tmp)
         store_dir.mkdir(parents=True, exist_ok=True)
-        for n in counts:
-            built = time.perf_counter()
-            workloads = [
-                build_agent(
-                    f"n{k}", total // n, args.batch_events, args.req_pages, args.pages, args.plant_every, k
-                )
-                for k in range(n)
-            ]
-            gc.collect()
-            gc.freeze()  # the workload's objects are not scanned by the collector during timing
-            built = time.perf_counter() - built
-            tag = f"{n}-{os.getpid()}"
-            daemon, size = daemon_run(workloads, args.seconds, store_dir, tag, args.py_spy)
-            floor = floor_run(workloads, args.seconds, store_dir, tag)
-            ratio = daemon.rate / floor.rate if floor.rate else 0.0
-            rows.append(
-                f"{n:>8} {daemon.event_rate:>9.0f} {daemon.rate / 1e6:>9.3f} {floor.rate / 1e6:>14.3f} "
-                f"{ratio:>6.3f} {ms(daemon.alerts, 50):>12} {ms(daemon.alerts, 99):>12} "
-                f"{len(daemon.alerts):>6} {ms(daemon.acks, 50):>10} {ms(daemon.acks, 99):>10} "
-                f"{ms(floor.acks, 50):>13} {size / 1e6:>8.1f}"
-            )
-            print(
-                f"  {n} agents: workload built in {built:.1f} s; daemon {daemon.events} events in "
-                f"{daemon.elapsed:.1f} s, floor {floor.events} events in {floor.elapsed:.1f} s",
-                flush=True,
-            )
-            for name, run in (("daemon", daemon), ("floor", floor)):
-                for error in run.errors:
-                    print(f"  ERROR ({name}, {n} agents): {error}", flush=True)
-            results.append((n, daemon, floor))
-            for offered in offers if n == max(counts) else []:
-                run, size = daemon_run(
-                    workloads, args.seconds, store_dir, f"{tag}-paced{offered:.0f}", args.py_spy, offered
-                )
-                paced.append((offered, run))
+        for size in sizes:
+            total = args.events or int(GOAL_TRANSITIONS * args.seconds * 1.25 / size)
+            print(f"{size}-page requests: {total} events per run", flush=True)
+            for n in counts:
+                built = time.perf_counter()
+                workloads = [
+                    build_agent(f"n{k}", total // n, args.batch_events, size, args.pages, args.plant_every, k)
+                    for k in range(n)
+                ]
+                gc.collect()
+                gc.freeze()  # the workload's objects are not scanned by the collector during timing
+                built = time.perf_counter() - built
+                tag = f"{size}-{n}-{os.getpid()}"
+                daemon, db = daemon_run(workloads, args.seconds, store_dir, tag, args.py_spy)
+                floor = floor_run(workloads, args.seconds, store_dir, tag)
+                ratio = daemon.rate / floor.rate if floor.rate else 0.0
                 rows.append(
-                    f"{f'{n} @{offered / 1e6:g}M':>8} {run.event_rate:>9.0f} {run.rate / 1e6:>9.3f} "
-                    f"{'-':>14} {'-':>6} {ms(run.alerts, 50):>12} {ms(run.alerts, 99):>12} "
-                    f"{len(run.alerts):>6} {ms(run.acks, 50):>10} {ms(run.acks, 99):>10} {'-':>13} "
-                    f"{size / 1e6:>8.1f}"
+                    f"{size:>5} {n:>8} {daemon.event_rate:>9.0f} {daemon.rate / 1e6:>9.3f} "
+                    f"{floor.rate / 1e6:>14.3f} {ratio:>6.3f} {ms(daemon.alerts, 50):>12} "
+                    f"{ms(daemon.alerts, 99):>12} {len(daemon.alerts):>6} {ms(daemon.acks, 50):>10} "
+                    f"{ms(daemon.acks, 99):>10} {ms(floor.acks, 50):>13} {db / 1e6:>8.1f}"
                 )
                 print(
-                    f"  {n} agents paced at {offered / 1e6:g} M trans/s: daemon {run.events} events in "
-                    f"{run.elapsed:.1f} s",
+                    f"  {n} agents: workload built in {built:.1f} s; daemon {daemon.events} events in "
+                    f"{daemon.elapsed:.1f} s, floor {floor.events} events in {floor.elapsed:.1f} s",
                     flush=True,
                 )
-                for error in run.errors:
-                    print(f"  ERROR (daemon, {n} agents paced at {offered:g}): {error}", flush=True)
-            del workloads
-            gc.unfreeze()
-            gc.collect()
+                for name, run in (("daemon", daemon), ("floor", floor)):
+                    for error in run.errors:
+                        print(f"  ERROR ({name}, {n} agents): {error}", flush=True)
+                results.append((size, n, daemon, floor))
+                for offered in offers if n == max(counts) else []:
+                    run, db = daemon_run(
+                        workloads, args.seconds, store_dir, f"{tag}-paced{offered:.0f}", args.py_spy, offered
+                    )
+                    paced.append((size, offered, run))
+                    rows.append(
+                        f"{size:>5} {f'{n} @{offered / 1e6:g}M':>8} {run.event_rate:>9.0f} "
+                        f"{run.rate / 1e6:>9.3f} {'-':>14} {'-':>6} {ms(run.alerts, 50):>12} "
+                        f"{ms(run.alerts, 99):>12} {len(run.alerts):>6} {ms(run.acks, 50):>10} "
+                        f"{ms(run.acks, 99):>10} {'-':>13} {db / 1e6:>8.1f}"
+                    )
+                    print(
+                        f"  {n} agents paced at {offered / 1e6:g} M trans/s: daemon {run.events} events in "
+                        f"{run.elapsed:.1f} s",
+                        flush=True,
+                    )
+                    for error in run.errors:
+                        print(f"  ERROR (daemon, {n} agents paced at {offered:g}): {error}", flush=True)
+                del workloads
+                gc.unfreeze()
+                gc.collect()
     print()
     print(header)
     print(*rows, sep="\n")
     print(f"command: python bench/ingest.py {shlex.join(sys.argv[1:])}".rstrip())
     print(
-        "closed loop: each agent sends its next batch when the last is acknowledged, so latency there "
-        "is queueing behind the other agents' batches;\npaced (@): the agents together offer "
-        "that many page transitions/s, latency from each batch's scheduled send"
+        "pages: per request, i.e. per event (the daemon's cost is per event: the same page rate in "
+        "smaller events is more events);\nclosed loop: each agent sends its next batch when the last is "
+        "acknowledged, so latency there is queueing behind the other agents' batches;\npaced (@): the "
+        "agents together offer that many page transitions/s, latency from each batch's scheduled send"
     )
-    best = max(d.rate for _, d, _ in results)
-    print(
-        f"goal >= {GOAL_TRANSITIONS / 1e6:g} M page transitions/s: "
-        f"{'met' if best >= GOAL_TRANSITIONS else 'MISSED'} (best closed loop {best / 1e6:.3f} M/s)"
-    )
-    for offered, run in paced:
+    for size in sizes:
+        best = max(d.rate for s, _, d, _ in results if s == size)
+        print(
+            f"goal >= {GOAL_TRANSITIONS / 1e6:g} M page transitions/s with {size}-page events: "
+            f"{'met' if best >= GOAL_TRANSITIONS else 'MISSED'} (best closed loop {best / 1e6:.3f} M/s)"
+        )
+    for size, offered, run in paced:
         if not run.alerts:
             continue
         p99 = float(np.percentile(run.alerts, 99)) * 1e3
         kept = run.rate >= 0.98 * offered
         print(
-            f"p99 event-to-alert < {GOAL_P99_MS:g} ms at {offered / 1e6:g} M/s offered: "
-            f"{'yes' if kept and p99 < GOAL_P99_MS else 'NO'} ({run.rate / 1e6:.3f} M/s kept up, "
-            f"p99 {p99:.2f} ms){' (the goal)' if offered == GOAL_TRANSITIONS else ''}"
+            f"p99 event-to-alert < {GOAL_P99_MS:g} ms at {offered / 1e6:g} M/s offered in {size}-page events "
+            f"({run.event_rate:.0f} events/s): {'yes' if kept and p99 < GOAL_P99_MS else 'NO'} "
+            f"({run.rate / 1e6:.3f} M/s kept up, p99 {p99:.2f} ms)"
+            f"{' (the goal)' if offered == GOAL_TRANSITIONS else ''}"
         )
-    runs = [r for _, d, f in results for r in (d, f)] + [r for _, r in paced]
+    runs = [r for _, _, d, f in results for r in (d, f)] + [r for _, _, r in paced]
     if any(r.errors for r in runs):
         raise SystemExit(1)
 
