@@ -9,12 +9,16 @@ On start the ledger is rebuilt from the store, so a restart loses nothing and ch
 verdict.
 
 Where a batch goes: the gRPC event loop parses it; one apply thread applies the batches of
-all streams to the ledger, in groups; a store-writer process commits each group (on another
-core, while the next group is applied); the commit's callback sends commands, alerts, acks.
+all streams to the ledger, in groups, and sends each command as soon as it is ordered; a store-writer
+process commits each group (on another core, while the next group is applied); the commit's
+callback sends alerts and acks.
 
-Invariants: an acknowledged event is durable; (node, seq) is applied and stored at most once;
-a store failure after the ledger moved on stops the daemon (it restarts from the store rather
-than run ahead of it).
+Invariants: an acknowledged event is durable, and an alert's cursor names a durable record;
+(node, seq) is applied and stored at most once; a store failure after the ledger moved on
+stops the daemon (it restarts from the store rather than run ahead of it). Commands do not
+wait for the disk: a leak in progress is stopped as soon as it is judged. If the daemon dies
+before the commit, the agent resends the batch and the same verdict orders the command again
+(the guard kills a request once), so commands are at-least-once.
 """
 
 from __future__ import annotations
@@ -123,7 +127,6 @@ class Applied:
     parts: list[Record | EventRun] = field(default_factory=list)
     rows: int = 0  # rows the parts expand to
     findings: list[tuple[int, Finding]] = field(default_factory=list)  # (index of its row, finding)
-    commands: list[svc.Command] = field(default_factory=list)
     acks: list[svc.Ack] = field(default_factory=list)
 
     def add(self, part: Record | EventRun) -> None:
@@ -164,7 +167,6 @@ class Daemon:
         self._outbox_lock = threading.Lock()
         self._undelivered: dict[str, list[svc.Command]] = {}  # commands that found their node away
         self._command_id = store.count("command")
-        self._command_node: dict[int, str] = {}
         self._inbox: queue.Queue[Batch] = queue.Queue()
         self.writer: StoreWriter | InlineWriter = writer if writer is not None else InlineWriter(store)
         rebuilt = 0
@@ -218,15 +220,13 @@ class Daemon:
         os._exit(70)
 
     def _release(self, group: list[Batch], applied: Applied, committed: Future[int]) -> None:
-        """A group is durable: send its commands, its alerts, its acks (in that order: a
-        stream's commands reach its agent before the ack of the batch that caused them)."""
+        """A group is durable: send its alerts, then its acks (its commands went out before
+        the commit, so a stream's commands reach its agent before the ack of the batch that
+        caused them)."""
         try:
             first_id = committed.result()
         except BaseException as exc:
             self._store_failed(exc)
-        for command in applied.commands:
-            self.counters["kills" if command.HasField("kill") else "quarantines"] += 1
-            self.send_command(self._command_node.pop(command.id, ""), command)
         for row_index, finding in applied.findings:
             self._publish(first_id + row_index, finding)
         for batch, ack in zip(group, applied.acks, strict=True):
@@ -286,7 +286,8 @@ class Daemon:
         return None
 
     def _judge(self, found: Sequence[Finding], out: Applied) -> None:
-        """The ruleset's verdict on each finding of an event: its row, then its commands'."""
+        """The ruleset's verdict on each finding of an event: its row, then its commands' rows;
+        the commands go out now, before the commit (see the module's invariants)."""
         for f in found:
             evaluated = self.ruleset.evaluate(f)
             if evaluated is None:
@@ -294,9 +295,10 @@ class Daemon:
             out.findings.append((out.rows, evaluated))
             out.add(Record.of_finding(evaluated))
             for command in self._commands_for(evaluated):
-                out.commands.append(command)
                 body = command.SerializeToString()
                 out.add(Record("command", evaluated.node, command.id, evaluated.ts_ns, body, evaluated.req))
+                self.counters["kills" if command.HasField("kill") else "quarantines"] += 1
+                self.send_command(evaluated.node, command)
 
     # ------------------------------------------------------------------ streams and commands
 
@@ -355,7 +357,6 @@ class Daemon:
         for command in commands:
             self._command_id += 1
             command.id = self._command_id
-            self._command_node[command.id] = finding.node
         return commands
 
     # ------------------------------------------------------------------ fleet

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
@@ -22,7 +24,7 @@ from sqlalchemy import create_engine, inspect, text
 from kvguard.daemon import server
 from kvguard.daemon.client import AgentStream, DaemonRefused, send_capture
 from kvguard.daemon.process import Service, start_daemon
-from kvguard.daemon.store import MIGRATIONS, Record, Store
+from kvguard.daemon.store import MIGRATIONS, EventRun, Record, Store
 from kvguard.daemon.store import store_url as url_of
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb
@@ -354,4 +356,51 @@ def test_a_kill_ordered_while_its_node_is_away_reaches_its_next_stream(tmp_path:
         assert daemon.counters["commands_late"] == 1
     finally:
         grpc_server.stop(grace=1)
+        store.close()
+
+
+class HeldWriter(server.InlineWriter):
+    """The store's writer with its commits held back until `release` is set: a slow disk."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.release = threading.Event()
+
+    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> Future[int]:
+        self.release.wait(30)
+        return super().submit(messages, parts)
+
+
+def test_a_kill_does_not_wait_for_the_disk(tmp_path: Path) -> None:
+    # The read is a leak in progress: the kill goes out as soon as the ledger has judged it.
+    # Its alert and the batch's ack wait for the commit (an alert's cursor names a durable
+    # record), and the command is stored with them.
+    store = Store(str(tmp_path / "audit.db"))
+    writer = HeldWriter(store)
+    daemon = server.Daemon(store, writer=writer)
+    sent: list[svc.DaemonMessage] = []
+    try:
+        assert daemon.connect("p7", sent.append)
+        events = stale_reads("p7", 1)
+        batch = svc.AgentMessage(batch=svc.EventBatch(events=events))
+        daemon.ingest(server.Batch("p7", batch.batch.events, batch.SerializeToString(), sent.append))
+        deadline = time.monotonic() + 10
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # an ack sent after the kill would have arrived by now
+        assert [m.WhichOneof("body") for m in sent] == ["command"]
+        assert (sent[0].command.kill.req, sent[0].command.kill.finding) == ("p7-r0", "stale_read")
+        assert store.count() == 0  # nothing durable yet
+        writer.release.set()
+        while len(sent) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [m.WhichOneof("body") for m in sent] == ["command", "ack"]
+        assert sent[1].ack.accepted == len(events)
+        commands = [svc.Command.FromString(body) for _, _, body in store.rows(kind="command")]
+        assert commands == [sent[0].command]
+    finally:
+        writer.release.set()
+        acked = time.monotonic() + 10  # the apply thread is done with the store before it closes
+        while not any(m.HasField("ack") for m in sent) and time.monotonic() < acked:
+            time.sleep(0.01)
         store.close()
