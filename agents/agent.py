@@ -14,6 +14,7 @@ network: the socket is read as fast as the spool can be appended to.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import struct
@@ -214,7 +215,8 @@ class NodeAgent:
         while not self.stopping.is_set():
             stream = None
             try:
-                stream = AgentStream(self._channel, node, "kvguard-agent")
+                relay = functools.partial(self._relay, node)  # commands go to the guard as they come
+                stream = AgentStream(self._channel, node, "kvguard-agent", on_command=relay)
                 spool.ack(stream.durable_seq)
                 delay = 0.1
                 while not self.stopping.is_set():
@@ -242,7 +244,6 @@ class NodeAgent:
                     self.counters["acked"] += ack.accepted + ack.repeats
                     # The daemon settled the whole batch (stored, had it, or refused it for good).
                     spool.ack(max(ack.durable_seq, batch[-1].seq), rejected)
-                    self._relay(node, stream)
             except (grpc.RpcError, DaemonRefused) as exc:
                 self.counters["reconnects"] += 1
                 detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
@@ -256,19 +257,15 @@ class NodeAgent:
                 if stream is not None:
                     stream.close()
 
-    def _relay(self, node: str, stream: AgentStream) -> None:
-        commands, stream.commands = stream.commands, []
-        for command in commands:
-            self.counters["commands"] += 1
-            with self.lock:
-                conn = self.guards.get(node)
-            if conn is None:
-                print(
-                    f"kvguard agent: no guard of {node} connected for command {command.id}", file=sys.stderr
-                )
-                continue
-            with contextlib.suppress(OSError):
-                send_frame(conn, svc.DaemonMessage(command=command))
+    def _relay(self, node: str, command: svc.Command) -> None:
+        self.counters["commands"] += 1
+        with self.lock:
+            conn = self.guards.get(node)
+        if conn is None:
+            print(f"kvguard agent: no guard of {node} connected for command {command.id}", file=sys.stderr)
+            return
+        with contextlib.suppress(OSError):
+            send_frame(conn, svc.DaemonMessage(command=command))
 
     # ------------------------------------------------------------------ engine probes
 

@@ -1,7 +1,10 @@
 """Talking to the daemon as an agent does: one stream per node, batches in, acks back.
 
 `AgentStream.send()` returns only when the daemon has acknowledged the batch, i.e. when it
-is durable; commands (kill, quarantine) that arrive meanwhile are kept in `commands`.
+is durable. Commands (kill, quarantine) are handed over the moment they arrive, to the
+stream's `on_command` (the agent relays them to the guard at once) or else kept in
+`commands`: the daemon sends a command before the commit of the batch that caused it, and a
+command may also come while no batch is in flight.
 `send_capture()` is `kvguard replay CAPTURE --to ADDR`: it keeps the capture's global order
 across nodes by sending each run of one node's events as a batch and waiting for its ack
 before the next.
@@ -10,7 +13,10 @@ before the next.
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterable, Iterator
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -30,7 +36,13 @@ class DaemonRefused(RuntimeError):
 
 
 class AgentStream:
-    def __init__(self, channel: grpc.Channel, node: str, agent_version: str = "kvguard") -> None:
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        node: str,
+        agent_version: str = "kvguard",
+        on_command: Callable[[svc.Command], None] | None = None,
+    ) -> None:
         self.node = node
         self._out: queue.Queue[bytes | None] = queue.Queue()
         # Requests go as bytes: a batch is each event serialized into a RawAgentMessage (the
@@ -43,20 +55,39 @@ class AgentStream:
         )
         self._responses = stream(iter(self._out.get, None))
         self.commands: list[svc.Command] = []
+        self._on_command = on_command if on_command is not None else self.commands.append
+        self._acks: queue.Queue[svc.Ack | Exception] = queue.Queue()
+        threading.Thread(target=self._read, name=f"kvguard-stream-{node}", daemon=True).start()
         hello = svc.AgentMessage(hello=svc.Hello(node=node, agent_version=agent_version))
         self._out.put(hello.SerializeToString())
         self.durable_seq = self._next_ack().durable_seq  # what the daemon already has of this node
 
+    def _read(self) -> None:
+        """The daemon's messages as they arrive: commands handed over, acks queued for send()."""
+        end: Exception = DaemonRefused("the daemon closed the stream")
+        try:
+            for msg in self._responses:
+                body = msg.WhichOneof("body")
+                if body == "ack":
+                    self._acks.put(msg.ack)
+                elif body == "command":
+                    try:
+                        self._on_command(msg.command)
+                    except Exception:  # the handler's bug must not stop the acks
+                        traceback.print_exc(file=sys.stderr)
+                elif body == "error":
+                    end = DaemonRefused(f"{msg.error.code}: {msg.error.message}")
+                    break
+        except grpc.RpcError as exc:
+            end = exc
+        self._acks.put(end)
+
     def _next_ack(self) -> svc.Ack:
-        for msg in self._responses:
-            body = msg.WhichOneof("body")
-            if body == "ack":
-                return msg.ack
-            if body == "command":
-                self.commands.append(msg.command)
-            elif body == "error":
-                raise DaemonRefused(f"{msg.error.code}: {msg.error.message}")
-        raise DaemonRefused("the daemon closed the stream")
+        ack = self._acks.get()
+        if isinstance(ack, Exception):
+            self._acks.put(ack)  # the stream is over: every later send() fails the same way
+            raise ack
+        return ack
 
     def send(self, events: Iterable[pb.Event]) -> svc.Ack:
         return self.send_serialized([e.SerializeToString() for e in events])

@@ -4,6 +4,7 @@ commands back to the right node, health and reflection, a tamper-evident audit l
 
 from __future__ import annotations
 
+import queue
 import subprocess
 import sys
 import threading
@@ -403,4 +404,24 @@ def test_a_kill_does_not_wait_for_the_disk(tmp_path: Path) -> None:
         acked = time.monotonic() + 10  # the apply thread is done with the store before it closes
         while not any(m.HasField("ack") for m in sent) and time.monotonic() < acked:
             time.sleep(0.01)
+        store.close()
+
+
+def test_a_command_reaches_an_agent_that_is_sending_nothing(tmp_path: Path) -> None:
+    # Commands are not piggybacked on acks: an agent with nothing to send (its engine idle, or
+    # its batch already acknowledged) gets a kill the moment the daemon orders it.
+    store = Store(str(tmp_path / "audit.db"))
+    daemon = server.Daemon(store)
+    grpc_server = server.serve(daemon, "127.0.0.1:0")
+    arrived: queue.Queue[svc.Command] = queue.Queue()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}") as channel:
+            stream = AgentStream(channel, "p8", on_command=arrived.put)
+            kill = svc.Command(id=7, kill=svc.KillRequest(req="p8-r3", finding="stale_read"))
+            daemon.send_command("p8", kill)
+            assert arrived.get(timeout=10) == kill
+            assert stream.commands == []  # handed to on_command, not kept
+            stream.close()
+    finally:
+        grpc_server.stop(grace=1)
         store.close()
