@@ -2,7 +2,7 @@
 
 Events and page transitions per second through `kvguard daemon` from 1, 4 and 16 concurrent
 agents, beside the same stream sent to a gRPC server that discards it, and the p50/p99
-latency from sending an event to the arrival of its alert.
+latency from sending an event to the arrival of its alert and of its kill.
 
 The daemon runs as it is deployed, in its own process (`python -m kvguard daemon --listen
 127.0.0.1:0 --store FILE`, a fresh SQLite store per run), so its GIL is its own. The agents
@@ -25,10 +25,11 @@ carries one planted fault, on a fresh request: alloc one page, read it without w
 stale_read, which the default ruleset answers with a kill), free it. The event-to-alert
 latency runs from just before the client sends the batch holding the planted read to the
 arrival of its alert on an AlertService.Subscribe stream (filtered on stale_read) held by a
-subscriber process of its own, as a SIEM would hold it. The same stream (same batches, same
-plants) goes to the floor, which produces no alert. Each run is capped at --seconds; its
-workload is sized for the goal rate, so a daemon that meets the goal runs out of events
-first.
+subscriber process of its own, as a SIEM would hold it; the event-to-kill latency, to the
+arrival of the kill command on the agent's own stream (the daemon sends commands before the
+commit, alerts after it). The same stream (same batches, same plants) goes to the floor,
+which produces no alert. Each run is capped at --seconds; its workload is sized for the goal
+rate, so a daemon that meets the goal runs out of events first.
 
 The runs above are closed loop: an agent sends its next batch when the last is acknowledged,
 so with N agents a batch waits behind up to N-1 others and latency is mostly queueing. More
@@ -239,6 +240,7 @@ class Run:
     elapsed: float = 0.0
     acks: list[float] = field(default_factory=list)  # seconds, send to ack, every batch
     alerts: list[float] = field(default_factory=list)  # seconds, send to alert, planted batches
+    kills: list[float] = field(default_factory=list)  # seconds, send to the kill at the agent, planted
     planted_sent: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -325,6 +327,7 @@ def drive(
     per_agent = paced / len(workloads)
     lock = threading.Lock()
     sent_at: dict[str, float] = {}
+    killed_at: dict[str, float] = {}  # planted request -> when its kill reached the agent's stream
     started = [0.0]
     ready = threading.Barrier(len(workloads) + 1, action=lambda: started.__setitem__(0, time.perf_counter()))
     finished: list[float] = []
@@ -336,7 +339,12 @@ def drive(
         last = 0.0
         with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
             try:
-                stream = AgentStream(channel, w.node, "kvguard-bench")
+                stream = AgentStream(
+                    channel,
+                    w.node,
+                    "kvguard-bench",
+                    on_command=lambda c: killed_at.setdefault(c.kill.req, time.perf_counter()),
+                )
             except Exception as exc:
                 ready.abort()  # the run cannot start: release the others
                 with lock:
@@ -400,6 +408,9 @@ def drive(
             missing = [r for r in wanted if r not in alerts.arrived]
             run.errors.append(f"{len(missing)} planted faults raised no alert (first: {missing[:3]})")
         run.alerts = [alerts.arrived[r] - t for r, t in sent_at.items() if r in alerts.arrived]
+        run.kills = [killed_at[r] - t for r, t in sent_at.items() if r in killed_at]
+        if len(run.kills) != len(sent_at):
+            run.errors.append(f"{len(sent_at) - len(run.kills)} planted faults got no kill")
     return run
 
 
@@ -503,7 +514,8 @@ def main() -> None:
     )
     header = (
         f"{'pages':>5} {'agents':>8} {'events/s':>9} {'Mtrans/s':>9} {'floor Mtrans/s':>14} {'ratio':>6} "
-        f"{'alert p50 ms':>12} {'alert p99 ms':>12} {'alerts':>6} {'ack p50 ms':>10} {'ack p99 ms':>10} "
+        f"{'alert p50 ms':>12} {'alert p99 ms':>12} {'alerts':>6} {'kill p50 ms':>11} {'kill p99 ms':>11} "
+        f"{'ack p50 ms':>10} {'ack p99 ms':>10} "
         f"{'floor ack p50':>13} {'store MB':>8}"
     )
     rows: list[str] = []
@@ -532,7 +544,8 @@ def main() -> None:
                 rows.append(
                     f"{size:>5} {n:>8} {daemon.event_rate:>9.0f} {daemon.rate / 1e6:>9.3f} "
                     f"{floor.rate / 1e6:>14.3f} {ratio:>6.3f} {ms(daemon.alerts, 50):>12} "
-                    f"{ms(daemon.alerts, 99):>12} {len(daemon.alerts):>6} {ms(daemon.acks, 50):>10} "
+                    f"{ms(daemon.alerts, 99):>12} {len(daemon.alerts):>6} {ms(daemon.kills, 50):>11} "
+                    f"{ms(daemon.kills, 99):>11} {ms(daemon.acks, 50):>10} "
                     f"{ms(daemon.acks, 99):>10} {ms(floor.acks, 50):>13} {db / 1e6:>8.1f}"
                 )
                 print(
@@ -552,7 +565,8 @@ def main() -> None:
                     rows.append(
                         f"{size:>5} {f'{n} @{offered / 1e6:g}M':>8} {run.event_rate:>9.0f} "
                         f"{run.rate / 1e6:>9.3f} {'-':>14} {'-':>6} {ms(run.alerts, 50):>12} "
-                        f"{ms(run.alerts, 99):>12} {len(run.alerts):>6} {ms(run.acks, 50):>10} "
+                        f"{ms(run.alerts, 99):>12} {len(run.alerts):>6} {ms(run.kills, 50):>11} "
+                        f"{ms(run.kills, 99):>11} {ms(run.acks, 50):>10} "
                         f"{ms(run.acks, 99):>10} {'-':>13} {db / 1e6:>8.1f}"
                     )
                     print(
