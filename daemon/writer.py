@@ -6,12 +6,13 @@ the runs of accepted events in them (`EventRun`), so the daemon never builds an 
 Invariants: groups are committed in the order they were submitted, each in one
 transaction; `submit()` returns a future that resolves to the group's first record id only
 once the group is durable; if the writer fails or dies, every pending and later future fails
-(the daemon then stops and rebuilds from the store). The writer exits when the daemon goes
-(its end of the pipe closes).
+(the daemon then stops and rebuilds from the store). The writer exits after committing what
+was submitted before `close()`, or when the daemon dies (its end of the pipe closes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import threading
 from collections import deque
@@ -27,9 +28,12 @@ def _serve(where: str, conn: Connection) -> None:
     try:
         while True:
             try:
-                messages, parts = conn.recv()
+                group = conn.recv()
             except (EOFError, OSError):
                 return
+            if group is None:  # close(): everything before it is committed
+                return
+            messages, parts = group
             try:
                 ids = store.append(rows_of(messages, parts))
                 conn.send(("ok", ids[0] if ids else 0))
@@ -93,7 +97,11 @@ class StoreWriter:
             return
 
     def close(self) -> None:
-        self._conn.close()
+        # Ask the writer to finish: closing our end alone would not wake it while our reply
+        # thread still blocks reading that end (the socket stays open under it).
+        with self._lock, contextlib.suppress(OSError):
+            self._conn.send(None)
         self._proc.join(timeout=10)
+        self._conn.close()
         if self._proc.is_alive():
             self._proc.kill()

@@ -27,6 +27,7 @@ from kvguard.daemon.client import AgentStream, DaemonRefused, send_capture
 from kvguard.daemon.process import Service, start_daemon
 from kvguard.daemon.store import MIGRATIONS, EventRun, Record, Store
 from kvguard.daemon.store import store_url as url_of
+from kvguard.daemon.writer import StoreWriter
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
@@ -425,3 +426,21 @@ def test_a_command_reaches_an_agent_that_is_sending_nothing(tmp_path: Path) -> N
     finally:
         grpc_server.stop(grace=1)
         store.close()
+
+
+def test_the_store_writer_commits_what_it_was_given_and_exits_when_closed(tmp_path: Path) -> None:
+    # close() used to leave the writer blocked on a pipe the daemon's reply thread still held
+    # open: every daemon stop waited out the join timeout, then killed the writer.
+    where = str(tmp_path / "audit.db")
+    Store(where).close()
+    writer = StoreWriter(where)
+    batch = svc.AgentMessage(batch=svc.EventBatch(events=EVENTS[:5])).SerializeToString()
+    done = writer.submit([batch], [EventRun(0, 0, 5)])
+    writer.close()
+    assert done.result(timeout=10) == 1
+    assert writer._proc.exitcode == 0  # it finished on its own, it was not killed
+    s = Store(where)
+    try:
+        assert [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")] == EVENTS[:5]
+    finally:
+        s.close()
