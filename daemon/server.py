@@ -381,10 +381,121 @@ class Daemon:
         return state
 
 
+class AgentSession:
+    """One AgentService stream, on the server's event loop: its node (named by the hello),
+    the messages going back (acks from the commit thread, commands from the apply thread, a
+    StreamError), and the bound on its batches in the daemon."""
+
+    def __init__(self, daemon: Daemon, context: grpc.aio.ServicerContext) -> None:
+        self.daemon = daemon
+        self.context = context
+        self.loop = asyncio.get_running_loop()
+        self.out: asyncio.Queue[svc.DaemonMessage | None] = asyncio.Queue()
+        self.in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self.node = ""
+        self.closed = False
+
+    # From the daemon's threads.
+    def reply(self, msg: svc.DaemonMessage) -> None:
+        """A batch's ack (the commit thread)."""
+        self.loop.call_soon_threadsafe(self._acked, msg)
+
+    def send(self, msg: svc.DaemonMessage) -> None:
+        """A command for this stream's node (the apply thread, or connect())."""
+        self.loop.call_soon_threadsafe(self._command, msg)
+
+    # On the loop.
+    def _acked(self, msg: svc.DaemonMessage) -> None:
+        self.out.put_nowait(msg)
+        self.in_flight.release()
+
+    def _command(self, msg: svc.DaemonMessage) -> None:
+        if self.closed:  # the stream ended before this reached it: the node's next one takes it
+            self.daemon.send_command(self.node, msg.command)
+        else:
+            self.out.put_nowait(msg)
+
+    def _fail(self, code: str, message: str) -> None:
+        self.daemon.counters[f"stream_{code}"] += 1
+        self.out.put_nowait(svc.DaemonMessage(error=svc.StreamError(code=code, message=message)))
+
+    def _hello(self, msg: svc.AgentMessage) -> bool:
+        """The stream's first message names its node; False (and the reason sent) if not
+        acceptable."""
+        name = msg.hello.node if msg.WhichOneof("body") == "hello" else ""
+        if not name:
+            self._fail("identity", "the first message of a stream must be hello with the node's name")
+            return False
+        names = peer_names(self.context)
+        if names is not None and name not in names:
+            self._fail(
+                "identity",
+                f"node {name!r} is not named by the client's certificate "
+                f"(it names {', '.join(sorted(names))})",
+            )
+            return False
+        # Commands waiting for the node come through `send`, i.e. on the loop after this
+        # step: after the hello's ack.
+        if not self.daemon.connect(name, self.send):
+            self._fail("identity", f"node {name!r} is already connected on another stream")
+            return False
+        self.node = name
+        known = self.daemon.ledger.nodes.get(name)
+        durable = known.last_seq if known else 0
+        self.out.put_nowait(svc.DaemonMessage(ack=svc.Ack(node=name, durable_seq=durable)))
+        return True
+
+    async def read(self, requests: AsyncIterator[bytes]) -> None:
+        """Take the agent's messages until the stream ends or breaks a rule; then, once the
+        acks of what was accepted are out, end the replies."""
+        try:
+            async for data in requests:
+                if len(data) > MAX_MESSAGE:
+                    self._fail("oversized", f"message of {len(data)} bytes (at most {MAX_MESSAGE})")
+                    return
+                try:
+                    msg = svc.AgentMessage.FromString(data)
+                except DecodeError as exc:
+                    self._fail("malformed", f"the message is not a kvguard.v1.AgentMessage: {exc}")
+                    return
+                if not self.node:
+                    if not self._hello(msg):
+                        return
+                    continue
+                body = msg.WhichOneof("body")
+                if body != "batch":
+                    self._fail("malformed", f"unexpected {body or 'empty'} message after hello")
+                    return
+                events = msg.batch.events
+                if len(events) > MAX_BATCH:
+                    self._fail("malformed", f"batch of {len(events)} events (at most {MAX_BATCH})")
+                    return
+                await self.in_flight.acquire()  # an agent that does not wait for acks waits here
+                self.daemon.ingest(Batch(self.node, events, data, self.reply))
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+        finally:
+            for _ in range(MAX_IN_FLIGHT):  # the acks of what was accepted go out first
+                await self.in_flight.acquire()
+            self.out.put_nowait(None)
+
+    def end(self) -> None:
+        """The stream is over: its node is free for the next stream, which also gets the
+        commands queued here but never sent."""
+        if not self.node:
+            return
+        self.daemon.disconnect(self.node, self.send)
+        self.closed = True
+        while not self.out.empty():
+            item = self.out.get_nowait()
+            if item is not None and item.HasField("command"):
+                self.daemon.send_command(self.node, item.command)
+
+
 class AgentServicer:
     """AgentService.Stream on the server's event loop. Requests arrive as bytes (AgentMessage
     as sent): each batch is parsed once, here, and its bytes go on to the store as they
-    arrived. Acks and commands come from the daemon's commit thread."""
+    arrived."""
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
@@ -392,98 +503,14 @@ class AgentServicer:
     async def Stream(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[svc.DaemonMessage]:
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue[svc.DaemonMessage | None] = asyncio.Queue()
-        in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
-        node: list[str] = []
-        closed: list[bool] = []
-
-        def acked(msg: svc.DaemonMessage) -> None:
-            out.put_nowait(msg)
-            in_flight.release()
-
-        def reply(msg: svc.DaemonMessage) -> None:  # from the commit thread
-            loop.call_soon_threadsafe(acked, msg)
-
-        def command(msg: svc.DaemonMessage) -> None:
-            if closed:  # the stream ended before this reached it: the node's next one takes it
-                self.daemon.send_command(node[0], msg.command)
-            else:
-                out.put_nowait(msg)
-
-        def send(msg: svc.DaemonMessage) -> None:  # commands, from the commit thread
-            loop.call_soon_threadsafe(command, msg)
-
-        def fail(code: str, message: str) -> None:
-            self.daemon.counters[f"stream_{code}"] += 1
-            out.put_nowait(svc.DaemonMessage(error=svc.StreamError(code=code, message=message)))
-
-        async def read() -> None:
-            try:
-                async for data in request_iterator:
-                    if len(data) > MAX_MESSAGE:
-                        fail("oversized", f"message of {len(data)} bytes (at most {MAX_MESSAGE})")
-                        return
-                    try:
-                        msg = svc.AgentMessage.FromString(data)
-                    except DecodeError as exc:
-                        fail("malformed", f"the message is not a kvguard.v1.AgentMessage: {exc}")
-                        return
-                    body = msg.WhichOneof("body")
-                    if not node:
-                        name = msg.hello.node if body == "hello" else ""
-                        if not name:
-                            fail(
-                                "identity", "the first message of a stream must be hello with the node's name"
-                            )
-                            return
-                        names = peer_names(context)
-                        if names is not None and name not in names:
-                            fail(
-                                "identity",
-                                f"node {name!r} is not named by the client's certificate "
-                                f"(it names {', '.join(sorted(names))})",
-                            )
-                            return
-                        # Commands waiting for the node come through `send`, i.e. on the
-                        # loop after this step: after the hello's ack.
-                        if not self.daemon.connect(name, send):
-                            fail("identity", f"node {name!r} is already connected on another stream")
-                            return
-                        node.append(name)
-                        known = self.daemon.ledger.nodes.get(name)
-                        durable = known.last_seq if known else 0
-                        out.put_nowait(svc.DaemonMessage(ack=svc.Ack(node=name, durable_seq=durable)))
-                    elif body == "batch":
-                        events = msg.batch.events
-                        if len(events) > MAX_BATCH:
-                            fail("malformed", f"batch of {len(events)} events (at most {MAX_BATCH})")
-                            return
-                        await in_flight.acquire()  # an agent that does not wait for acks waits here
-                        self.daemon.ingest(Batch(node[0], events, data, reply))
-                    else:
-                        fail("malformed", f"unexpected {body or 'empty'} message after hello")
-                        return
-            except (grpc.RpcError, asyncio.CancelledError):
-                pass
-            finally:
-                for _ in range(MAX_IN_FLIGHT):  # the acks of what was accepted go out first
-                    await in_flight.acquire()
-                out.put_nowait(None)
-
-        reader = asyncio.create_task(read())
+        session = AgentSession(self.daemon, context)
+        reader = asyncio.create_task(session.read(request_iterator))
         try:
-            while (item := await out.get()) is not None:
+            while (item := await session.out.get()) is not None:
                 yield item
         finally:
             reader.cancel()
-            if node:
-                self.daemon.disconnect(node[0], send)
-                closed.append(True)
-                while not out.empty():  # commands queued but never sent
-                    item = out.get_nowait()
-                    if item is not None and item.HasField("command"):
-                        self.daemon.send_command(node[0], item.command)
+            session.end()
 
 
 class AlertServicer:
