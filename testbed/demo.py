@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvguard.daemon.audit import exposure_of, format_exposure, open_source
+from kvguard.daemon.audit_source import open_source
+from kvguard.daemon.exposure import exposure_of, format_exposure
 from kvguard.daemon.process import start_agent, start_daemon
 from kvguard.testbed.cluster import Cluster
 

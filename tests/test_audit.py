@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format
 
-from kvguard.daemon.audit import format_time, main, page_ranges, parse_time
+from kvguard.daemon.audit import main
+from kvguard.daemon.audit_format import format_time, page_ranges, parse_time
 from kvguard.daemon.client import send_capture
 from kvguard.daemon.process import Service, start_daemon
 from kvguard.daemon.store import Store
