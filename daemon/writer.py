@@ -4,10 +4,11 @@ commits, the daemon applies group k+1. A group travels as the batches' bytes as 
 the runs of accepted events in them (`EventRun`), so the daemon never builds an event's row.
 
 Invariants: groups are committed in the order they were submitted, each in one
-transaction; `submit()` returns a future that resolves to the group's first record id only
-once the group is durable; if the writer fails or dies, every pending and later future fails
-(the daemon then stops and rebuilds from the store). The writer exits after committing what
-was submitted before `close()`, or when the daemon dies (its end of the pipe closes).
+transaction (shared with the groups queued behind it when the writer falls behind);
+`submit()` returns a future that resolves to the group's first record id only once the group
+is durable; if the writer fails or dies, every pending and later future fails (the daemon
+then stops and rebuilds from the store). The writer exits after committing what was
+submitted before `close()`, or when the daemon dies (its end of the pipe closes).
 """
 
 from __future__ import annotations
@@ -28,17 +29,27 @@ def _serve(where: str, conn: Connection) -> None:
     try:
         while True:
             try:
-                group = conn.recv()
+                groups = [conn.recv()]
+                # Groups that queued up while the last commit ran are committed together: one
+                # transaction and one fsync for all of them, so a backlog drains faster.
+                while groups[-1] is not None and conn.poll():
+                    groups.append(conn.recv())
             except (EOFError, OSError):
                 return
-            if group is None:  # close(): everything before it is committed
-                return
-            messages, parts = group
+            stop = groups[-1] is None  # close(): everything before it is committed
+            if stop:
+                groups.pop()
+            rows = [rows_of(messages, parts) for messages, parts in groups]
             try:
-                ids = store.append(rows_of(messages, parts))
-                conn.send(("ok", ids[0] if ids else 0))
+                ids = store.append([row for group in rows for row in group]) if groups else []
             except StoreError as exc:
                 conn.send(("error", str(exc)))
+                return
+            first = ids[0] if ids else 0
+            for group in rows:
+                conn.send(("ok", first))
+                first += len(group)
+            if stop:
                 return
     finally:
         store.close()

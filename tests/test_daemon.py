@@ -444,3 +444,25 @@ def test_the_store_writer_commits_what_it_was_given_and_exits_when_closed(tmp_pa
         assert [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")] == EVENTS[:5]
     finally:
         s.close()
+
+
+def test_groups_queued_at_the_writer_keep_their_order_and_their_ids(tmp_path: Path) -> None:
+    # Submitted back to back, the groups queue up in the writer's pipe, which commits them
+    # together: each future must still resolve to its own group's first record id.
+    where = str(tmp_path / "audit.db")
+    Store(where).close()
+    writer = StoreWriter(where, max_in_flight=8)
+    sizes = [3, 1, 4, 1, 5]
+    futures, start = [], 0
+    for n in sizes:
+        batch = svc.AgentMessage(batch=svc.EventBatch(events=EVENTS[start : start + n])).SerializeToString()
+        futures.append(writer.submit([batch], [EventRun(0, 0, n)]))
+        start += n
+    assert [f.result(timeout=10) for f in futures] == [1, 4, 5, 9, 10]
+    writer.close()
+    s = Store(where)
+    try:
+        assert [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")] == EVENTS[:14]
+        assert s.verify() == (True, 14, "")
+    finally:
+        s.close()
