@@ -947,7 +947,12 @@ class Ledger:
         if np.count_nonzero(own != r.idx) == 0:
             valid = pp.valid[pages]
             short = np.count_nonzero(valid < pp.page_size)
-            if short == 0 or (short == 1 and valid[-1] >= tokens - (n - 1) * pp.page_size):
+            # Clean: every page full, or only the last one short and holding what is read of
+            # it. A short page before the last is read in full: its slots beyond `valid`
+            # hold whoever wrote there before.
+            if short == 0 or (
+                short == 1 and valid[-1] < pp.page_size and valid[-1] >= tokens - (n - 1) * pp.page_size
+            ):
                 return
         self._read_slow(r, pool, pages, pp.slots_read(n, tokens))
 

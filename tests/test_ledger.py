@@ -203,6 +203,24 @@ class TestPages:
             assert self.run("read", reads=[{"req": "g", "pool": 0, "pages": [1], "tokens": 16}]) == []
         assert self.ledger.stats.suppressed == 5 and self.ledger.stats.findings["stale_read"] == 1
 
+    def test_a_short_page_before_the_last_is_a_stale_read(self) -> None:
+        # Only the last page of a context may be partly written; a page before it is read
+        # in full, so its slots beyond what the reader wrote hold the previous owner's KV.
+        self.start()
+        self.run("admit", req="a", tenant="acme", stage="prefill")
+        self.run("alloc", req="a", pool=0, pages=[1, 2])
+        self.run("write", req="a", pool=0, pages=[1, 2])
+        self.run("free", req="a", pool=0, pages=[1, 2])
+        self.run("admit", req="g", tenant="globex", stage="prefill")
+        self.run("alloc", req="g", pool=0, pages=[1, 2])
+        self.run("write", req="g", pool=0, pages=[1, 2], slots=[8, 16])
+        found = self.run("read", reads=[{"req": "g", "pool": 0, "pages": [1, 2], "tokens": 32}])
+        assert [(f.finding, f.victim_req, f.victim_tenant, f.pages) for f in found] == [
+            ("stale_read", "a", "acme", (1,))
+        ]
+        # The same short page as the last page of a shorter context is clean.
+        assert self.run("read", reads=[{"req": "g", "pool": 0, "pages": [2, 1], "tokens": 24}]) == []
+
     def test_without_dedupe_every_read_is_reported(self) -> None:
         self.ledger = Ledger(dedupe=False)
         self.start()
