@@ -814,6 +814,7 @@ def plant_stale_read(life: Lifecycle, pick: int) -> Planted | None:
             victims.pop("", None)
             if reads and victims:
                 sites.append((events[:i] + events[i + 1 :], k - 1, r, victims))
+
         elif ev.payload == "read":  # one token beyond what was written in the last page
             for j, e in enumerate(ev.fields["reads"]):
                 last = e["pages"][(e["tokens"] - 1) // ps]
@@ -831,6 +832,40 @@ def plant_stale_read(life: Lifecycle, pick: int) -> Planted | None:
         [expect("stale_read", mutated, at, r, v, pages) for v, pages in victims.items()],
         {r, *victims, *sharers},
     )
+
+
+def plant_half_written_page(life: Lifecycle, pick: int) -> Planted | None:
+    """A stale read of a page before the context's last: the reader wrote only half of a page
+    that its next read takes in full (only the last page of a context may be partly
+    written). The victim is whoever wrote the page before it was handed to the reader."""
+    events, ps = life.events, life.page_size
+    sites = []
+    for i, ev in enumerate(events):
+        if ev.payload != "write":
+            continue
+        r = ev.fields["req"]
+        k = next_index(
+            events,
+            i + 1,
+            lambda e, ev=ev, r=r: (
+                e.node == ev.node and r in reqs_of(e) and e.payload not in ("hold", "release")
+            ),
+        )
+        if k is None or events[k].payload != "read":
+            continue
+        entry = next(e for e in events[k].fields["reads"] if e["req"] == r)
+        whole = set(entry["pages"][: -(-entry["tokens"] // ps) - 1])  # read in full: all but the last
+        slots = list(ev.fields.get("slots") or [ps] * len(ev.fields["pages"]))
+        for n, p in enumerate(ev.fields["pages"]):
+            prior = ev.after[p].prior
+            if p in whole and slots[n] == ps and prior not in (None, "", r):
+                half = replace(ev, fields={**ev.fields, "slots": [*slots[:n], ps // 2, *slots[n + 1 :]]})
+                sites.append((substituted(events, i, half), k, r, prior, p))
+    if not sites:
+        return None
+    (mutated, at, r, victim, page), _ = choose(sites, pick)
+    sharers = {ev.fields["req"] for ev in events if ev.payload == "share" and ev.fields["origin_req"] == r}
+    return Planted(mutated, [expect("stale_read", mutated, at, r, victim, {page})], {r, victim, *sharers})
 
 
 def plant_foreign_read(life: Lifecycle, pick: int) -> Planted | None:
@@ -1099,6 +1134,7 @@ def plant_config_drift(life: Lifecycle, pick: int) -> Planted | None:
 
 MUTATIONS: dict[str, Callable[[Lifecycle, int], Planted | None]] = {
     "stale_read": plant_stale_read,
+    "stale_read_half_page": plant_half_written_page,
     "foreign_read": plant_foreign_read,
     "use_after_free": plant_use_after_free,
     "double_free": plant_double_free,
