@@ -42,6 +42,7 @@ from kvguard.testbed.models import EchoModel
 
 _OK = Verdict()
 PLACEHOLDER = ord("?")  # the 1-token prompt a rejected request is swapped for (the incident)
+CHUNKED_PAGES = 3  # prompts of more pages are prefilled in chunks (where half_written_page strikes)
 
 
 class Killed(Exception):
@@ -292,8 +293,15 @@ class PrefillWorker(Worker):
         if host is not None:
             self.pool.import_pages(table, host)  # restore offloaded KV instead of computing it
         else:
-            self.model.prefill(self.pool, table, torch.tensor(list(tokens), dtype=torch.long))
+            prompt = torch.tensor(list(tokens), dtype=torch.long)
+            written = None
+            if "half_written_page" in self.faults and n > CHUNKED_PAGES:
+                ps = self.config.page_size
+                written = torch.cat([torch.arange(ps // 2), torch.arange(ps, len(tokens))])
+            self.model.prefill(self.pool, table, prompt, written)
         slots = [self.config.page_size] * (n - 1) + [len(tokens) - self.config.page_size * (n - 1)]
+        if "half_written_page" in self.faults and n > CHUNKED_PAGES and host is None:
+            slots[0] = self.config.page_size // 2  # the engine reports what its kernels wrote
         verdict = self.g("write", req, 0, pages, slots)
         if verdict.kill:
             self.free_pages(req, pages)
@@ -314,6 +322,11 @@ class PrefillWorker(Worker):
         self, req: str, pages: list[int], tokens: bytes, decode_kv: tuple[str, int], msg: dict[str, Any]
     ) -> int:
         pages = pages[: math.ceil(len(tokens) / self.config.page_size)]  # a shared prefix may hold more
+        # What leaves the node is read like attention reads it: it must be this request's own KV
+        # (or a prefix it was given). Checked before the transfer, not reported after it.
+        verdict = self.g("check_attention", 0, [req], np.array([pages]), np.array([len(tokens)]))
+        if verdict.kill:
+            raise Killed(verdict.reason(req))
         table = torch.tensor(pages, dtype=torch.long)
         checksums = self.pool.page_checksums(table)
         send_pages = pages

@@ -18,6 +18,9 @@ FAULTS: dict[str, str] = {
     "cross_tenant_share": "the prefix cache matches on the user prompt only, across tenants",
     "block_table": "decode copies a new request's block table from the neighbouring batch slot beyond its "
     "first page",
+    "half_written_page": "chunked prefill (prompts over three pages) ends its first chunk half way through "
+    "the first page and starts the next chunk at the second: the rest of the first page keeps its previous "
+    "owner's KV, which is sent and attended",
 }
 
 

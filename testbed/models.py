@@ -104,11 +104,19 @@ class EchoModel:
         positions = torch.arange(start_pos, start_pos + tokens.shape[0], device=self.device)
         return self._kv(tokens, positions)
 
-    def prefill(self, pool: KVPool, block_table: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Write the prompt's KV (layer 0) into positions ``0 .. T-1`` of ``block_table``'s pages."""
+    def prefill(
+        self,
+        pool: KVPool,
+        block_table: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        """Write the prompt's KV (layer 0) into positions ``0 .. T-1`` of ``block_table``'s pages,
+        or only into ``positions`` of them (what a faulty engine computes)."""
         k, v = self.kv_for(tokens, 0)
-        pages, slots = pool.token_slots(block_table, torch.arange(tokens.shape[0], device=pool.device))
-        pool.write(0, pages, slots, k, v)
+        at = torch.arange(tokens.shape[0]) if positions is None else positions.to(dtype=torch.long)
+        pages, slots = pool.token_slots(block_table, at.to(pool.device))
+        pool.write(0, pages, slots, k[at.to(k.device)], v[at.to(v.device)])
 
     def decode_step(
         self, pool: KVPool, block_tables: torch.Tensor, context_lens: torch.Tensor, steps: torch.Tensor

@@ -259,3 +259,25 @@ def test_all_switches_off_mixed_traffic(tmp_path: Path, guard: str) -> None:
         assert status == 200, reply
         assert text(results[f"{i}"]) == SYSTEM.get(tenant, "") + prompt
     assert findings == []
+
+
+def half_written_page(c: Cluster) -> dict[str, Result]:
+    # acme's two pages go back to the free list in order, so globex's long prompt gets them at
+    # the same positions: what its chunked prefill leaves unwritten in its first page is acme's.
+    results = {"acme": c.complete("acme", SECRET[:32], max_tokens=32)}
+    prompt = "globex asks: " + "w" * 51  # 64 bytes, 4 full pages: prefilled in chunks
+    results["globex"] = c.complete("globex", prompt, max_tokens=len(prompt))
+    results["after"] = c.complete("initech", "one page prompt!", max_tokens=16)
+    return results
+
+
+def test_half_written_page(tmp_path: Path) -> None:
+    results, _ = run(tmp_path, "off", ("half_written_page",), half_written_page)
+    out = text(results["globex"])
+    assert results["globex"][0] == 200 and out.startswith("globex a")
+    assert out[8:16] == SECRET[8:16]  # slots 8-15 of its first page: acme's memo, verbatim
+    results, findings = run(tmp_path, "enforce", ("half_written_page",), half_written_page)
+    assert results["globex"][0] == 500 and SECRET[8:16] not in str(results["globex"][1])
+    stale = [f for f in findings if f["finding"] == "stale_read"]
+    assert stale and (stale[0]["tenant"], stale[0]["victim_tenant"]) == ("globex", "acme")
+    assert text(results["acme"]) == SECRET[:32] and text(results["after"]) == "one page prompt!"
