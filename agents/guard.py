@@ -223,6 +223,9 @@ class Guard:
         checksums: Iterable[int] = (),
         status: str = "done",
     ) -> Verdict:
+        """The sender's account of a transfer, once it is over. It is checked like a read, but
+        the KV has left by then: check the pages with check_attention() before sending them
+        (the testbed's prefill does), and this call records what was sent."""
         return self._emit(
             "xfer_send",
             req,
