@@ -134,6 +134,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=2)
+    daemon.close()  # what was received is applied and submitted before the writer finishes
     writer.close()
     store.close()
     return 0

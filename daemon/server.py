@@ -167,7 +167,7 @@ class Daemon:
         self._outbox_lock = threading.Lock()
         self._undelivered: dict[str, list[svc.Command]] = {}  # commands that found their node away
         self._command_id = store.count("command")
-        self._inbox: queue.Queue[Batch] = queue.Queue()
+        self._inbox: queue.Queue[Batch | None] = queue.Queue()  # None: close()
         self.writer: StoreWriter | InlineWriter = writer if writer is not None else InlineWriter(store)
         rebuilt = 0
         for event in store.events():
@@ -175,7 +175,8 @@ class Daemon:
             rebuilt += 1
         self.counters["rebuilt_events"] = rebuilt
         gc.freeze()
-        threading.Thread(target=self._apply_loop, name="kvguard-daemon-apply", daemon=True).start()
+        self._applier = threading.Thread(target=self._apply_loop, name="kvguard-daemon-apply", daemon=True)
+        self._applier.start()
 
     # ------------------------------------------------------------------ ingest
 
@@ -185,15 +186,28 @@ class Daemon:
         (group commit), so a stream waits for one commit, not for everyone else's in turn."""
         self._inbox.put(batch)
 
+    def close(self) -> None:
+        """Apply and submit what is queued, then stop applying (call after the server stops,
+        before the writer closes). Acks of that last work reach no stream; the agents resend
+        it and the ledger answers with repeats."""
+        self._inbox.put(None)
+        self._applier.join(timeout=60)
+
     def _apply_loop(self) -> None:
         frozen = time.monotonic()
-        while True:
-            group = [self._inbox.get()]
-            count = len(group[0].events)
+        closing = False
+        while not closing:
+            first = self._inbox.get()
+            if first is None:
+                return
+            group, count = [first], len(first.events)
             while count < GROUP_EVENTS:
                 try:
                     batch = self._inbox.get_nowait()
                 except queue.Empty:
+                    break
+                if batch is None:
+                    closing = True
                     break
                 group.append(batch)
                 count += len(batch.events)

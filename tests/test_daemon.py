@@ -466,3 +466,24 @@ def test_groups_queued_at_the_writer_keep_their_order_and_their_ids(tmp_path: Pa
         assert s.verify() == (True, 14, "")
     finally:
         s.close()
+
+
+def test_a_closing_daemon_commits_everything_it_was_sent(tmp_path: Path) -> None:
+    # Stopping: the server stops, then the daemon applies and submits what is still queued,
+    # then the writer commits it and exits. Closing the writer first would lose the tail.
+    where = str(tmp_path / "audit.db")
+    store = Store(where)
+    writer = StoreWriter(where)
+    daemon = server.Daemon(store, writer=writer)
+    events = stale_reads("p5", 30)
+    for i in range(0, len(events), 7):
+        batch = svc.AgentMessage(batch=svc.EventBatch(events=events[i : i + 7]))
+        daemon.ingest(server.Batch("p5", batch.batch.events, batch.SerializeToString(), lambda _: None))
+    daemon.close()
+    writer.close()
+    assert writer._proc.exitcode == 0
+    try:
+        assert [pb.Event.FromString(body) for _, _, body in store.rows(kind="event")] == events
+        assert store.count("finding") == 30 and store.verify()[0]
+    finally:
+        store.close()
