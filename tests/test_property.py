@@ -836,7 +836,7 @@ def plant_stale_read(life: Lifecycle, pick: int) -> Planted | None:
 
 def plant_half_written_page(life: Lifecycle, pick: int) -> Planted | None:
     """A stale read of a page before the context's last: the reader wrote only half of a page
-    that its next read takes in full (only the last page of a context may be partly
+    that its next read (or send) takes in full (only the last page of a context may be partly
     written). The victim is whoever wrote the page before it was handed to the reader."""
     events, ps = life.events, life.page_size
     sites = []
@@ -851,9 +851,15 @@ def plant_half_written_page(life: Lifecycle, pick: int) -> Planted | None:
                 e.node == ev.node and r in reqs_of(e) and e.payload not in ("hold", "release")
             ),
         )
-        if k is None or events[k].payload != "read":
+        if k is None:
             continue
-        entry = next(e for e in events[k].fields["reads"] if e["req"] == r)
+        nxt = events[k]
+        if nxt.payload == "read":
+            entry = next(e for e in nxt.fields["reads"] if e["req"] == r)
+        elif nxt.payload == "xfer_send" and nxt.fields["status"] == "done":
+            entry = nxt.fields  # what leaves the node is checked like a read
+        else:
+            continue
         whole = set(entry["pages"][: -(-entry["tokens"] // ps) - 1])  # read in full: all but the last
         slots = list(ev.fields.get("slots") or [ps] * len(ev.fields["pages"]))
         for n, p in enumerate(ev.fields["pages"]):
