@@ -330,8 +330,10 @@ class Daemon:
         return True
 
     def disconnect(self, node: str, send: Reply) -> None:
+        """The stream that registered `send` for the node is over. (Equality, not identity:
+        a stream passes its bound method, a new object at each access, equal to the first.)"""
         with self._outbox_lock:
-            if self.outboxes.get(node) is send:
+            if self.outboxes.get(node) == send:
                 del self.outboxes[node]
 
     def send_command(self, node: str, command: svc.Command) -> None:

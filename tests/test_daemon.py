@@ -487,3 +487,21 @@ def test_a_closing_daemon_commits_everything_it_was_sent(tmp_path: Path) -> None
         assert store.count("finding") == 30 and store.verify()[0]
     finally:
         store.close()
+
+
+def test_a_node_may_open_a_new_stream_once_its_last_one_ended(daemon: Service) -> None:
+    # An agent whose stream broke (or that closed it) opens the next one for the same node.
+    with grpc.insecure_channel(daemon.address) as channel:
+        first = AgentStream(channel, "p3")
+        assert first.send(stale_reads("p3", 1)).accepted == 4
+        first.close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                second = AgentStream(channel, "p3")
+                break
+            except DaemonRefused as exc:
+                assert time.monotonic() < deadline, f"the daemon never let p3's first stream go: {exc}"
+                time.sleep(0.05)
+        assert second.durable_seq == 4
+        second.close()
