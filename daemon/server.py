@@ -174,6 +174,9 @@ class Daemon:
             self.ledger.apply(event)  # verdicts are already stored; this rebuilds the state
             rebuilt += 1
         self.counters["rebuilt_events"] = rebuilt
+        # node -> the last sequence number the store holds (what a new stream is told); moves
+        # only when a group commits, while the ledger runs ahead by the groups in flight.
+        self._durable: dict[str, int] = {name: node.last_seq for name, node in self.ledger.nodes.items()}
         gc.freeze()
         self._applier = threading.Thread(target=self._apply_loop, name="kvguard-daemon-apply", daemon=True)
         self._applier.start()
@@ -244,7 +247,12 @@ class Daemon:
         for row_index, finding in applied.findings:
             self._publish(first_id + row_index, finding)
         for batch, ack in zip(group, applied.acks, strict=True):
+            self._durable[ack.node] = ack.durable_seq
             batch.reply(svc.DaemonMessage(ack=ack))
+
+    def durable_seq(self, node: str) -> int:
+        """The last sequence number of `node` that the store holds (0: none)."""
+        return self._durable.get(node, 0)
 
     def _apply(self, group: list[Batch]) -> Applied:
         """Apply a group to the ledger; the accepted events become runs of rows, each finding
@@ -456,8 +464,7 @@ class AgentSession:
             self._fail("identity", f"node {name!r} is already connected on another stream")
             return False
         self.node = name
-        known = self.daemon.ledger.nodes.get(name)
-        durable = known.last_seq if known else 0
+        durable = self.daemon.durable_seq(name)
         self.out.put_nowait(svc.DaemonMessage(ack=svc.Ack(node=name, durable_seq=durable)))
         return True
 

@@ -495,13 +495,52 @@ def test_a_node_may_open_a_new_stream_once_its_last_one_ended(daemon: Service) -
         first = AgentStream(channel, "p3")
         assert first.send(stale_reads("p3", 1)).accepted == 4
         first.close()
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                second = AgentStream(channel, "p3")
-                break
-            except DaemonRefused as exc:
-                assert time.monotonic() < deadline, f"the daemon never let p3's first stream go: {exc}"
-                time.sleep(0.05)
+        second = connect_again(channel, "p3")  # refused for good if p3's first stream held on
         assert second.durable_seq == 4
         second.close()
+
+
+def test_a_new_stream_is_told_only_what_is_durable(tmp_path: Path) -> None:
+    # The hello's ack tells an agent what it may drop from its spool: what the store holds,
+    # not what the ledger has applied. (A stream's own batches are durable before it lets its
+    # node go, but a stream the server cancels does not wait for that.)
+    store = Store(str(tmp_path / "audit.db"))
+    writer = HeldWriter(store)
+    daemon = server.Daemon(store, writer=writer)
+    grpc_server = server.serve(daemon, "127.0.0.1:0")
+    events = stale_reads("p9", 2)
+    batch = svc.AgentMessage(batch=svc.EventBatch(events=events))
+    try:
+        daemon.ingest(server.Batch("p9", batch.batch.events, batch.SerializeToString(), lambda _: None))
+        deadline = time.monotonic() + 10
+        while daemon.ledger.nodes.get("p9") is None or daemon.ledger.nodes["p9"].last_seq < len(events):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}") as channel:
+            stream = connect_again(channel, "p9")
+            assert stream.durable_seq == 0  # applied, not committed
+            stream.close()
+        writer.release.set()
+        while daemon.durable_seq("p9") < len(events):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}") as channel:
+            stream = connect_again(channel, "p9")
+            assert stream.durable_seq == len(events)
+            stream.close()
+    finally:
+        writer.release.set()
+        grpc_server.stop(grace=1)
+        store.close()
+
+
+def connect_again(channel: grpc.Channel, node: str) -> AgentStream:
+    """A stream for `node`, once the daemon has let the node's previous stream go."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return AgentStream(channel, node)
+        except DaemonRefused:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
