@@ -9,9 +9,9 @@ On start the ledger is rebuilt from the store, so a restart loses nothing and ch
 verdict.
 
 Where a batch goes: the gRPC event loop parses it; one apply thread applies the batches of
-all streams to the ledger, in groups, and sends each command as soon as it is ordered; a store-writer
-process commits each group (on another core, while the next group is applied); the commit's
-callback sends alerts and acks.
+all streams to the ledger, in groups, and sends each command as soon as it is ordered; a
+store-writer process commits each group (on another core, while the next group is applied);
+the commit's callback sends alerts and acks.
 
 Invariants: an acknowledged event is durable, and an alert's cursor names a durable record;
 (node, seq) is applied and stored at most once; a store failure after the ledger moved on
@@ -543,7 +543,7 @@ class AlertServicer:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
-    def _backlog(self, request: svc.AlertFilter, after: int) -> list[tuple[int, bytes]]:
+    def _backlog(self, after: int) -> list[tuple[int, bytes]]:
         return [
             (record_id, body)
             for record_id, _, body in self.daemon.store.rows(kind="finding", after=after, limit=BACKLOG_PAGE)
@@ -553,7 +553,7 @@ class AlertServicer:
         """The stored alerts after `after`, read a page at a time off the event loop."""
         loop = asyncio.get_running_loop()
         while True:
-            page = await loop.run_in_executor(None, self._backlog, request, after)
+            page = await loop.run_in_executor(None, self._backlog, after)
             for record_id, body in page:
                 finding = pb.Finding.FromString(body)
                 if _matches(request, Finding.from_proto(finding)):

@@ -41,7 +41,7 @@ def _serve(where: str, conn: Connection) -> None:
                 groups.pop()
             rows = [rows_of(messages, parts) for messages, parts in groups]
             try:
-                ids = store.append([row for group in rows for row in group]) if groups else []
+                ids = store.append([row for group in rows for row in group])
             except StoreError as exc:
                 conn.send(("error", str(exc)))
                 return
