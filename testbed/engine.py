@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,9 +122,7 @@ class Worker:
         the pages it names out of circulation."""
         which = command.WhichOneof("body")
         if which == "quarantine":
-            with self.lock:
-                self.quarantined |= set(command.quarantine.pages)
-                self.free_list = [p for p in self.free_list if p not in self.quarantined]
+            self.quarantine(command.quarantine.pages)
             return
         if which != "kill" or self.guard is None:
             return
@@ -166,12 +164,17 @@ class Worker:
         with self.lock:
             self.free_list.extend(p for p in reversed(pages) if p not in self.quarantined)
 
+    def quarantine(self, pages: Iterable[int]) -> None:
+        """Take pages out of circulation: out of the free list, and never back into it."""
+        with self.lock:
+            self.quarantined |= set(pages)
+            self.free_list = [p for p in self.free_list if p not in self.quarantined]
+
     def free_pages(self, req: str, pages: list[int]) -> None:
         with self.lock:
             bad = self.g("free", req, 0, pages).quarantine
             if bad:
-                self.quarantined |= bad
-                self.free_list = [p for p in self.free_list if p not in bad]
+                self.quarantine(bad)
             self.give_back(pages)
 
     # ------------------------------------------------------------------ serving
@@ -290,18 +293,18 @@ class PrefillWorker(Worker):
         pages = self._take_or_evict(req, n)
         table = torch.tensor(pages, dtype=torch.long)
         host = self.host_cache.get((tenant, tokens)) if self._offloading else None
+        ps = self.config.page_size
+        slots = [ps] * (n - 1) + [len(tokens) - ps * (n - 1)]
         if host is not None:
             self.pool.import_pages(table, host)  # restore offloaded KV instead of computing it
+        elif "half_written_page" in self.faults and n > CHUNKED_PAGES:
+            # The first chunk stops half way through page 0; the next starts at page 1. The
+            # engine reports what its kernels wrote.
+            written = torch.cat([torch.arange(ps // 2), torch.arange(ps, len(tokens))])
+            self.model.prefill(self.pool, table, torch.tensor(list(tokens), dtype=torch.long), written)
+            slots[0] = ps // 2
         else:
-            prompt = torch.tensor(list(tokens), dtype=torch.long)
-            written = None
-            if "half_written_page" in self.faults and n > CHUNKED_PAGES:
-                ps = self.config.page_size
-                written = torch.cat([torch.arange(ps // 2), torch.arange(ps, len(tokens))])
-            self.model.prefill(self.pool, table, prompt, written)
-        slots = [self.config.page_size] * (n - 1) + [len(tokens) - self.config.page_size * (n - 1)]
-        if "half_written_page" in self.faults and n > CHUNKED_PAGES and host is None:
-            slots[0] = self.config.page_size // 2  # the engine reports what its kernels wrote
+            self.model.prefill(self.pool, table, torch.tensor(list(tokens), dtype=torch.long))
         verdict = self.g("write", req, 0, pages, slots)
         if verdict.kill:
             self.free_pages(req, pages)
