@@ -137,6 +137,7 @@ class Transfer:
     wire_bytes: int = 0
     wire_calls: int = 0
     wire_events: int = 0
+    wire_complete: bool = False  # a probe saw the transfer end: wire_bytes is all the wire carried
     probes: set[str] = field(default_factory=set)
 
 
@@ -1144,6 +1145,7 @@ class Ledger:
         t.wire_bytes += w.bytes
         t.wire_calls += w.calls
         t.wire_events += 1
+        t.wire_complete |= w.complete
         if w.probe:
             t.probes.add(w.probe)
         r = self.request(t.req) if t.req else None
@@ -1207,16 +1209,18 @@ class Ledger:
         send, recv = t.send, t.recv
         if send and recv and send.done and recv.done:
             self._compare(r, t, send, recv)
-        # Bytes beyond the claim are wrong at once. A shortfall is only suspected at receipt: the
+        # Bytes beyond the claim are wrong at once, and so is a shortfall once a probe saw the
+        # transfer end. Otherwise a shortfall is only suspected at receipt: the rest of the
         # probe's report may still be on its way from the sender's node. It is judged at the
         # request's next attention, release, free or finish, i.e. before its KV is used.
         if not (t.wire_events and send and send.done):
             return
-        if t.wire_bytes < send.bytes and recv is not None:
-            self._wire_pending[r.idx] = t
+        if t.wire_bytes < send.bytes and not t.wire_complete:
+            if recv is not None:
+                self._wire_pending[r.idx] = t
             return
         self._wire_pending.pop(r.idx, None)
-        if t.wire_bytes > send.bytes:
+        if t.wire_bytes != send.bytes:
             self._wire_verdict(r, t)
 
     def _wire_verdict(self, r: Request, t: Transfer) -> None:

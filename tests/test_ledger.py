@@ -410,3 +410,55 @@ class TestGrantHistory:
         ]
         history = ledger.request("r").history[("n0", 0)]
         assert len(history) < 40 and sorted(np.concatenate(history).tolist()) == list(range(40))
+
+
+class TestWireWitness:
+    """The sender's claim against a probe's account of the wire, with no receiver's report
+    (an unguarded decode node, or a receiver that lies as well)."""
+
+    def events(self, wire: dict[str, object], wire_first: bool) -> list[pb.Event]:
+        log = EventLog()
+        log.add("p0", "pool", pool=0, role="prefill", page_size=16, num_pages=16, context_len=256)
+        log.add("p0", "admit", req="a", tenant="acme", prompt_tokens=32, stage="prefill")
+        log.add("p0", "alloc", req="a", pool=0, pages=[1, 2])
+        log.add("p0", "write", req="a", pool=0, pages=[1, 2])
+        send = log.add(
+            "p0",
+            "xfer_send",
+            req="a",
+            xfer="x1",
+            peer_node="d0",
+            pool=0,
+            pages=[1, 2],
+            tokens=32,
+            bytes=8192,
+            status="done",
+        )
+        seen = log.add("p0/ebpf", "wire", xfer="x1", probe="ebpf:tcp", calls=3, **wire)
+        if wire_first:
+            log.lines[-2:] = [seen, send]
+        log.add("p0", "free", req="a", pool=0, pages=[1, 2])
+        log.add("p0", "finish", req="a")
+        return log.lines
+
+    def findings(self, wire: dict[str, object], wire_first: bool) -> list[Finding]:
+        ledger = Ledger()
+        return [f for e in self.events(wire, wire_first) for f in ledger.apply(e)]
+
+    @pytest.mark.parametrize("wire_first", [False, True])
+    def test_a_transfer_the_probe_saw_end_short_is_judged_at_once(self, wire_first: bool) -> None:
+        found = self.findings({"bytes": 4096, "complete": True}, wire_first)
+        (finding,) = found  # judged by whichever of the two came second
+        where = ("p0", 5) if wire_first else ("p0/ebpf", 1)
+        assert (finding.finding, finding.req, finding.node, finding.seq) == ("transfer_mismatch", "a", *where)
+        assert finding.details == {"xfer": "x1", "what": "wire_bytes", "expected": "8192", "observed": "4096"}
+        assert "the wire probe (ebpf:tcp) saw 4096 in 3 call(s)" in finding.message
+
+    @pytest.mark.parametrize("wire_first", [False, True])
+    def test_a_complete_transfer_that_adds_up_is_clean(self, wire_first: bool) -> None:
+        assert self.findings({"bytes": 8192, "complete": True}, wire_first) == []
+
+    def test_a_partial_report_short_of_the_claim_waits_for_the_rest(self) -> None:
+        # Without `complete` the probe may still be reporting, and without a receiver's report
+        # there is no receipt to judge at: no verdict (the more bytes, the later they come).
+        assert self.findings({"bytes": 4096}, wire_first=False) == []

@@ -82,6 +82,7 @@ class ReqSpec:
     share: bool  # look for a prefix of the same tenant in the prefix cache
     retain: int  # scheduling points a prefill prefix stays cached once sent
     wire_chunks: int  # wire probe events for the transfer (0: no probe)
+    wire_complete: bool  # the probe's last report says it saw the transfer end
     delay: int  # scheduling points between the previous request's arrival and this one's
 
 
@@ -131,6 +132,7 @@ def lifecycles(draw: st.DrawFn) -> Spec:
                 share=previous is not None or draw(st.booleans()),
                 retain=draw(st.integers(0, 12)),
                 wire_chunks=draw(st.integers(0, 3)),
+                wire_complete=draw(st.booleans()),
                 delay=draw(st.integers(0, 2 if previous else 8)),  # a follow-up comes soon
             )
         )
@@ -540,11 +542,14 @@ class Engine:
         cuts = sorted(self.rng.sample(range(1, nbytes), s.wire_chunks - 1)) if s.wire_chunks else []
         chunks = [b - a for a, b in zip([0, *cuts], [*cuts, nbytes], strict=True)] if s.wire_chunks else []
         early = self.rng.randint(0, len(chunks))
-        for n in chunks[:early]:  # the probe may see bytes before the sender reports completion
-            self.emit("p0", "wire", xfer=xfer, peer_node="d0", bytes=n, calls=1, probe="ebpf")
-        self.emit("p0", "xfer_send", **send, bytes=nbytes, checksums=sums, status="done")
-        for n in chunks[early:]:
-            self.emit("p0", "wire", xfer=xfer, peer_node="d0", bytes=n, calls=1, probe="ebpf")
+        ends = {"complete": True} if s.wire_complete else {}  # on the probe's last report only
+        for i, n in enumerate(chunks):
+            if i == early:  # the probe may see bytes before the sender reports completion
+                self.emit("p0", "xfer_send", **send, bytes=nbytes, checksums=sums, status="done")
+            last = ends if i == len(chunks) - 1 else {}
+            self.emit("p0", "wire", xfer=xfer, peer_node="d0", bytes=n, calls=1, probe="ebpf", **last)
+        if early == len(chunks):
+            self.emit("p0", "xfer_send", **send, bytes=nbytes, checksums=sums, status="done")
         if s.send_hold:
             self.spawn(self.later(lambda: self.release("p0", r, "transfer_send")))
         self.spawn(self.evict_prefix("p0", r))
@@ -995,8 +1000,9 @@ def plant_early_release(life: Lifecycle, pick: int) -> Planted | None:
 def plant_transfer_mismatch(life: Lifecycle, pick: int) -> Planted | None:
     """One side of a transfer disagrees: the receiver (or the sender) reports fewer tokens than
     decode expects, the receiver fewer bytes or another checksum, or the wire probe fewer bytes
-    (judged at the request's next attention, release, free or finish after the receiver
-    reports, since a probe's report may arrive after the receiver's)."""
+    (judged once both the probe's report of the transfer's end and the sender's claim are in;
+    without the end, at the request's next attention, release, free or finish after the
+    receiver reports, since a probe's report may arrive after the receiver's)."""
     events = life.events
     sites: list[tuple[int, Ev, dict[str, Any]]] = []
     for i, ev in enumerate(events):
@@ -1019,7 +1025,14 @@ def plant_transfer_mismatch(life: Lifecycle, pick: int) -> Planted | None:
     r = next(e.fields["req"] for e in events if e.payload == "xfer_send" and e.fields["xfer"] == xfer)
     mutated = substituted(events, i, changed)
     at = i
-    if changed.payload == "wire":
+    end = next_index(
+        mutated, 0, lambda e: e.payload == "wire" and e.fields["xfer"] == xfer and e.fields.get("complete")
+    )
+    if changed.payload == "wire" and end is not None:
+        # The probe saw the transfer end: judged as soon as both it and the sender have spoken.
+        sent = next_index(mutated, 0, lambda e: e.payload == "xfer_send" and e.fields["xfer"] == xfer)
+        at = max(end, sent or 0)
+    elif changed.payload == "wire":
         recv = next_index(mutated, i, lambda e: e.payload == "xfer_recv" and e.fields["xfer"] == xfer)
         if recv is None:  # the receiver never reports: the shortfall is not certain
             return None

@@ -273,18 +273,20 @@ class XferRecv(_message.Message):
     def __init__(self, req: _Optional[str] = ..., xfer: _Optional[str] = ..., peer_node: _Optional[str] = ..., pool: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., status: _Optional[str] = ..., claimed_tokens: _Optional[int] = ..., claimed_bytes: _Optional[int] = ..., claimed_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Wire(_message.Message):
-    __slots__ = ("xfer", "peer_node", "bytes", "calls", "probe")
+    __slots__ = ("xfer", "peer_node", "bytes", "calls", "probe", "complete")
     XFER_FIELD_NUMBER: _ClassVar[int]
     PEER_NODE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
     xfer: str
     peer_node: str
     bytes: int
     calls: int
     probe: str
-    def __init__(self, xfer: _Optional[str] = ..., peer_node: _Optional[str] = ..., bytes: _Optional[int] = ..., calls: _Optional[int] = ..., probe: _Optional[str] = ...) -> None: ...
+    complete: bool
+    def __init__(self, xfer: _Optional[str] = ..., peer_node: _Optional[str] = ..., bytes: _Optional[int] = ..., calls: _Optional[int] = ..., probe: _Optional[str] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class Kill(_message.Message):
     __slots__ = ("req", "finding", "by")
