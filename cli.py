@@ -149,7 +149,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from kvguard.daemon.tls import from_args
 
     tls = from_args(args)
-    agent = NodeAgent(args.socket, args.daemon, args.spool, tls=tls)
+    agent = NodeAgent(args.socket, args.daemon, args.spool, tls=tls, witness=args.witness)
     for spec in args.probe or []:
         parts = spec.split(":", 3)
         if len(parts) != 4:
@@ -161,6 +161,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
             print(f"kvguard agent: {exc}", file=sys.stderr)
             return 2
     print(f"kvguard agent: {gpu_facts().describe()}", file=sys.stderr)
+    if agent.witness.available:
+        print(
+            "kvguard agent: the eBPF wire witness watches each guarded engine's TCP transfers",
+            file=sys.stderr,
+        )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: agent.stopping.set())
     thread = threading.Thread(target=agent.serve, daemon=True)
@@ -173,6 +178,42 @@ def cmd_agent(args: argparse.Namespace) -> int:
     agent.stopping.wait()
     thread.join(timeout=2)
     agent.stop()
+    return 0
+
+
+def cmd_witness(args: argparse.Namespace) -> int:
+    """Wire events as JSON Lines on stdout (a capture: `kvguard replay` takes it)."""
+    import signal
+    import threading
+    import time
+
+    from kvguard.cuda_hooks.tcp_stream import WireReport
+    from kvguard.cuda_hooks.witness import PROBE, open_witness
+    from kvguard.proto import pb
+    from kvguard.proto.capture import event_to_json
+
+    seq = 0
+    lock = threading.Lock()
+
+    def report(name: str, r: WireReport) -> None:
+        nonlocal seq
+        with lock:
+            seq += 1
+            wire = pb.Wire(xfer=r.xfer, bytes=r.bytes, calls=r.calls, probe=PROBE, complete=r.complete)
+            print(event_to_json(pb.Event(node=name, seq=seq, ts_ns=time.time_ns(), wire=wire)), flush=True)
+
+    witness = open_witness(report)
+    if not witness.available:
+        print(f"kvguard witness: {witness.reason}", file=sys.stderr)
+        return 1
+    for pid in args.pid:
+        witness.watch(pid, args.node)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"kvguard witness: watching {', '.join(map(str, args.pid))}", file=sys.stderr, flush=True)
+    stop.wait(args.seconds or None)
+    witness.close()
     return 0
 
 
@@ -304,8 +345,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NODE:ENGINE:ROLE:SOURCE",
         help="report an unguarded engine's pool (ENGINE sglang|vllm; SOURCE a log file or http://host:port)",
     )
+    p.add_argument(
+        "--witness",
+        action="store_true",
+        help="watch each guarded engine's KV transfers from the kernel (eBPF; root) and report them as wire "
+        "events of NODE/ebpf, to be reconciled with what the engine claims it sent",
+    )
     tls_arguments(p)
     p.set_defaults(func=cmd_agent)
+
+    p = sub.add_parser(
+        "witness", help="print the KV transfers a process sends, as the kernel sees them (eBPF)"
+    )
+    p.add_argument(
+        "-p", "--pid", type=int, required=True, action="append", help="process to watch (repeatable)"
+    )
+    p.add_argument("--node", default="witness", help="node name of the wire events (default: witness)")
+    p.add_argument(
+        "--seconds", type=float, default=0.0, help="stop after this long (default: until interrupted)"
+    )
+    p.set_defaults(func=cmd_witness)
 
     audit = sub.add_parser("audit", help="the audit log").add_subparsers(dest="audit_command", required=True)
     p = audit.add_parser("verify", help="prove that no record was altered, removed or reordered")

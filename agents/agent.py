@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -36,19 +37,23 @@ from kvguard.agents.probes import (
     parse_sglang_log,
     parse_vllm_log,
 )
+from kvguard.cuda_hooks.tcp_stream import WireReport
+from kvguard.cuda_hooks.witness import PROBE, NullWitness, Witness, open_witness
 from kvguard.daemon.client import MAX_BATCH_BYTES, MAX_MESSAGE, AgentStream, DaemonRefused
 from kvguard.daemon.tls import Tls, channel
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 _LEN = struct.Struct(">I")
+AGENT = "kvguard-agent"  # how the agent names itself to the daemon
+WITNESS = "ebpf"  # a node's witness reports as node/ebpf: its own sequence, beside the guard's
 
 
 class Spool:
     """A node's unacknowledged events: in memory, and in an append-only file for restarts."""
 
     def __init__(self, directory: Path, node: str) -> None:
-        self.path = directory / f"{node}.spool"
+        self.path = directory / f"{quote(node, safe='')}.spool"  # a probe's source is node/probe
         self.pending: deque[pb.Event] = deque()
         self.bodies: deque[bytes] = deque()  # each pending event serialized: sent and spooled as is
         self.cond = threading.Condition()
@@ -114,6 +119,26 @@ class Spool:
         self._file.close()
 
 
+class Source:
+    """Events the agent itself originates under one name (an unguarded engine's node, or a
+    witness's `node/probe`), numbered from 1 without gaps across the agent's restarts (the
+    last number is kept in the spool directory)."""
+
+    def __init__(self, spool: Spool, directory: Path, name: str) -> None:
+        self.name = name
+        self.spool = spool
+        self._path = directory / f"{quote(name, safe='')}.seq"
+        self._seq = int(self._path.read_text()) if self._path.exists() else 0
+        self._lock = threading.Lock()
+
+    def emit(self, **payload: object) -> None:
+        """Spool one event with this payload (one keyword: the payload's name)."""
+        with self._lock:
+            self._seq += 1
+            self.spool.append([pb.Event(node=self.name, seq=self._seq, ts_ns=time.time_ns(), **payload)])
+            self._path.write_text(str(self._seq))
+
+
 class NodeAgent:
     def __init__(
         self,
@@ -122,6 +147,7 @@ class NodeAgent:
         spool_dir: str | Path,
         batch: int = 4096,
         tls: Tls | None = None,
+        witness: bool = False,
     ) -> None:
         self.socket_path = Path(socket_path)
         self.daemon = daemon
@@ -129,6 +155,7 @@ class NodeAgent:
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.batch = batch
         self.spools: dict[str, Spool] = {}
+        self.sources: dict[str, Source] = {}
         self.guards: dict[str, socket.socket] = {}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -140,10 +167,17 @@ class NodeAgent:
             "reconnects": 0,
             "oversized": 0,
             "malformed": 0,
+            "witnessed": 0,
         }
         self._channel = channel(daemon, tls)
         for path in sorted(self.spool_dir.glob("*.spool")):
-            self._spool(path.stem)  # events of an earlier run go out first
+            self._spool(unquote(path.stem))  # events of an earlier run go out first
+        self.witness: Witness = NullWitness("not asked for")
+        if witness:
+            # Watches each guarded engine from outside: what its TCP connections carried.
+            self.witness = open_witness(self._witnessed, self._witness_lost)
+            if not self.witness.available:
+                print(f"kvguard agent: no eBPF wire witness: {self.witness.reason}", file=sys.stderr)
 
     def _spool(self, node: str) -> Spool:
         with self.lock:
@@ -152,6 +186,14 @@ class NodeAgent:
                 spool = self.spools[node] = Spool(self.spool_dir, node)
                 threading.Thread(target=self._upstream, args=(node, spool), daemon=True).start()
             return spool
+
+    def _source(self, name: str) -> Source:
+        spool = self._spool(name)
+        with self.lock:
+            source = self.sources.get(name)
+            if source is None:
+                source = self.sources[name] = Source(spool, self.spool_dir, name)
+            return source
 
     # ------------------------------------------------------------------ guards -> spool
 
@@ -172,14 +214,21 @@ class NodeAgent:
 
     def _guard(self, conn: socket.socket) -> None:
         node = ""
+        pid = 0
         try:
             hello = svc.AgentMessage.FromString(recv_frame(conn))
             node = hello.hello.node
             if not node:
                 raise ValueError("the first message must be hello with the guard's node")
+            if "/" in node:
+                raise ValueError(f"node {node!r}: names with '/' are the agent's own probes'")
             with self.lock:
                 self.guards[node] = conn
             spool = self._spool(node)
+            if self.witness.available:
+                # The guard runs inside the engine: the socket's peer is the engine process.
+                pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+                self.witness.watch(pid, node)
             while True:
                 msg = svc.AgentMessage.FromString(recv_frame(conn))
                 if msg.WhichOneof("body") != "batch":
@@ -206,7 +255,30 @@ class NodeAgent:
             with self.lock:
                 if node and self.guards.get(node) is conn:
                     del self.guards[node]
+            if pid:
+                self.witness.unwatch(pid)
             conn.close()
+
+    def _witnessed(self, node: str, report: WireReport) -> None:
+        self._source(f"{node}/{WITNESS}").emit(
+            wire=pb.Wire(
+                xfer=report.xfer,
+                bytes=report.bytes,
+                calls=report.calls,
+                probe=PROBE,
+                complete=report.complete,
+            )
+        )
+        self.counters["witnessed"] += 1
+
+    def _witness_lost(self, lost: int) -> None:
+        """The kernel dropped witness events (its buffer was full): every watched node's
+        witness says so in-band, as its heartbeat's `dropped`."""
+        print(f"kvguard agent: the eBPF witness lost {lost} event(s) so far", file=sys.stderr)
+        with self.lock:
+            names = {f"{node}/{WITNESS}" for node in self.guards}
+        for name in names:
+            self._source(name).emit(heartbeat=pb.Heartbeat(agent_version=AGENT, dropped=lost))
 
     # ------------------------------------------------------------------ spool -> daemon
 
@@ -216,7 +288,7 @@ class NodeAgent:
             stream = None
             try:
                 relay = functools.partial(self._relay, node)  # commands go to the guard as they come
-                stream = AgentStream(self._channel, node, "kvguard-agent", on_command=relay)
+                stream = AgentStream(self._channel, node, AGENT, on_command=relay)
                 spool.ack(stream.durable_seq)
                 delay = 0.1
                 while not self.stopping.is_set():
@@ -280,8 +352,7 @@ class NodeAgent:
         threading.Thread(target=self._probe, args=(node, engine, role, source, interval), daemon=True).start()
 
     def _probe(self, node: str, engine: str, role: str, source: str, interval: float) -> None:
-        seq_file = self.spool_dir / f"{node}.seq"
-        seq = int(seq_file.read_text()) if seq_file.exists() else 0
+        events = self._source(node)
         last: pb.PoolReport | None = None
         warned = False
         while not self.stopping.is_set():
@@ -295,15 +366,13 @@ class NodeAgent:
             if facts is not None and facts.pool_tokens:
                 report = facts.report(0, role)
                 if last is None or report != last:
-                    seq += 1
-                    event = pb.Event(node=node, seq=seq, ts_ns=time.time_ns(), pool=report)
-                    self._spool(node).append([event])
-                    seq_file.write_text(str(seq))
+                    events.emit(pool=report)
                     last = report
             self.stopping.wait(interval)
 
     def stop(self) -> None:
         self.stopping.set()
+        self.witness.close()
         self._channel.close()
         for spool in self.spools.values():
             spool.close()

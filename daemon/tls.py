@@ -4,7 +4,8 @@ stream's node identity is bound to its client's certificate.
 
 Invariants: with TLS on, the daemon serves only clients whose certificate the CA signed
 (the handshake fails otherwise, before any request is read), and an agent stream may speak
-only for a node its certificate names (the subject's CN or a DNS name among its SANs).
+only for a node its certificate names (the subject's CN or a DNS name among its SANs), or for
+that node's probes (`node/probe`, e.g. the agent's eBPF witness `p0/ebpf`).
 """
 
 from __future__ import annotations

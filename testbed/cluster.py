@@ -51,7 +51,9 @@ class Cluster:
             self.proc.kill()
             err = self.proc.stderr.read() if self.proc.stderr else ""
             raise RuntimeError(f"testbed did not start: {line!r} {err[-2000:]}")
-        self.url = json.loads(line[6:])["url"]
+        ready = json.loads(line[6:])
+        self.url = ready["url"]
+        self.pids: dict[str, int] = ready["pids"]  # node -> its worker process
         return self
 
     def __exit__(self, *exc: object) -> None:

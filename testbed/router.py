@@ -120,6 +120,7 @@ class Router:
                 proc.kill()
             raise RuntimeError("a testbed worker failed to start")
         self.procs = [results["prefill"][0], results["decode"][0]]
+        self.pids = {f"{config.node_prefix}{role}-0": results[role][0].pid for role in ("prefill", "decode")}
         self.prefill = ("127.0.0.1", results["prefill"][1]["control"])
         self.decode = ("127.0.0.1", results["decode"][1]["control"])
         handler = type("Handler", (_Handler,), {"router": self})
@@ -334,7 +335,10 @@ def up(config: ClusterConfig) -> int:
     """`kvguard testbed up`: run the cluster in the foreground until interrupted."""
     router = Router(config)
     print(
-        "READY " + json.dumps({"url": router.url, "audit_dir": config.audit_dir, **asdict(config)}),
+        "READY "
+        + json.dumps(
+            {"url": router.url, "pids": router.pids, "audit_dir": config.audit_dir, **asdict(config)}
+        ),
         flush=True,
     )
     print(

@@ -12,7 +12,7 @@ import socket
 import struct
 from typing import Any
 
-_HEADER = struct.Struct(">IQ")
+HEADER = struct.Struct(">IQ")  # JSON length, payload length (the eBPF witness decodes it too)
 MAX_JSON = 1 << 20
 MAX_PAYLOAD = 1 << 34
 
@@ -20,7 +20,7 @@ MAX_PAYLOAD = 1 << 34
 def send(sock: socket.socket, obj: dict[str, Any], payload: bytes | memoryview = b"") -> int:
     """Send one message; returns the payload bytes written (what a wire probe would see)."""
     body = json.dumps(obj, separators=(",", ":")).encode()
-    sock.sendall(_HEADER.pack(len(body), len(payload)) + body)
+    sock.sendall(HEADER.pack(len(body), len(payload)) + body)
     if len(payload):
         sock.sendall(payload)
     return len(payload)
@@ -40,7 +40,7 @@ def _exact(sock: socket.socket, n: int) -> bytearray:
 
 def recv(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
     """Receive one message: (object, payload)."""
-    n_json, n_payload = _HEADER.unpack(_exact(sock, _HEADER.size))
+    n_json, n_payload = HEADER.unpack(_exact(sock, HEADER.size))
     if n_json > MAX_JSON or n_payload > MAX_PAYLOAD:
         raise ConnectionError(f"message too large ({n_json} header bytes, {n_payload} payload bytes)")
     obj = json.loads(_exact(sock, n_json))

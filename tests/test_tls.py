@@ -107,16 +107,19 @@ def pool_event(node: str, seq: int = 1) -> pb.Event:
 
 def test_a_node_speaks_for_the_names_in_its_certificate_only(pki: Path, daemon: Service) -> None:
     with channel(daemon.address, client(pki, "node-p0")) as ch:
-        for name in ("p0", "p0-spare"):
+        for name in ("p0", "p0-spare", "p0/ebpf"):  # p0/ebpf: p0's witness, under p0's name
             stream = AgentStream(ch, name)
             assert stream.send([pool_event(name)]).accepted == 1
             stream.close()
-        refused = r"identity: node 'd0' is not named by the client's certificate \(it names p0, p0-spare\)"
-        with pytest.raises(DaemonRefused, match=refused):
-            AgentStream(ch, "d0")
+        for name in ("d0", "d0/ebpf"):
+            refused = (
+                rf"identity: node '{name}' is not named by the client's certificate \(it names p0, p0-spare\)"
+            )
+            with pytest.raises(DaemonRefused, match=refused):
+                AgentStream(ch, name)
         counters = svc_grpc.FleetServiceStub(ch).State(svc.FleetRequest()).counters
-    assert counters["stream_identity"] == 1
-    assert Store(daemon.store).count("event") == 2
+    assert counters["stream_identity"] == 2
+    assert Store(daemon.store).count("event") == 3
 
 
 def test_clients_without_a_certificate_of_the_ca_are_turned_away(pki: Path, daemon: Service) -> None:

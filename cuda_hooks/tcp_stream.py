@@ -1,0 +1,161 @@
+"""Decodes what a process wrote to its TCP connections, as the eBPF witness saw it, into the
+KV transfers they carried. Pure: (length, first bytes) of each write in, reports out.
+
+The framing is the testbed's (testbed/wire.py): a header (JSON length, payload length), a
+JSON object, the payload. A transfer is a message whose JSON has `"op": "kv"` and names its
+`xfer`; its payload is the KV. Invariants: every payload byte of a transfer counts once,
+toward the transfer its header named; a transfer is reported when its payload ends or its
+connection closes (`complete`: the probe saw its end); a connection whose bytes cannot be
+followed (a header outside the captured head, events lost) is marked lost and reports
+nothing more until it is opened again: never a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from kvguard.testbed.wire import HEADER, MAX_JSON, MAX_PAYLOAD
+
+JSON_KEPT = 4096  # bytes of a message's JSON kept to find its xfer (the head of each write is captured)
+_KV = re.compile(rb'"op"\s*:\s*"kv"')
+_XFER = re.compile(rb'"xfer"\s*:\s*"([^"\\]{1,256})"')
+
+
+@dataclass(frozen=True, slots=True)
+class WireReport:
+    """Payload bytes of one transfer as the process wrote them."""
+
+    pid: int
+    xfer: str
+    bytes: int
+    calls: int  # writes that carried them
+    complete: bool  # the transfer's payload ended, or its connection closed
+
+
+def transfer_of(head: bytes) -> str:
+    """The xfer a message's JSON names if it is a KV transfer, else "" (from as much of the
+    JSON as was captured)."""
+    try:
+        obj = json.loads(head)
+    except ValueError:  # truncated: what the captured part says
+        xfer = _XFER.search(head)
+        return xfer.group(1).decode() if xfer and _KV.search(head) else ""
+    if isinstance(obj, dict) and obj.get("op") == "kv" and isinstance(obj.get("xfer"), str):
+        return obj["xfer"]
+    return ""
+
+
+@dataclass
+class Connection:
+    """One connection's byte stream: where in the current message its next byte falls."""
+
+    pid: int
+    state: str = "header"  # header, json, payload, lost
+    header: bytearray = field(default_factory=bytearray)
+    json: bytearray = field(default_factory=bytearray)
+    left: int = 0  # bytes left in the current part (json or payload)
+    payload: int = 0  # payload length the header announced
+    xfer: str = ""
+    seen: int = 0  # payload bytes of the current message so far
+    calls: int = 0
+
+    def write(self, length: int, head: bytes) -> list[WireReport]:
+        """`length` bytes written, of which `head` are the first (the rest were not captured)."""
+        reports: list[WireReport] = []
+        pos = 0
+        while pos < length and self.state != "lost":
+            if self.state == "header":
+                take = min(HEADER.size - len(self.header), length - pos)
+                if pos + take > len(head):
+                    self.state = "lost"  # a message starts beyond the captured bytes
+                    break
+                self.header += head[pos : pos + take]
+                pos += take
+                if len(self.header) == HEADER.size:
+                    n_json, self.payload = HEADER.unpack(self.header)
+                    if n_json > MAX_JSON or self.payload > MAX_PAYLOAD:
+                        self.state = "lost"  # not this framing
+                        break
+                    self.state, self.left = "json", n_json
+            elif self.state == "json":
+                take = min(self.left, length - pos)
+                room = JSON_KEPT - len(self.json)
+                self.json += head[pos : pos + min(take, room)]
+                pos += take
+                self.left -= take
+                if self.left == 0:
+                    self.xfer = transfer_of(bytes(self.json))
+                    self.state, self.left = "payload", self.payload
+                    self.seen = self.calls = 0
+                    if self.payload == 0:
+                        reports += self._end()
+            else:  # payload
+                take = min(self.left, length - pos)
+                pos += take
+                self.left -= take
+                self.seen += take
+                self.calls += 1
+                if self.left == 0:
+                    reports += self._end()
+        return reports
+
+    def close(self) -> list[WireReport]:
+        """The connection closed: a transfer cut short ends with what was written."""
+        return self._report() if self.state == "payload" else []
+
+    def _end(self) -> list[WireReport]:
+        reports = self._report()
+        self.state, self.xfer = "header", ""
+        self.header.clear()
+        self.json.clear()
+        return reports
+
+    def _report(self) -> list[WireReport]:
+        if not self.xfer:
+            return []
+        return [WireReport(self.pid, self.xfer, self.seen, self.calls, complete=True)]
+
+
+class Streams:
+    """Every watched connection, by (pid, fd). Counts what it could not follow."""
+
+    def __init__(self) -> None:
+        self.connections: dict[tuple[int, int], Connection] = {}
+        self.lost = 0  # connections given up on
+
+    def open(self, pid: int, fd: int) -> list[WireReport]:
+        """A new connection on fd (connect or accept): whatever was there before has ended."""
+        reports = self.close(pid, fd)
+        self.connections[(pid, fd)] = Connection(pid)
+        return reports
+
+    def write(self, pid: int, fd: int, length: int, head: bytes) -> list[WireReport]:
+        if length <= 0:
+            return []
+        conn = self.connections.get((pid, fd))
+        if conn is None:  # opened before the witness watched: its message boundaries are unknown
+            conn = self.connections[(pid, fd)] = Connection(pid, state="lost")
+            self.lost += 1
+        was_lost = conn.state == "lost"
+        reports = conn.write(length, head)
+        if conn.state == "lost" and not was_lost:
+            self.lost += 1
+        return reports
+
+    def close(self, pid: int, fd: int) -> list[WireReport]:
+        conn = self.connections.pop((pid, fd), None)
+        return conn.close() if conn is not None else []
+
+    def forget(self, pid: int) -> None:
+        """The process is no longer watched."""
+        for key in [k for k in self.connections if k[0] == pid]:
+            del self.connections[key]
+
+    def lose_all(self) -> None:
+        """Events were lost: no connection's position is certain any more."""
+        for conn in self.connections.values():
+            if conn.state != "lost":
+                conn.state = "lost"
+                self.lost += 1

@@ -1,0 +1,180 @@
+"""The eBPF wire witness: attaches to engine processes by PID, with no change to them, and
+reports the KV transfers their TCP connections carried, as the kernel saw the bytes leave.
+
+`open_witness()` returns a `TcpWitness` (bcc, root, kernel headers) or, when BPF cannot be
+used, a `NullWitness` that says why, once, and watches nothing: the agent runs on without
+it. Invariants: a watched process is never slowed beyond the probes' own cost (a perf
+buffer between kernel and user side; what overflows is lost and counted, never waited
+for); a report reaches `on_report` only for a transfer whose bytes were followed from its
+header to its end (cuda_hooks/tcp_stream.py); loss is reported through `on_lost`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvguard.cuda_hooks.tcp_stream import Streams, WireReport
+
+PROGRAM = Path(__file__).with_name("witness.bpf.c")
+HEAD = 512  # bytes of each write captured (a power of two: the BPF program masks with HEAD - 1)
+BCC_PATHS = ("/usr/lib/python3/dist-packages",)  # where Debian's python3-bpfcc puts `bcc`
+TRACING = ("/sys/kernel/debug/tracing", "/sys/kernel/tracing")
+PROBE = "ebpf:tcp"
+_KIND_WRITE, _KIND_OPEN, _KIND_CLOSE = 1, 2, 3
+
+ReportSink = Callable[[str, WireReport], None]  # (the watched process's name, report)
+LossSink = Callable[[int], None]  # events lost so far, in all
+
+
+class Witness(Protocol):
+    available: bool
+    reason: str  # why not available ("" when it is)
+
+    def watch(self, pid: int, name: str) -> None: ...
+    def unwatch(self, pid: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullWitness:
+    """No BPF here: watches nothing. `reason` says why."""
+
+    available = False
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def watch(self, pid: int, name: str) -> None:
+        pass
+
+    def unwatch(self, pid: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def load_bcc(paths: tuple[str, ...] = BCC_PATHS) -> Any:
+    """The bcc module: installed in this environment, or the distribution's."""
+    try:
+        return importlib.import_module("bcc")
+    except ImportError:
+        pass
+    for path in paths:
+        if (Path(path) / "bcc").is_dir() and path not in sys.path:
+            sys.path.append(path)
+    return importlib.import_module("bcc")
+
+
+def _tracing_ready(roots: tuple[str, ...] = TRACING) -> str:
+    """ "" when syscall tracepoints are reachable (tracefs mounted, as root may do here),
+    otherwise why not."""
+    if any(Path(root, "events", "syscalls").is_dir() for root in roots):
+        return ""
+    for fs, target in (("debugfs", "/sys/kernel/debug"), ("tracefs", "/sys/kernel/tracing")):
+        subprocess.run(["mount", "-t", fs, fs, target], capture_output=True, check=False)
+    if any(Path(root, "events", "syscalls").is_dir() for root in roots):
+        return ""
+    return f"no syscall tracepoints under {' or '.join(roots)} (tracefs is not mounted and could not be)"
+
+
+def open_witness(on_report: ReportSink, on_lost: LossSink | None = None) -> TcpWitness | NullWitness:
+    """The witness, or a NullWitness naming what is missing (never an exception)."""
+    if os.geteuid() != 0:
+        return NullWitness("eBPF needs root (or CAP_BPF and CAP_PERFMON); the agent runs without it")
+    try:
+        bcc = load_bcc()
+    except ImportError as exc:
+        return NullWitness(f"bcc is not installed ({exc}); install the distribution's python3-bpfcc")
+    missing = _tracing_ready()
+    if missing:
+        return NullWitness(missing)
+    try:
+        return TcpWitness(bcc, on_report, on_lost)
+    except Exception as exc:  # bcc raises plain Exception for a compile or load failure
+        text = " ".join(str(exc).split())[:300]
+        release = os.uname().release
+        headers = Path("/lib/modules", release, "build")
+        hint = (
+            "" if headers.exists() else f"; no kernel headers at {headers} (install them and link them there)"
+        )
+        return NullWitness(f"the eBPF witness could not be loaded: {text}{hint}")
+
+
+class TcpWitness:
+    """The loaded BPF program and the thread that decodes its events."""
+
+    available = True
+    reason = ""
+
+    def __init__(self, bcc: Any, on_report: ReportSink, on_lost: LossSink | None = None) -> None:
+        self._bpf = bcc.BPF(src_file=str(PROGRAM).encode(), cflags=[f"-DHEAD={HEAD}"])
+        self._on_report = on_report
+        self._on_lost = on_lost
+        self._names: dict[int, str] = {}
+        self._streams = Streams()
+        self._lock = threading.Lock()  # names and streams: watch() comes from other threads
+        self.lost_events = 0
+        self.reports = 0
+        # The tables are looked up by name each time, never kept: bcc's cleanup() must drop
+        # the last reference to its perf buffer while the map is still open.
+        self._bpf[b"events"].open_perf_buffer(self._event, page_cnt=256, lost_cb=self._lost)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="kvguard-witness", daemon=True)
+        self._thread.start()
+
+    @property
+    def lost_connections(self) -> int:
+        return self._streams.lost
+
+    def watch(self, pid: int, name: str) -> None:
+        with self._lock:
+            self._names[pid] = name
+        self._bpf[b"watched"][ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
+
+    def unwatch(self, pid: int) -> None:
+        with contextlib.suppress(KeyError):
+            del self._bpf[b"watched"][ctypes.c_uint32(pid)]
+        with self._lock:
+            self._names.pop(pid, None)
+            self._streams.forget(pid)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._bpf.cleanup()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._bpf.perf_buffer_poll(timeout=100)
+
+    def _event(self, cpu: int, data: Any, size: int) -> None:
+        e = self._bpf[b"events"].event(data)
+        with self._lock:
+            name = self._names.get(e.pid)
+            if name is None:
+                return
+            if e.kind == _KIND_WRITE:
+                reports = self._streams.write(e.pid, e.fd, e.bytes, ctypes.string_at(e.head, e.captured))
+            elif e.kind == _KIND_OPEN:
+                reports = self._streams.open(e.pid, e.fd)
+            else:
+                reports = self._streams.close(e.pid, e.fd)
+        for report in reports:
+            self.reports += 1
+            self._on_report(name, report)
+
+    def _lost(self, count: int) -> None:
+        self.lost_events += count
+        with self._lock:
+            self._streams.lose_all()
+        if self._on_lost is not None:
+            self._on_lost(self.lost_events)

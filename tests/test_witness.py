@@ -1,0 +1,230 @@
+"""The eBPF wire witness: its decoder on byte streams (no kernel needed), then the real
+probes attached to real processes (as root, as CI runs), and the testbed's short transfer
+caught by the witness alone, with the receiving engine's own report switched off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvguard.cuda_hooks.tcp_stream import Streams, WireReport, transfer_of
+from kvguard.cuda_hooks.witness import NullWitness, TcpWitness, open_witness
+from kvguard.daemon.process import start_agent, start_daemon
+from kvguard.daemon.store import Store
+from kvguard.proto import pb
+from kvguard.testbed import wire
+from kvguard.testbed.cluster import Cluster
+
+PROMPT = "acme memo: Initech deal closes Dec 14 at 4.2B, keep private. " * 2
+
+
+def message(obj: dict[str, object], payload: bytes) -> bytes:
+    """What testbed.wire.send writes for one message (header and JSON, then the payload)."""
+    body = wire.json.dumps(obj, separators=(",", ":")).encode()
+    return wire.HEADER.pack(len(body), len(payload)) + body + payload
+
+
+def feed(streams: Streams, data: bytes, cuts: list[int], head: int = 512) -> list[WireReport]:
+    """Write `data` in pieces ending at `cuts`, capturing each write's first `head` bytes."""
+    reports = []
+    for start, end in zip([0, *cuts], [*cuts, len(data)], strict=True):
+        reports += streams.write(7, 3, end - start, data[start:end][:head])
+    return reports
+
+
+class TestDecoder:
+    def test_a_transfer_split_over_many_writes_counts_each_payload_byte_once(self) -> None:
+        data = message({"op": "kv", "req": "r1", "xfer": "p-x1", "bytes": 5000}, b"k" * 5000)
+        streams = Streams()
+        streams.open(7, 3)
+        # the header split in two, the JSON in two, the payload in three
+        assert feed(streams, data, [5, 20, 40, 1000, 3000]) == [WireReport(7, "p-x1", 5000, 3, True)]
+
+    def test_messages_that_are_not_transfers_are_followed_but_not_reported(self) -> None:
+        data = message({"op": "bootstrap", "req": "r1"}, b"") + message({"ok": True}, b"zz")
+        data += message({"op": "kv", "req": "r2", "xfer": "p-x2"}, b"k" * 10)
+        streams = Streams()
+        streams.open(7, 3)
+        assert feed(streams, data, []) == [WireReport(7, "p-x2", 10, 1, True)]
+
+    def test_a_transfer_cut_short_by_a_close_ends_with_what_was_written(self) -> None:
+        data = message({"op": "kv", "req": "r1", "xfer": "p-x1"}, b"k" * 4096)
+        streams = Streams()
+        streams.open(7, 3)
+        assert feed(streams, data[:1500], [700]) == []
+        assert streams.close(7, 3) == [WireReport(7, "p-x1", 1500 - (len(data) - 4096), 2, True)]
+
+    def test_a_header_beyond_the_captured_head_gives_the_connection_up(self) -> None:
+        # Two messages in one write, the second's header past the first 64 bytes captured.
+        first = message({"op": "noop", "pad": "x" * 80}, b"")
+        data = first + message({"op": "kv", "req": "r1", "xfer": "p-x1"}, b"k" * 10)
+        streams = Streams()
+        streams.open(7, 3)
+        assert feed(streams, data, [], head=64) == [] and streams.lost == 1
+        # ... until the descriptor is opened again (a new connection).
+        streams.open(7, 3)
+        assert feed(streams, message({"op": "kv", "xfer": "p-x2"}, b"k"), []) == [
+            WireReport(7, "p-x2", 1, 1, True)
+        ]
+
+    def test_a_connection_opened_before_it_was_watched_is_not_guessed_at(self) -> None:
+        streams = Streams()
+        assert streams.write(7, 9, 100, b"k" * 100) == [] and streams.lost == 1
+
+    def test_lost_events_give_every_open_connection_up(self) -> None:
+        streams = Streams()
+        streams.open(7, 3)
+        streams.open(7, 4)
+        streams.lose_all()
+        assert streams.lost == 2
+        assert feed(streams, message({"op": "kv", "xfer": "p-x1"}, b"k"), []) == []
+
+    def test_the_transfer_is_named_by_the_captured_part_of_a_long_header(self) -> None:
+        head = message({"op": "kv", "req": "r1", "xfer": "p-x9", "checksums": list(range(500))}, b"")[12:300]
+        assert transfer_of(head) == "p-x9"
+        assert transfer_of(b'{"op":"bootstrap","xfer":"p-x9"') == ""
+        assert transfer_of(b'{"op":"kv","xfer":"p-x9","req":"r"}') == "p-x9"
+
+
+# ---------------------------------------------------------------------------- real probes
+
+
+@pytest.fixture(scope="module")
+def bpf_ready() -> None:
+    """Loading the witness needs root, bcc and kernel headers; CI has them (`.ci/run` sets
+    KVGUARD_REQUIRE_BPF, so there a missing piece fails instead of skipping)."""
+    probe = open_witness(lambda name, r: None)
+    probe.close()
+    if isinstance(probe, NullWitness):
+        if os.environ.get("KVGUARD_REQUIRE_BPF"):
+            pytest.fail(f"the eBPF witness is required here: {probe.reason}")
+        pytest.skip(probe.reason)
+
+
+SENDER = """
+import socket, sys
+from kvguard.testbed import wire
+port, sizes = int(sys.argv[1]), [int(n) for n in sys.argv[2:]]
+sys.stdin.readline()  # watched now
+for i, n in enumerate(sizes):
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        wire.send(s, {"op": "kv", "req": "r", "xfer": f"x{i}", "bytes": n}, b"k" * n)
+        wire.recv(s)
+print("sent", flush=True)
+"""
+
+
+@pytest.fixture
+def kv_server() -> Iterator[int]:
+    """A KV receiver on loopback that reads each message whole and acknowledges it."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                wire.recv(conn)
+                wire.send(conn, {"ok": True})
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield srv.getsockname()[1]
+    srv.close()
+
+
+def test_the_witness_sees_what_another_process_sends(bpf_ready: None, kv_server: int) -> None:
+    reports: list[tuple[str, WireReport]] = []
+    witness = open_witness(lambda name, r: reports.append((name, r)))
+    assert isinstance(witness, TcpWitness)
+    sizes = [3_000_000, 4096, 0]
+    sender = subprocess.Popen(
+        [sys.executable, "-c", SENDER, str(kv_server), *map(str, sizes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        witness.watch(sender.pid, "p0")
+        assert sender.stdin is not None and sender.stdout is not None
+        sender.stdin.write("go\n")
+        sender.stdin.flush()
+        assert sender.stdout.readline() == "sent\n"
+        deadline = time.monotonic() + 10
+        while len(reports) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        sender.wait(timeout=10)
+        witness.close()
+    assert [(name, r.pid, r.xfer, r.bytes, r.complete) for name, r in reports] == [
+        ("p0", sender.pid, f"x{i}", n, True) for i, n in enumerate(sizes)
+    ]
+    assert reports[0][1].calls >= 1 and reports[2][1].calls == 0
+    assert witness.lost_events == 0 and witness.lost_connections == 0
+
+
+def run_short_transfer(tmp_path: Path, *agent_args: str) -> tuple[list[pb.Finding], list[pb.Event]]:
+    """The testbed with its short-transfer fault: prefill sends half the pages and reports all
+    of them sent; decode runs without a guard, so the engine's own account of what arrived
+    is missing. Returns the daemon's findings and stored wire events."""
+    store = str(tmp_path / "audit.db")
+    daemon = start_daemon(store)
+    sock = str(tmp_path / "agent.sock")
+    agent = start_agent(sock, daemon.address, str(tmp_path / "spool"), *agent_args)
+    try:
+        with Cluster(
+            tmp_path / "captures",
+            faults=("short_transfer",),
+            guard="monitor",
+            unguarded_roles="decode",
+            agent_socket=sock,
+        ) as c:
+            status, _ = c.complete("acme", PROMPT, max_tokens=4)
+            c.findings()  # flush the prefill guard's sink to the agent
+        assert status == 200  # the fault: the client is answered as if nothing happened
+        deadline = time.monotonic() + 20
+        while True:
+            s = Store(store)
+            sent = [pb.Event.FromString(b) for _, _, b in s.rows(kind="event")]
+            findings = [pb.Finding.FromString(b) for _, _, b in s.rows(kind="finding")]
+            s.close()
+            wires = [e for e in sent if e.HasField("wire")]
+            claims = [e for e in sent if e.HasField("xfer_send")]
+            if (claims and (wires or "--witness" not in agent_args)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert claims, "the prefill guard's claim never reached the daemon"
+        return findings, wires
+    finally:
+        agent.stop()
+        daemon.stop()
+
+
+def test_the_short_transfer_is_caught_by_the_witness_alone(bpf_ready: None, tmp_path: Path) -> None:
+    findings, wires = run_short_transfer(tmp_path, "--witness")
+    (seen,) = wires
+    assert (seen.node, seen.wire.probe, seen.wire.complete) == ("prefill-0/ebpf", "ebpf:tcp", True)
+    (mismatch,) = [f for f in findings if f.finding == "transfer_mismatch"]
+    claimed, carried = int(mismatch.details["expected"]), int(mismatch.details["observed"])
+    assert mismatch.details["what"] == "wire_bytes" and mismatch.details["xfer"] == seen.wire.xfer
+    assert carried == seen.wire.bytes and 0 < carried == claimed // 2  # half the pages left the node
+    assert mismatch.tenant == "acme" and "ebpf:tcp" in mismatch.message
+
+
+def test_without_the_witness_nobody_sees_it(tmp_path: Path) -> None:
+    # The control: the same run without the witness reports nothing at all, which is what
+    # makes the finding above the witness's alone.
+    findings, wires = run_short_transfer(tmp_path)
+    assert wires == [] and [f.finding for f in findings] == []
