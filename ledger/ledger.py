@@ -127,18 +127,24 @@ class Side:
 
 
 @dataclass(slots=True)
+class Seen:
+    """What one probe saw of a transfer, its reports added up."""
+
+    bytes: int = 0
+    calls: int = 0
+    complete: bool = False  # the probe saw the transfer end: `bytes` is all it carried
+
+
+@dataclass(slots=True)
 class Transfer:
-    """Both ends of one prefill->decode KV transfer, and what the wire probes saw."""
+    """Both ends of one prefill->decode KV transfer, and what each wire probe saw (probes
+    are independent witnesses of the same bytes: each is compared with the claim alone)."""
 
     xfer: str
     req: str
     send: Side | None = None
     recv: Side | None = None
-    wire_bytes: int = 0
-    wire_calls: int = 0
-    wire_events: int = 0
-    wire_complete: bool = False  # a probe saw the transfer end: wire_bytes is all the wire carried
-    probes: set[str] = field(default_factory=set)
+    wire: dict[str, Seen] = field(default_factory=dict)  # by probe
 
 
 class Request:
@@ -1142,12 +1148,12 @@ class Ledger:
         if not w.xfer:
             raise self._bad("wire: xfer (the transfer id) is required")
         t = self._transfer(w.xfer, "")
-        t.wire_bytes += w.bytes
-        t.wire_calls += w.calls
-        t.wire_events += 1
-        t.wire_complete |= w.complete
-        if w.probe:
-            t.probes.add(w.probe)
+        seen = t.wire.get(w.probe)
+        if seen is None:
+            seen = t.wire[w.probe] = Seen()
+        seen.bytes += w.bytes
+        seen.calls += w.calls
+        seen.complete |= w.complete
         r = self.request(t.req) if t.req else None
         if r is not None:
             self._reconcile(r, t)
@@ -1213,26 +1219,37 @@ class Ledger:
         # transfer end. Otherwise a shortfall is only suspected at receipt: the rest of the
         # probe's report may still be on its way from the sender's node. It is judged at the
         # request's next attention, release, free or finish, i.e. before its KV is used.
-        if not (t.wire_events and send and send.done):
+        if not (t.wire and send and send.done):
             return
-        if t.wire_bytes < send.bytes and not t.wire_complete:
-            if recv is not None:
-                self._wire_pending[r.idx] = t
-            return
-        self._wire_pending.pop(r.idx, None)
-        if t.wire_bytes != send.bytes:
-            self._wire_verdict(r, t)
+        waiting = False
+        for probe, seen in t.wire.items():
+            if seen.bytes < send.bytes and not seen.complete:
+                waiting = True
+            elif seen.bytes != send.bytes:
+                self._wire_verdict(r, t, probe)
+        if waiting and recv is not None:
+            self._wire_pending[r.idx] = t
+        else:
+            self._wire_pending.pop(r.idx, None)
 
-    def _wire_verdict(self, r: Request, t: Transfer) -> None:
+    def _wire_verdict(self, r: Request, t: Transfer, probe: str | None = None) -> None:
+        """Each probe (or the one named) whose bytes differ from the sender's claim."""
         send = t.send
-        if send is not None:
-            probes = ", ".join(sorted(t.probes)) or "probe"
-            self._mismatch(
-                r,
-                t,
-                "wire_bytes",
-                f"transfer {t.xfer} of {r.id}: sender reported {send.bytes} bytes, the wire probe "
-                f"({probes}) saw {t.wire_bytes} in {t.wire_calls} call(s)",
-                expected=send.bytes,
-                observed=t.wire_bytes,
-            )
+        if send is None:
+            return
+        for name, seen in t.wire.items():
+            if (probe is None or name == probe) and seen.bytes != send.bytes:
+                self._report(
+                    "transfer_mismatch",
+                    f"transfer {t.xfer} of {r.id}: sender reported {send.bytes} bytes, the wire probe "
+                    f"({name or 'probe'}) saw {seen.bytes} in {seen.calls} call(s)",
+                    req=r,
+                    details={
+                        "xfer": t.xfer,
+                        "what": "wire_bytes",
+                        "expected": send.bytes,
+                        "observed": seen.bytes,
+                        "probe": name,
+                    },
+                    key=(t.xfer, "wire_bytes", name),
+                )

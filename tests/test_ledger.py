@@ -416,7 +416,7 @@ class TestWireWitness:
     """The sender's claim against a probe's account of the wire, with no receiver's report
     (an unguarded decode node, or a receiver that lies as well)."""
 
-    def events(self, wire: dict[str, object], wire_first: bool) -> list[pb.Event]:
+    def events(self, wire: dict[str, object], wire_first: bool, shim: int = 0) -> list[pb.Event]:
         log = EventLog()
         log.add("p0", "pool", pool=0, role="prefill", page_size=16, num_pages=16, context_len=256)
         log.add("p0", "admit", req="a", tenant="acme", prompt_tokens=32, stage="prefill")
@@ -437,13 +437,15 @@ class TestWireWitness:
         seen = log.add("p0/ebpf", "wire", xfer="x1", probe="ebpf:tcp", calls=3, **wire)
         if wire_first:
             log.lines[-2:] = [seen, send]
+        if shim:  # a second witness of the same bytes: the LD_PRELOAD shim's count of the copies
+            log.add("p0/shim", "wire", xfer="x1", probe="shim:cuda", calls=1, bytes=shim, complete=True)
         log.add("p0", "free", req="a", pool=0, pages=[1, 2])
         log.add("p0", "finish", req="a")
         return log.lines
 
-    def findings(self, wire: dict[str, object], wire_first: bool) -> list[Finding]:
+    def findings(self, wire: dict[str, object], wire_first: bool, shim: int = 0) -> list[Finding]:
         ledger = Ledger()
-        return [f for e in self.events(wire, wire_first) for f in ledger.apply(e)]
+        return [f for e in self.events(wire, wire_first, shim) for f in ledger.apply(e)]
 
     @pytest.mark.parametrize("wire_first", [False, True])
     def test_a_transfer_the_probe_saw_end_short_is_judged_at_once(self, wire_first: bool) -> None:
@@ -451,7 +453,13 @@ class TestWireWitness:
         (finding,) = found  # judged by whichever of the two came second
         where = ("p0", 5) if wire_first else ("p0/ebpf", 1)
         assert (finding.finding, finding.req, finding.node, finding.seq) == ("transfer_mismatch", "a", *where)
-        assert finding.details == {"xfer": "x1", "what": "wire_bytes", "expected": "8192", "observed": "4096"}
+        assert finding.details == {
+            "xfer": "x1",
+            "what": "wire_bytes",
+            "expected": "8192",
+            "observed": "4096",
+            "probe": "ebpf:tcp",
+        }
         assert "the wire probe (ebpf:tcp) saw 4096 in 3 call(s)" in finding.message
 
     @pytest.mark.parametrize("wire_first", [False, True])
@@ -462,3 +470,13 @@ class TestWireWitness:
         # Without `complete` the probe may still be reporting, and without a receiver's report
         # there is no receipt to judge at: no verdict (the more bytes, the later they come).
         assert self.findings({"bytes": 4096}, wire_first=False) == []
+
+    def test_two_witnesses_of_one_transfer_are_each_compared_with_the_claim(self) -> None:
+        # Their bytes are the same bytes seen twice: never added up.
+        assert self.findings({"bytes": 8192, "complete": True}, False, shim=8192) == []
+        (finding,) = self.findings({"bytes": 8192, "complete": True}, False, shim=4096)
+        assert (finding.details["probe"], finding.details["observed"], finding.node) == (
+            "shim:cuda",
+            "4096",
+            "p0/shim",
+        )
