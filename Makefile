@@ -5,7 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint proto bench clean
+.PHONY: demo test lint proto bench shim clean
+
+SHIM := cuda_hooks/shim/libkvguard_shim.so
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,13 +18,19 @@ demo: $(STAMP)
 	$(BIN)/kvguard demo
 
 # The rule fixtures (`kvguard rules test`) run inside pytest (tests/test_fixtures.py, test_cli.py).
-test: $(STAMP)
+test: $(STAMP) shim
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# The LD_PRELOAD shim that counts an engine's CUDA copies (cuda_hooks/shim/kvguard_shim.c).
+shim: $(SHIM)
+
+$(SHIM): cuda_hooks/shim/kvguard_shim.c cuda_hooks/shim/record.h
+	$(CC) -O2 -Wall -Wextra -Werror -fPIC -shared -o $@ $< -ldl -lpthread
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
@@ -32,4 +40,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(SHIM)

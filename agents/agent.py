@@ -28,7 +28,7 @@ from urllib.parse import quote, unquote
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvguard.agents.local import PEER_CLOSED, recv_frame, send_frame
+from kvguard.agents.local import PEER_CLOSED, peer_pid, recv_frame, send_frame
 from kvguard.agents.probes import (
     PoolFacts,
     fetch_json,
@@ -37,6 +37,8 @@ from kvguard.agents.probes import (
     parse_sglang_log,
     parse_vllm_log,
 )
+from kvguard.cuda_hooks.shim import PROBE as SHIM_PROBE
+from kvguard.cuda_hooks.shim import ShimListener, ShimRecord
 from kvguard.cuda_hooks.tcp_stream import WireReport
 from kvguard.cuda_hooks.witness import PROBE, NullWitness, Witness, open_witness
 from kvguard.daemon.client import MAX_BATCH_BYTES, MAX_MESSAGE, AgentStream, DaemonRefused
@@ -47,6 +49,7 @@ from kvguard.proto.kvguard.v1 import services_pb2 as svc
 _LEN = struct.Struct(">I")
 AGENT = "kvguard-agent"  # how the agent names itself to the daemon
 WITNESS = "ebpf"  # a node's witness reports as node/ebpf: its own sequence, beside the guard's
+SHIM = "shim"  # and its engine's LD_PRELOAD shim as node/shim
 
 
 class Spool:
@@ -156,6 +159,8 @@ class NodeAgent:
         self.batch = batch
         self.spools: dict[str, Spool] = {}
         self.sources: dict[str, Source] = {}
+        self.engines: dict[int, str] = {}  # engine process -> the node its guard speaks for
+        self._shim_dropped: dict[int, int] = {}
         self.guards: dict[str, socket.socket] = {}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -168,6 +173,8 @@ class NodeAgent:
             "oversized": 0,
             "malformed": 0,
             "witnessed": 0,
+            "shim_records": 0,
+            "shim_refused": 0,
         }
         self._channel = channel(daemon, tls)
         for path in sorted(self.spool_dir.glob("*.spool")):
@@ -204,12 +211,15 @@ class NodeAgent:
         server.bind(str(self.socket_path))
         server.listen(64)
         server.settimeout(0.5)
+        # The engines' LD_PRELOAD shims report their transfers' CUDA copies beside it.
+        shims = ShimListener(f"{self.socket_path}.shim", self._shim_record, self._shim_refused)
         while not self.stopping.is_set():
             try:
                 conn, _ = server.accept()
             except TimeoutError:
                 continue
             threading.Thread(target=self._guard, args=(conn,), daemon=True).start()
+        shims.close()
         server.close()
 
     def _guard(self, conn: socket.socket) -> None:
@@ -222,13 +232,13 @@ class NodeAgent:
                 raise ValueError("the first message must be hello with the guard's node")
             if "/" in node:
                 raise ValueError(f"node {node!r}: names with '/' are the agent's own probes'")
+            # The guard runs inside the engine: the socket's peer is the engine process.
+            pid = peer_pid(conn)
             with self.lock:
                 self.guards[node] = conn
+                self.engines[pid] = node
             spool = self._spool(node)
-            if self.witness.available:
-                # The guard runs inside the engine: the socket's peer is the engine process.
-                pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-                self.witness.watch(pid, node)
+            self.witness.watch(pid, node)
             while True:
                 msg = svc.AgentMessage.FromString(recv_frame(conn))
                 if msg.WhichOneof("body") != "batch":
@@ -255,9 +265,38 @@ class NodeAgent:
             with self.lock:
                 if node and self.guards.get(node) is conn:
                     del self.guards[node]
+                if pid and self.engines.get(pid) == node:
+                    del self.engines[pid]
             if pid:
                 self.witness.unwatch(pid)
             conn.close()
+
+    def _shim_record(self, pid: int, record: ShimRecord) -> None:
+        """A transfer's CUDA copies as the engine's shim counted them: a wire event of the
+        engine's node's shim source. The node is the one whose guard runs in that process."""
+        with self.lock:
+            node = self.engines.get(pid)
+        if node is None:
+            self._shim_refused(pid, f"no guard of process {pid} is connected, so its node is unknown")
+            return
+        source = self._source(f"{node}/{SHIM}")
+        source.emit(
+            wire=pb.Wire(
+                xfer=record.xfer,
+                bytes=record.device_bytes,
+                calls=record.calls,
+                probe=SHIM_PROBE,
+                complete=True,
+            )
+        )
+        self.counters["shim_records"] += 1
+        if record.dropped > self._shim_dropped.get(pid, 0):  # in-band, like any other loss
+            self._shim_dropped[pid] = record.dropped
+            source.emit(heartbeat=pb.Heartbeat(agent_version=AGENT, dropped=record.dropped))
+
+    def _shim_refused(self, pid: int, reason: str) -> None:
+        self.counters["shim_refused"] += 1
+        print(f"kvguard agent: a shim record from process {pid} refused: {reason}", file=sys.stderr)
 
     def _witnessed(self, node: str, report: WireReport) -> None:
         self._source(f"{node}/{WITNESS}").emit(

@@ -41,3 +41,8 @@ def recv_frame(sock: socket.socket) -> bytes:
     if n > MAX_FRAME:
         raise ConnectionError(f"frame of {n} bytes (at most {MAX_FRAME})")
     return _exact(sock, n)
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The process at the other end of a Unix socket, as the kernel tells it (SO_PEERCRED)."""
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]

@@ -36,6 +36,7 @@ import torch
 
 from kvguard.agents.guard import Guard, Verdict
 from kvguard.agents.sink import AgentSink, CaptureSink, EventSink
+from kvguard.cuda_hooks.shim import CopyLabel
 from kvguard.testbed import wire
 from kvguard.testbed.faults import check_faults
 from kvguard.testbed.models import EchoModel
@@ -82,6 +83,7 @@ class Worker:
         self.pool = self.model.pool(config.num_pages)
         self.free_list: list[int] = list(range(config.num_pages - 1, -1, -1))  # pop() gives page 0 first
         self.quarantined: set[int] = set()
+        self.copies = CopyLabel()
         self.lock = threading.RLock()
         self.guard: Guard | None = None
         if config.guard != "off":
@@ -335,11 +337,12 @@ class PrefillWorker(Worker):
         send_pages = pages
         if "short_transfer" in self.faults and len(pages) > 1:
             send_pages = pages[: len(pages) // 2]  # half the pages, the whole claim
-        data = self.pool.export_pages(torch.tensor(send_pages, dtype=torch.long)).numpy().tobytes()
         with self.lock:
             self.xfers += 1
             xfer = f"{self.config.node}-x{self.xfers}"
             self.g("hold", req, 0, pages, "transfer_send")
+        with self.copies.transfer(xfer):  # on CUDA, the shim (when preloaded) counts this copy off the GPU
+            data = self.pool.export_pages(torch.tensor(send_pages, dtype=torch.long)).numpy().tobytes()
         header = {
             "op": "kv",
             "req": req,

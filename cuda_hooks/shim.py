@@ -1,0 +1,152 @@
+"""The LD_PRELOAD shim's two ends in Python: what an engine calls to name the transfer its
+CUDA copies belong to, and what the node agent reads from the shim's socket.
+
+The shim (cuda_hooks/shim/kvguard_shim.c, `make shim`) counts the bytes of every CUDA copy
+call of the process it is preloaded into; between `kvguard_xfer_begin(xfer)` and
+`kvguard_xfer_end()` it counts them for that transfer, and at the end sends one record
+(cuda_hooks/shim/record.h, read here as SHIM_RECORD) to the agent. Invariant: a record that
+does not parse whole (size, magic, version) is refused with the reason; nothing else about
+it is trusted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+LIBRARY = Path(__file__).with_name("shim") / "libkvguard_shim.so"
+MAGIC = 0x5347564B  # "KVGS"
+VERSION = 1
+KINDS = ("h2h", "h2d", "d2h", "d2d", "default")  # cudaMemcpyKind, the index into `bytes`
+# magic, version, reserved, pid, last_error, xfer, bytes[8], calls, failed, failed_bytes, dropped
+SHIM_RECORD = struct.Struct("=IHHIi128s8QQQQQ")
+PROBE = "shim:cuda"
+
+
+@dataclass(frozen=True, slots=True)
+class ShimRecord:
+    """One named transfer's copies (the sender's PID comes from the socket, not from here)."""
+
+    xfer: str
+    bytes: dict[str, int]  # copied by calls that succeeded, by kind
+    calls: int
+    failed: int
+    failed_bytes: int
+    last_error: int
+    dropped: int  # records the process could not send before this one
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes that left device memory (to the host, another device, or either): what a
+        sender's transfer moved off its GPU."""
+        return self.bytes["d2h"] + self.bytes["d2d"] + self.bytes["default"]
+
+
+def parse_record(data: bytes) -> ShimRecord:
+    if len(data) != SHIM_RECORD.size:
+        raise ValueError(f"shim record of {len(data)} bytes (expected {SHIM_RECORD.size})")
+    magic, version, _, _pid, last_error, xfer, *rest = SHIM_RECORD.unpack(data)
+    if magic != MAGIC:
+        raise ValueError(f"shim record magic {magic:#x} is not {MAGIC:#x}")
+    if version != VERSION:
+        raise ValueError(f"shim record version {version} (this agent reads {VERSION})")
+    by_kind, (calls, failed, failed_bytes, dropped) = rest[:8], rest[8:]
+    name = xfer.split(b"\0", 1)[0].decode(errors="replace")
+    if not name:
+        raise ValueError("shim record names no transfer")
+    kinds = dict(zip(KINDS, by_kind, strict=False))
+    return ShimRecord(name, kinds, calls, failed, failed_bytes, last_error, dropped)
+
+
+class CopyLabel:
+    """The engine's side: name the transfer that the CUDA copies of this thread belong to.
+    Does nothing where the shim is not preloaded."""
+
+    def __init__(self) -> None:
+        process = ctypes.CDLL(None)
+        self._begin = getattr(process, "kvguard_xfer_begin", None)
+        self._end = getattr(process, "kvguard_xfer_end", None)
+        if self._begin is not None:
+            self._begin.argtypes = [ctypes.c_char_p]
+
+    @property
+    def active(self) -> bool:
+        return self._begin is not None
+
+    @contextlib.contextmanager
+    def transfer(self, xfer: str) -> Iterator[None]:
+        if self._begin is None or self._end is None:
+            yield
+            return
+        self._begin(xfer.encode())
+        try:
+            yield
+        finally:
+            self._end()
+
+
+class ShimListener:
+    """The agent's side: a Unix SOCK_SEQPACKET socket the shims of the host's engines send
+    their records to; each record goes to `on_record` with the sender's PID as the kernel
+    tells it (SO_PEERCRED), never as the record claims it."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        on_record: Callable[[int, ShimRecord], None],
+        on_bad: Callable[[int, str], None],
+    ) -> None:
+        self.path = Path(path)
+        self._on_record = on_record
+        self._on_bad = on_bad
+        if self.path.exists():
+            self.path.unlink()
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._server.bind(str(self.path))
+        os.chmod(self.path, 0o666)  # engines may run as other users; the PID identifies them
+        self._server.listen(64)
+        self._server.settimeout(0.5)
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, name="kvguard-shim", daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        with conn:
+            pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[
+                0
+            ]  # not the record's
+            while not self._stop.is_set():
+                try:
+                    data = conn.recv(SHIM_RECORD.size + 1)
+                except OSError:
+                    return
+                if not data:
+                    return
+                try:
+                    record = parse_record(data)
+                except ValueError as exc:
+                    self._on_bad(pid, str(exc))
+                    continue
+                self._on_record(pid, record)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
