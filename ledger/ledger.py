@@ -28,7 +28,15 @@ from typing import Any
 import numpy as np
 
 from kvguard.ledger.findings import Finding
-from kvguard.ledger.pages import HOLDER_INDEX, HOLDERS, MAX_PAGE_SIZE, MAX_PAGES, NOBODY, PoolPages
+from kvguard.ledger.pages import (
+    HOLDER_INDEX,
+    HOLDERS,
+    MAX_PAGE_SIZE,
+    MAX_PAGES,
+    NOBODY,
+    PoolPages,
+    check_tags,
+)
 from kvguard.proto import pb
 
 ROLES = ("prefill", "decode", "colocated")
@@ -901,21 +909,19 @@ class Ledger:
         block_tables: [B, P] page ids (entries beyond a request's context are ignored, may be
         any value); context_lens: [B] tokens each request attends to."""
         pp = self.nodes[node].pools[pool].pages
-        ps = pp.page_size
-        lens = np.asarray(context_lens, dtype=np.int64)
-        tables = np.asarray(block_tables, dtype=np.intp)
-        cols = np.arange(tables.shape[1])
-        needed = np.clip(lens[:, None] - cols[None, :] * ps, 0, ps)  # slots read per page
-        used = needed > 0
-        if (lens > tables.shape[1] * ps).any() or ((tables < 0) | (tables >= pp.num_pages))[used].any():
-            return np.zeros(len(reqs), bool) | (lens == 0)
-        pages = np.where(used, tables, 0)
-        readers = np.array([self._req_index.get(r, NOBODY) for r in reqs], dtype=np.int32)
-        ok = ((pp.own[pages] == readers[:, None]) & (pp.valid[pages] >= needed)) | ~used
-        clean = ok.all(axis=1) & (readers != NOBODY)
-        ended = [i for i, r in enumerate(reqs) if readers[i] and self.requests[readers[i]].ended]
-        clean[ended] = False
-        return clean | (lens == 0)
+        readers = self.reader_indices(reqs)
+        clean = check_tags(pp.own, pp.valid, block_tables, context_lens, readers, pp.page_size)
+        return (clean & ~self.ended_mask(readers)) | (np.asarray(context_lens) == 0)
+
+    def reader_indices(self, reqs: Sequence[str]) -> np.ndarray:
+        """The ledger's index of each request (NOBODY for one it does not know): what the
+        page tags name."""
+        return np.array([self._req_index.get(r, NOBODY) for r in reqs], dtype=np.int32)
+
+    def ended_mask(self, readers: np.ndarray) -> np.ndarray:
+        """Which of these requests (ledger indices) were rejected, aborted or killed: they
+        may not attend, whatever their pages hold."""
+        return np.array([bool(r) and self.requests[r].ended for r in readers.tolist()], dtype=bool)
 
     def writable(self, node: str, pool: int, req: str, pages: Sequence[int]) -> bool:
         """Whether KV of `req` may land in `pages` now: each is granted to it, or kept for it

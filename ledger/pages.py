@@ -19,6 +19,8 @@ pass page indices as an intp array (bounds are checked by the first gather).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 NOBODY = 0  # request index 0 is "no request": never a grantee, writer or holder
@@ -76,3 +78,24 @@ class PoolPages:
     def refs(self, pages: np.ndarray) -> np.ndarray:
         """Live grants (owner and prefix sharers) of each of `pages`."""
         return self.use[pages] - self.holds[:, pages].sum(axis=0, dtype=np.uint32)
+
+
+def check_tags(
+    own: np.ndarray, valid: np.ndarray, tables: Any, lens: Any, readers: Any, page_size: int
+) -> np.ndarray:
+    """The check before attention over a batch, from the tags alone: for each request b,
+    True iff every slot of its context (lens[b] tokens through tables[b]; entries beyond the
+    context are ignored) holds its own KV written under its current grant (own == readers[b]
+    and valid >= the slots read), or it reads nothing. A table too short for its context, a
+    page out of range, or no reader (NOBODY) is False. cuda_hooks/kernels.py is its GPU twin."""
+    tables = np.asarray(tables, dtype=np.int64)
+    lens = np.asarray(lens, dtype=np.int64)
+    readers = np.asarray(readers, dtype=np.int64)
+    cols = np.arange(tables.shape[1])
+    need = np.clip(lens[:, None] - cols[None, :] * page_size, 0, page_size)  # slots read per page
+    used = need > 0
+    inside = (tables >= 0) & (tables < len(own))
+    pages = np.where(used & inside, tables, 0)
+    ok = ~used | (inside & (own[pages] == readers[:, None]) & (valid[pages] >= need))
+    fits = lens <= tables.shape[1] * page_size
+    return (ok.all(axis=1) & fits & (readers != NOBODY)) | (lens == 0)

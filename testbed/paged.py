@@ -24,6 +24,8 @@ import math
 import numpy as np
 import torch
 
+from kvguard.cuda_hooks import kernels
+
 __all__ = [
     "CHECKSUM_MULTIPLIER",
     "KVPool",
@@ -36,11 +38,7 @@ __all__ = [
 ]
 
 #: Odd 32-bit multiplier (2**32 / golden ratio) of the page checksum, see :meth:`KVPool.page_checksums`.
-CHECKSUM_MULTIPLIER = 0x9E3779B1
-
-# Number of pages hashed per chunk in page_checksums: bounds the int64 scratch memory
-# (chunk * words_per_page * 8 bytes * ~3); a loop over chunks, not over pages.
-_CHECKSUM_CHUNK_PAGES = 256
+CHECKSUM_MULTIPLIER = kernels.CHECKSUM_MULTIPLIER
 
 
 def token_slots(
@@ -98,7 +96,6 @@ class KVPool:
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
-        self._checksum_weights: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return (
@@ -172,13 +169,6 @@ class KVPool:
 
     # ------------------------------------------------------------------ checksums
 
-    def _weights(self) -> torch.Tensor:
-        if self._checksum_weights is None:
-            i = torch.arange(self.words_per_page, dtype=torch.int64, device=self.device)
-            # (2i+1) * C; int64 multiplication wraps modulo 2**64 (two's complement), as intended.
-            self._checksum_weights = (2 * i + 1) * CHECKSUM_MULTIPLIER
-        return self._checksum_weights
-
     def page_checksums(self, pages: torch.Tensor) -> np.ndarray:
         """One 64-bit checksum per page, computed on the pool's device; returns ``uint64[n]``.
 
@@ -201,20 +191,12 @@ class KVPool:
         summation order, so the result is exact; the int64 result is reinterpreted as uint64.
         The weight ``(2i+1)*C`` is odd, so flipping any single bit changes the checksum, and the
         position dependence makes swapped words change it too (unless the words are equal).
+        Computed where the pool is, read in place through the page list: the CuPy kernel on
+        CUDA, NumPy/PyTorch on the CPU (cuda_hooks/kernels.py; the two agree bit for bit).
         """
-        if self.page_nbytes % 4:
-            raise ValueError(f"page_checksums needs page_nbytes % 4 == 0, got {self.page_nbytes}")
         if not np.little_endian:  # pragma: no cover - every CUDA host is little-endian
             raise RuntimeError("page_checksums assumes a little-endian host")
-        pages = pages.to(device=self.device, dtype=torch.long).reshape(-1)
-        weights = self._weights()
-        out = torch.empty(pages.shape[0], dtype=torch.int64, device=self.device)
-        for start in range(0, pages.shape[0], _CHECKSUM_CHUNK_PAGES):
-            chunk = pages[start : start + _CHECKSUM_CHUNK_PAGES]
-            words = self.export_pages(chunk).view(chunk.shape[0], -1).view(torch.int32)
-            w = words.to(torch.int64) & 0xFFFFFFFF  # unsigned 32-bit value
-            out[start : start + chunk.shape[0]] = (w * weights).sum(dim=1)
-        return out.cpu().numpy().view(np.uint64)
+        return kernels.page_checksums(self.k, self.v, pages)
 
 
 def page_checksums(pool: KVPool, pages: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,165 @@
+"""The guard's GPU kernels and their CPU twins against shared test vectors
+(tests/vectors/kernels.json, computed by plain loops from the definitions). The CPU path runs
+here and in CI; the kernels' source is compiled with NVRTC for the H200 here too (no GPU
+needed to compile), and runs against the same vectors on a GPU (`pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvguard.cuda_hooks import kernels
+from kvguard.ledger.ledger import Ledger
+from kvguard.ledger.pages import check_tags
+from kvguard.proto.builder import EventLog
+from kvguard.testbed.paged import KVPool
+
+VECTORS = json.loads((Path(__file__).parent / "vectors" / "kernels.json").read_text())
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pool_of(case: dict[str, Any], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    layers, pool_pages, block = case["shape"]
+    dtype = DTYPES[case["dtype"]]
+
+    def tensor(data: str) -> torch.Tensor:
+        raw = bytearray(base64.b64decode(data))
+        return torch.frombuffer(raw, dtype=dtype).reshape(layers, pool_pages, block).to(device)
+
+    return tensor(case["k"]), tensor(case["v"])
+
+
+def tag_inputs(case: dict[str, Any]) -> tuple[np.ndarray, ...]:
+    tables = np.array(case["tables"], dtype=np.int32).reshape(
+        len(case["lens"]), -1 if case["lens"] else case["width"]
+    )
+    return (
+        np.array(case["own"], np.int32),
+        np.array(case["valid"], np.uint32),
+        tables,
+        np.array(case["lens"], np.int32),
+        np.array(case["readers"], np.int32),
+    )
+
+
+@pytest.mark.parametrize("case", VECTORS["tag_check"], ids=lambda c: c["name"])
+def test_the_cpu_tag_check_reproduces_the_vectors(case: dict[str, Any]) -> None:
+    own, valid, tables, lens, readers = tag_inputs(case)
+    assert check_tags(own, valid, tables, lens, readers, case["page_size"]).tolist() == case["clean"]
+
+
+@pytest.mark.parametrize("case", VECTORS["checksums"], ids=lambda c: c["name"])
+def test_the_cpu_checksums_reproduce_the_vectors(case: dict[str, Any]) -> None:
+    k, v = pool_of(case)
+    got = kernels.page_checksums(k, v, torch.tensor(case["pages"]))
+    assert [str(x) for x in got.tolist()] == case["checksums"]
+
+
+def test_the_testbed_pool_checksums_through_the_same_code() -> None:
+    # The testbed's KVPool is [layers, pages, page_size, heads, head_dim]: the vectors' float32
+    # case is a pool of pages of 4 slots, 2 heads of 4.
+    case = VECTORS["checksums"][0]
+    k, v = pool_of(case)
+    pool = KVPool(num_pages=k.shape[1], page_size=4, num_layers=k.shape[0], num_kv_heads=2, head_dim=4)
+    pool.k.copy_(k.reshape(pool.k.shape))
+    pool.v.copy_(v.reshape(pool.v.shape))
+    assert [str(x) for x in pool.page_checksums(torch.tensor(case["pages"])).tolist()] == case["checksums"]
+
+
+def test_the_ledgers_batch_check_is_the_tag_check() -> None:
+    # A request that wrote its pages reads clean; after its pages go to another tenant's
+    # request that wrote only half of one, neither that request (a hole) nor the first (freed)
+    # is clean: the tags the kernel reads are the ledger's own.
+    log = EventLog()
+    log.add("n0", "pool", pool=0, role="decode", page_size=4, num_pages=8, context_len=32)
+    for req, tenant in (("a", "acme"), ("b", "globex")):
+        log.add("n0", "admit", req=req, tenant=tenant, prompt_tokens=8, stage="decode")
+    log.add("n0", "alloc", req="a", pool=0, pages=[1, 2])
+    log.add("n0", "write", req="a", pool=0, pages=[1, 2])
+    ledger = Ledger()
+    for e in log.events:
+        ledger.apply(e)
+    tables, lens = np.array([[1, 2], [1, 2]]), np.array([8, 8])
+    assert ledger.batch_clean("n0", 0, ["a", "b"], tables, lens).tolist() == [True, False]
+    for e in (
+        log.add("n0", "free", req="a", pool=0, pages=[1, 2]),
+        log.add("n0", "alloc", req="b", pool=0, pages=[1, 2]),
+    ):
+        ledger.apply(e)
+    ledger.apply(log.add("n0", "write", req="b", pool=0, pages=[1, 2], slots=[4, 2]))
+    assert ledger.batch_clean("n0", 0, ["a", "b"], tables, lens).tolist() == [False, False]
+    pp = ledger.nodes["n0"].pools[0].pages
+    readers = ledger.reader_indices(["a", "b"])
+    assert check_tags(pp.own, pp.valid, tables, np.array([8, 6]), readers, 4).tolist() == [False, True]
+
+
+def test_the_kernels_compile_for_the_h200() -> None:
+    # NVRTC, no GPU needed: a kernel that does not compile is found here, not on the device.
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(kernels.SOURCE, "kvguard_kernels.cu", [], [])
+    try:
+        nvrtc.compileProgram(program, ["-arch=compute_90", "-default-device"])
+    except nvrtc.NVRTCError:
+        pytest.fail(nvrtc.getProgramLog(program))
+    ptx = nvrtc.getPTX(program)
+    assert b".entry kvguard_tag_check" in ptx and b".entry kvguard_page_checksums" in ptx
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VECTORS["tag_check"], ids=lambda c: c["name"])
+def test_the_gpu_tag_check_reproduces_the_vectors(case: dict[str, Any]) -> None:
+    import cupy
+
+    own, valid, tables, lens, readers = (cupy.asarray(a) for a in tag_inputs(case))
+    got = kernels.tag_check(own, valid, tables, lens, readers, case["page_size"])
+    assert cupy.asnumpy(got).tolist() == case["clean"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VECTORS["checksums"], ids=lambda c: c["name"])
+def test_the_gpu_checksums_reproduce_the_vectors(case: dict[str, Any]) -> None:
+    k, v = pool_of(case, "cuda")
+    got = kernels.page_checksums(k, v, torch.tensor(case["pages"], device="cuda"))
+    assert [str(x) for x in got.tolist()] == case["checksums"]
+
+
+@pytest.mark.gpu
+def test_gpu_and_cpu_agree_on_a_large_random_pool() -> None:
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(4, 300, 16, 8, 128, generator=gen).to(torch.bfloat16)
+    v = torch.randn(4, 300, 16, 8, 128, generator=gen).to(torch.bfloat16)
+    pages = torch.randperm(300, generator=gen)[:200]
+    cpu = kernels.page_checksums(k, v, pages)
+    gpu = kernels.page_checksums(k.cuda(), v.cuda(), pages.cuda())
+    assert np.array_equal(cpu, gpu)
+
+
+@pytest.mark.gpu
+def test_device_tags_follow_the_ledger_by_batched_updates() -> None:
+    import cupy
+
+    own = np.zeros(64, np.int32)
+    valid = np.zeros(64, np.uint32)
+    tags = kernels.DeviceTags()
+    tags.sync(own, valid)
+    own[[3, 4]], valid[[3, 4]] = 7, 16
+    tags.touch([3, 4])
+    tags.sync(own, valid)
+    assert (
+        cupy.asnumpy(tags.own).tolist() == own.tolist()
+        and cupy.asnumpy(tags.valid).tolist() == valid.tolist()
+    )
+    got = kernels.tag_check(
+        tags.own, tags.valid, cupy.asarray([[3, 4]]), cupy.asarray([32]), cupy.asarray([7]), 16
+    )
+    assert cupy.asnumpy(got).tolist() == [True]
