@@ -290,6 +290,7 @@ def cmd_testbed_up(args: argparse.Namespace) -> int:
             system_prompts=prompts,
             prefix_cache=args.prefix_cache,
             host_cache=args.host_cache,
+            device=args.device,
             prefill_timeout_s=args.prefill_timeout_s,
             prefill_ms_per_token=args.prefill_ms_per_token,
             decode_step_ms=args.decode_step_ms,
@@ -409,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system-prompt", action="append", metavar="TENANT=TEXT", help="a tenant's hidden prompt")
     p.add_argument("--prefix-cache", action="store_true", help="reuse the pages of identical prompts")
     p.add_argument("--host-cache", action="store_true", help="offload prompts' KV to host memory")
+    p.add_argument(
+        "--device", default="cpu", help="where the workers keep KV and compute (cpu, cuda, cuda:N)"
+    )
     p.add_argument("--prefill-timeout-s", type=float, default=30.0)
     p.add_argument("--prefill-ms-per-token", type=float, default=0.0, help="test control: slow prefill")
     p.add_argument("--decode-step-ms", type=float, default=0.0, help="test control: slow decode steps")

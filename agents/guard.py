@@ -57,6 +57,15 @@ _CLEAN = Verdict()
 _RANK = {severity: i for i, severity in enumerate(SEVERITIES)}
 
 
+def _host(values: Any) -> np.ndarray:
+    """A NumPy copy of a host or device array (CuPy, torch on any device)."""
+    if hasattr(values, "__cuda_array_interface__"):
+        if hasattr(values, "cpu"):  # torch
+            return values.cpu().numpy()
+        return values.get()  # cupy
+    return np.asarray(values)
+
+
 def _ints(values: Any) -> list[int]:
     if hasattr(values, "tolist"):
         return values.tolist()  # numpy arrays and torch tensors: one conversion, not per item
@@ -92,11 +101,37 @@ class Guard:
         self._clock = clock
         self._seq = 0
         self._lock = threading.RLock()
+        self._device_tags: dict[int, Any] = {}  # pool -> its tags on the GPU (DeviceTags), once checked there
 
     # ------------------------------------------------------------------ core
 
+    def _clean_on_device(
+        self, pool: int, reqs: Sequence[str], block_tables: Any, context_lens: Any
+    ) -> np.ndarray:
+        """batch_clean's answer from the GPU: the pool's tags on the device (brought up to date
+        with the pages the events since the last step named, in one scatter) and one launch of
+        the tag-check kernel over the device's own block tables."""
+        import cupy
+
+        from kvguard.cuda_hooks.kernels import DeviceTags, tag_check
+
+        pp = self.ledger.nodes[self.node].pools[pool].pages
+        tags = self._device_tags.get(pool)
+        if tags is None:
+            tags = self._device_tags[pool] = DeviceTags()
+        tags.sync(pp.own, pp.valid)
+        readers = self.ledger.reader_indices(reqs)
+        found = tag_check(
+            tags.own, tags.valid, block_tables, context_lens, cupy.asarray(readers), pp.page_size
+        )
+        return cupy.asnumpy(found) & ~self.ledger.ended_mask(readers) | (_host(context_lens) == 0)
+
     def _emit(self, payload: str, req: str = "", **fields: Any) -> Verdict:
         with self._lock:
+            if self._device_tags and "pages" in fields:
+                tags = self._device_tags.get(fields.get("pool", -1))
+                if tags is not None:  # the device copy of these pages' tags is stale after this
+                    tags.touch(fields["pages"])
             self._seq += 1
             if req:
                 fields["req"] = req
@@ -290,11 +325,13 @@ class Guard:
         padding beyond each context ignored), context_lens [B]. The engine must drop the
         requests in `kill` from this launch; the rest of the batch goes on."""
         with self._lock:
-            clean = self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens)
+            if hasattr(block_tables, "__cuda_array_interface__"):
+                clean = self._clean_on_device(pool, reqs, block_tables, context_lens)
+            else:
+                clean = self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens)
             if clean.all():
                 return _CLEAN
-            tables = np.asarray(block_tables)
-            lens = np.asarray(context_lens)
+            tables, lens = _host(block_tables), _host(context_lens)  # the failing few, on the host
             page_size = self.ledger.nodes[self.node].pools[pool].pages.page_size
             reads = []
             for i in np.flatnonzero(~clean).tolist():

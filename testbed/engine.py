@@ -71,6 +71,7 @@ class WorkerConfig:
     offload_delay_ms: float = 50.0
     prefix_cache: bool = False  # keep prompts' pages for reuse by identical prompts
     host_cache: bool = False  # offload prompts' KV to host memory, restore on a repeat
+    device: str = "cpu"  # pool and model; on CUDA the guard checks tags and checksums there
 
 
 class Worker:
@@ -79,7 +80,7 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.faults = config.faults
-        self.model = EchoModel(config.page_size, max(config.context_len * 2, 2048))
+        self.model = EchoModel(config.page_size, max(config.context_len * 2, 2048), device=config.device)
         self.pool = self.model.pool(config.num_pages)
         self.free_list: list[int] = list(range(config.num_pages - 1, -1, -1))  # pop() gives page 0 first
         self.quarantined: set[int] = set()
@@ -649,7 +650,14 @@ class DecodeWorker(Worker):
         ps = self.config.page_size
         lens = np.array([r.prompt_tokens + len(r.generated) for r in batch], dtype=np.int64)
         tables = self.slot_tables[[r.slot for r in batch]]
-        verdict = self.g("check_attention", 0, [r.req for r in batch], tables, lens)
+        if self.pool.device.type == "cuda":  # the tag check runs on the device, on its block tables
+            on_device = (
+                torch.from_numpy(tables).to(self.pool.device),
+                torch.from_numpy(lens).to(self.pool.device),
+            )
+            verdict = self.g("check_attention", 0, [r.req for r in batch], *on_device)
+        else:
+            verdict = self.g("check_attention", 0, [r.req for r in batch], tables, lens)
         if verdict.kill:
             for r in batch:
                 if r.req in verdict.kill:

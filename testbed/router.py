@@ -49,6 +49,7 @@ class ClusterConfig:
     system_prompts: dict[str, str] = field(default_factory=dict)
     prefix_cache: bool = False
     host_cache: bool = False
+    device: str = "cpu"  # the workers' KV pools and models; on CUDA the guard's checks run there too
     prefill_ms_per_token: float = 0.0
     decode_step_ms: float = 0.0
     offload_delay_ms: float = 50.0
@@ -85,6 +86,7 @@ def _spawn(config: ClusterConfig, role: str) -> tuple[subprocess.Popen[str], dic
         "offload_delay_ms": config.offload_delay_ms,
         "prefix_cache": config.prefix_cache,
         "host_cache": config.host_cache,
+        "device": config.device,
     }
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvguard.testbed.engine", "--config", json.dumps(worker)],

@@ -281,3 +281,18 @@ def test_half_written_page(tmp_path: Path) -> None:
     stale = [f for f in findings if f["finding"] == "stale_read"]
     assert stale and (stale[0]["tenant"], stale[0]["victim_tenant"]) == ("globex", "acme")
     assert text(results["acme"]) == SECRET[:32] and text(results["after"]) == "one page prompt!"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("guard", ["off", "enforce"])
+def test_on_cuda_the_device_checks_stop_what_the_host_checks_stop(tmp_path: Path, guard: str) -> None:
+    # The same leak with the pools and the echo model on the GPU: page checksums and the
+    # decode step's tag check (the guard's kernels, cuda_hooks/kernels.py) run there.
+    results, findings = run(tmp_path, guard, ("block_table",), block_table, decode_step_ms=40, device="cuda")
+    if guard == "off":
+        assert "deal closes Dec 14" in text(results["globex"])
+        return
+    assert results["globex"][0] == 500 and "Dec 14" not in str(results["globex"][1])
+    foreign = [f for f in findings if f["finding"] == "foreign_read"]
+    assert foreign and foreign[0]["victim_tenant"] == "acme"
+    assert text(results["acme"]) == SECRET

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU checks in one device call (an H200 lent through the `device` tool): the gpu-marked
+# tests (the kernels against the shared vectors, GPU against CPU, the testbed on CUDA) and
+# bench/gpu.py, their output saved under $OUT. The device image has torch, CuPy, NumPy,
+# protobuf, grpcio and pytest; what else kvguard needs travels as wheels in .whl/ (ignored by
+# git; see the README's "GPU kernels" section for the download command).
+#
+#   run(command="bash bench/device.sh", carry=[".whl"], timeout_s=540)
+set -uo pipefail
+out=${OUT:-/tmp/kvguard-device}
+mkdir -p "$out" /tmp/pkg
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+ln -sfn "$PWD" /tmp/pkg/kvguard  # the repository root is the package
+export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$out/device.txt"
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_testbed_faults.py \
+    2>&1 | tee "$out/gpu-tests.log"
+timeout 200 python3 bench/gpu.py 2>&1 | tee "$out/gpu-bench.log"
