@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 .PHONY: demo test lint proto bench shim clean
 
 SHIM := cuda_hooks/shim/libkvguard_shim.so
+LABEL := cuda_hooks/shim/libkvguard_label.so
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,11 +27,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The LD_PRELOAD shim that counts an engine's CUDA copies (cuda_hooks/shim/kvguard_shim.c).
-shim: $(SHIM)
+# The LD_PRELOAD shim that counts an engine's CUDA copies (cuda_hooks/shim/kvguard_shim.c), and
+# the transfer-naming library whose calls the eBPF witness probes (kvguard_label.c).
+shim: $(SHIM) $(LABEL)
 
 $(SHIM): cuda_hooks/shim/kvguard_shim.c cuda_hooks/shim/record.h
 	$(CC) -O2 -Wall -Wextra -Werror -fPIC -shared -o $@ $< -ldl -lpthread
+
+$(LABEL): cuda_hooks/shim/kvguard_label.c
+	$(CC) -O2 -Wall -Wextra -Werror -fPIC -shared -o $@ $<
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
@@ -40,4 +45,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(SHIM)
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(SHIM) $(LABEL)

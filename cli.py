@@ -188,7 +188,7 @@ def cmd_witness(args: argparse.Namespace) -> int:
     import time
 
     from kvguard.cuda_hooks.tcp_stream import WireReport
-    from kvguard.cuda_hooks.witness import PROBE, open_witness
+    from kvguard.cuda_hooks.witness import open_witness
     from kvguard.proto import pb
     from kvguard.proto.capture import event_to_json
 
@@ -199,7 +199,7 @@ def cmd_witness(args: argparse.Namespace) -> int:
         nonlocal seq
         with lock:
             seq += 1
-            wire = pb.Wire(xfer=r.xfer, bytes=r.bytes, calls=r.calls, probe=PROBE, complete=r.complete)
+            wire = pb.Wire(xfer=r.xfer, bytes=r.bytes, calls=r.calls, probe=r.probe, complete=r.complete)
             print(event_to_json(pb.Event(node=name, seq=seq, ts_ns=time.time_ns(), wire=wire)), flush=True)
 
     witness = open_witness(report)

@@ -40,7 +40,7 @@ from kvguard.agents.probes import (
 from kvguard.cuda_hooks.shim import PROBE as SHIM_PROBE
 from kvguard.cuda_hooks.shim import ShimListener, ShimRecord
 from kvguard.cuda_hooks.tcp_stream import WireReport
-from kvguard.cuda_hooks.witness import PROBE, NullWitness, Witness, open_witness
+from kvguard.cuda_hooks.witness import NullWitness, Witness, open_witness
 from kvguard.daemon.client import MAX_BATCH_BYTES, MAX_MESSAGE, AgentStream, DaemonRefused
 from kvguard.daemon.tls import Tls, channel
 from kvguard.proto import pb
@@ -279,6 +279,8 @@ class NodeAgent:
         if node is None:
             self._shim_refused(pid, f"no guard of process {pid} is connected, so its node is unknown")
             return
+        if record.calls == 0:  # the transfer moved nothing through CUDA copies: no observation
+            return
         source = self._source(f"{node}/{SHIM}")
         source.emit(
             wire=pb.Wire(
@@ -304,7 +306,7 @@ class NodeAgent:
                 xfer=report.xfer,
                 bytes=report.bytes,
                 calls=report.calls,
-                probe=PROBE,
+                probe=report.probe,
                 complete=report.complete,
             )
         )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LIBRARY = Path(__file__).with_name("shim") / "libkvguard_shim.so"
+LABELS = Path(__file__).with_name("shim") / "libkvguard_label.so"  # the same two calls, for the eBPF witness
 MAGIC = 0x5347564B  # "KVGS"
 VERSION = 1
 KINDS = ("h2h", "h2d", "d2h", "d2d", "default")  # cudaMemcpyKind, the index into `bytes`
@@ -67,18 +68,23 @@ def parse_record(data: bytes) -> ShimRecord:
 
 class CopyLabel:
     """The engine's side: name the transfer that the CUDA copies of this thread belong to.
-    Does nothing where the shim is not preloaded."""
+    The calls go to the preloaded shim (which counts), or else to the label library, where
+    they do nothing but give the eBPF witness's uprobes a place to see the name; with
+    neither (not built) they are skipped."""
 
-    def __init__(self) -> None:
+    def __init__(self, labels: Path = LABELS) -> None:
         process = ctypes.CDLL(None)
-        self._begin = getattr(process, "kvguard_xfer_begin", None)
-        self._end = getattr(process, "kvguard_xfer_end", None)
+        self.shim = hasattr(process, "kvguard_xfer_begin")
+        library = process if self.shim else ctypes.CDLL(str(labels)) if labels.exists() else None
+        self._begin = getattr(library, "kvguard_xfer_begin", None)
+        self._end = getattr(library, "kvguard_xfer_end", None)
         if self._begin is not None:
             self._begin.argtypes = [ctypes.c_char_p]
 
     @property
     def active(self) -> bool:
-        return self._begin is not None
+        """The shim counts this process's copies."""
+        return self.shim
 
     @contextlib.contextmanager
     def transfer(self, xfer: str) -> Iterator[None]:

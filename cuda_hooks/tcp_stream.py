@@ -25,13 +25,15 @@ _XFER = re.compile(rb'"xfer"\s*:\s*"([^"\\]{1,256})"')
 
 @dataclass(frozen=True, slots=True)
 class WireReport:
-    """Payload bytes of one transfer as the process wrote them."""
+    """Bytes of one transfer as a probe saw the process move them (here: the payload it wrote
+    to a connection; the witness's CUDA probes report the copies off the device the same way)."""
 
     pid: int
     xfer: str
     bytes: int
     calls: int  # writes that carried them
     complete: bool  # the transfer's payload ended, or its connection closed
+    probe: str = "ebpf:tcp"
 
 
 def transfer_of(head: bytes) -> str:

@@ -1,12 +1,17 @@
-// kvguard wire witness: what watched processes write to their TCP connections, seen from the
+// kvguard wire witness: what watched processes write to their TCP connections, and what their
+// threads copy with the CUDA runtime and driver while they name a transfer, seen from the
 // kernel, with no change to the process. Compiled by bcc (cuda_hooks/witness.py), which passes
 // HEAD (bytes of each write captured for the user-side decoder) as -DHEAD=...
 //
-// Invariant: only processes in `watched` are reported, and of their file descriptors only
+// Invariants: only processes in `watched` are reported, and of their file descriptors only
 // those that connect()ed to, or were accept()ed from, an IPv4/IPv6 peer; every such write
 // is one event (its length as the kernel returned it, and its first HEAD bytes), every
 // connect, accept and close of such a descriptor is one event, in the order the process
-// made them. Nothing here blocks or changes the process.
+// made them. A CUDA copy call counts once, under the transfer its thread named last
+// (kvguard_xfer_begin ... kvguard_xfer_end), by the outermost probed function (the runtime's
+// cudaMemcpy calls the driver's copy: that inner call is not counted again), in `bytes` when
+// it returned success and in `failed_bytes` otherwise (a transfer with no copy call is no
+// observation: the user side reports none). Nothing here blocks or changes the process.
 
 #include <uapi/linux/ptrace.h>
 #include <linux/socket.h>
@@ -198,3 +203,120 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
     announce(args, KIND_CLOSE, id >> 32, args->fd);
     return 0;
 }
+
+// ------------------------------------------------------------------ CUDA copies (uprobes)
+
+#define KIND_COPIES 4
+#define KINDS 8  // cudaMemcpyKind: host-to-host, host-to-device, device-to-host, device-to-device, default
+#define RUNTIME 1
+#define DRIVER 2
+
+struct label {
+    char xfer[128];
+    u64 bytes[KINDS];
+    u64 calls;
+    u64 failed;
+    u64 failed_bytes;
+};
+
+struct copy_event {  // flat: bcc builds the user side's type from it
+    u32 kind;
+    u32 pid;
+    char xfer[128];
+    u64 bytes[KINDS];
+    u64 calls;
+    u64 failed;
+    u64 failed_bytes;
+};
+
+struct copy {
+    u64 n;
+    u32 kind;
+    u32 level;  // RUNTIME or DRIVER: which probe's return settles it
+};
+
+BPF_HASH(labels, u64, struct label);  // tid -> the transfer it named, and its copies so far
+BPF_HASH(copying, u64, struct copy);  // tid -> the copy call in progress
+BPF_PERCPU_ARRAY(label_scratch, struct label, 1);
+BPF_PERCPU_ARRAY(copy_scratch, struct copy_event, 1);
+BPF_PERF_OUTPUT(copies);
+
+int xfer_begin(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (!watching(id))
+        return 0;
+    int zero = 0;
+    struct label *l = label_scratch.lookup(&zero);
+    if (!l)
+        return 0;
+    __builtin_memset(l, 0, sizeof(*l));
+    bpf_probe_read_user_str(l->xfer, sizeof(l->xfer), (void *)PT_REGS_PARM1(ctx));
+    labels.update(&id, l);
+    return 0;
+}
+
+int xfer_end(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct label *l = labels.lookup(&id);
+    if (!l)
+        return 0;
+    int zero = 0;
+    struct copy_event *e = copy_scratch.lookup(&zero);
+    if (e) {
+        e->kind = KIND_COPIES;
+        e->pid = id >> 32;
+        __builtin_memcpy(e->xfer, l->xfer, sizeof(e->xfer));
+#pragma unroll
+        for (int k = 0; k < KINDS; k++)
+            e->bytes[k] = l->bytes[k];
+        e->calls = l->calls;
+        e->failed = l->failed;
+        e->failed_bytes = l->failed_bytes;
+        copies.perf_submit(ctx, e, sizeof(*e));
+    }
+    labels.delete(&id);
+    return 0;
+}
+
+static __always_inline int copy_enter(u64 n, u32 kind, u32 level) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (!labels.lookup(&id) || copying.lookup(&id))
+        return 0;  // no transfer named, or the driver call inside a runtime call
+    struct copy c = {.n = n, .kind = kind & (KINDS - 1), .level = level};
+    copying.update(&id, &c);
+    return 0;
+}
+
+static __always_inline int copy_return(struct pt_regs *ctx, u32 level) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct copy *c = copying.lookup(&id);
+    if (!c || c->level != level)
+        return 0;
+    struct label *l = labels.lookup(&id);
+    if (l) {
+        l->calls++;
+        if ((int)PT_REGS_RC(ctx) == 0) {
+            u32 k = c->kind & (KINDS - 1);
+            l->bytes[k] += c->n;
+        } else {
+            l->failed++;
+            l->failed_bytes += c->n;
+        }
+    }
+    copying.delete(&id);
+    return 0;
+}
+
+// cudaMemcpy[Async](dst, src, count, kind[, stream])
+int runtime_copy(struct pt_regs *ctx) { return copy_enter(PT_REGS_PARM3(ctx), PT_REGS_PARM4(ctx), RUNTIME); }
+// cudaMemcpyPeer[Async](dst, dst_device, src, src_device, count[, stream])
+int runtime_peer(struct pt_regs *ctx) { return copy_enter(PT_REGS_PARM5(ctx), 3, RUNTIME); }
+int runtime_return(struct pt_regs *ctx) { return copy_return(ctx, RUNTIME); }
+// cuMemcpy[Async](dst, src, count[, stream]), cuMemcpyDtoH/HtoD/DtoD[Async]_v2(dst, src, count[, stream])
+int driver_default(struct pt_regs *ctx) { return copy_enter(PT_REGS_PARM3(ctx), 4, DRIVER); }
+int driver_d2h(struct pt_regs *ctx) { return copy_enter(PT_REGS_PARM3(ctx), 2, DRIVER); }
+int driver_h2d(struct pt_regs *ctx) { return copy_enter(PT_REGS_PARM3(ctx), 1, DRIVER); }
+int driver_d2d(struct pt_regs *ctx) { return copy_enter(PT_REGS_PARM3(ctx), 3, DRIVER); }
+// cuMemcpyPeer[Async](dst, dst_context, src, src_context, count[, stream])
+int driver_peer(struct pt_regs *ctx) { return copy_enter(PT_REGS_PARM5(ctx), 3, DRIVER); }
+int driver_return(struct pt_regs *ctx) { return copy_return(ctx, DRIVER); }

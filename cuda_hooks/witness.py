@@ -1,5 +1,8 @@
 """The eBPF wire witness: attaches to engine processes by PID, with no change to them, and
-reports the KV transfers their TCP connections carried, as the kernel saw the bytes leave.
+reports the KV transfers their TCP connections carried, as the kernel saw the bytes leave,
+and the CUDA copies their threads made while naming a transfer (uprobes on the CUDA runtime
+and driver libraries the process has loaded, looked for again every RESCAN_S: CUDA is often
+loaded late).
 
 `open_witness()` returns a `TcpWitness` (bcc, root, kernel headers) or, when BPF cannot be
 used, a `NullWitness` that says why, once, and watches nothing: the agent runs on without
@@ -18,6 +21,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,7 +33,35 @@ HEAD = 512  # bytes of each write captured (a power of two: the BPF program mask
 BCC_PATHS = ("/usr/lib/python3/dist-packages",)  # where Debian's python3-bpfcc puts `bcc`
 TRACING = ("/sys/kernel/debug/tracing", "/sys/kernel/tracing")
 PROBE = "ebpf:tcp"
+CUDA_PROBE = "ebpf:cuda"
 _KIND_WRITE, _KIND_OPEN, _KIND_CLOSE = 1, 2, 3
+_DEVICE_KINDS = (2, 3, 4)  # cudaMemcpyKind device-to-host, device-to-device, default: off the GPU
+RESCAN_S = 1.0  # how often the watched processes' libraries are looked at again (CUDA loads late)
+_NAMING = (("kvguard_xfer_begin", "xfer_begin", ""), ("kvguard_xfer_end", "xfer_end", ""))
+# Library (by file name prefix) -> (symbol, entry probe, return probe) of witness.bpf.c.
+UPROBES: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "libcudart.so": (
+        ("cudaMemcpy", "runtime_copy", "runtime_return"),
+        ("cudaMemcpyAsync", "runtime_copy", "runtime_return"),
+        ("cudaMemcpyPeer", "runtime_peer", "runtime_return"),
+        ("cudaMemcpyPeerAsync", "runtime_peer", "runtime_return"),
+    ),
+    "libcuda.so": (
+        ("cuMemcpy", "driver_default", "driver_return"),
+        ("cuMemcpyAsync", "driver_default", "driver_return"),
+        ("cuMemcpyDtoH_v2", "driver_d2h", "driver_return"),
+        ("cuMemcpyDtoHAsync_v2", "driver_d2h", "driver_return"),
+        ("cuMemcpyHtoD_v2", "driver_h2d", "driver_return"),
+        ("cuMemcpyHtoDAsync_v2", "driver_h2d", "driver_return"),
+        ("cuMemcpyDtoD_v2", "driver_d2d", "driver_return"),
+        ("cuMemcpyDtoDAsync_v2", "driver_d2d", "driver_return"),
+        ("cuMemcpyPeer", "driver_peer", "driver_return"),
+        ("cuMemcpyPeerAsync", "driver_peer", "driver_return"),
+    ),
+    # Where an engine names its transfers: the label library, or the shim when preloaded.
+    "libkvguard_label.so": _NAMING,
+    "libkvguard_shim.so": _NAMING,
+}
 
 ReportSink = Callable[[str, WireReport], None]  # (the watched process's name, report)
 LossSink = Callable[[int], None]  # events lost so far, in all
@@ -124,9 +156,12 @@ class TcpWitness:
         self._lock = threading.Lock()  # names and streams: watch() comes from other threads
         self.lost_events = 0
         self.reports = 0
+        self.missing_symbols = 0
         # The tables are looked up by name each time, never kept: bcc's cleanup() must drop
         # the last reference to its perf buffer while the map is still open.
         self._bpf[b"events"].open_perf_buffer(self._event, page_cnt=256, lost_cb=self._lost)
+        self._bpf[b"copies"].open_perf_buffer(self._copies, page_cnt=16, lost_cb=self._lost)
+        self._probed: dict[int, set[tuple[str, str, str, str]]] = {}  # pid -> (library, symbol, probes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="kvguard-witness", daemon=True)
         self._thread.start()
@@ -138,7 +173,9 @@ class TcpWitness:
     def watch(self, pid: int, name: str) -> None:
         with self._lock:
             self._names[pid] = name
+            self._probed.setdefault(pid, set())
         self._bpf[b"watched"][ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
+        self._attach(pid)
 
     def unwatch(self, pid: int) -> None:
         with contextlib.suppress(KeyError):
@@ -146,6 +183,41 @@ class TcpWitness:
         with self._lock:
             self._names.pop(pid, None)
             self._streams.forget(pid)
+            probed = self._probed.pop(pid, set())
+        for path, symbol, _, ret in probed:
+            where = {"name": path.encode(), "sym": symbol.encode(), "pid": pid}
+            with contextlib.suppress(Exception):  # the process may be gone, and its probes with it
+                self._bpf.detach_uprobe(**where)
+                if ret:
+                    self._bpf.detach_uretprobe(**where)
+
+    def _attach(self, pid: int) -> None:
+        """Uprobes on the CUDA and naming libraries `pid` has mapped and that are not probed yet."""
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            return
+        paths = {line.split(None, 5)[5] for line in maps.splitlines() if len(line.split(None, 5)) == 6}
+        wanted = {
+            (path, symbol, entry, ret)
+            for path in paths
+            for prefix, probes in UPROBES.items()
+            if os.path.basename(path).startswith(prefix)
+            for symbol, entry, ret in probes
+        }
+        with self._lock:
+            if pid not in self._probed:
+                return
+            new = wanted - self._probed[pid]
+            self._probed[pid] |= new
+        for path, symbol, entry, ret in sorted(new):
+            where = {"name": path.encode(), "sym": symbol.encode(), "pid": pid}
+            try:
+                self._bpf.attach_uprobe(fn_name=entry.encode(), **where)
+                if ret:
+                    self._bpf.attach_uretprobe(fn_name=ret.encode(), **where)
+            except Exception:  # bcc: a symbol this build of the library lacks; the others stand
+                self.missing_symbols += 1
 
     def close(self) -> None:
         self._stop.set()
@@ -153,8 +225,24 @@ class TcpWitness:
         self._bpf.cleanup()
 
     def _poll(self) -> None:
+        rescan = time.monotonic() + RESCAN_S
         while not self._stop.is_set():
             self._bpf.perf_buffer_poll(timeout=100)
+            if time.monotonic() > rescan:
+                for pid in list(self._probed):
+                    self._attach(pid)
+                rescan = time.monotonic() + RESCAN_S
+
+    def _copies(self, cpu: int, data: Any, size: int) -> None:
+        e = self._bpf[b"copies"].event(data)
+        with self._lock:
+            name = self._names.get(e.pid)
+        if name is None or e.calls == 0:  # no copy call under the name: nothing was observed
+            return
+        xfer = bytes(e.xfer).split(b"\0", 1)[0].decode(errors="replace")
+        moved = sum(e.bytes[k] for k in _DEVICE_KINDS)
+        self.reports += 1
+        self._on_report(name, WireReport(e.pid, xfer, moved, e.calls, True, CUDA_PROBE))
 
     def _event(self, cpu: int, data: Any, size: int) -> None:
         e = self._bpf[b"events"].event(data)

@@ -54,6 +54,8 @@ label = CopyLabel()
 status = [copier.copy(n, kind, 0) for n, kind in plan["before"]]  # not part of the transfer
 with label.transfer("p0-x1"):
     status += [copier.copy(n, kind, async_) for n, kind, async_ in plan["during"]]
+with label.transfer("p0-x2"):
+    pass  # a transfer that made no CUDA copy: nothing observed, nothing reported
 if guard is not None:
     guard.xfer_send("r1", "p0-x1", "d0", 0, [1, 2], 32, plan["claimed"], [], "done")
     guard.sink.flush()
@@ -127,7 +129,8 @@ def test_the_shim_counts_real_cuda_runtime_calls_of_a_named_transfer(copier: Pat
 
     def take(pid: int, record: ShimRecord) -> None:
         got.append((pid, record))
-        arrived.set()
+        if len(got) == 2:
+            arrived.set()
 
     listener = ShimListener(tmp_path / "shim.sock", take, print)
     plan = {
@@ -143,8 +146,9 @@ def test_the_shim_counts_real_cuda_runtime_calls_of_a_named_transfer(copier: Pat
     # The shim passes every call through: the caller sees what the runtime returned.
     assert shimmed["status"] == plain["status"] and shimmed["shim"] and not plain["shim"]
     status = shimmed["status"][1:]
-    ((pid, record),) = got
+    (pid, record), (_, empty) = got
     assert pid > 0 and record.xfer == "p0-x1" and record.calls == 3
+    assert (empty.xfer, empty.calls, sum(empty.bytes.values())) == ("p0-x2", 0, 0)  # the agent drops it
     calls = list(zip(plan["during"], status, strict=True))
     copied = {name: sum(n for (n, k, _), s in calls if s == 0 and k == KINDS[name]) for name in KINDS}
     assert {name: record.bytes[name] for name in KINDS} == copied  # the h2d before it is not in it

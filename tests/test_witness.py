@@ -4,6 +4,7 @@ caught by the witness alone, with the receiving engine's own report switched off
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -228,3 +229,111 @@ def test_without_the_witness_nobody_sees_it(tmp_path: Path) -> None:
     # makes the finding above the witness's alone.
     findings, wires = run_short_transfer(tmp_path)
     assert wires == [] and [f.finding for f in findings] == []
+
+
+# ---------------------------------------------------------------------------- CUDA copies
+
+# Stand-ins for the CUDA runtime and driver (named as they are, so the witness probes them):
+# the runtime's device-to-host copy calls the driver's, as the real runtime does; kind 9 is
+# refused, as an invalid kind is.
+STUB_DRIVER = r"""
+#include <stddef.h>
+int cuMemcpyDtoH_v2(void *dst, unsigned long long src, size_t n) { (void)dst; (void)src; (void)n; return 0; }
+"""
+STUB_RUNTIME = r"""
+#include <stddef.h>
+int cuMemcpyDtoH_v2(void *dst, unsigned long long src, size_t n);
+int cudaMemcpy(void *dst, const void *src, size_t n, int kind) {
+    (void)src;
+    return kind == 2 ? cuMemcpyDtoH_v2(dst, 0, n) : kind == 9 ? 1 : 0;
+}
+int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream) {
+    (void)stream;
+    return cudaMemcpy(dst, src, n, kind);
+}
+"""
+COPIER = r"""
+#include <stddef.h>
+int cudaMemcpy(void *dst, const void *src, size_t n, int kind);
+int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream);
+static char buffer[1 << 16];
+int copy(size_t n, int kind, int async_) {
+    return async_ ? cudaMemcpyAsync(buffer, buffer + n, n, kind, 0) : cudaMemcpy(buffer, buffer + n, n, kind);
+}
+"""
+ENGINE = r"""
+import ctypes, json, sys
+from kvguard.cuda_hooks.shim import CopyLabel
+copier, label = ctypes.CDLL(sys.argv[1]), CopyLabel()  # RTLD_LOCAL, as torch's CUDA is loaded
+print("ready", flush=True)
+sys.stdin.readline()  # watched now
+with label.transfer("p0-x1"):
+    status = [copier.copy(n, kind, async_) for n, kind, async_ in json.loads(sys.argv[2])]
+status.append(copier.copy(77, 2, 0))  # after the transfer: not part of it
+print(json.dumps(status), flush=True)
+"""
+
+
+def linked(folder: Path, library: str) -> list[str]:
+    return [f"-L{folder}", f"-l:{library}", f"-Wl,-rpath,{folder}"]
+
+
+def cc(out: Path, name: str, source: str, *args: str) -> Path:
+    (out / f"{name}.c").write_text(source)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", out / name, out / f"{name}.c", *args], check=True)
+    return out / name
+
+
+def copies_seen(copier: Path, plan: list[list[int]]) -> tuple[list[WireReport], list[int], int]:
+    """Run an engine that names one transfer around `plan`'s copies, watched by the witness:
+    (its reports, the calls' results, the probed symbols the libraries lacked)."""
+    reports: list[WireReport] = []
+    witness = open_witness(lambda name, r: reports.append(r))
+    assert isinstance(witness, TcpWitness)
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE, str(copier), json.dumps(plan)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert engine.stdin is not None and engine.stdout is not None
+        assert engine.stdout.readline() == "ready\n"
+        witness.watch(engine.pid, "p0")
+        engine.stdin.write("go\n")
+        engine.stdin.flush()
+        status = json.loads(engine.stdout.readline())
+        deadline = time.monotonic() + 10
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.wait(timeout=10)
+        witness.close()
+    return reports, status, witness.missing_symbols
+
+
+def test_the_witness_counts_a_named_transfers_cuda_copies(bpf_ready: None, tmp_path: Path) -> None:
+    cc(tmp_path, "libcuda.so.1", STUB_DRIVER)
+    cc(tmp_path, "libcudart.so.12", STUB_RUNTIME, *linked(tmp_path, "libcuda.so.1"))
+    copier = cc(tmp_path, "libcopier.so", COPIER, *linked(tmp_path, "libcudart.so.12"))
+    plan = [[4096, 2, 0], [1000, 3, 1], [10, 1, 0], [7, 9, 0]]  # d2h, d2d async, h2d, refused
+    reports, status, missing = copies_seen(copier, plan)
+    assert status == [0, 0, 0, 1, 0]
+    (report,) = reports
+    # Off the device: the d2h and d2d copies; not the h2d, not the refused call, not the copy
+    # after the transfer, and the d2h once although the runtime's call ran the driver's.
+    assert (report.xfer, report.bytes, report.calls, report.complete) == ("p0-x1", 4096 + 1000, 4, True)
+    assert report.probe == "ebpf:cuda"
+    assert missing == 2 + 9  # the stand-ins define 2 of the runtime's 4 copy calls, 1 of the driver's 10
+
+
+def test_the_witness_probes_the_real_cuda_runtime(bpf_ready: None, tmp_path: Path) -> None:
+    import nvidia.cuda_runtime
+
+    lib = Path(next(iter(nvidia.cuda_runtime.__path__))) / "lib"
+    copier = cc(tmp_path, "libcopier.so", COPIER, *linked(lib, "libcudart.so.12"))
+    reports, status, missing = copies_seen(copier, [[4096, 2, 0], [1000, 3, 1]])
+    (report,) = reports
+    # No GPU here: the runtime refuses every call, so nothing left a device; both calls were seen.
+    assert all(s != 0 for s in status) and (report.xfer, report.calls, report.bytes) == ("p0-x1", 2, 0)
+    assert missing == 0  # every copy call the witness probes is in the real runtime
