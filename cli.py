@@ -149,7 +149,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from kvguard.daemon.tls import from_args
 
     tls = from_args(args)
-    agent = NodeAgent(args.socket, args.daemon, args.spool, tls=tls, witness=args.witness)
+    agent = NodeAgent(
+        args.socket,
+        args.daemon,
+        args.spool,
+        tls=tls,
+        witness=args.witness or args.witness_cuda,
+        witness_cuda=args.witness_cuda,
+    )
     for spec in args.probe or []:
         parts = spec.split(":", 3)
         if len(parts) != 4:
@@ -351,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="watch each guarded engine's KV transfers from the kernel (eBPF; root) and report them as wire "
         "events of NODE/ebpf, to be reconciled with what the engine claims it sent",
+    )
+    p.add_argument(
+        "--witness-cuda",
+        action="store_true",
+        help="--witness, and also count each named transfer's CUDA copies with uprobes (they trap every "
+        "copy call of a watched engine: about a microsecond each on bare metal)",
     )
     tls_arguments(p)
     p.set_defaults(func=cmd_agent)

@@ -4,7 +4,7 @@ and the CUDA copies their threads made while naming a transfer (uprobes on the C
 and driver libraries the process has loaded, looked for again every RESCAN_S: CUDA is often
 loaded late).
 
-`open_witness()` returns a `TcpWitness` (bcc, root, kernel headers) or, when BPF cannot be
+`open_witness()` returns a `BpfWitness` (bcc, root, kernel headers) or, when BPF cannot be
 used, a `NullWitness` that says why, once, and watches nothing: the agent runs on without
 it. Invariants: a watched process is never slowed beyond the probes' own cost (a perf
 buffer between kernel and user side; what overflows is lost and counted, never waited
@@ -118,8 +118,12 @@ def _tracing_ready(roots: tuple[str, ...] = TRACING) -> str:
     return f"no syscall tracepoints under {' or '.join(roots)} (tracefs is not mounted and could not be)"
 
 
-def open_witness(on_report: ReportSink, on_lost: LossSink | None = None) -> TcpWitness | NullWitness:
-    """The witness, or a NullWitness naming what is missing (never an exception)."""
+def open_witness(
+    on_report: ReportSink, on_lost: LossSink | None = None, *, cuda: bool = True
+) -> BpfWitness | NullWitness:
+    """The witness, or a NullWitness naming what is missing (never an exception). `cuda`:
+    also probe the CUDA copy calls (a uprobe traps every call of a watched process: about a
+    microsecond on bare metal, 10 in this VM; bench/RESULTS.md)."""
     if os.geteuid() != 0:
         return NullWitness("eBPF needs root (or CAP_BPF and CAP_PERFMON); the agent runs without it")
     try:
@@ -130,7 +134,7 @@ def open_witness(on_report: ReportSink, on_lost: LossSink | None = None) -> TcpW
     if missing:
         return NullWitness(missing)
     try:
-        return TcpWitness(bcc, on_report, on_lost)
+        return BpfWitness(bcc, on_report, on_lost, cuda=cuda)
     except Exception as exc:  # bcc raises plain Exception for a compile or load failure
         text = " ".join(str(exc).split())[:300]
         release = os.uname().release
@@ -141,13 +145,16 @@ def open_witness(on_report: ReportSink, on_lost: LossSink | None = None) -> TcpW
         return NullWitness(f"the eBPF witness could not be loaded: {text}{hint}")
 
 
-class TcpWitness:
+class BpfWitness:
     """The loaded BPF program and the thread that decodes its events."""
 
     available = True
     reason = ""
 
-    def __init__(self, bcc: Any, on_report: ReportSink, on_lost: LossSink | None = None) -> None:
+    def __init__(
+        self, bcc: Any, on_report: ReportSink, on_lost: LossSink | None = None, *, cuda: bool = True
+    ) -> None:
+        self._uprobes = UPROBES if cuda else {}
         self._bpf = bcc.BPF(src_file=str(PROGRAM).encode(), cflags=[f"-DHEAD={HEAD}"])
         self._on_report = on_report
         self._on_lost = on_lost
@@ -201,7 +208,7 @@ class TcpWitness:
         wanted = {
             (path, symbol, entry, ret)
             for path in paths
-            for prefix, probes in UPROBES.items()
+            for prefix, probes in self._uprobes.items()
             if os.path.basename(path).startswith(prefix)
             for symbol, entry, ret in probes
         }

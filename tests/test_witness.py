@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvguard.cuda_hooks.tcp_stream import Streams, WireReport, transfer_of
-from kvguard.cuda_hooks.witness import NullWitness, TcpWitness, open_witness
+from kvguard.cuda_hooks.witness import BpfWitness, NullWitness, open_witness
 from kvguard.daemon.process import start_agent, start_daemon
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
@@ -149,7 +149,7 @@ def kv_server() -> Iterator[int]:
 def test_the_witness_sees_what_another_process_sends(bpf_ready: None, kv_server: int) -> None:
     reports: list[tuple[str, WireReport]] = []
     witness = open_witness(lambda name, r: reports.append((name, r)))
-    assert isinstance(witness, TcpWitness)
+    assert isinstance(witness, BpfWitness)
     sizes = [3_000_000, 4096, 0]
     sender = subprocess.Popen(
         [sys.executable, "-c", SENDER, str(kv_server), *map(str, sizes)],
@@ -289,7 +289,7 @@ def copies_seen(copier: Path, plan: list[list[int]]) -> tuple[list[WireReport], 
     (its reports, the calls' results, the probed symbols the libraries lacked)."""
     reports: list[WireReport] = []
     witness = open_witness(lambda name, r: reports.append(r))
-    assert isinstance(witness, TcpWitness)
+    assert isinstance(witness, BpfWitness)
     engine = subprocess.Popen(
         [sys.executable, "-c", ENGINE, str(copier), json.dumps(plan)],
         stdin=subprocess.PIPE,
