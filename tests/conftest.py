@@ -1,4 +1,5 @@
-"""Shared fixtures: an audit store URL for each backend the daemon supports.
+"""Shared fixtures: an audit store URL for each backend the daemon supports, and native
+libraries for the CUDA probes' tests (a C compiler and the CUDA runtime library, no GPU).
 
 `store_url` runs a test against SQLite (a file) and against a real PostgreSQL server (a
 fresh database per test on the server named by KVGUARD_TEST_PG, which .ci/run installs and
@@ -8,8 +9,9 @@ starts). In CI a missing PostgreSQL server fails the tests instead of skipping t
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,48 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+# ---------------------------------------------------------------------------- native code
+
+# An engine's CUDA code in miniature: a shared library linked against a CUDA runtime library
+# (DT_NEEDED), whose copy() calls cudaMemcpy or cudaMemcpyAsync, loaded by Python with
+# dlopen's RTLD_LOCAL (as torch's CUDA libraries are). The shim and the witness watch it.
+COPIER = r"""
+#include <stddef.h>
+int cudaMemcpy(void *dst, const void *src, size_t n, int kind);
+int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream);
+static char buffer[1 << 16];
+int copy(size_t n, int kind, int async_) {
+    return async_ ? cudaMemcpyAsync(buffer, buffer + n, n, kind, 0) : cudaMemcpy(buffer, buffer + n, n, kind);
+}
+"""
+
+
+def compile_library(out: Path, name: str, source: str, *links: tuple[Path, str]) -> Path:
+    """A shared library `out/name` from C `source`, linked against each (folder, library)."""
+    (out / f"{name}.c").write_text(source)
+    args = [arg for folder, lib in links for arg in (f"-L{folder}", f"-l:{lib}", f"-Wl,-rpath,{folder}")]
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", out / name, out / f"{name}.c", *args], check=True)
+    return out / name
+
+
+@pytest.fixture(scope="session")
+def compile_c() -> Callable[..., Path]:
+    return compile_library
+
+
+@pytest.fixture(scope="session")
+def cuda_runtime() -> Path:
+    """The folder of the real CUDA runtime library (nvidia-cuda-runtime-cu12; no GPU needed)."""
+    import nvidia.cuda_runtime
+
+    lib = Path(next(iter(nvidia.cuda_runtime.__path__))) / "lib"
+    assert (lib / "libcudart.so.12").exists(), f"no CUDA runtime library in {lib}"
+    return lib
+
+
+@pytest.fixture(scope="session")
+def build_copier() -> Callable[[Path, Path], Path]:
+    """(folder, the runtime's folder) -> the copier library built there against that runtime."""
+    return lambda out, runtime: compile_library(out, "libcopier.so", COPIER, (runtime, "libcudart.so.12"))

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,18 +23,6 @@ from kvguard.daemon.store import Store
 from kvguard.proto import pb
 
 KINDS = {"h2d": 1, "d2h": 2, "d2d": 3}
-
-# A library that calls the CUDA runtime the way an engine's CUDA library does: linked
-# against libcudart (DT_NEEDED), loaded by Python with dlopen's RTLD_LOCAL (as torch is).
-COPIER = r"""
-#include <stddef.h>
-int cudaMemcpy(void *dst, const void *src, size_t n, int kind);
-int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream);
-static char buffer[1 << 16];
-int copy(size_t n, int kind, int async_) {
-    return async_ ? cudaMemcpyAsync(buffer, buffer + n, n, kind, 0) : cudaMemcpy(buffer, buffer + n, n, kind);
-}
-"""
 
 # The engine side: a guard that claims, copies under the transfer's name, in one process.
 ENGINE = r"""
@@ -64,30 +53,11 @@ print(json.dumps({"shim": label.active, "status": status}), flush=True)
 
 
 @pytest.fixture(scope="module")
-def copier(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import nvidia.cuda_runtime
-
-    lib = Path(next(iter(nvidia.cuda_runtime.__path__))) / "lib"
-    assert (lib / "libcudart.so.12").exists(), f"no CUDA runtime library in {lib}"
+def copier(
+    tmp_path_factory: pytest.TempPathFactory, build_copier: Callable[[Path, Path], Path], cuda_runtime: Path
+) -> Path:
     assert LIBRARY.exists(), f"{LIBRARY} is not built: run `make shim`"
-    out = tmp_path_factory.mktemp("copier")
-    (out / "copier.c").write_text(COPIER)
-    target = out / "libcopier.so"
-    subprocess.run(
-        [
-            "cc",
-            "-shared",
-            "-fPIC",
-            "-o",
-            target,
-            out / "copier.c",
-            f"-L{lib}",
-            "-l:libcudart.so.12",
-            f"-Wl,-rpath,{lib}",
-        ],
-        check=True,
-    )
-    return target
+    return build_copier(tmp_path_factory.mktemp("copier"), cuda_runtime)
 
 
 def run_engine(copier: Path, plan: dict, shim: str = "", agent: str = "", preload: bool = True) -> dict:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -252,15 +252,6 @@ int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream
     return cudaMemcpy(dst, src, n, kind);
 }
 """
-COPIER = r"""
-#include <stddef.h>
-int cudaMemcpy(void *dst, const void *src, size_t n, int kind);
-int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream);
-static char buffer[1 << 16];
-int copy(size_t n, int kind, int async_) {
-    return async_ ? cudaMemcpyAsync(buffer, buffer + n, n, kind, 0) : cudaMemcpy(buffer, buffer + n, n, kind);
-}
-"""
 ENGINE = r"""
 import ctypes, json, sys
 from kvguard.cuda_hooks.shim import CopyLabel
@@ -272,16 +263,6 @@ with label.transfer("p0-x1"):
 status.append(copier.copy(77, 2, 0))  # after the transfer: not part of it
 print(json.dumps(status), flush=True)
 """
-
-
-def linked(folder: Path, library: str) -> list[str]:
-    return [f"-L{folder}", f"-l:{library}", f"-Wl,-rpath,{folder}"]
-
-
-def cc(out: Path, name: str, source: str, *args: str) -> Path:
-    (out / f"{name}.c").write_text(source)
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", out / name, out / f"{name}.c", *args], check=True)
-    return out / name
 
 
 def copies_seen(copier: Path, plan: list[list[int]]) -> tuple[list[WireReport], list[int], int]:
@@ -312,10 +293,18 @@ def copies_seen(copier: Path, plan: list[list[int]]) -> tuple[list[WireReport], 
     return reports, status, witness.missing_symbols
 
 
-def test_the_witness_counts_a_named_transfers_cuda_copies(bpf_ready: None, tmp_path: Path) -> None:
-    cc(tmp_path, "libcuda.so.1", STUB_DRIVER)
-    cc(tmp_path, "libcudart.so.12", STUB_RUNTIME, *linked(tmp_path, "libcuda.so.1"))
-    copier = cc(tmp_path, "libcopier.so", COPIER, *linked(tmp_path, "libcudart.so.12"))
+Build = Callable[[Path, Path], Path]  # the build_copier fixture
+
+
+def test_the_witness_counts_a_named_transfers_cuda_copies(
+    bpf_ready: None,
+    tmp_path: Path,
+    compile_c: Callable[..., Path],
+    build_copier: Build,
+) -> None:
+    compile_c(tmp_path, "libcuda.so.1", STUB_DRIVER)
+    compile_c(tmp_path, "libcudart.so.12", STUB_RUNTIME, (tmp_path, "libcuda.so.1"))
+    copier = build_copier(tmp_path, tmp_path)
     plan = [[4096, 2, 0], [1000, 3, 1], [10, 1, 0], [7, 9, 0]]  # d2h, d2d async, h2d, refused
     reports, status, missing = copies_seen(copier, plan)
     assert status == [0, 0, 0, 1, 0]
@@ -327,11 +316,10 @@ def test_the_witness_counts_a_named_transfers_cuda_copies(bpf_ready: None, tmp_p
     assert missing == 2 + 9  # the stand-ins define 2 of the runtime's 4 copy calls, 1 of the driver's 10
 
 
-def test_the_witness_probes_the_real_cuda_runtime(bpf_ready: None, tmp_path: Path) -> None:
-    import nvidia.cuda_runtime
-
-    lib = Path(next(iter(nvidia.cuda_runtime.__path__))) / "lib"
-    copier = cc(tmp_path, "libcopier.so", COPIER, *linked(lib, "libcudart.so.12"))
+def test_the_witness_probes_the_real_cuda_runtime(
+    bpf_ready: None, tmp_path: Path, build_copier: Build, cuda_runtime: Path
+) -> None:
+    copier = build_copier(tmp_path, cuda_runtime)
     reports, status, missing = copies_seen(copier, [[4096, 2, 0], [1000, 3, 1]])
     (report,) = reports
     # No GPU here: the runtime refuses every call, so nothing left a device; both calls were seen.
