@@ -138,8 +138,10 @@ class Source:
         """Spool one event with this payload (one keyword: the payload's name)."""
         with self._lock:
             self._seq += 1
-            self.spool.append([pb.Event(node=self.name, seq=self._seq, ts_ns=time.time_ns(), **payload)])
+            # The number is kept before the event is spooled: a crash in between leaves a gap
+            # (reported), never a number used twice (which the daemon would refuse as a repeat).
             self._path.write_text(str(self._seq))
+            self.spool.append([pb.Event(node=self.name, seq=self._seq, ts_ns=time.time_ns(), **payload)])
 
 
 class NodeAgent:
@@ -264,11 +266,13 @@ class NodeAgent:
             pass
         finally:
             with self.lock:
-                if node and self.guards.get(node) is conn:
+                # Only the node's current connection lets go: a guard that reconnected has
+                # registered (and is watched) again on its new one.
+                current = bool(node) and self.guards.get(node) is conn
+                if current:
                     del self.guards[node]
-                if pid and self.engines.get(pid) == node:
-                    del self.engines[pid]
-            if pid:
+                    self.engines.pop(pid, None)
+            if current:
                 self.witness.unwatch(pid)
             conn.close()
 

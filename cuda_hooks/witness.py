@@ -107,8 +107,8 @@ def load_bcc(paths: tuple[str, ...] = BCC_PATHS) -> Any:
 
 
 def _tracing_ready(roots: tuple[str, ...] = TRACING) -> str:
-    """ "" when syscall tracepoints are reachable (tracefs mounted, as root may do here),
-    otherwise why not."""
+    """Empty when the syscall tracepoints are reachable (tracefs mounted: root may mount it
+    here), otherwise why not."""
     if any(Path(root, "events", "syscalls").is_dir() for root in roots):
         return ""
     for fs, target in (("debugfs", "/sys/kernel/debug"), ("tracefs", "/sys/kernel/tracing")):
