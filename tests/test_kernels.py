@@ -99,6 +99,33 @@ def test_the_ledgers_batch_check_is_the_tag_check() -> None:
     assert check_tags(pp.own, pp.valid, tables, np.array([8, 6]), readers, 4).tolist() == [False, True]
 
 
+@pytest.mark.parametrize("quads", [True, False], ids=["16-byte loads", "4-byte loads"])
+def test_the_checksum_kernels_stepped_weights_are_the_definitions(quads: bool) -> None:
+    # The kernel never multiplies out (2i + 1) * C per word: each thread starts from its first
+    # word's weight and adds a fixed step. The same loops in Python integers mod 2**64 (a
+    # check of that algebra here; on a GPU the kernel itself is checked against the vectors).
+    mask, c = 2**64 - 1, kernels.CHECKSUM_MULTIPLIER
+    size = 256  # words per block: each thread of the 16 takes several steps
+    words = [(i * 2654435761 + 12345) % 2**32 for i in range(2 * size)]  # two blocks
+    expected = sum(w * (2 * i + 1) * c for i, w in enumerate(words)) & mask
+    total, threads, chunks = 0, 8, 2
+    for block in range(2):
+        src, first = words[block * size : (block + 1) * size], block * size
+        stride = threads * chunks
+        for t in range(stride):
+            if quads:
+                weight, step, advance = ((2 * (first + 4 * t) + 1) * c) & mask, 2 * c, 8 * stride * c
+                for q in range(t, size // 4, stride):
+                    total += sum(src[4 * q + j] * ((weight + j * step) & mask) for j in range(4))
+                    weight = (weight + advance) & mask
+            else:
+                weight, advance = ((2 * (first + t) + 1) * c) & mask, 2 * stride * c
+                for i in range(t, size, stride):
+                    total += src[i] * weight
+                    weight = (weight + advance) & mask
+    assert total & mask == expected
+
+
 def test_the_kernels_compile_for_the_h200() -> None:
     # NVRTC, no GPU needed: a kernel that does not compile is found here, not on the device.
     from cupy_backends.cuda.libs import nvrtc
