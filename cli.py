@@ -154,8 +154,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         args.daemon,
         args.spool,
         tls=tls,
-        witness=args.witness or args.witness_cuda,
-        witness_cuda=args.witness_cuda,
+        witness=args.witness or args.witness_uprobes,
+        witness_uprobes=args.witness_uprobes,
     )
     for spec in args.probe or []:
         parts = spec.split(":", 3)
@@ -360,10 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
         "events of NODE/ebpf, to be reconciled with what the engine claims it sent",
     )
     p.add_argument(
-        "--witness-cuda",
+        "--witness-uprobes",
         action="store_true",
-        help="--witness, and also count each named transfer's CUDA copies with uprobes (they trap every "
-        "copy call of a watched engine: about a microsecond each on bare metal)",
+        help="--witness, and also count each named transfer's CUDA copies and RDMA work requests with "
+        "uprobes (they trap every such call of a watched engine: about a microsecond each on bare metal)",
     )
     tls_arguments(p)
     p.set_defaults(func=cmd_agent)

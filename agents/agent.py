@@ -153,7 +153,7 @@ class NodeAgent:
         batch: int = 4096,
         tls: Tls | None = None,
         witness: bool = False,
-        witness_cuda: bool = False,
+        witness_uprobes: bool = False,
     ) -> None:
         self.socket_path = Path(socket_path)
         self.daemon = daemon
@@ -185,7 +185,7 @@ class NodeAgent:
         self.witness: Witness = NullWitness("not asked for")
         if witness:
             # Watches each guarded engine from outside: what its TCP connections carried.
-            self.witness = open_witness(self._witnessed, self._witness_lost, cuda=witness_cuda)
+            self.witness = open_witness(self._witnessed, self._witness_lost, uprobes=witness_uprobes)
             if not self.witness.available:
                 print(f"kvguard agent: no eBPF wire witness: {self.witness.reason}", file=sys.stderr)
 

@@ -217,6 +217,9 @@ struct label {
     u64 calls;
     u64 failed;
     u64 failed_bytes;
+    u64 rdma_bytes;      // of work requests posted (RDMA write, write with immediate, send, read)
+    u64 rdma_wrs;
+    u64 rdma_truncated;  // a post longer than the probe follows: the count is a lower bound
 };
 
 struct copy_event {  // flat: bcc builds the user side's type from it
@@ -227,6 +230,9 @@ struct copy_event {  // flat: bcc builds the user side's type from it
     u64 calls;
     u64 failed;
     u64 failed_bytes;
+    u64 rdma_bytes;
+    u64 rdma_wrs;
+    u64 rdma_truncated;
 };
 
 struct copy {
@@ -272,6 +278,9 @@ int xfer_end(struct pt_regs *ctx) {
         e->calls = l->calls;
         e->failed = l->failed;
         e->failed_bytes = l->failed_bytes;
+        e->rdma_bytes = l->rdma_bytes;
+        e->rdma_wrs = l->rdma_wrs;
+        e->rdma_truncated = l->rdma_truncated;
         copies.perf_submit(ctx, e, sizeof(*e));
     }
     labels.delete(&id);
@@ -320,3 +329,112 @@ int driver_d2d(struct pt_regs *ctx) { return copy_enter(PT_REGS_PARM3(ctx), 3, D
 // cuMemcpyPeer[Async](dst, dst_context, src, src_context, count[, stream])
 int driver_peer(struct pt_regs *ctx) { return copy_enter(PT_REGS_PARM5(ctx), 3, DRIVER); }
 int driver_return(struct pt_regs *ctx) { return copy_return(ctx, DRIVER); }
+
+// ------------------------------------------------------------------ RDMA work requests (uprobes)
+//
+// ibv_post_send is a static inline of verbs.h: it calls qp->context->ops.post_send, the
+// provider's function (libmlx5's is not even an exported symbol). So the witness learns its
+// address where a context or queue pair passes through libibverbs' exported functions
+// (ibv_open_device returns the context; ibv_create_qp returns, and ibv_modify_qp takes, a
+// queue pair), and user space attaches rdma_post_send there. Offsets: rdma-core's verbs.h,
+// a stable ABI (tests/test_witness.py compiles against the real header to check them).
+
+#define POST_SEND_OFFSET 208  // offsetof(struct ibv_context, ops.post_send)
+#define WR_NEXT 8
+#define WR_SG_LIST 16
+#define WR_NUM_SGE 24
+#define WR_OPCODE 28
+#define SGE_LENGTH 8
+#define SGE_SIZE 16
+#define DATA_OPCODES 4  // IBV_WR_RDMA_WRITE, _WITH_IMM, SEND, SEND_WITH_IMM, RDMA_READ: 0..4
+#define MAX_WRS 32
+#define MAX_SGES 8
+
+struct provider_event {
+    u32 kind;
+    u32 pid;
+    u64 address;  // of the provider's post_send in the process
+};
+
+struct post {
+    u64 bytes;
+    u64 wrs;
+    u64 truncated;
+};
+
+BPF_PERF_OUTPUT(providers);
+BPF_HASH(posting, u64, struct post);  // tid -> the post in progress
+
+static __always_inline int tell_post_send(struct pt_regs *ctx, u64 context) {
+    u64 id = bpf_get_current_pid_tgid();
+    u64 fn = 0;
+    if (!watching(id) || !context)
+        return 0;
+    if (bpf_probe_read_user(&fn, sizeof(fn), (void *)(context + POST_SEND_OFFSET)) != 0 || !fn)
+        return 0;
+    struct provider_event e = {.kind = KIND_COPIES + 1, .pid = id >> 32, .address = fn};
+    providers.perf_submit(ctx, &e, sizeof(e));
+    return 0;
+}
+
+// uretprobe ibv_open_device: the context
+int rdma_context(struct pt_regs *ctx) { return tell_post_send(ctx, PT_REGS_RC(ctx)); }
+
+static __always_inline int tell_from_qp(struct pt_regs *ctx, u64 qp) {
+    u64 context = 0;
+    if (!qp || bpf_probe_read_user(&context, sizeof(context), (void *)qp) != 0)  // qp->context is first
+        return 0;
+    return tell_post_send(ctx, context);
+}
+
+// uretprobe ibv_create_qp: the queue pair; uprobe ibv_modify_qp(qp, ...)
+int rdma_created_qp(struct pt_regs *ctx) { return tell_from_qp(ctx, PT_REGS_RC(ctx)); }
+int rdma_modified_qp(struct pt_regs *ctx) { return tell_from_qp(ctx, PT_REGS_PARM1(ctx)); }
+
+// the provider's post_send(qp, wr, bad_wr): the data its chain of work requests moves
+int rdma_post_send(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (!labels.lookup(&id))
+        return 0;
+    struct post p = {};
+    u64 wr = PT_REGS_PARM2(ctx);
+    for (int i = 0; i < MAX_WRS && wr; i++) {
+        u64 sg_list = 0;
+        int num_sge = 0;
+        u32 opcode = 0;
+        bpf_probe_read_user(&sg_list, sizeof(sg_list), (void *)(wr + WR_SG_LIST));
+        bpf_probe_read_user(&num_sge, sizeof(num_sge), (void *)(wr + WR_NUM_SGE));
+        bpf_probe_read_user(&opcode, sizeof(opcode), (void *)(wr + WR_OPCODE));
+        if (opcode <= DATA_OPCODES) {
+            if (num_sge > MAX_SGES)
+                p.truncated = 1;
+            for (int j = 0; j < MAX_SGES && j < num_sge; j++) {
+                u32 length = 0;
+                bpf_probe_read_user(&length, sizeof(length), (void *)(sg_list + j * SGE_SIZE + SGE_LENGTH));
+                p.bytes += length;
+            }
+            p.wrs++;
+        }
+        if (bpf_probe_read_user(&wr, sizeof(wr), (void *)(wr + WR_NEXT)) != 0)
+            wr = 0;
+    }
+    if (wr)
+        p.truncated = 1;  // more work requests than the probe follows
+    posting.update(&id, &p);
+    return 0;
+}
+
+int rdma_post_return(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct post *p = posting.lookup(&id);
+    if (!p)
+        return 0;
+    struct label *l = labels.lookup(&id);
+    if (l && (int)PT_REGS_RC(ctx) == 0) {  // refused posts moved nothing
+        l->rdma_bytes += p->bytes;
+        l->rdma_wrs += p->wrs;
+        l->rdma_truncated |= p->truncated;
+    }
+    posting.delete(&id);
+    return 0;
+}

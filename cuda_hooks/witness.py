@@ -1,8 +1,9 @@
 """The eBPF wire witness: attaches to engine processes by PID, with no change to them, and
 reports the KV transfers their TCP connections carried, as the kernel saw the bytes leave,
-and the CUDA copies their threads made while naming a transfer (uprobes on the CUDA runtime
-and driver libraries the process has loaded, looked for again every RESCAN_S: CUDA is often
-loaded late).
+and, with uprobes, the CUDA copies and RDMA work requests their threads made while naming a
+transfer (on the CUDA runtime, driver and verbs libraries the process has loaded, looked for
+again every RESCAN_S: CUDA is often loaded late; a verbs provider's post_send is found
+through the contexts and queue pairs that pass through libibverbs).
 
 `open_witness()` returns a `BpfWitness` (bcc, root, kernel headers) or, when BPF cannot be
 used, a `NullWitness` that says why, once, and watches nothing: the agent runs on without
@@ -18,6 +19,7 @@ import contextlib
 import ctypes
 import importlib
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -34,6 +36,7 @@ BCC_PATHS = ("/usr/lib/python3/dist-packages",)  # where Debian's python3-bpfcc 
 TRACING = ("/sys/kernel/debug/tracing", "/sys/kernel/tracing")
 PROBE = "ebpf:tcp"
 CUDA_PROBE = "ebpf:cuda"
+RDMA_PROBE = "ebpf:rdma"
 _KIND_WRITE, _KIND_OPEN, _KIND_CLOSE = 1, 2, 3
 _DEVICE_KINDS = (2, 3, 4)  # cudaMemcpyKind device-to-host, device-to-device, default: off the GPU
 RESCAN_S = 1.0  # how often the watched processes' libraries are looked at again (CUDA loads late)
@@ -61,6 +64,12 @@ UPROBES: dict[str, tuple[tuple[str, str, str], ...]] = {
     # Where an engine names its transfers: the label library, or the shim when preloaded.
     "libkvguard_label.so": _NAMING,
     "libkvguard_shim.so": _NAMING,
+    # Where a provider's post_send shows its address (rdma_post_send is attached there).
+    "libibverbs.so": (
+        ("ibv_open_device", "", "rdma_context"),
+        ("ibv_create_qp", "", "rdma_created_qp"),
+        ("ibv_modify_qp", "rdma_modified_qp", ""),
+    ),
 }
 
 ReportSink = Callable[[str, WireReport], None]  # (the watched process's name, report)
@@ -119,11 +128,11 @@ def _tracing_ready(roots: tuple[str, ...] = TRACING) -> str:
 
 
 def open_witness(
-    on_report: ReportSink, on_lost: LossSink | None = None, *, cuda: bool = True
+    on_report: ReportSink, on_lost: LossSink | None = None, *, uprobes: bool = True
 ) -> BpfWitness | NullWitness:
-    """The witness, or a NullWitness naming what is missing (never an exception). `cuda`:
-    also probe the CUDA copy calls (a uprobe traps every call of a watched process: about a
-    microsecond on bare metal, 10 in this VM; bench/RESULTS.md)."""
+    """The witness, or a NullWitness naming what is missing (never an exception). `uprobes`:
+    also probe the CUDA copy calls and RDMA posts (a uprobe traps every call of a watched
+    process: about a microsecond on bare metal, 10 in this VM; bench/RESULTS.md)."""
     if os.geteuid() != 0:
         return NullWitness("eBPF needs root (or CAP_BPF and CAP_PERFMON); the agent runs without it")
     try:
@@ -134,7 +143,7 @@ def open_witness(
     if missing:
         return NullWitness(missing)
     try:
-        return BpfWitness(bcc, on_report, on_lost, cuda=cuda)
+        return BpfWitness(bcc, on_report, on_lost, uprobes=uprobes)
     except Exception as exc:  # bcc raises plain Exception for a compile or load failure
         text = " ".join(str(exc).split())[:300]
         release = os.uname().release
@@ -152,9 +161,10 @@ class BpfWitness:
     reason = ""
 
     def __init__(
-        self, bcc: Any, on_report: ReportSink, on_lost: LossSink | None = None, *, cuda: bool = True
+        self, bcc: Any, on_report: ReportSink, on_lost: LossSink | None = None, *, uprobes: bool = True
     ) -> None:
-        self._uprobes = UPROBES if cuda else {}
+        self._uprobes = UPROBES if uprobes else {}
+        self._bcc = bcc
         self._bpf = bcc.BPF(src_file=str(PROGRAM).encode(), cflags=[f"-DHEAD={HEAD}"])
         self._on_report = on_report
         self._on_lost = on_lost
@@ -168,7 +178,8 @@ class BpfWitness:
         # the last reference to its perf buffer while the map is still open.
         self._bpf[b"events"].open_perf_buffer(self._event, page_cnt=256, lost_cb=self._lost)
         self._bpf[b"copies"].open_perf_buffer(self._copies, page_cnt=16, lost_cb=self._lost)
-        self._probed: dict[int, set[tuple[str, str, str, str]]] = {}  # pid -> (library, symbol, probes)
+        self._bpf[b"providers"].open_perf_buffer(self._provider, page_cnt=4, lost_cb=self._lost)
+        self._probed: dict[int, set[tuple[str, int, str, str]]] = {}  # pid -> (library, address, probes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="kvguard-witness", daemon=True)
         self._thread.start()
@@ -176,6 +187,11 @@ class BpfWitness:
     @property
     def lost_connections(self) -> int:
         return self._streams.lost
+
+    def attached(self, pid: int) -> set[tuple[str, int, str, str]]:
+        """The uprobes on `pid`: (library, address, entry probe, return probe)."""
+        with self._lock:
+            return set(self._probed.get(pid, ()))
 
     def watch(self, pid: int, name: str) -> None:
         with self._lock:
@@ -191,40 +207,61 @@ class BpfWitness:
             self._names.pop(pid, None)
             self._streams.forget(pid)
             probed = self._probed.pop(pid, set())
-        for path, symbol, _, ret in probed:
-            where = {"name": path.encode(), "sym": symbol.encode(), "pid": pid}
+        for path, address, entry, ret in probed:
+            where = {"name": path.encode(), "addr": address, "pid": pid}
             with contextlib.suppress(Exception):  # the process may be gone, and its probes with it
-                self._bpf.detach_uprobe(**where)
+                if entry:
+                    self._bpf.detach_uprobe(**where)
                 if ret:
                     self._bpf.detach_uretprobe(**where)
 
     def _attach(self, pid: int) -> None:
-        """Uprobes on the CUDA and naming libraries `pid` has mapped and that are not probed yet."""
+        """Uprobes on the CUDA, verbs and naming libraries `pid` has mapped, where not yet."""
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             return
         paths = {line.split(None, 5)[5] for line in maps.splitlines() if len(line.split(None, 5)) == 6}
-        wanted = {
-            (path, symbol, entry, ret)
-            for path in paths
-            for prefix, probes in self._uprobes.items()
-            if os.path.basename(path).startswith(prefix)
-            for symbol, entry, ret in probes
-        }
+        for path in sorted(paths):
+            for prefix, probes in self._uprobes.items():
+                if os.path.basename(path).startswith(prefix):
+                    for symbol, entry, ret in probes:
+                        for address in self._addresses(path, symbol):
+                            self._probe(pid, (path, address, entry, ret))
+
+    def _addresses(self, path: str, symbol: str) -> list[int]:
+        """Every address of `symbol` in the library: a versioned symbol has one per version
+        (libibverbs keeps its 1.0 ibv_open_device beside 1.1), and callers use either."""
+        try:
+            found = self._bcc.BPF.get_user_functions_and_addresses(path.encode(), f"^{symbol}$".encode())
+        except Exception:  # bcc: an unreadable library
+            found = []
+        if not found:
+            self.missing_symbols += 1
+        return sorted({address for _, address in found})
+
+    def _probe(self, pid: int, key: tuple[str, int, str, str]) -> None:
+        """Attach (library, address, entry probe, return probe) for `pid`, once."""
         with self._lock:
-            if pid not in self._probed:
+            if pid not in self._probed or key in self._probed[pid]:
                 return
-            new = wanted - self._probed[pid]
-            self._probed[pid] |= new
-        for path, symbol, entry, ret in sorted(new):
-            where = {"name": path.encode(), "sym": symbol.encode(), "pid": pid}
-            try:
+            self._probed[pid].add(key)
+        path, address, entry, ret = key
+        where = {"name": path.encode(), "addr": address, "pid": pid}
+        try:
+            if entry:
                 self._bpf.attach_uprobe(fn_name=entry.encode(), **where)
-                if ret:
-                    self._bpf.attach_uretprobe(fn_name=ret.encode(), **where)
-            except Exception:  # bcc: a symbol this build of the library lacks; the others stand
-                self.missing_symbols += 1
+            if ret:
+                self._bpf.attach_uretprobe(fn_name=ret.encode(), **where)
+        except Exception:  # bcc: the address is not in a loadable segment; the others stand
+            self.missing_symbols += 1
+
+    def _provider(self, cpu: int, data: Any, size: int) -> None:
+        """A provider's post_send at `address` in process `pid`: probe it there."""
+        e = self._bpf[b"providers"].event(data)
+        place = mapped(e.pid, e.address)
+        if place is not None:
+            self._probe(e.pid, (*place, "rdma_post_send", "rdma_post_return"))
 
     def close(self) -> None:
         self._stop.set()
@@ -244,12 +281,20 @@ class BpfWitness:
         e = self._bpf[b"copies"].event(data)
         with self._lock:
             name = self._names.get(e.pid)
-        if name is None or e.calls == 0:  # no copy call under the name: nothing was observed
+        if name is None:
             return
         xfer = bytes(e.xfer).split(b"\0", 1)[0].decode(errors="replace")
-        moved = sum(e.bytes[k] for k in _DEVICE_KINDS)
-        self.reports += 1
-        self._on_report(name, WireReport(e.pid, xfer, moved, e.calls, True, CUDA_PROBE))
+        reports = []
+        if e.calls:  # no copy call under the name: nothing observed, nothing reported
+            moved = sum(e.bytes[k] for k in _DEVICE_KINDS)
+            reports.append(WireReport(e.pid, xfer, moved, e.calls, True, CUDA_PROBE))
+        if e.rdma_wrs:  # complete unless a post was longer than the probe follows
+            reports.append(
+                WireReport(e.pid, xfer, e.rdma_bytes, e.rdma_wrs, not e.rdma_truncated, RDMA_PROBE)
+            )
+        for report in reports:
+            self.reports += 1
+            self._on_report(name, report)
 
     def _event(self, cpu: int, data: Any, size: int) -> None:
         e = self._bpf[b"events"].event(data)
@@ -273,3 +318,37 @@ class BpfWitness:
             self._streams.lose_all()
         if self._on_lost is not None:
             self._on_lost(self.lost_events)
+
+
+def mapped(pid: int, address: int) -> tuple[str, int] | None:
+    """(library, virtual address in its ELF file) of a code address in process `pid`."""
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) < 6:
+            continue
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        if start <= address < end:
+            return parts[5], elf_vaddr(parts[5], address - start + int(parts[2], 16))
+    return None
+
+
+def elf_vaddr(path: str, offset: int) -> int:
+    """The virtual address of file offset `offset` in a 64-bit little-endian ELF file (what
+    bcc's uprobe `addr` takes), from its PT_LOAD program headers."""
+    with open(path, "rb") as elf:
+        header = elf.read(64)
+        phoff, phentsize, phnum = (
+            struct.unpack_from("<Q", header, 32)[0],
+            *struct.unpack_from("<HH", header, 54),
+        )
+        elf.seek(phoff)
+        table = elf.read(phentsize * phnum)
+    for i in range(phnum):
+        kind, _, p_offset, p_vaddr, _, p_filesz = struct.unpack_from("<IIQQQQ", table, i * phentsize)
+        if kind == 1 and p_offset <= offset < p_offset + p_filesz:  # PT_LOAD
+            return offset - p_offset + p_vaddr
+    return offset

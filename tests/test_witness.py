@@ -325,3 +325,178 @@ def test_the_witness_probes_the_real_cuda_runtime(
     # No GPU here: the runtime refuses every call, so nothing left a device; both calls were seen.
     assert all(s != 0 for s in status) and (report.xfer, report.calls, report.bytes) == ("p0-x1", 2, 0)
     assert missing == 0  # every copy call the witness probes is in the real runtime
+
+
+# ---------------------------------------------------------------------------- RDMA work requests
+
+# Stand-ins for libibverbs and a provider, compiled against the real verbs.h: the provider's
+# post_send is a static function (as libmlx5's is: no symbol), reached only through the
+# context's ops table, as the real ibv_post_send inline reaches it. It refuses a post whose
+# first work request carries immediate data 13.
+STUB_PROVIDER = r"""
+#include <infiniband/verbs.h>
+static int post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad) {
+    (void)qp;
+    *bad = wr->imm_data == 13 ? wr : 0;
+    return wr->imm_data == 13 ? 22 : 0;
+}
+void *fake_provider_post_send(void) { return (void *)post_send; }
+"""
+STUB_VERBS = r"""
+#include <stdlib.h>
+#include <infiniband/verbs.h>
+void *fake_provider_post_send(void);
+struct ibv_context *ibv_open_device(struct ibv_device *device) {
+    (void)device;
+    struct ibv_context *context = calloc(1, sizeof(*context));
+    typedef int (*post_send_fn)(struct ibv_qp *, struct ibv_send_wr *, struct ibv_send_wr **);
+    context->ops.post_send = (post_send_fn)fake_provider_post_send();
+    return context;
+}
+struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_attr *attr) {
+    (void)attr;
+    struct ibv_qp *qp = calloc(1, sizeof(*qp));
+    qp->context = pd->context;
+    return qp;
+}
+int ibv_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask) {
+    (void)qp, (void)attr, (void)mask;
+    return 0;
+}
+"""
+# A transfer engine in miniature: opens the device, creates a queue pair, posts chains of work
+# requests with the real ibv_post_send inline of verbs.h.
+TRANSFER = r"""
+#include <stdlib.h>
+#include <infiniband/verbs.h>
+static struct ibv_qp *qp;
+void setup(void) {
+    struct ibv_pd pd = {.context = ibv_open_device(NULL)};
+    qp = ibv_create_qp(&pd, NULL);
+}
+int post(int wrs, int sges, unsigned length, int opcode, int imm) {
+    struct ibv_send_wr *wr = calloc(wrs, sizeof(*wr)), *bad = NULL;
+    struct ibv_sge *sge = calloc(wrs * sges, sizeof(*sge));
+    for (int i = 0; i < wrs; i++) {
+        for (int j = 0; j < sges; j++)
+            sge[i * sges + j].length = length;
+        wr[i] = (struct ibv_send_wr){.next = i + 1 < wrs ? &wr[i + 1] : NULL, .sg_list = &sge[i * sges],
+                                     .num_sge = sges, .opcode = opcode, .imm_data = imm};
+        wr[i].wr.rdma.remote_addr = 0x7f0000000000ull + i * 4096;
+    }
+    int status = ibv_post_send(qp, wr, &bad);
+    free(wr);
+    free(sge);
+    return status;
+}
+"""
+RDMA_ENGINE = r"""
+import ctypes, json, sys
+from kvguard.cuda_hooks.shim import CopyLabel
+transfer, label = ctypes.CDLL(sys.argv[1]), CopyLabel()
+print("ready", flush=True)
+sys.stdin.readline()  # watched now
+transfer.setup()
+print("set up", flush=True)
+sys.stdin.readline()  # the provider's post_send is probed now
+status = {}
+for xfer, posts in json.loads(sys.argv[2]).items():
+    with label.transfer(xfer):
+        status[xfer] = [transfer.post(*post) for post in posts]
+print(json.dumps(status), flush=True)
+"""
+
+
+def test_the_witness_follows_work_requests_to_a_providers_post_send(
+    bpf_ready: None, tmp_path: Path, compile_c: Callable[..., Path]
+) -> None:
+    compile_c(tmp_path, "libfake-rdmav34.so", STUB_PROVIDER)
+    compile_c(tmp_path, "libibverbs.so.1", STUB_VERBS, (tmp_path, "libfake-rdmav34.so"))
+    transfer = compile_c(tmp_path, "libtransfer.so", TRANSFER, (tmp_path, "libibverbs.so.1"))
+    write, send, compare_swap = 0, 2, 5  # IBV_WR_RDMA_WRITE, IBV_WR_SEND, IBV_WR_ATOMIC_CMP_AND_SWP
+    # x1: 3 writes of 2 x 4 KiB, a 100-byte send, an atomic (no data), a post the provider
+    # refuses; x2: a chain longer than the probe follows (32 work requests)
+    x1 = [[3, 2, 4096, write, 0], [1, 1, 100, send, 0], [1, 1, 8, compare_swap, 0], [2, 1, 50, write, 13]]
+    plan = {"p0-x1": x1, "p0-x2": [[40, 1, 10, write, 0]]}
+    reports: list[WireReport] = []
+    witness = open_witness(lambda name, r: reports.append(r))
+    assert isinstance(witness, BpfWitness)
+    engine = subprocess.Popen(
+        [sys.executable, "-c", RDMA_ENGINE, str(transfer), json.dumps(plan)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert engine.stdin is not None and engine.stdout is not None
+        assert engine.stdout.readline() == "ready\n"
+        witness.watch(engine.pid, "p0")
+        engine.stdin.write("go\n")
+        engine.stdin.flush()
+        assert engine.stdout.readline() == "set up\n"
+        deadline = time.monotonic() + 10
+        while not any(p[2] == "rdma_post_send" for p in witness.attached(engine.pid)):
+            assert time.monotonic() < deadline, "the provider's post_send was never probed"
+            time.sleep(0.05)
+        engine.stdin.write("go\n")
+        engine.stdin.flush()
+        status = json.loads(engine.stdout.readline())
+        while len(reports) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.wait(timeout=10)
+        witness.close()
+    assert status == {"p0-x1": [0, 0, 0, 22], "p0-x2": [0]}
+    provider = [p for p in witness.attached(engine.pid) if p[2] == "rdma_post_send"]
+    assert len(provider) == 1 and provider[0][0].endswith("libfake-rdmav34.so")  # found by address
+    by_xfer = {r.xfer: (r.bytes, r.calls, r.complete, r.probe) for r in reports}
+    # x1: the writes and the send (the atomic moves no data, the refused post moved nothing);
+    # x2: a lower bound, and said to be one.
+    assert by_xfer == {
+        "p0-x1": (3 * 2 * 4096 + 100, 4, True, "ebpf:rdma"),
+        "p0-x2": (32 * 10, 32, False, "ebpf:rdma"),
+    }
+
+
+def test_the_verbs_offsets_are_the_real_headers(tmp_path: Path) -> None:
+    # witness.bpf.c reads struct ibv_context, ibv_send_wr and ibv_sge at fixed offsets.
+    source = tmp_path / "offsets.c"
+    source.write_text(
+        "#include <stdio.h>\n#include <stddef.h>\n#include <infiniband/verbs.h>\nint main(void) {\n"
+        'printf("%zu %zu %zu %zu %zu %zu %zu\\n", offsetof(struct ibv_context, ops.post_send),'
+        " offsetof(struct ibv_send_wr, next), offsetof(struct ibv_send_wr, sg_list),"
+        " offsetof(struct ibv_send_wr, num_sge), offsetof(struct ibv_send_wr, opcode),"
+        " offsetof(struct ibv_sge, length), sizeof(struct ibv_sge));\nreturn 0; }\n"
+    )
+    subprocess.run(["cc", "-o", tmp_path / "offsets", source], check=True)
+    real = subprocess.run([tmp_path / "offsets"], capture_output=True, text=True, check=True).stdout.split()
+    program = (Path(__file__).parents[1] / "cuda_hooks" / "witness.bpf.c").read_text()
+    names = ["POST_SEND_OFFSET", "WR_NEXT", "WR_SG_LIST", "WR_NUM_SGE", "WR_OPCODE", "SGE_LENGTH", "SGE_SIZE"]
+    ours = [program.split(f"#define {name} ")[1].split()[0] for name in names]
+    assert ours == real
+
+
+def test_the_witness_probes_every_version_of_the_real_verbs_entry_points(bpf_ready: None) -> None:
+    # libibverbs keeps its 1.0 entry points beside the 1.1 ones; a program may call either.
+    witness = open_witness(lambda name, r: None)
+    assert isinstance(witness, BpfWitness)
+    engine = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import ctypes, sys; ctypes.CDLL('libibverbs.so.1'); print(1, flush=True); input()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert engine.stdout is not None and engine.stdout.readline() == "1\n"
+        witness.watch(engine.pid, "p0")
+        verbs = {(entry, ret) for path, _, entry, ret in witness.attached(engine.pid) if "libibverbs" in path}
+        count = sum("libibverbs" in path for path, *_ in witness.attached(engine.pid))
+    finally:
+        engine.communicate("\n", timeout=10)
+        witness.close()
+    assert verbs == {("", "rdma_context"), ("", "rdma_created_qp"), ("rdma_modified_qp", "")}
+    assert count == 6 and witness.missing_symbols == 0  # two versions of each of the three
