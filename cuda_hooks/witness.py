@@ -128,7 +128,7 @@ def _tracing_ready(roots: tuple[str, ...] = TRACING) -> str:
 
 
 def open_witness(
-    on_report: ReportSink, on_lost: LossSink | None = None, *, uprobes: bool = True
+    on_report: ReportSink, on_lost: LossSink | None = None, *, uprobes: bool = True, buffer_pages: int = 256
 ) -> BpfWitness | NullWitness:
     """The witness, or a NullWitness naming what is missing (never an exception). `uprobes`:
     also probe the CUDA copy calls and RDMA posts (a uprobe traps every call of a watched
@@ -143,7 +143,7 @@ def open_witness(
     if missing:
         return NullWitness(missing)
     try:
-        return BpfWitness(bcc, on_report, on_lost, uprobes=uprobes)
+        return BpfWitness(bcc, on_report, on_lost, uprobes=uprobes, buffer_pages=buffer_pages)
     except Exception as exc:  # bcc raises plain Exception for a compile or load failure
         text = " ".join(str(exc).split())[:300]
         release = os.uname().release
@@ -161,7 +161,13 @@ class BpfWitness:
     reason = ""
 
     def __init__(
-        self, bcc: Any, on_report: ReportSink, on_lost: LossSink | None = None, *, uprobes: bool = True
+        self,
+        bcc: Any,
+        on_report: ReportSink,
+        on_lost: LossSink | None = None,
+        *,
+        uprobes: bool = True,
+        buffer_pages: int = 256,  # per CPU, for the writes: what a slow reader may fall behind by
     ) -> None:
         self._uprobes = UPROBES if uprobes else {}
         self._bcc = bcc
@@ -176,7 +182,7 @@ class BpfWitness:
         self.missing_symbols = 0
         # The tables are looked up by name each time, never kept: bcc's cleanup() must drop
         # the last reference to its perf buffer while the map is still open.
-        self._bpf[b"events"].open_perf_buffer(self._event, page_cnt=256, lost_cb=self._lost)
+        self._bpf[b"events"].open_perf_buffer(self._event, page_cnt=buffer_pages, lost_cb=self._lost)
         self._bpf[b"copies"].open_perf_buffer(self._copies, page_cnt=16, lost_cb=self._lost)
         self._bpf[b"providers"].open_perf_buffer(self._provider, page_cnt=4, lost_cb=self._lost)
         self._probed: dict[int, set[tuple[str, int, str, str]]] = {}  # pid -> (library, address, probes)

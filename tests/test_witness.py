@@ -500,3 +500,47 @@ def test_the_witness_probes_every_version_of_the_real_verbs_entry_points(bpf_rea
         witness.close()
     assert verbs == {("", "rdma_context"), ("", "rdma_created_qp"), ("rdma_modified_qp", "")}
     assert count == 6 and witness.missing_symbols == 0  # two versions of each of the three
+
+
+FLOOD = r"""
+import json, socket, sys
+from kvguard.testbed import wire
+server = socket.socket(); server.bind(("127.0.0.1", 0)); server.listen()
+print("ready", flush=True); sys.stdin.readline()
+with socket.create_connection(server.getsockname()) as s:
+    conn, _ = server.accept()
+    body = json.dumps({"op": "kv", "req": "r", "xfer": "x-big", "bytes": 20000 * 100}).encode()
+    s.sendall(wire.HEADER.pack(len(body), 20000 * 100) + body)  # the message's header and JSON
+    for _ in range(20000):
+        s.send(b"k" * 100)  # its payload, in more writes than a one-page buffer holds
+    print("sent", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_events_the_kernel_drops_are_counted_and_nothing_is_guessed(bpf_ready: None) -> None:
+    # A one-page buffer per CPU, and a writer far faster than the reader: the kernel drops
+    # events. The witness says how many, and reports nothing for the connection it lost.
+    lost: list[int] = []
+    reports: list[WireReport] = []
+    witness = open_witness(lambda name, r: reports.append(r), lost.append, uprobes=False, buffer_pages=1)
+    assert isinstance(witness, BpfWitness)
+    engine = subprocess.Popen(
+        [sys.executable, "-c", FLOOD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert engine.stdout is not None and engine.stdin is not None
+        assert engine.stdout.readline() == "ready\n"
+        witness.watch(engine.pid, "p0")
+        engine.stdin.write("go\n")
+        engine.stdin.flush()
+        assert engine.stdout.readline() == "sent\n"
+        time.sleep(0.5)  # the reader catches up with what is left
+        engine.stdin.write("done\n")
+        engine.stdin.flush()
+        engine.wait(timeout=10)
+        time.sleep(0.3)
+    finally:
+        witness.close()
+    assert lost and lost[-1] == witness.lost_events > 0
+    assert witness.lost_connections >= 1 and reports == []
