@@ -185,7 +185,8 @@ class BpfWitness:
         self._bpf[b"events"].open_perf_buffer(self._event, page_cnt=buffer_pages, lost_cb=self._lost)
         self._bpf[b"copies"].open_perf_buffer(self._copies, page_cnt=16, lost_cb=self._lost)
         self._bpf[b"providers"].open_perf_buffer(self._provider, page_cnt=4, lost_cb=self._lost)
-        self._probed: dict[int, set[tuple[str, int, str, str]]] = {}  # pid -> (library, address, probes)
+        self._seen: dict[int, set[str]] = {}  # pid -> the mapped files already looked at
+        self._live: dict[int, set[tuple[str, int, str, str]]] = {}  # pid -> (library, address, probes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="kvguard-witness", daemon=True)
         self._thread.start()
@@ -195,14 +196,15 @@ class BpfWitness:
         return self._streams.lost
 
     def attached(self, pid: int) -> set[tuple[str, int, str, str]]:
-        """The uprobes on `pid`: (library, address, entry probe, return probe)."""
+        """The uprobes attached to `pid`: (library, address, entry probe, return probe)."""
         with self._lock:
-            return set(self._probed.get(pid, ()))
+            return set(self._live.get(pid, ()))
 
     def watch(self, pid: int, name: str) -> None:
         with self._lock:
             self._names[pid] = name
-            self._probed.setdefault(pid, set())
+            self._seen.setdefault(pid, set())
+            self._live.setdefault(pid, set())
         self._bpf[b"watched"][ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
         self._attach(pid)
 
@@ -212,8 +214,9 @@ class BpfWitness:
         with self._lock:
             self._names.pop(pid, None)
             self._streams.forget(pid)
-            probed = self._probed.pop(pid, set())
-        for path, address, entry, ret in probed:
+            self._seen.pop(pid, None)
+            live = self._live.pop(pid, set())
+        for path, address, entry, ret in live:
             where = {"name": path.encode(), "addr": address, "pid": pid}
             with contextlib.suppress(Exception):  # the process may be gone, and its probes with it
                 if entry:
@@ -222,13 +225,18 @@ class BpfWitness:
                     self._bpf.detach_uretprobe(**where)
 
     def _attach(self, pid: int) -> None:
-        """Uprobes on the CUDA, verbs and naming libraries `pid` has mapped, where not yet."""
+        """Uprobes on the CUDA, verbs and naming libraries `pid` mapped since it was last looked at."""
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             return
         paths = {line.split(None, 5)[5] for line in maps.splitlines() if len(line.split(None, 5)) == 6}
-        for path in sorted(paths):
+        with self._lock:
+            if pid not in self._seen:
+                return
+            new = sorted(paths - self._seen[pid])
+            self._seen[pid].update(new)
+        for path in new:
             for prefix, probes in self._uprobes.items():
                 if os.path.basename(path).startswith(prefix):
                     for symbol, entry, ret in probes:
@@ -247,11 +255,8 @@ class BpfWitness:
         return sorted({address for _, address in found})
 
     def _probe(self, pid: int, key: tuple[str, int, str, str]) -> None:
-        """Attach (library, address, entry probe, return probe) for `pid`, once."""
-        with self._lock:
-            if pid not in self._probed or key in self._probed[pid]:
-                return
-            self._probed[pid].add(key)
+        """Attach (library, address, entry probe, return probe) for `pid`; it counts as
+        attached (`attached()`) only once the kernel has it."""
         path, address, entry, ret = key
         where = {"name": path.encode(), "addr": address, "pid": pid}
         try:
@@ -261,13 +266,22 @@ class BpfWitness:
                 self._bpf.attach_uretprobe(fn_name=ret.encode(), **where)
         except Exception:  # bcc: the address is not in a loadable segment; the others stand
             self.missing_symbols += 1
+            return
+        with self._lock:
+            if pid in self._live:
+                self._live[pid].add(key)
 
     def _provider(self, cpu: int, data: Any, size: int) -> None:
         """A provider's post_send at `address` in process `pid`: probe it there."""
         e = self._bpf[b"providers"].event(data)
         place = mapped(e.pid, e.address)
-        if place is not None:
-            self._probe(e.pid, (*place, "rdma_post_send", "rdma_post_return"))
+        key = (*place, "rdma_post_send", "rdma_post_return") if place is not None else None
+        with self._lock:
+            # Every context and queue pair of the process tells the same address: probe it once
+            # (this runs on the poll thread only, so no second attach can be under way).
+            known = key is None or e.pid not in self._live or key in self._live[e.pid]
+        if not known:
+            self._probe(e.pid, key)
 
     def close(self) -> None:
         self._stop.set()
@@ -279,7 +293,7 @@ class BpfWitness:
         while not self._stop.is_set():
             self._bpf.perf_buffer_poll(timeout=100)
             if time.monotonic() > rescan:
-                for pid in list(self._probed):
+                for pid in list(self._seen):
                     self._attach(pid)
                 rescan = time.monotonic() + RESCAN_S
 
@@ -338,7 +352,11 @@ def mapped(pid: int, address: int) -> tuple[str, int] | None:
             continue
         start, end = (int(x, 16) for x in parts[0].split("-"))
         if start <= address < end:
-            return parts[5], elf_vaddr(parts[5], address - start + int(parts[2], 16))
+            # The file as the process sees it (an engine in a container has its own root).
+            try:
+                return parts[5], elf_vaddr(f"/proc/{pid}/root{parts[5]}", address - start + int(parts[2], 16))
+            except (OSError, struct.error):
+                return None
     return None
 
 
