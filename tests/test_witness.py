@@ -544,3 +544,14 @@ def test_events_the_kernel_drops_are_counted_and_nothing_is_guessed(bpf_ready: N
         witness.close()
     assert lost and lost[-1] == witness.lost_events > 0
     assert witness.lost_connections >= 1 and reports == []
+
+
+def test_without_privilege_the_witness_says_why_and_watches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As an unprivileged user: no exception, a reason, a witness that watches nothing.
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    witness = open_witness(lambda name, r: None)
+    witness.watch(1, "p0")
+    witness.unwatch(1)
+    witness.close()
+    assert isinstance(witness, NullWitness) and not witness.available
+    assert witness.reason.startswith("eBPF needs root (or CAP_BPF and CAP_PERFMON)")
