@@ -4,6 +4,7 @@ caught by the witness alone, with the receiving engine's own report switched off
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -109,10 +110,48 @@ def bpf_ready() -> None:
         pytest.skip(probe.reason)
 
 
+@contextlib.contextmanager
+def watched(witness: BpfWitness, program: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """A Python process running `program`, which prints "ready" and waits for a line: it is
+    watched as node p0, then told to go. It ends (its input closed) with the block."""
+    engine = subprocess.Popen(
+        [sys.executable, "-c", program, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert engine.stdout is not None and engine.stdout.readline() == "ready\n"
+        witness.watch(engine.pid, "p0")
+        say(engine, "go")
+        yield engine
+    finally:
+        with contextlib.suppress(OSError):
+            assert engine.stdin is not None
+            engine.stdin.close()
+        engine.wait(timeout=10)
+
+
+def say(engine: subprocess.Popen[str], line: str) -> None:
+    assert engine.stdin is not None
+    engine.stdin.write(line + "\n")
+    engine.stdin.flush()
+
+
+def hear(engine: subprocess.Popen[str]) -> str:
+    assert engine.stdout is not None
+    return engine.stdout.readline().rstrip("\n")
+
+
+def wait_for(condition: Callable[[], bool], what: str, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen in {seconds} s"
+        time.sleep(0.05)
+
+
 SENDER = """
 import socket, sys
 from kvguard.testbed import wire
 port, sizes = int(sys.argv[1]), [int(n) for n in sys.argv[2:]]
+print("ready", flush=True)
 sys.stdin.readline()  # watched now
 for i, n in enumerate(sizes):
     with socket.create_connection(("127.0.0.1", port)) as s:
@@ -151,23 +190,11 @@ def test_the_witness_sees_what_another_process_sends(bpf_ready: None, kv_server:
     witness = open_witness(lambda name, r: reports.append((name, r)))
     assert isinstance(witness, BpfWitness)
     sizes = [3_000_000, 4096, 0]
-    sender = subprocess.Popen(
-        [sys.executable, "-c", SENDER, str(kv_server), *map(str, sizes)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
     try:
-        witness.watch(sender.pid, "p0")
-        assert sender.stdin is not None and sender.stdout is not None
-        sender.stdin.write("go\n")
-        sender.stdin.flush()
-        assert sender.stdout.readline() == "sent\n"
-        deadline = time.monotonic() + 10
-        while len(reports) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        with watched(witness, SENDER, str(kv_server), *map(str, sizes)) as sender:
+            assert hear(sender) == "sent"
+            wait_for(lambda: len(reports) == 3, "three reports")
     finally:
-        sender.wait(timeout=10)
         witness.close()
     assert [(name, r.pid, r.xfer, r.bytes, r.complete) for name, r in reports] == [
         ("p0", sender.pid, f"x{i}", n, True) for i, n in enumerate(sizes)
@@ -271,24 +298,11 @@ def copies_seen(copier: Path, plan: list[list[int]]) -> tuple[list[WireReport], 
     reports: list[WireReport] = []
     witness = open_witness(lambda name, r: reports.append(r))
     assert isinstance(witness, BpfWitness)
-    engine = subprocess.Popen(
-        [sys.executable, "-c", ENGINE, str(copier), json.dumps(plan)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
     try:
-        assert engine.stdin is not None and engine.stdout is not None
-        assert engine.stdout.readline() == "ready\n"
-        witness.watch(engine.pid, "p0")
-        engine.stdin.write("go\n")
-        engine.stdin.flush()
-        status = json.loads(engine.stdout.readline())
-        deadline = time.monotonic() + 10
-        while not reports and time.monotonic() < deadline:
-            time.sleep(0.05)
+        with watched(witness, ENGINE, str(copier), json.dumps(plan)) as engine:
+            status = json.loads(hear(engine))
+            wait_for(lambda: bool(reports), "a report")
     finally:
-        engine.wait(timeout=10)
         witness.close()
     return reports, status, witness.missing_symbols
 
@@ -421,30 +435,17 @@ def test_the_witness_follows_work_requests_to_a_providers_post_send(
     reports: list[WireReport] = []
     witness = open_witness(lambda name, r: reports.append(r))
     assert isinstance(witness, BpfWitness)
-    engine = subprocess.Popen(
-        [sys.executable, "-c", RDMA_ENGINE, str(transfer), json.dumps(plan)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
     try:
-        assert engine.stdin is not None and engine.stdout is not None
-        assert engine.stdout.readline() == "ready\n"
-        witness.watch(engine.pid, "p0")
-        engine.stdin.write("go\n")
-        engine.stdin.flush()
-        assert engine.stdout.readline() == "set up\n"
-        deadline = time.monotonic() + 10
-        while not any(p[2] == "rdma_post_send" for p in witness.attached(engine.pid)):
-            assert time.monotonic() < deadline, "the provider's post_send was never probed"
-            time.sleep(0.05)
-        engine.stdin.write("go\n")
-        engine.stdin.flush()
-        status = json.loads(engine.stdout.readline())
-        while len(reports) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        with watched(witness, RDMA_ENGINE, str(transfer), json.dumps(plan)) as engine:
+            assert hear(engine) == "set up"
+            pid = engine.pid
+            wait_for(
+                lambda: any(p[2] == "rdma_post_send" for p in witness.attached(pid)), "a provider's probe"
+            )
+            say(engine, "go")
+            status = json.loads(hear(engine))
+            wait_for(lambda: len(reports) == 2, "two reports")
     finally:
-        engine.wait(timeout=10)
         witness.close()
     assert status == {"p0-x1": [0, 0, 0, 22], "p0-x2": [0]}
     provider = [p for p in witness.attached(engine.pid) if p[2] == "rdma_post_send"]
@@ -480,24 +481,16 @@ def test_the_witness_probes_every_version_of_the_real_verbs_entry_points(bpf_rea
     # libibverbs keeps its 1.0 entry points beside the 1.1 ones; a program may call either.
     witness = open_witness(lambda name, r: None)
     assert isinstance(witness, BpfWitness)
-    engine = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import ctypes, sys; ctypes.CDLL('libibverbs.so.1'); print(1, flush=True); input()",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+    program = (
+        "import ctypes, sys; ctypes.CDLL('libibverbs.so.1'); print('ready', flush=True); sys.stdin.read()"
     )
     try:
-        assert engine.stdout is not None and engine.stdout.readline() == "1\n"
-        witness.watch(engine.pid, "p0")
-        verbs = {(entry, ret) for path, _, entry, ret in witness.attached(engine.pid) if "libibverbs" in path}
-        count = sum("libibverbs" in path for path, *_ in witness.attached(engine.pid))
+        with watched(witness, program) as engine:
+            probes = witness.attached(engine.pid)
     finally:
-        engine.communicate("\n", timeout=10)
         witness.close()
+    verbs = {(entry, ret) for path, _, entry, ret in probes if "libibverbs" in path}
+    count = sum("libibverbs" in path for path, *_ in probes)
     assert verbs == {("", "rdma_context"), ("", "rdma_created_qp"), ("rdma_modified_qp", "")}
     assert count == 6 and witness.missing_symbols == 0  # two versions of each of the three
 
@@ -525,20 +518,10 @@ def test_events_the_kernel_drops_are_counted_and_nothing_is_guessed(bpf_ready: N
     reports: list[WireReport] = []
     witness = open_witness(lambda name, r: reports.append(r), lost.append, uprobes=False, buffer_pages=1)
     assert isinstance(witness, BpfWitness)
-    engine = subprocess.Popen(
-        [sys.executable, "-c", FLOOD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
     try:
-        assert engine.stdout is not None and engine.stdin is not None
-        assert engine.stdout.readline() == "ready\n"
-        witness.watch(engine.pid, "p0")
-        engine.stdin.write("go\n")
-        engine.stdin.flush()
-        assert engine.stdout.readline() == "sent\n"
-        time.sleep(0.5)  # the reader catches up with what is left
-        engine.stdin.write("done\n")
-        engine.stdin.flush()
-        engine.wait(timeout=10)
+        with watched(witness, FLOOD) as engine:
+            assert hear(engine) == "sent"
+            time.sleep(0.5)  # the reader catches up with what is left
         time.sleep(0.3)
     finally:
         witness.close()
