@@ -62,6 +62,8 @@ class Connection:
     xfer: str = ""
     seen: int = 0  # payload bytes of the current message so far
     calls: int = 0
+    json_length: int = 0
+    unnamed: int = 0  # messages whose JSON was not all captured and named no transfer in what was
 
     def write(self, length: int, head: bytes) -> list[WireReport]:
         """`length` bytes written, of which `head` are the first (the rest were not captured)."""
@@ -80,7 +82,7 @@ class Connection:
                     if n_json > MAX_JSON or self.payload > MAX_PAYLOAD:
                         self.state = "lost"  # not this framing
                         break
-                    self.state, self.left = "json", n_json
+                    self.state, self.left, self.json_length = "json", n_json, n_json
             elif self.state == "json":
                 take = min(self.left, length - pos)
                 room = JSON_KEPT - len(self.json)
@@ -89,6 +91,8 @@ class Connection:
                 self.left -= take
                 if self.left == 0:
                     self.xfer = transfer_of(bytes(self.json))
+                    if not self.xfer and len(self.json) < self.json_length:
+                        self.unnamed += 1  # it may have been a transfer: followed, not reported
                     self.state, self.left = "payload", self.payload
                     self.seen = self.calls = 0
                     if self.payload == 0:
@@ -126,6 +130,7 @@ class Streams:
     def __init__(self) -> None:
         self.connections: dict[tuple[int, int], Connection] = {}
         self.lost = 0  # connections given up on
+        self.unnamed = 0  # messages that may have been transfers, their names not captured
 
     def open(self, pid: int, fd: int) -> list[WireReport]:
         """A new connection on fd (connect or accept): whatever was there before has ended."""
@@ -140,8 +145,9 @@ class Streams:
         if conn is None:  # opened before the witness watched: its message boundaries are unknown
             conn = self.connections[(pid, fd)] = Connection(pid, state="lost")
             self.lost += 1
-        was_lost = conn.state == "lost"
+        was_lost, unnamed = conn.state == "lost", conn.unnamed
         reports = conn.write(length, head)
+        self.unnamed += conn.unnamed - unnamed
         if conn.state == "lost" and not was_lost:
             self.lost += 1
         return reports

@@ -195,6 +195,11 @@ class BpfWitness:
     def lost_connections(self) -> int:
         return self._streams.lost
 
+    @property
+    def unnamed_messages(self) -> int:
+        """Messages that may have been transfers whose names lay beyond the captured bytes."""
+        return self._streams.unnamed
+
     def attached(self, pid: int) -> set[tuple[str, int, str, str]]:
         """The uprobes attached to `pid`: (library, address, entry probe, return probe)."""
         with self._lock:

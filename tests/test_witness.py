@@ -88,6 +88,17 @@ class TestDecoder:
         assert streams.lost == 2
         assert feed(streams, message({"op": "kv", "xfer": "p-x1"}, b"k"), []) == []
 
+    def test_a_message_whose_name_was_not_captured_is_counted_not_guessed(self) -> None:
+        # A JSON of 600 bytes in one write, its xfer past the 64 bytes captured.
+        data = message({"op": "kv", "pad": "x" * 500, "xfer": "p-x1"}, b"k" * 10)
+        streams = Streams()
+        streams.open(7, 3)
+        assert feed(streams, data, [], head=64) == [] and streams.unnamed == 1
+        assert streams.lost == 0  # the stream is still followed: the next message is reported
+        assert feed(streams, message({"op": "kv", "xfer": "p-x2"}, b"k"), []) == [
+            WireReport(7, "p-x2", 1, 1, True)
+        ]
+
     def test_the_transfer_is_named_by_the_captured_part_of_a_long_header(self) -> None:
         head = message({"op": "kv", "req": "r1", "xfer": "p-x9", "checksums": list(range(500))}, b"")[12:300]
         assert transfer_of(head) == "p-x9"
