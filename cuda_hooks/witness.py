@@ -9,8 +9,9 @@ through the contexts and queue pairs that pass through libibverbs).
 used, a `NullWitness` that says why, once, and watches nothing: the agent runs on without
 it. Invariants: a watched process is never slowed beyond the probes' own cost (a perf
 buffer between kernel and user side; what overflows is lost and counted, never waited
-for); a report reaches `on_report` only for a transfer whose bytes were followed from its
-header to its end (cuda_hooks/tcp_stream.py); loss is reported through `on_lost`.
+for); a TCP report reaches `on_report` only for a transfer whose bytes were followed from
+its header to its end (cuda_hooks/tcp_stream.py), a copy or RDMA report only for a named
+transfer that made at least one such call; loss is reported through `on_lost`.
 """
 
 from __future__ import annotations
