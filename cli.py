@@ -209,7 +209,7 @@ def cmd_witness(args: argparse.Namespace) -> int:
             wire = pb.Wire(xfer=r.xfer, bytes=r.bytes, calls=r.calls, probe=r.probe, complete=r.complete)
             print(event_to_json(pb.Event(node=name, seq=seq, ts_ns=time.time_ns(), wire=wire)), flush=True)
 
-    witness = open_witness(report)
+    witness = open_witness(report, uprobes=args.uprobes)
     if not witness.available:
         print(f"kvguard witness: {witness.reason}", file=sys.stderr)
         return 1
@@ -375,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-p", "--pid", type=int, required=True, action="append", help="process to watch (repeatable)"
     )
     p.add_argument("--node", default="witness", help="node name of the wire events (default: witness)")
+    p.add_argument("--uprobes", action="store_true", help="also named transfers' CUDA copies and RDMA posts")
     p.add_argument(
         "--seconds", type=float, default=0.0, help="stop after this long (default: until interrupted)"
     )

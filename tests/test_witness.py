@@ -549,3 +549,31 @@ def test_without_privilege_the_witness_says_why_and_watches_nothing(monkeypatch:
     witness.close()
     assert isinstance(witness, NullWitness) and not witness.available
     assert witness.reason.startswith("eBPF needs root (or CAP_BPF and CAP_PERFMON)")
+
+
+def test_kvguard_witness_prints_a_capture_that_replay_takes(bpf_ready: None, kv_server: int) -> None:
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, str(kv_server), "65536"], **pipes)
+    assert hear(sender) == "ready"
+    command = ["witness", "-p", str(sender.pid), "--node", "p0/ebpf", "--seconds", "60"]
+    witness = subprocess.Popen(
+        [sys.executable, "-m", "kvguard", *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert witness.stderr is not None and witness.stdout is not None
+        assert witness.stderr.readline().startswith("kvguard witness: watching")
+        say(sender, "go")
+        assert hear(sender) == "sent"
+        line = witness.stdout.readline()
+    finally:
+        witness.terminate()
+        witness.wait(timeout=20)
+        sender.wait(timeout=10)
+    event = json.loads(line)
+    wire = event["wire"]
+    assert (event["node"], event["seq"], wire["xfer"], wire["bytes"]) == ("p0/ebpf", 1, "x0", 65536)
+    assert (wire["probe"], wire["complete"]) == ("ebpf:tcp", True)
+    replay = subprocess.run(
+        [sys.executable, "-m", "kvguard", "replay", "-"], input=line, capture_output=True, text=True
+    )
+    assert replay.returncode == 0, replay.stderr  # one event, applied, no finding
