@@ -207,6 +207,7 @@ def cmd_witness(args: argparse.Namespace) -> int:
         with lock:
             seq += 1
             wire = pb.Wire(xfer=r.xfer, bytes=r.bytes, calls=r.calls, probe=r.probe, complete=r.complete)
+            wire.remote_lo, wire.remote_hi = r.remote
             print(event_to_json(pb.Event(node=name, seq=seq, ts_ns=time.time_ns(), wire=wire)), flush=True)
 
     witness = open_witness(report, uprobes=args.uprobes)

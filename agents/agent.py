@@ -313,6 +313,8 @@ class NodeAgent:
                 calls=report.calls,
                 probe=report.probe,
                 complete=report.complete,
+                remote_lo=report.remote[0],
+                remote_hi=report.remote[1],
             )
         )
         self.counters["witnessed"] += 1

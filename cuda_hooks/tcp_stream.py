@@ -34,6 +34,7 @@ class WireReport:
     calls: int  # writes that carried them
     complete: bool  # the transfer's payload ended, or its connection closed
     probe: str = "ebpf:tcp"
+    remote: tuple[int, int] = (0, 0)  # RDMA: the remote memory its writes touched, [lo, hi)
 
 
 def transfer_of(head: bytes) -> str:

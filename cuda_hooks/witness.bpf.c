@@ -220,6 +220,8 @@ struct label {
     u64 rdma_bytes;      // of work requests posted (RDMA write, write with immediate, send, read)
     u64 rdma_wrs;
     u64 rdma_truncated;  // a post longer than the probe follows: the count is a lower bound
+    u64 remote_lo;       // the remote memory the RDMA writes touched: [lo, hi), 0 when none
+    u64 remote_hi;
 };
 
 struct copy_event {  // flat: bcc builds the user side's type from it
@@ -233,6 +235,8 @@ struct copy_event {  // flat: bcc builds the user side's type from it
     u64 rdma_bytes;
     u64 rdma_wrs;
     u64 rdma_truncated;
+    u64 remote_lo;
+    u64 remote_hi;
 };
 
 struct copy {
@@ -281,6 +285,8 @@ int xfer_end(struct pt_regs *ctx) {
         e->rdma_bytes = l->rdma_bytes;
         e->rdma_wrs = l->rdma_wrs;
         e->rdma_truncated = l->rdma_truncated;
+        e->remote_lo = l->remote_lo;
+        e->remote_hi = l->remote_hi;
         copies.perf_submit(ctx, e, sizeof(*e));
     }
     labels.delete(&id);
@@ -344,9 +350,11 @@ int driver_return(struct pt_regs *ctx) { return copy_return(ctx, DRIVER); }
 #define WR_SG_LIST 16
 #define WR_NUM_SGE 24
 #define WR_OPCODE 28
+#define WR_REMOTE_ADDR 40  // wr.rdma.remote_addr
 #define SGE_LENGTH 8
 #define SGE_SIZE 16
 #define DATA_OPCODES 4  // IBV_WR_RDMA_WRITE, _WITH_IMM, SEND, SEND_WITH_IMM, RDMA_READ: 0..4
+#define WRITE_OPCODES 1  // IBV_WR_RDMA_WRITE, _WITH_IMM: 0..1, the ones that land in remote memory
 #define MAX_WRS 32
 #define MAX_SGES 8
 
@@ -360,6 +368,8 @@ struct post {
     u64 bytes;
     u64 wrs;
     u64 truncated;
+    u64 remote_lo;
+    u64 remote_hi;
 };
 
 BPF_PERF_OUTPUT(providers);
@@ -408,12 +418,22 @@ int rdma_post_send(struct pt_regs *ctx) {
         if (opcode <= DATA_OPCODES) {
             if (num_sge > MAX_SGES)
                 p.truncated = 1;
+            u64 bytes = 0;
             for (int j = 0; j < MAX_SGES && j < num_sge; j++) {
                 u32 length = 0;
                 bpf_probe_read_user(&length, sizeof(length), (void *)(sg_list + j * SGE_SIZE + SGE_LENGTH));
-                p.bytes += length;
+                bytes += length;
             }
+            p.bytes += bytes;
             p.wrs++;
+            u64 remote = 0;
+            if (opcode <= WRITE_OPCODES && bytes &&
+                bpf_probe_read_user(&remote, sizeof(remote), (void *)(wr + WR_REMOTE_ADDR)) == 0 && remote) {
+                if (!p.remote_lo || remote < p.remote_lo)
+                    p.remote_lo = remote;
+                if (remote + bytes > p.remote_hi)
+                    p.remote_hi = remote + bytes;
+            }
         }
         if (bpf_probe_read_user(&wr, sizeof(wr), (void *)(wr + WR_NEXT)) != 0)
             wr = 0;
@@ -434,6 +454,10 @@ int rdma_post_return(struct pt_regs *ctx) {
         l->rdma_bytes += p->bytes;
         l->rdma_wrs += p->wrs;
         l->rdma_truncated |= p->truncated;
+        if (p->remote_lo && (!l->remote_lo || p->remote_lo < l->remote_lo))
+            l->remote_lo = p->remote_lo;
+        if (p->remote_hi > l->remote_hi)
+            l->remote_hi = p->remote_hi;
     }
     posting.delete(&id);
     return 0;

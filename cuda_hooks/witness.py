@@ -315,9 +315,8 @@ class BpfWitness:
             moved = sum(e.bytes[k] for k in _DEVICE_KINDS)
             reports.append(WireReport(e.pid, xfer, moved, e.calls, True, CUDA_PROBE))
         if e.rdma_wrs:  # complete unless a post was longer than the probe follows
-            reports.append(
-                WireReport(e.pid, xfer, e.rdma_bytes, e.rdma_wrs, not e.rdma_truncated, RDMA_PROBE)
-            )
+            whole, remote = not e.rdma_truncated, (e.remote_lo, e.remote_hi)
+            reports.append(WireReport(e.pid, xfer, e.rdma_bytes, e.rdma_wrs, whole, RDMA_PROBE, remote))
         for report in reports:
             self.reports += 1
             self._on_report(name, report)

@@ -461,30 +461,38 @@ def test_the_witness_follows_work_requests_to_a_providers_post_send(
     assert status == {"p0-x1": [0, 0, 0, 22], "p0-x2": [0]}
     provider = [p for p in witness.attached(engine.pid) if p[2] == "rdma_post_send"]
     assert len(provider) == 1 and provider[0][0].endswith("libfake-rdmav34.so")  # found by address
-    by_xfer = {r.xfer: (r.bytes, r.calls, r.complete, r.probe) for r in reports}
+    by_xfer = {r.xfer: (r.bytes, r.calls, r.complete, r.probe, r.remote) for r in reports}
     # x1: the writes and the send (the atomic moves no data, the refused post moved nothing);
     # x2: a lower bound, and said to be one.
+    # The writes' remote memory: work request i writes 2 x 4 KiB at base + i * 4 KiB, so the
+    # last ends at base + 2 * 4 KiB + 8 KiB (the send's remote address means nothing: not counted).
+    base = 0x7F0000000000
     assert by_xfer == {
-        "p0-x1": (3 * 2 * 4096 + 100, 4, True, "ebpf:rdma"),
-        "p0-x2": (32 * 10, 32, False, "ebpf:rdma"),
+        "p0-x1": (3 * 2 * 4096 + 100, 4, True, "ebpf:rdma", (base, base + 2 * 4096 + 2 * 4096)),
+        "p0-x2": (32 * 10, 32, False, "ebpf:rdma", (base, base + 31 * 4096 + 10)),
     }
 
 
 def test_the_verbs_offsets_are_the_real_headers(tmp_path: Path) -> None:
     # witness.bpf.c reads struct ibv_context, ibv_send_wr and ibv_sge at fixed offsets.
+    fields = {
+        "POST_SEND_OFFSET": "offsetof(struct ibv_context, ops.post_send)",
+        "WR_NEXT": "offsetof(struct ibv_send_wr, next)",
+        "WR_SG_LIST": "offsetof(struct ibv_send_wr, sg_list)",
+        "WR_NUM_SGE": "offsetof(struct ibv_send_wr, num_sge)",
+        "WR_OPCODE": "offsetof(struct ibv_send_wr, opcode)",
+        "WR_REMOTE_ADDR": "offsetof(struct ibv_send_wr, wr.rdma.remote_addr)",
+        "SGE_LENGTH": "offsetof(struct ibv_sge, length)",
+        "SGE_SIZE": "sizeof(struct ibv_sge)",
+    }
+    prints = "".join(f'printf("%zu\\n", {expression});' for expression in fields.values())
     source = tmp_path / "offsets.c"
-    source.write_text(
-        "#include <stdio.h>\n#include <stddef.h>\n#include <infiniband/verbs.h>\nint main(void) {\n"
-        'printf("%zu %zu %zu %zu %zu %zu %zu\\n", offsetof(struct ibv_context, ops.post_send),'
-        " offsetof(struct ibv_send_wr, next), offsetof(struct ibv_send_wr, sg_list),"
-        " offsetof(struct ibv_send_wr, num_sge), offsetof(struct ibv_send_wr, opcode),"
-        " offsetof(struct ibv_sge, length), sizeof(struct ibv_sge));\nreturn 0; }\n"
-    )
+    headers = "#include <stdio.h>\n#include <stddef.h>\n#include <infiniband/verbs.h>\n"
+    source.write_text(f"{headers}int main(void) {{ {prints} }}\n")
     subprocess.run(["cc", "-o", tmp_path / "offsets", source], check=True)
     real = subprocess.run([tmp_path / "offsets"], capture_output=True, text=True, check=True).stdout.split()
     program = (Path(__file__).parents[1] / "cuda_hooks" / "witness.bpf.c").read_text()
-    names = ["POST_SEND_OFFSET", "WR_NEXT", "WR_SG_LIST", "WR_NUM_SGE", "WR_OPCODE", "SGE_LENGTH", "SGE_SIZE"]
-    ours = [program.split(f"#define {name} ")[1].split()[0] for name in names]
+    ours = [program.split(f"#define {name} ")[1].split()[0] for name in fields]
     assert ours == real
 
 

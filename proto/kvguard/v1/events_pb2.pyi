@@ -273,20 +273,24 @@ class XferRecv(_message.Message):
     def __init__(self, req: _Optional[str] = ..., xfer: _Optional[str] = ..., peer_node: _Optional[str] = ..., pool: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., status: _Optional[str] = ..., claimed_tokens: _Optional[int] = ..., claimed_bytes: _Optional[int] = ..., claimed_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Wire(_message.Message):
-    __slots__ = ("xfer", "peer_node", "bytes", "calls", "probe", "complete")
+    __slots__ = ("xfer", "peer_node", "bytes", "calls", "probe", "complete", "remote_lo", "remote_hi")
     XFER_FIELD_NUMBER: _ClassVar[int]
     PEER_NODE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_LO_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_HI_FIELD_NUMBER: _ClassVar[int]
     xfer: str
     peer_node: str
     bytes: int
     calls: int
     probe: str
     complete: bool
-    def __init__(self, xfer: _Optional[str] = ..., peer_node: _Optional[str] = ..., bytes: _Optional[int] = ..., calls: _Optional[int] = ..., probe: _Optional[str] = ..., complete: _Optional[bool] = ...) -> None: ...
+    remote_lo: int
+    remote_hi: int
+    def __init__(self, xfer: _Optional[str] = ..., peer_node: _Optional[str] = ..., bytes: _Optional[int] = ..., calls: _Optional[int] = ..., probe: _Optional[str] = ..., complete: _Optional[bool] = ..., remote_lo: _Optional[int] = ..., remote_hi: _Optional[int] = ...) -> None: ...
 
 class Kill(_message.Message):
     __slots__ = ("req", "finding", "by")
