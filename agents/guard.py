@@ -124,7 +124,7 @@ class Guard:
         found = tag_check(
             tags.own, tags.valid, block_tables, context_lens, cupy.asarray(readers), pp.page_size
         )
-        return cupy.asnumpy(found) & ~self.ledger.ended_mask(readers) | (_host(context_lens) == 0)
+        return self.ledger.clean_given_tags(readers, cupy.asnumpy(found), _host(context_lens))
 
     def _emit(self, payload: str, req: str = "", **fields: Any) -> Verdict:
         with self._lock:

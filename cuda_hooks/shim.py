@@ -74,17 +74,12 @@ class CopyLabel:
 
     def __init__(self, labels: Path = LABELS) -> None:
         process = ctypes.CDLL(None)
-        self.shim = hasattr(process, "kvguard_xfer_begin")
-        library = process if self.shim else ctypes.CDLL(str(labels)) if labels.exists() else None
+        self.active = hasattr(process, "kvguard_xfer_begin")  # the shim is preloaded: it counts
+        library = process if self.active else ctypes.CDLL(str(labels)) if labels.exists() else None
         self._begin = getattr(library, "kvguard_xfer_begin", None)
         self._end = getattr(library, "kvguard_xfer_end", None)
         if self._begin is not None:
             self._begin.argtypes = [ctypes.c_char_p]
-
-    @property
-    def active(self) -> bool:
-        """The shim counts this process's copies."""
-        return self.shim
 
     @contextlib.contextmanager
     def transfer(self, xfer: str) -> Iterator[None]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from kvguard.testbed.wire import HEADER, MAX_JSON, MAX_PAYLOAD
 
+PROBE = "ebpf:tcp"
 JSON_KEPT = 4096  # bytes of a message's JSON kept to find its xfer (the head of each write is captured)
 _KV = re.compile(rb'"op"\s*:\s*"kv"')
 _XFER = re.compile(rb'"xfer"\s*:\s*"([^"\\]{1,256})"')
@@ -33,7 +34,7 @@ class WireReport:
     bytes: int
     calls: int  # writes that carried them
     complete: bool  # the transfer's payload ended, or its connection closed
-    probe: str = "ebpf:tcp"
+    probe: str = PROBE
     remote: tuple[int, int] = (0, 0)  # RDMA: the remote memory its writes touched, [lo, hi)
 
 

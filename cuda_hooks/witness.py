@@ -35,7 +35,6 @@ PROGRAM = Path(__file__).with_name("witness.bpf.c")
 HEAD = 512  # bytes of each write captured (a power of two: the BPF program masks with HEAD - 1)
 BCC_PATHS = ("/usr/lib/python3/dist-packages",)  # where Debian's python3-bpfcc puts `bcc`
 TRACING = ("/sys/kernel/debug/tracing", "/sys/kernel/tracing")
-PROBE = "ebpf:tcp"
 CUDA_PROBE = "ebpf:cuda"
 RDMA_PROBE = "ebpf:rdma"
 _KIND_WRITE, _KIND_OPEN, _KIND_CLOSE = 1, 2, 3
