@@ -156,6 +156,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         tls=tls,
         witness=args.witness or args.witness_uprobes,
         witness_uprobes=args.witness_uprobes,
+        witness_buffer_pages=args.witness_buffer_pages,
     )
     for spec in args.probe or []:
         parts = spec.split(":", 3)
@@ -316,6 +317,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.out))
 
 
+def power_of_two(text: str) -> int:
+    """An argparse type: a positive power of two (what a perf buffer's size must be)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1 or n & (n - 1):
+        raise argparse.ArgumentTypeError(f"{n} is not a power of two (1, 2, 4, ... pages)")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvguard", description="KV-cache ownership guard for shared LLM inference."
@@ -365,6 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="--witness, and also count each named transfer's CUDA copies and RDMA work requests with "
         "uprobes (they trap every such call of a watched engine: about a microsecond each on bare metal)",
+    )
+    p.add_argument(
+        "--witness-buffer-pages",
+        type=power_of_two,
+        default=256,
+        metavar="N",
+        help="the witness's kernel buffer per CPU, in pages (a power of two; default 256): what it holds "
+        "while the agent is busy; events beyond it are lost, counted and reported as NODE/ebpf's dropped",
     )
     tls_arguments(p)
     p.set_defaults(func=cmd_agent)

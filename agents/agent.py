@@ -154,6 +154,7 @@ class NodeAgent:
         tls: Tls | None = None,
         witness: bool = False,
         witness_uprobes: bool = False,
+        witness_buffer_pages: int = 256,
     ) -> None:
         self.socket_path = Path(socket_path)
         self.daemon = daemon
@@ -185,7 +186,12 @@ class NodeAgent:
         self.witness: Witness = NullWitness("not asked for")
         if witness:
             # Watches each guarded engine from outside: what its TCP connections carried.
-            self.witness = open_witness(self._witnessed, self._witness_lost, uprobes=witness_uprobes)
+            self.witness = open_witness(
+                self._witnessed,
+                self._witness_lost,
+                uprobes=witness_uprobes,
+                buffer_pages=witness_buffer_pages,
+            )
             if not self.witness.available:
                 print(f"kvguard agent: no eBPF wire witness: {self.witness.reason}", file=sys.stderr)
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvguard.cuda_hooks.tcp_stream import Streams, WireReport, transfer_of
@@ -21,6 +22,8 @@ from kvguard.cuda_hooks.witness import BpfWitness, NullWitness, open_witness
 from kvguard.daemon.process import start_agent, start_daemon
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 from kvguard.testbed import wire
 from kvguard.testbed.cluster import Cluster
 
@@ -546,6 +549,57 @@ def test_events_the_kernel_drops_are_counted_and_nothing_is_guessed(bpf_ready: N
         witness.close()
     assert lost and lost[-1] == witness.lost_events > 0
     assert witness.lost_connections >= 1 and reports == []
+
+
+GUARDED_FLOOD = (
+    r"""
+import sys
+from kvguard.agents.sink import AgentSink
+from kvguard.proto import pb
+guard = AgentSink(sys.argv[1], "flood-0")  # the engine's guard: the agent watches this process
+guard.put(pb.Event(node="flood-0", seq=1, heartbeat=pb.Heartbeat(agent_version="guard")))
+guard.flush()
+"""
+    + FLOOD
+)
+
+
+def test_the_agent_reports_what_its_witness_lost_to_the_daemon(bpf_ready: None, tmp_path: Path) -> None:
+    # The same flood through a real agent with a one-page buffer: the loss reaches the daemon
+    # in-band, as the heartbeat of the engine node's witness source, and no transfer is guessed.
+    store = str(tmp_path / "audit.db")
+    daemon = start_daemon(store)
+    sock = str(tmp_path / "agent.sock")
+    agent = start_agent(
+        sock, daemon.address, str(tmp_path / "spool"), "--witness", "--witness-buffer-pages", "1"
+    )
+
+    def nodes() -> dict[str, svc.NodeState]:
+        with grpc.insecure_channel(daemon.address) as channel:
+            state = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest(), timeout=10)
+        return {n.node: n for n in state.nodes}
+
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    engine = subprocess.Popen([sys.executable, "-c", GUARDED_FLOOD, sock], **pipes)
+    try:
+        assert hear(engine) == "ready"
+        # The guard's first event is relayed after the agent began watching its process.
+        wait_for(lambda: "flood-0" in nodes(), "the guard's event at the daemon", seconds=20)
+        say(engine, "go")
+        assert hear(engine) == "sent"
+        wait_for(lambda: nodes().get("flood-0/ebpf", svc.NodeState()).dropped > 0, "the loss", seconds=20)
+    finally:
+        say(engine, "")
+        engine.wait(timeout=10)
+        agent.stop()
+        daemon.stop()
+    s = Store(store)
+    witnessed = [e for e in (pb.Event.FromString(b) for _, _, b in s.rows(kind="event")) if "/" in e.node]
+    s.close()
+    beats = [e.heartbeat.dropped for e in witnessed]
+    assert {e.node for e in witnessed} == {"flood-0/ebpf"} and all(e.HasField("heartbeat") for e in witnessed)
+    assert beats == sorted(beats) and beats[0] > 0  # a running total, never a guess of what was in it
+    assert [e.seq for e in witnessed] == list(range(1, len(witnessed) + 1))
 
 
 def test_without_privilege_the_witness_says_why_and_watches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
