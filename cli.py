@@ -196,7 +196,7 @@ def cmd_witness(args: argparse.Namespace) -> int:
     import time
 
     from kvguard.cuda_hooks.tcp_stream import WireReport
-    from kvguard.cuda_hooks.witness import open_witness
+    from kvguard.cuda_hooks.witness import open_witness, wire_event
     from kvguard.proto import pb
     from kvguard.proto.capture import event_to_json
 
@@ -207,9 +207,8 @@ def cmd_witness(args: argparse.Namespace) -> int:
         nonlocal seq
         with lock:
             seq += 1
-            wire = pb.Wire(xfer=r.xfer, bytes=r.bytes, calls=r.calls, probe=r.probe, complete=r.complete)
-            wire.remote_lo, wire.remote_hi = r.remote
-            print(event_to_json(pb.Event(node=name, seq=seq, ts_ns=time.time_ns(), wire=wire)), flush=True)
+            event = pb.Event(node=name, seq=seq, ts_ns=time.time_ns(), wire=wire_event(r))
+            print(event_to_json(event), flush=True)
 
     witness = open_witness(report, uprobes=args.uprobes)
     if not witness.available:

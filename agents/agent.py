@@ -40,7 +40,7 @@ from kvguard.agents.probes import (
 from kvguard.cuda_hooks.shim import PROBE as SHIM_PROBE
 from kvguard.cuda_hooks.shim import ShimListener, ShimRecord
 from kvguard.cuda_hooks.tcp_stream import WireReport
-from kvguard.cuda_hooks.witness import NullWitness, Witness, open_witness
+from kvguard.cuda_hooks.witness import NullWitness, Witness, open_witness, wire_event
 from kvguard.daemon.client import MAX_BATCH_BYTES, MAX_MESSAGE, AgentStream, DaemonRefused
 from kvguard.daemon.tls import Tls, channel
 from kvguard.proto import pb
@@ -312,17 +312,7 @@ class NodeAgent:
         print(f"kvguard agent: a shim record from process {pid} refused: {reason}", file=sys.stderr)
 
     def _witnessed(self, node: str, report: WireReport) -> None:
-        self._source(f"{node}/{WITNESS}").emit(
-            wire=pb.Wire(
-                xfer=report.xfer,
-                bytes=report.bytes,
-                calls=report.calls,
-                probe=report.probe,
-                complete=report.complete,
-                remote_lo=report.remote[0],
-                remote_hi=report.remote[1],
-            )
-        )
+        self._source(f"{node}/{WITNESS}").emit(wire=wire_event(report))
         self.counters["witnessed"] += 1
 
     def _witness_lost(self, lost: int) -> None:

@@ -25,6 +25,18 @@ _XFER = re.compile(rb'"xfer"\s*:\s*"([^"\\]{1,256})"')
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteWrites:
+    """Where one transfer's RDMA writes went in the peer's memory, as the sender posted them."""
+
+    lo: int  # the lowest remote address written, and one past the highest
+    hi: int
+    runs: tuple[tuple[int, int], ...]  # (address, bytes) of each write, adjacent ones merged, in order
+    lost: int  # writes beyond the runs the probe keeps: `runs` is then a part of them
+    first_ns: int  # wall clock: when the first post with writes began (none landed before)
+    last_ns: int
+
+
+@dataclass(frozen=True, slots=True)
 class WireReport:
     """Bytes of one transfer as a probe saw the process move them (here: the payload it wrote
     to a connection; the witness's CUDA probes report the copies off the device the same way)."""
@@ -35,7 +47,7 @@ class WireReport:
     calls: int  # writes that carried them
     complete: bool  # the transfer's payload ended, or its connection closed
     probe: str = PROBE
-    remote: tuple[int, int] = (0, 0)  # RDMA: the remote memory its writes touched, [lo, hi)
+    remote: RemoteWrites | None = None  # RDMA probes: where its writes landed
 
 
 def transfer_of(head: bytes) -> str:

@@ -210,6 +210,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close) {
 #define KINDS 8  // cudaMemcpyKind: host-to-host, host-to-device, device-to-host, device-to-device, default
 #define RUNTIME 1
 #define DRIVER 2
+// MAX_RUNS (witness.py: RUNS_KEPT) is a power of two: indices are masked with it for the verifier
 
 struct label {
     char xfer[128];
@@ -222,6 +223,12 @@ struct label {
     u64 rdma_truncated;  // a post longer than the probe follows: the count is a lower bound
     u64 remote_lo;       // the remote memory the RDMA writes touched: [lo, hi), 0 when none
     u64 remote_hi;
+    u64 first_write_ns;  // when the first and the last accepted post with RDMA writes began
+    u64 last_write_ns;   // (CLOCK_MONOTONIC): no write of the transfer landed before the first
+    u32 runs;            // the writes' remote ranges, adjacent ones merged, in posting order
+    u32 runs_lost;       // writes beyond MAX_RUNS ranges: the runs are then a part of them
+    u64 run_addr[MAX_RUNS];
+    u64 run_len[MAX_RUNS];
 };
 
 struct copy_event {  // flat: bcc builds the user side's type from it
@@ -237,6 +244,12 @@ struct copy_event {  // flat: bcc builds the user side's type from it
     u64 rdma_truncated;
     u64 remote_lo;
     u64 remote_hi;
+    u64 first_write_ns;
+    u64 last_write_ns;
+    u32 runs;
+    u32 runs_lost;
+    u64 run_addr[MAX_RUNS];
+    u64 run_len[MAX_RUNS];
 };
 
 struct copy {
@@ -259,7 +272,7 @@ int xfer_begin(struct pt_regs *ctx) {
     struct label *l = label_scratch.lookup(&zero);
     if (!l)
         return 0;
-    __builtin_memset(l, 0, sizeof(*l));
+    __builtin_memset(l, 0, offsetof(struct label, run_addr));  // the runs beyond l->runs are never read
     bpf_probe_read_user_str(l->xfer, sizeof(l->xfer), (void *)PT_REGS_PARM1(ctx));
     labels.update(&id, l);
     return 0;
@@ -287,6 +300,14 @@ int xfer_end(struct pt_regs *ctx) {
         e->rdma_truncated = l->rdma_truncated;
         e->remote_lo = l->remote_lo;
         e->remote_hi = l->remote_hi;
+        e->first_write_ns = l->first_write_ns;
+        e->last_write_ns = l->last_write_ns;
+        e->runs = l->runs;
+        e->runs_lost = l->runs_lost;
+        for (int i = 0; i < MAX_RUNS; i++) {
+            e->run_addr[i] = l->run_addr[i];
+            e->run_len[i] = l->run_len[i];
+        }
         copies.perf_submit(ctx, e, sizeof(*e));
     }
     labels.delete(&id);
@@ -370,7 +391,29 @@ struct post {
     u64 truncated;
     u64 remote_lo;
     u64 remote_hi;
+    u64 wrote;  // RDMA writes among its work requests
+    u64 at;     // when it was entered: no write of it can land before (the NIC starts within)
+    // The label's runs before this post added to them: restored if the provider refuses it.
+    u32 runs;
+    u32 runs_lost;
+    u64 last_len;
 };
+
+// One RDMA write's remote range joins the transfer's runs: it extends the last run when it
+// starts where that one ends (a layer's consecutive pages), else starts a new one.
+static __always_inline void add_run(struct label *l, u64 addr, u64 len) {
+    u32 n = l->runs;
+    u32 last = (n - 1) & (MAX_RUNS - 1);
+    if (n && l->run_addr[last] + l->run_len[last] == addr) {
+        l->run_len[last] += len;
+    } else if (n < MAX_RUNS) {
+        l->run_addr[n & (MAX_RUNS - 1)] = addr;
+        l->run_len[n & (MAX_RUNS - 1)] = len;
+        l->runs = n + 1;
+    } else {
+        l->runs_lost++;
+    }
+}
 
 BPF_PERF_OUTPUT(providers);
 BPF_HASH(posting, u64, struct post);  // tid -> the post in progress
@@ -404,9 +447,11 @@ int rdma_modified_qp(struct pt_regs *ctx) { return tell_from_qp(ctx, PT_REGS_PAR
 // the provider's post_send(qp, wr, bad_wr): the data its chain of work requests moves
 int rdma_post_send(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
-    if (!labels.lookup(&id))
+    struct label *l = labels.lookup(&id);
+    if (!l)
         return 0;
-    struct post p = {};
+    struct post p = {.runs = l->runs, .runs_lost = l->runs_lost, .at = bpf_ktime_get_ns()};
+    p.last_len = l->run_len[(p.runs - 1) & (MAX_RUNS - 1)];
     u64 wr = PT_REGS_PARM2(ctx);
     for (int i = 0; i < MAX_WRS && wr; i++) {
         u64 sg_list = 0;
@@ -433,6 +478,8 @@ int rdma_post_send(struct pt_regs *ctx) {
                     p.remote_lo = remote;
                 if (remote + bytes > p.remote_hi)
                     p.remote_hi = remote + bytes;
+                add_run(l, remote, bytes);
+                p.wrote = 1;
             }
         }
         if (bpf_probe_read_user(&wr, sizeof(wr), (void *)(wr + WR_NEXT)) != 0)
@@ -458,6 +505,15 @@ int rdma_post_return(struct pt_regs *ctx) {
             l->remote_lo = p->remote_lo;
         if (p->remote_hi > l->remote_hi)
             l->remote_hi = p->remote_hi;
+        if (p->wrote) {
+            if (!l->first_write_ns)
+                l->first_write_ns = p->at;
+            l->last_write_ns = p->at;
+        }
+    } else if (l && p->wrote) {  // the runs this post added never happened
+        l->runs = p->runs;
+        l->runs_lost = p->runs_lost;
+        l->run_len[(p->runs - 1) & (MAX_RUNS - 1)] = p->last_len;
     }
     posting.delete(&id);
     return 0;

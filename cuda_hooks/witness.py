@@ -29,7 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvguard.cuda_hooks.tcp_stream import Streams, WireReport
+from kvguard.cuda_hooks.tcp_stream import RemoteWrites, Streams, WireReport
+from kvguard.proto import pb
 
 PROGRAM = Path(__file__).with_name("witness.bpf.c")
 HEAD = 512  # bytes of each write captured (a power of two: the BPF program masks with HEAD - 1)
@@ -37,6 +38,7 @@ BCC_PATHS = ("/usr/lib/python3/dist-packages",)  # where Debian's python3-bpfcc 
 TRACING = ("/sys/kernel/debug/tracing", "/sys/kernel/tracing")
 CUDA_PROBE = "ebpf:cuda"
 RDMA_PROBE = "ebpf:rdma"
+RUNS_KEPT = 256  # remote ranges of RDMA writes kept per transfer (a power of two)
 _KIND_WRITE, _KIND_OPEN, _KIND_CLOSE = 1, 2, 3
 _DEVICE_KINDS = (2, 3, 4)  # cudaMemcpyKind device-to-host, device-to-device, default: off the GPU
 RESCAN_S = 1.0  # how often the watched processes' libraries are looked at again (CUDA loads late)
@@ -171,7 +173,7 @@ class BpfWitness:
     ) -> None:
         self._uprobes = UPROBES if uprobes else {}
         self._bcc = bcc
-        self._bpf = bcc.BPF(src_file=str(PROGRAM).encode(), cflags=[f"-DHEAD={HEAD}"])
+        self._bpf = bcc.BPF(src_file=str(PROGRAM).encode(), cflags=[f"-DHEAD={HEAD}", f"-DMAX_RUNS={RUNS_KEPT}"])
         self._on_report = on_report
         self._on_lost = on_lost
         self._names: dict[int, str] = {}
@@ -314,8 +316,11 @@ class BpfWitness:
             moved = sum(e.bytes[k] for k in _DEVICE_KINDS)
             reports.append(WireReport(e.pid, xfer, moved, e.calls, True, CUDA_PROBE))
         if e.rdma_wrs:  # complete unless a post was longer than the probe follows
-            whole, remote = not e.rdma_truncated, (e.remote_lo, e.remote_hi)
-            reports.append(WireReport(e.pid, xfer, e.rdma_bytes, e.rdma_wrs, whole, RDMA_PROBE, remote))
+            reports.append(
+                WireReport(
+                    e.pid, xfer, e.rdma_bytes, e.rdma_wrs, not e.rdma_truncated, RDMA_PROBE, _remote_writes(e)
+                )
+            )
         for report in reports:
             self.reports += 1
             self._on_report(name, report)
@@ -342,6 +347,40 @@ class BpfWitness:
             self._streams.lose_all()
         if self._on_lost is not None:
             self._on_lost(self.lost_events)
+
+
+def _remote_writes(e: Any) -> RemoteWrites | None:
+    """A transfer's RDMA writes from its copy event; the probe's monotonic post times become
+    this node's wall clock, what the receiver's events are stamped with."""
+    if not e.runs and not e.runs_lost:
+        return None
+    wall = time.time_ns() - time.monotonic_ns()
+    n = min(e.runs, len(e.run_addr))
+    return RemoteWrites(
+        e.remote_lo,
+        e.remote_hi,
+        tuple(zip(e.run_addr[:n], e.run_len[:n], strict=True)),
+        e.runs_lost,
+        e.first_write_ns + wall if e.first_write_ns else 0,
+        e.last_write_ns + wall if e.last_write_ns else 0,
+    )
+
+
+def wire_event(report: WireReport) -> pb.Wire:
+    """A report as the `wire` event the agent sends (and `kvguard witness` prints)."""
+    wire = pb.Wire(
+        xfer=report.xfer, bytes=report.bytes, calls=report.calls, probe=report.probe, complete=report.complete
+    )
+    remote = report.remote
+    if remote is not None:
+        wire.remote_lo, wire.remote_hi = remote.lo, remote.hi
+        wire.writes.extend(pb.RemoteRun(addr=a, bytes=n) for a, n in remote.runs)
+        wire.writes_lost, wire.first_write_ns, wire.last_write_ns = (
+            remote.lost,
+            remote.first_ns,
+            remote.last_ns,
+        )
+    return wire
 
 
 def mapped(pid: int, address: int) -> tuple[str, int] | None:

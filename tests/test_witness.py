@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from kvguard.cuda_hooks.tcp_stream import Streams, WireReport, transfer_of
-from kvguard.cuda_hooks.witness import BpfWitness, NullWitness, open_witness
+from kvguard.cuda_hooks.witness import RUNS_KEPT, BpfWitness, NullWitness, open_witness
 from kvguard.daemon.process import start_agent, start_daemon
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
@@ -402,7 +402,8 @@ void setup(void) {
     struct ibv_pd pd = {.context = ibv_open_device(NULL)};
     qp = ibv_create_qp(&pd, NULL);
 }
-int post(int wrs, int sges, unsigned length, int opcode, int imm) {
+int post(int wrs, int sges, unsigned length, int opcode, int imm, unsigned long long offset,
+         unsigned long long stride) {
     struct ibv_send_wr *wr = calloc(wrs, sizeof(*wr)), *bad = NULL;
     struct ibv_sge *sge = calloc(wrs * sges, sizeof(*sge));
     for (int i = 0; i < wrs; i++) {
@@ -410,7 +411,7 @@ int post(int wrs, int sges, unsigned length, int opcode, int imm) {
             sge[i * sges + j].length = length;
         wr[i] = (struct ibv_send_wr){.next = i + 1 < wrs ? &wr[i + 1] : NULL, .sg_list = &sge[i * sges],
                                      .num_sge = sges, .opcode = opcode, .imm_data = imm};
-        wr[i].wr.rdma.remote_addr = 0x7f0000000000ull + i * 4096;
+        wr[i].wr.rdma.remote_addr = 0x7f0000000000ull + offset + i * stride;
     }
     int status = ibv_post_send(qp, wr, &bad);
     free(wr);
@@ -430,7 +431,7 @@ sys.stdin.readline()  # the provider's post_send is probed now
 status = {}
 for xfer, posts in json.loads(sys.argv[2]).items():
     with label.transfer(xfer):
-        status[xfer] = [transfer.post(*post) for post in posts]
+        status[xfer] = [transfer.post(*post[:5], ctypes.c_ulonglong(post[5]), ctypes.c_ulonglong(post[6])) for post in posts]
 print(json.dumps(status), flush=True)
 """
 
@@ -442,10 +443,18 @@ def test_the_witness_follows_work_requests_to_a_providers_post_send(
     compile_c(tmp_path, "libibverbs.so.1", STUB_VERBS, (tmp_path, "libfake-rdmav34.so"))
     transfer = compile_c(tmp_path, "libtransfer.so", TRANSFER, (tmp_path, "libibverbs.so.1"))
     write, send, compare_swap = 0, 2, 5  # IBV_WR_RDMA_WRITE, IBV_WR_SEND, IBV_WR_ATOMIC_CMP_AND_SWP
-    # x1: 3 writes of 2 x 4 KiB, a 100-byte send, an atomic (no data), a post the provider
-    # refuses; x2: a chain longer than the probe follows (32 work requests)
-    x1 = [[3, 2, 4096, write, 0], [1, 1, 100, send, 0], [1, 1, 8, compare_swap, 0], [2, 1, 50, write, 13]]
-    plan = {"p0-x1": x1, "p0-x2": [[40, 1, 10, write, 0]]}
+    # Each post: work requests, SGEs each, bytes per SGE, opcode, immediate (13: refused), the
+    # first remote address's offset from base, the step between work requests' addresses.
+    # x1: 3 writes of 2 x 4 KiB 4 KiB apart (overlapping), a 100-byte send, an atomic (no
+    # data), a post the provider refuses; x2: a chain longer than the probe follows (32 work
+    # requests); x3: 4 adjacent writes, then 2 more right after them in a second post (one
+    # run), and one elsewhere; x4: more separate writes than the probe keeps runs of.
+    k4 = 4096
+    x1 = [[3, 2, k4, write, 0, 0, k4], [1, 1, 100, send, 0, 0, 0], [1, 1, 8, compare_swap, 0, 0, 0]]
+    x1.append([2, 1, 50, write, 13, 0, k4])
+    x3 = [[4, 1, k4, write, 0, 0, k4], [2, 1, k4, write, 0, 4 * k4, k4], [1, 1, 10, write, 0, 100 * k4, 0]]
+    x4 = [[1, 1, 10, write, 0, i * k4, 0] for i in range(RUNS_KEPT + 44)]
+    plan = {"p0-x1": x1, "p0-x2": [[40, 1, 10, write, 0, 0, k4]], "p0-x3": x3, "p0-x4": x4}
     reports: list[WireReport] = []
     witness = open_witness(lambda name, r: reports.append(r))
     assert isinstance(witness, BpfWitness)
@@ -456,23 +465,41 @@ def test_the_witness_follows_work_requests_to_a_providers_post_send(
             wait_for(
                 lambda: any(p[2] == "rdma_post_send" for p in witness.attached(pid)), "a provider's probe"
             )
+            before = time.time_ns()
             say(engine, "go")
             status = json.loads(hear(engine))
-            wait_for(lambda: len(reports) == 2, "two reports")
+            after = time.time_ns()
+            wait_for(lambda: len(reports) == 4, "four reports")
     finally:
         witness.close()
-    assert status == {"p0-x1": [0, 0, 0, 22], "p0-x2": [0]}
+    assert status == {"p0-x1": [0, 0, 0, 22], "p0-x2": [0], "p0-x3": [0, 0, 0], "p0-x4": [0] * len(x4)}
     provider = [p for p in witness.attached(engine.pid) if p[2] == "rdma_post_send"]
     assert len(provider) == 1 and provider[0][0].endswith("libfake-rdmav34.so")  # found by address
-    by_xfer = {r.xfer: (r.bytes, r.calls, r.complete, r.probe, r.remote) for r in reports}
+    by_xfer = {r.xfer: r for r in reports}
+    counts = {x: (r.bytes, r.calls, r.complete, r.probe) for x, r in by_xfer.items()}
     # x1: the writes and the send (the atomic moves no data, the refused post moved nothing);
     # x2: a lower bound, and said to be one.
-    # The writes' remote memory: work request i writes 2 x 4 KiB at base + i * 4 KiB, so the
-    # last ends at base + 2 * 4 KiB + 8 KiB (the send's remote address means nothing: not counted).
+    assert counts == {
+        "p0-x1": (3 * 2 * k4 + 100, 4, True, "ebpf:rdma"),
+        "p0-x2": (32 * 10, 32, False, "ebpf:rdma"),
+        "p0-x3": (6 * k4 + 10, 7, True, "ebpf:rdma"),
+        "p0-x4": (10 * len(x4), len(x4), True, "ebpf:rdma"),
+    }
+    # Where the writes went (the send's remote address means nothing: not counted), and when.
     base = 0x7F0000000000
-    assert by_xfer == {
-        "p0-x1": (3 * 2 * 4096 + 100, 4, True, "ebpf:rdma", (base, base + 2 * 4096 + 2 * 4096)),
-        "p0-x2": (32 * 10, 32, False, "ebpf:rdma", (base, base + 31 * 4096 + 10)),
+    remote = {x: r.remote for x, r in by_xfer.items()}
+    assert all(w is not None and before <= w.first_ns <= w.last_ns <= after for w in remote.values())
+    where = {x: (w.lo, w.hi, w.runs, w.lost) for x, w in remote.items() if w is not None}
+    assert where == {
+        "p0-x1": (base, base + 4 * k4, tuple((base + i * k4, 2 * k4) for i in range(3)), 0),
+        "p0-x2": (base, base + 31 * k4 + 10, tuple((base + i * k4, 10) for i in range(32)), 0),
+        "p0-x3": (base, base + 100 * k4 + 10, ((base, 6 * k4), (base + 100 * k4, 10)), 0),
+        "p0-x4": (
+            base,
+            base + (len(x4) - 1) * k4 + 10,
+            tuple((base + i * k4, 10) for i in range(RUNS_KEPT)),
+            44,
+        ),
     }
 
 

@@ -55,7 +55,7 @@ class Event(_message.Message):
     def __init__(self, node: _Optional[str] = ..., seq: _Optional[int] = ..., ts_ns: _Optional[int] = ..., pool: _Optional[_Union[PoolReport, _Mapping]] = ..., admit: _Optional[_Union[Admit, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., bootstrap: _Optional[_Union[Bootstrap, _Mapping]] = ..., alloc: _Optional[_Union[Alloc, _Mapping]] = ..., write: _Optional[_Union[Write, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., hold: _Optional[_Union[Hold, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., share: _Optional[_Union[Share, _Mapping]] = ..., read: _Optional[_Union[Read, _Mapping]] = ..., xfer_send: _Optional[_Union[XferSend, _Mapping]] = ..., xfer_recv: _Optional[_Union[XferRecv, _Mapping]] = ..., wire: _Optional[_Union[Wire, _Mapping]] = ..., kill: _Optional[_Union[Kill, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., scrub: _Optional[_Union[Scrub, _Mapping]] = ...) -> None: ...
 
 class PoolReport(_message.Message):
-    __slots__ = ("pool", "role", "engine", "engine_version", "model", "page_size", "num_pages", "context_len", "max_prompt_tokens", "kv_dtype", "tp_size", "quant", "mem_fraction", "source")
+    __slots__ = ("pool", "role", "engine", "engine_version", "model", "page_size", "num_pages", "context_len", "max_prompt_tokens", "kv_dtype", "tp_size", "quant", "mem_fraction", "source", "regions")
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class PoolReport(_message.Message):
     QUANT_FIELD_NUMBER: _ClassVar[int]
     MEM_FRACTION_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
     pool: int
     role: str
     engine: str
@@ -84,7 +85,18 @@ class PoolReport(_message.Message):
     quant: str
     mem_fraction: float
     source: str
-    def __init__(self, pool: _Optional[int] = ..., role: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., model: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., context_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., quant: _Optional[str] = ..., mem_fraction: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
+    regions: _containers.RepeatedCompositeFieldContainer[KvRegion]
+    def __init__(self, pool: _Optional[int] = ..., role: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., model: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., context_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., quant: _Optional[str] = ..., mem_fraction: _Optional[float] = ..., source: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[KvRegion, _Mapping]]] = ...) -> None: ...
+
+class KvRegion(_message.Message):
+    __slots__ = ("base", "stride", "page_bytes")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    base: int
+    stride: int
+    page_bytes: int
+    def __init__(self, base: _Optional[int] = ..., stride: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class Admit(_message.Message):
     __slots__ = ("req", "tenant", "prompt_tokens", "stage")
@@ -273,7 +285,7 @@ class XferRecv(_message.Message):
     def __init__(self, req: _Optional[str] = ..., xfer: _Optional[str] = ..., peer_node: _Optional[str] = ..., pool: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., status: _Optional[str] = ..., claimed_tokens: _Optional[int] = ..., claimed_bytes: _Optional[int] = ..., claimed_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Wire(_message.Message):
-    __slots__ = ("xfer", "peer_node", "bytes", "calls", "probe", "complete", "remote_lo", "remote_hi")
+    __slots__ = ("xfer", "peer_node", "bytes", "calls", "probe", "complete", "remote_lo", "remote_hi", "writes", "writes_lost", "first_write_ns", "last_write_ns")
     XFER_FIELD_NUMBER: _ClassVar[int]
     PEER_NODE_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +294,10 @@ class Wire(_message.Message):
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_LO_FIELD_NUMBER: _ClassVar[int]
     REMOTE_HI_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
+    WRITES_LOST_FIELD_NUMBER: _ClassVar[int]
+    FIRST_WRITE_NS_FIELD_NUMBER: _ClassVar[int]
+    LAST_WRITE_NS_FIELD_NUMBER: _ClassVar[int]
     xfer: str
     peer_node: str
     bytes: int
@@ -290,7 +306,19 @@ class Wire(_message.Message):
     complete: bool
     remote_lo: int
     remote_hi: int
-    def __init__(self, xfer: _Optional[str] = ..., peer_node: _Optional[str] = ..., bytes: _Optional[int] = ..., calls: _Optional[int] = ..., probe: _Optional[str] = ..., complete: _Optional[bool] = ..., remote_lo: _Optional[int] = ..., remote_hi: _Optional[int] = ...) -> None: ...
+    writes: _containers.RepeatedCompositeFieldContainer[RemoteRun]
+    writes_lost: int
+    first_write_ns: int
+    last_write_ns: int
+    def __init__(self, xfer: _Optional[str] = ..., peer_node: _Optional[str] = ..., bytes: _Optional[int] = ..., calls: _Optional[int] = ..., probe: _Optional[str] = ..., complete: _Optional[bool] = ..., remote_lo: _Optional[int] = ..., remote_hi: _Optional[int] = ..., writes: _Optional[_Iterable[_Union[RemoteRun, _Mapping]]] = ..., writes_lost: _Optional[int] = ..., first_write_ns: _Optional[int] = ..., last_write_ns: _Optional[int] = ...) -> None: ...
+
+class RemoteRun(_message.Message):
+    __slots__ = ("addr", "bytes")
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    addr: int
+    bytes: int
+    def __init__(self, addr: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Kill(_message.Message):
     __slots__ = ("req", "finding", "by")
