@@ -119,7 +119,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     store = Store(args.store)
     writer = StoreWriter(args.store)  # hashing and inserts run on another core, overlapping the ledger
-    daemon = Daemon(store, ruleset, mode=args.mode, writer=writer)
+    skew = int(args.clock_skew_ms * 1_000_000)
+    daemon = Daemon(store, ruleset, mode=args.mode, writer=writer, clock_skew_ns=skew)
     server = serve(daemon, args.listen, tls)
     port = server.port
     print(
@@ -327,7 +328,20 @@ def power_of_two(text: str) -> int:
     return n
 
 
+def milliseconds(text: str) -> float:
+    """An argparse type: a duration in milliseconds, not negative."""
+    try:
+        ms = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds") from None
+    if not 0 <= ms < 1e9:
+        raise argparse.ArgumentTypeError(f"{ms} ms is not a duration from 0 up")
+    return ms
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from kvguard.ledger.ledger import CLOCK_SKEW_NS
+
     parser = argparse.ArgumentParser(
         prog="kvguard", description="KV-cache ownership guard for shared LLM inference."
     )
@@ -351,6 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
     p.add_argument(
         "--mode", choices=("monitor", "enforce"), default="enforce", help="monitor: never order a kill"
+    )
+    p.add_argument(
+        "--clock-skew-ms",
+        type=milliseconds,
+        default=CLOCK_SKEW_NS / 1e6,
+        metavar="MS",
+        help="how far the nodes' clocks may disagree (default %(default)s): an RDMA write seen posted "
+        "within this of a change of the page it hit is not judged",
     )
     tls_arguments(p)
     p.set_defaults(func=cmd_daemon)

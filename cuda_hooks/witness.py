@@ -173,7 +173,9 @@ class BpfWitness:
     ) -> None:
         self._uprobes = UPROBES if uprobes else {}
         self._bcc = bcc
-        self._bpf = bcc.BPF(src_file=str(PROGRAM).encode(), cflags=[f"-DHEAD={HEAD}", f"-DMAX_RUNS={RUNS_KEPT}"])
+        self._bpf = bcc.BPF(
+            src_file=str(PROGRAM).encode(), cflags=[f"-DHEAD={HEAD}", f"-DMAX_RUNS={RUNS_KEPT}"]
+        )
         self._on_report = on_report
         self._on_lost = on_lost
         self._names: dict[int, str] = {}

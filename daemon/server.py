@@ -47,7 +47,7 @@ from kvguard.daemon.store import EventRun, Record, Store, StoreError, rows_of
 from kvguard.daemon.tls import Tls, peer_names
 from kvguard.daemon.writer import StoreWriter
 from kvguard.ledger.findings import KILL_ACTIONS, Finding
-from kvguard.ledger.ledger import BadEvent, Ledger
+from kvguard.ledger.ledger import CLOCK_SKEW_NS, BadEvent, Ledger
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
@@ -153,13 +153,14 @@ class Daemon:
         *,
         mode: str = "enforce",
         writer: StoreWriter | None = None,
+        clock_skew_ns: int = CLOCK_SKEW_NS,
     ) -> None:
         if mode not in ("monitor", "enforce"):
             raise ValueError(f"daemon mode {mode!r} is not monitor or enforce")
         self.mode = mode  # monitor: record and alert, never order a kill
         self.store = store
         self.ruleset = ruleset if ruleset is not None else load_ruleset()
-        self.ledger = Ledger()
+        self.ledger = Ledger(clock_skew_ns=clock_skew_ns)  # the same on every start: same verdicts
         self.lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self.subscribers: list[Subscriber] = []

@@ -15,7 +15,11 @@ Invariants kept here:
   of a transfer already in flight into pages it still holds): anything else is
   rejected_progress;
 - a transfer is reconciled from every side that reports it: bootstrap (what decode
-  expects), the decode reservation, the sender, the receiver and the wire probes.
+  expects), the decode reservation, the sender, the receiver and the wire probes;
+- an RDMA write a probe saw posted is judged against the receiver's pages only where their
+  state has not changed since before it was posted (allowing clock_skew_ns between the
+  nodes' clocks), and only once the receiver's own events have passed that time: what
+  cannot be decided is counted (stats.remote_unjudged), never guessed.
 """
 
 from __future__ import annotations
@@ -43,9 +47,17 @@ ROLES = ("prefill", "decode", "colocated")
 STAGES = ("prefill", "decode")
 STATUSES = ("done", "failed", "refused")  # refused: the receiver kept the KV out of its pages
 ENDED = ("rejected", "aborted", "killed")
-_POOL_FIELDS = tuple(f.name for f in pb.PoolReport.DESCRIPTOR.fields if f.name not in ("pool", "source"))
+# Compared for config drift: not where the pages lie (a restarted engine registers new memory).
+_POOL_FIELDS = tuple(
+    f.name for f in pb.PoolReport.DESCRIPTOR.fields if f.name not in ("pool", "source", "regions")
+)
 _NO_FINDINGS: tuple[Finding, ...] = ()
 GRANT_RUNS = 16  # a request's grants in one pool kept as separate arrays before they are merged
+MAX_REGIONS = 1 << 16  # KvRegions of one pool
+MAX_RUNS = 1 << 16  # remote write ranges of one wire event
+CLOCK_SKEW_NS = 10_000_000  # how far two nodes' clocks may disagree (NTP in one data centre: < 1 ms)
+_U64 = 1 << 64
+RECV_HOLD = HOLDER_INDEX["transfer_recv"]
 
 
 class BadEvent(ValueError):
@@ -66,6 +78,9 @@ class Pool:
     pages: PoolPages
     history: list[tuple[int, int, pb.PoolReport]] = field(default_factory=list)  # (seq, ts_ns, report)
     live: dict[int, int] = field(default_factory=dict)  # request index -> pages it holds a grant on now
+    # Registered for RDMA: [n, 3] uint64 rows (base, stride, page bytes) of report.regions.
+    # Only then is pages.since kept: no other pool's pages can be judged by remote address.
+    regions: np.ndarray | None = None
 
     @property
     def tokens(self) -> int:
@@ -128,6 +143,7 @@ class Side:
     checksums: np.ndarray
     status: str
     seq: int
+    peer: str = ""  # the other end's node, as this side named it
 
     @property
     def done(self) -> bool:
@@ -144,6 +160,19 @@ class Seen:
 
 
 @dataclass(slots=True)
+class Posted:
+    """RDMA writes of one transfer that a probe saw the sender post: remote ranges [addr,
+    end) and the time the first was posted (sender's wall clock), to be judged against the
+    receiver's pages."""
+
+    probe: str
+    addr: np.ndarray  # uint64
+    end: np.ndarray  # uint64
+    first_ns: int
+    seen_by: str  # "node#seq" of the wire event
+
+
+@dataclass(slots=True)
 class Transfer:
     """Both ends of one prefill->decode KV transfer, and what each wire probe saw (probes
     are independent witnesses of the same bytes: each is compared with the claim alone)."""
@@ -153,6 +182,7 @@ class Transfer:
     send: Side | None = None
     recv: Side | None = None
     wire: dict[str, Seen] = field(default_factory=dict)  # by probe
+    posted: list[Posted] = field(default_factory=list)  # until its request and receiver are known
 
 
 class Request:
@@ -208,16 +238,37 @@ class LedgerStats:
     page_transitions: int = 0
     missing: int = 0  # sequence numbers never seen (gaps)
     suppressed: int = 0  # repeats of an already reported finding
+    remote_unjudged: int = 0  # pages an RDMA write hit whose state changed since: not decidable
 
 
 def _pages(values: Iterable[int]) -> np.ndarray:
     return np.array(values, dtype=np.intp)
 
 
+def _pages_written(regions: np.ndarray, num_pages: int, addr: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """The pages of a pool (its regions: rows of base, stride, page bytes) that any of the
+    address ranges [addr, end) overlaps, sorted. Bounded by the pool's size whatever the
+    ranges: each (range, region) pair marks an interval of pages."""
+    base, stride, size = (regions[:, i][None, :] for i in range(3))
+    lo, hi = addr[:, None], end[:, None]
+    top = base + stride * np.uint64(num_pages)
+    hit = (hi > base) & (lo < top)
+    start = np.maximum(lo, base) - base  # offsets into the region, no wrap: both >= base
+    stop = np.minimum(hi, top) - base
+    first = start // stride
+    first += (start - first * stride >= size).astype(np.uint64)  # began in the gap after a page
+    last = (stop - np.uint64(1)) // stride
+    hit &= first <= last
+    marks = np.zeros(num_pages + 1, np.int64)
+    np.add.at(marks, first[hit].astype(np.intp), 1)
+    np.add.at(marks, last[hit].astype(np.intp) + 1, -1)
+    return np.flatnonzero(np.cumsum(marks[:-1]) > 0)
+
+
 class Ledger:
     """The global (or node-local) ownership ledger."""
 
-    def __init__(self, *, dedupe: bool = True) -> None:
+    def __init__(self, *, dedupe: bool = True, clock_skew_ns: int = CLOCK_SKEW_NS) -> None:
         self.nodes: dict[str, Node] = {}
         self.requests: list[Request] = [Request(id="", idx=NOBODY)]
         self._req_index: dict[str, int] = {}
@@ -227,6 +278,9 @@ class Ledger:
         self._reported: set[tuple[Any, ...]] = set()
         self._drift_pairs: set[tuple[str, str, str]] = set()
         self._wire_pending: dict[int, Transfer] = {}  # request -> transfer the probe saw short so far
+        self.clock_skew_ns = clock_skew_ns
+        # receiver node -> RDMA writes waiting for its events to pass the time they were posted
+        self._posted: dict[str, list[tuple[Transfer, Posted]]] = {}
         self.last_missing = 0
         # Context of the event being applied, for the findings it raises.
         self._node = ""
@@ -291,6 +345,8 @@ class Ledger:
         # Only an applied event advances its node's sequence: a malformed one, whose number
         # may be as wrong as the rest of it, must not make later valid events look repeated.
         node.last_seq, node.last_ts_ns = seq, event.ts_ns
+        if self._posted and event.node in self._posted:
+            self._judge_posted(node)
         self.stats.events[kind] += 1
         self.last_missing = missing
         if missing:
@@ -418,6 +474,7 @@ class Ledger:
         pages: np.ndarray,
         victims: np.ndarray,
         text: Callable[[int], str],
+        details: dict[str, Any] | None = None,
     ) -> None:
         """One finding per distinct victim among `pages` (victims[i] is pages[i]'s victim)."""
         for victim in np.unique(victims):
@@ -429,6 +486,7 @@ class Ledger:
                 victim=int(victim),
                 pool=pool,
                 pages=sel,
+                details=details,
                 key=(pool.pool,),
             )
 
@@ -441,6 +499,7 @@ class Ledger:
             raise self._bad(f"pool: page_size {rep.page_size} is not in 1..{MAX_PAGE_SIZE}")
         if not 1 <= rep.num_pages <= MAX_PAGES:
             raise self._bad(f"pool: num_pages {rep.num_pages} is not in 1..{MAX_PAGES}")
+        regions = self._regions(rep)
         report = pb.PoolReport()
         report.CopyFrom(rep)
         old = node.pools.get(rep.pool)
@@ -469,7 +528,12 @@ class Ledger:
                 )
                 if rep.num_pages != old.pages.num_pages or rep.page_size != old.pages.page_size:
                     pool.pages = PoolPages(rep.num_pages, rep.page_size)  # a new engine, a new pool
+                    pool.regions = None
             pool.report = report
+        if regions is not None and pool.regions is None:
+            # From now on changes are timed; before now, nothing is known of them.
+            pool.pages.since[:] = self._ts
+        pool.regions = regions
         pool.history.append((self._seq, self._ts, report))
         tokens = rep.page_size * rep.num_pages
         for limit, what in (
@@ -486,6 +550,24 @@ class Ledger:
                     details={"pool_tokens": tokens, "limit": limit, "what": what},
                     key=("undersized", rep.pool, what, tokens, limit),
                 )
+
+    def _regions(self, rep: pb.PoolReport) -> np.ndarray | None:
+        """A pool report's KvRegions as [n, 3] uint64 rows (base, stride, page bytes), checked."""
+        if not rep.regions:
+            return None
+        if len(rep.regions) > MAX_REGIONS:
+            raise self._bad(f"pool: {len(rep.regions)} regions (at most {MAX_REGIONS})")
+        rows = []
+        for i, g in enumerate(rep.regions):
+            size = g.page_bytes or g.stride
+            if not g.stride or size > g.stride:
+                raise self._bad(f"pool: region {i} has stride {g.stride} and page_bytes {g.page_bytes}")
+            if g.base + g.stride * rep.num_pages >= _U64:
+                raise self._bad(
+                    f"pool: region {i} ({rep.num_pages} pages of {g.stride} at {g.base:#x}) wraps"
+                )
+            rows.append((g.base, g.stride, size))
+        return np.array(rows, dtype=np.uint64)
 
     def _capacity(self, node: Node) -> tuple[int, int]:
         """(largest pool in tokens, smallest advertised context length) of a node; 0 if unknown."""
@@ -606,6 +688,8 @@ class Ledger:
         pp.owner[pages] = r.idx
         pp.own[pages] = NOBODY
         pp.prior[pages] = pp.writer[pages]
+        if pool.regions is not None:
+            pp.since[pages] = self._ts
         grants = r.history.get(key := (node.name, a.pool))
         if grants is None:
             r.history[key] = [pages]
@@ -683,11 +767,13 @@ class Ledger:
         drain: bool,
         owner: np.ndarray | None = None,
         land: bool = True,
+        via: tuple[str, str, str] | None = None,
     ) -> None:
         """KV of request r lands in `pages`. Pages r does not own are a late write (another
         request owns them now) or a use after free (nobody does), except, when `drain`, pages
         kept alive by a transfer_recv hold: the end of a transfer already in flight. With
-        land=False the write was attempted but refused: it is judged, the pages keep their KV."""
+        land=False the write was attempted but refused: it is judged, the pages keep their KV.
+        `via`: (probe, its event, xfer) when a probe saw the write, not the engine."""
         pp = pool.pages
         if owner is None:
             owner = pp.owner[pages]
@@ -699,6 +785,12 @@ class Ledger:
             if drain:
                 bad = ~pp.draining(r.idx, sel, other)
             late = bad & (other >= 0)
+            details = None
+            how = ""
+            if via is not None:
+                probe, event, xfer = via
+                details = {"probe": probe, "witness": event, "xfer": xfer}
+                how = f" by RDMA (transfer {xfer}, seen posted by {probe}, {event})"
             if late.any():
                 self._by_victim(
                     "late_write",
@@ -706,17 +798,19 @@ class Ledger:
                     pool,
                     sel[late],
                     other[late],
-                    lambda v: f"{r.id} wrote KV into pages now granted to {self._name(v)}",
+                    lambda v: f"{r.id} wrote KV{how} into pages now granted to {self._name(v)}",
+                    details,
                 )
             freed = bad & (other < 0)
             if freed.any():
                 self._report(
                     "use_after_free",
-                    f"{r.id} wrote KV into {int(freed.sum())} page(s) of pool {pool.pool} on {pool.node} "
-                    "that it no longer holds",
+                    f"{r.id} wrote KV{how} into {int(freed.sum())} page(s) of pool {pool.pool} on "
+                    f"{pool.node} that it no longer holds",
                     req=r,
                     pool=pool,
                     pages=sel[freed],
+                    details=details,
                     key=(pool.pool, "write"),
                 )
             mine = pages[~foreign]
@@ -750,6 +844,8 @@ class Ledger:
         pp.owner[pages] = ~r.idx
         pp.own[pages] = NOBODY
         pp.use[pages] -= 1
+        if pool.regions is not None:
+            pp.since[pages] = self._ts
         if n_mine:
             pool.live[r.idx] -= n_mine
         r.freed_pages += n_mine
@@ -796,6 +892,8 @@ class Ledger:
         pp.holds[k, pages] += 1
         pp.use[pages] += 1
         pp.holder_req[k, pages] = r.idx
+        if k == RECV_HOLD and pool.regions is not None:  # where a draining transfer may land
+            pp.since[pages] = self._ts
         self.stats.page_transitions += len(pages)
 
     def _on_release(self, node: Node, h: pb.Release) -> None:
@@ -823,6 +921,8 @@ class Ledger:
             pages = pages[held]
         pp.holds[k, pages] -= 1
         pp.use[pages] -= 1
+        if k == RECV_HOLD and pool.regions is not None:
+            pp.since[pages] = self._ts
         self.stats.page_transitions += len(pages)
 
     def _on_share(self, node: Node, s: pb.Share) -> None:
@@ -1071,8 +1171,9 @@ class Ledger:
         if x.status == "done":
             # What leaves the node must be the sender's own KV, like what attention reads.
             self._check_read(r, pool, pages, tokens)
+        checksums = np.array(x.checksums, np.uint64)
         t.send = Side(
-            node.name, x.pool, pages, x.tokens, x.bytes, np.array(x.checksums, np.uint64), x.status, self._seq
+            node.name, x.pool, pages, x.tokens, x.bytes, checksums, x.status, self._seq, x.peer_node
         )
         r.sent_pages += len(x.pages)
         r.sent_tokens += x.tokens
@@ -1106,8 +1207,9 @@ class Ledger:
         if x.status in ("done", "refused") and need:
             slots = pool.pages.slots_read(need, x.tokens)
             self._write(r, pool, pages[:need], slots, drain=True, land=x.status == "done")
+        checksums = np.array(x.checksums, np.uint64)
         t.recv = Side(
-            node.name, x.pool, pages, x.tokens, x.bytes, np.array(x.checksums, np.uint64), x.status, self._seq
+            node.name, x.pool, pages, x.tokens, x.bytes, checksums, x.status, self._seq, x.peer_node
         )
         r.received_pages += len(x.pages)
         r.received_tokens += x.tokens
@@ -1159,12 +1261,80 @@ class Ledger:
         seen = t.wire.get(w.probe)
         if seen is None:
             seen = t.wire[w.probe] = Seen()
+        posted = self._posted_writes(w)
         seen.bytes += w.bytes
         seen.calls += w.calls
         seen.complete |= w.complete
+        if posted is not None:
+            t.posted.append(posted)
         r = self.request(t.req) if t.req else None
         if r is not None:
             self._reconcile(r, t)
+
+    def _posted_writes(self, w: pb.Wire) -> Posted | None:
+        """A wire event's RDMA write ranges, checked; None when it has none, or no time to
+        judge them by (counted: those pages cannot be judged)."""
+        if not w.writes:
+            return None
+        if len(w.writes) > MAX_RUNS:
+            raise self._bad(f"wire: {len(w.writes)} write ranges (at most {MAX_RUNS})")
+        addr = np.fromiter((run.addr for run in w.writes), np.uint64, len(w.writes))
+        size = np.fromiter((run.bytes for run in w.writes), np.uint64, len(w.writes))
+        if not size.all():
+            raise self._bad(f"wire: write range {int(np.argmin(size))} of transfer {w.xfer} has no bytes")
+        if (addr > np.uint64(_U64 - 1) - size).any():
+            raise self._bad(
+                f"wire: a write range of transfer {w.xfer} runs past the end of the address space"
+            )
+        if w.first_write_ns <= 0:
+            self.stats.remote_unjudged += len(w.writes)
+            return None
+        return Posted(w.probe, addr, addr + size, w.first_write_ns, f"{self._node}#{self._seq}")
+
+    def _route_posted(self, r: Request, t: Transfer) -> None:
+        """A transfer's posted writes wait, under its receiver, for the receiver's events."""
+        receiver = (
+            t.recv.node
+            if t.recv is not None
+            else (
+                t.send.peer if t.send is not None and t.send.peer else (r.bootstrap[1] if r.bootstrap else "")
+            )
+        )
+        if receiver:
+            self._posted.setdefault(receiver, []).extend((t, p) for p in t.posted)
+            t.posted = []
+
+    def _judge_posted(self, node: Node) -> None:
+        """The RDMA writes posted into this node's memory whose time its events have passed:
+        each page they hit whose state has not changed since (by more than the clock skew)
+        before the first was posted was in that state when they landed; a page not granted to
+        the transfer's request, nor kept for it by a transfer_recv hold, was written by
+        someone else's transfer."""
+        waiting = []
+        for t, posted in self._posted.pop(node.name):
+            before = posted.first_ns - self.clock_skew_ns
+            if node.last_ts_ns < before:  # its events may not have reached that time yet
+                waiting.append((t, posted))
+                continue
+            r = self.request(t.req)
+            for pool in node.pools.values():
+                if pool.regions is None or r is None:
+                    continue
+                pages = _pages_written(pool.regions, pool.pages.num_pages, posted.addr, posted.end)
+                since = pool.pages.since[pages]
+                known = (since > 0) & (since < before)
+                self.stats.remote_unjudged += len(pages) - int(np.count_nonzero(known))
+                self._write(
+                    r,
+                    pool,
+                    pages[known],
+                    pool.pages.page_size,
+                    drain=True,
+                    land=False,
+                    via=(posted.probe, posted.seen_by, t.xfer),
+                )
+        if waiting:
+            self._posted[node.name] = waiting
 
     def _mismatch(
         self,
@@ -1220,6 +1390,8 @@ class Ledger:
 
     def _reconcile(self, r: Request, t: Transfer) -> None:
         """Compare what each side reported of transfer t, as soon as two sides have spoken."""
+        if t.posted:
+            self._route_posted(r, t)
         send, recv = t.send, t.recv
         if send and recv and send.done and recv.done:
             self._compare(r, t, send, recv)

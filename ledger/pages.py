@@ -12,6 +12,9 @@ Invariants, for every page p (`use` and `holds` count live users; `owner` is sig
 - writer/wgen/valid describe the KV in the page: who wrote it, under which alloc_gen, and
   how many token slots are valid; prior[p] is the writer at hand-out time, i.e. whose data
   still sits in the slots beyond `valid`.
+- in a pool registered for RDMA (the ledger's Pool.regions), since[p] is the node's time of
+  the last change of what decides where a write may land (owner, transfer_recv holds); 0:
+  unknown. A remote write posted later than since[p] found the page as it is now.
 
 Every update of the ledger is one vectorised operation over an event's page list; callers
 pass page indices as an intp array (bounds are checked by the first gather).
@@ -42,6 +45,7 @@ class PoolPages:
         "owner",
         "page_size",
         "prior",
+        "since",
         "use",
         "valid",
         "wgen",
@@ -62,6 +66,7 @@ class PoolPages:
         self.valid = np.zeros(n, np.uint32)
         self.own = np.zeros(n, np.int32)
         self.prior = np.zeros(n, np.int32)
+        self.since = np.zeros(n, np.int64)
 
     def slots_read(self, count: int, tokens: int) -> np.ndarray:
         """Token slots read in each of `count` pages by a context of `tokens` tokens."""

@@ -480,3 +480,183 @@ class TestWireWitness:
             "4096",
             "p0/shim",
         )
+
+
+MS = 1_000_000
+K_BASE, V_BASE, PAGE_BYTES = 0x7F00_0000_0000, 0x7F10_0000_0000, 4096  # decode's K and V buffers
+
+
+def rdma(pages: list[int], gap: int = 0) -> list[dict[str, int]]:
+    """Write ranges of a transfer into `pages` of decode's K and V regions, contiguous pages
+    merged as the witness merges them (`gap` bytes of each page left out)."""
+    runs = []
+    for base in (K_BASE, V_BASE):
+        for p in pages:
+            addr, size = base + p * PAGE_BYTES, PAGE_BYTES - gap
+            if runs and runs[-1]["addr"] + runs[-1]["bytes"] == addr:
+                runs[-1]["bytes"] += size
+            else:
+                runs.append({"addr": addr, "bytes": size})
+    return runs
+
+
+class TestRemoteWrites:
+    """RDMA writes a probe saw the prefill node post, judged against decode's pages through
+    the memory decode registered, by the time they were posted: the late write after an
+    abort, seen from outside both engines."""
+
+    def setup_method(self) -> None:
+        self.now = 1000 * MS
+        self.log = EventLog(clock=lambda: self.now)
+        self.ledger = Ledger()
+        self.found: list[Finding] = []
+        regions = [{"base": b, "stride": PAGE_BYTES} for b in (K_BASE, V_BASE)]
+        self.add("p0", "pool", pool=0, role="prefill", page_size=16, num_pages=16, context_len=256)
+        self.add(
+            "d0", "pool", pool=0, role="decode", page_size=16, num_pages=16, context_len=256, regions=regions
+        )
+        self.add(
+            "p0", "bootstrap", req="a", prefill_node="p0", decode_node="d0", prompt_tokens=48, tenant="acme"
+        )
+        self.add("p0", "admit", req="a", tenant="acme", prompt_tokens=48, stage="prefill")
+        self.add("p0", "alloc", req="a", pool=0, pages=[1, 2, 3])
+        self.add("p0", "write", req="a", pool=0, pages=[1, 2, 3])
+        self.add("p0", "hold", req="a", pool=0, pages=[1, 2, 3], holder="transfer_send")
+        self.add("d0", "admit", req="a", tenant="acme", prompt_tokens=48, stage="decode")
+        self.add("d0", "alloc", req="a", pool=0, pages=[4, 5, 6])
+
+    def add(self, node: str, payload: str, at_ms: float | None = None, **fields: object) -> list[Finding]:
+        if at_ms is not None:
+            self.now = int(at_ms * MS)
+        found = list(self.ledger.apply(self.log.add(node, payload, **fields)))
+        self.found += found
+        return found
+
+    def wire(self, pages: list[int], posted_ms: float, claim: bool = True, **more: object) -> list[Finding]:
+        """The witness's report of the transfer's writes, then (claim) prefill's report of it."""
+        fields = {"xfer": "x1", "probe": "ebpf:rdma", "bytes": 6 * PAGE_BYTES, "calls": 6, "complete": True}
+        fields |= {"writes": rdma(pages), "first_write_ns": int(posted_ms * MS)} | more
+        found = self.add("p0/ebpf", "wire", **fields)
+        if claim:
+            found += self.claim(posted_ms + 1)
+        return found
+
+    def claim(self, at_ms: float) -> list[Finding]:
+        send = {"req": "a", "xfer": "x1", "peer_node": "d0", "pool": 0, "pages": [1, 2, 3], "tokens": 48}
+        return self.add("p0", "xfer_send", at_ms, **send, bytes=6 * PAGE_BYTES, status="done")
+
+    def abort_and_regrant(self, at_ms: float) -> None:
+        """Decode aborts a, frees its pages, and grants them to initech's b."""
+        self.add("d0", "abort", at_ms, req="a", reason="client went away")
+        self.add("d0", "free", req="a", pool=0, pages=[4, 5, 6])
+        self.add("d0", "admit", req="b", tenant="initech", prompt_tokens=40, stage="decode")
+        self.add("d0", "alloc", req="b", pool=0, pages=[4, 5, 6])
+
+    def test_writes_into_the_requests_own_pages_are_clean(self) -> None:
+        self.wire([4, 5, 6], posted_ms=1100)
+        self.add("d0", "heartbeat", 1200)
+        assert self.found == [] and self.ledger.stats.remote_unjudged == 0
+
+    def test_a_write_posted_after_the_abort_is_a_late_write_into_the_new_owners_pages(self) -> None:
+        self.abort_and_regrant(at_ms=2000)
+        assert self.wire([4, 5, 6], posted_ms=2500) == []  # judged at decode's next event
+        (late,) = self.add("d0", "write", 2600, req="b", pool=0, pages=[4])
+        assert (late.finding, late.node, late.req, late.tenant) == ("late_write", "d0", "a", "acme")
+        assert (late.victim_req, late.victim_tenant, late.pages, late.pool) == ("b", "initech", (4, 5, 6), 0)
+        assert late.details == {"probe": "ebpf:rdma", "witness": "p0/ebpf#1", "xfer": "x1"}
+        assert self.ledger.stats.remote_unjudged == 0
+        assert "by RDMA (transfer x1, seen posted by ebpf:rdma" in late.message
+
+    def test_a_write_into_pages_nobody_holds_is_a_use_after_free(self) -> None:
+        self.add("d0", "abort", 2000, req="a", reason="client went away")
+        self.add("d0", "free", req="a", pool=0, pages=[4, 5, 6])
+        self.wire([4, 5, 6, 9], posted_ms=2500)
+        (uaf,) = self.add("d0", "heartbeat", 2600)
+        assert (uaf.finding, uaf.req, uaf.victim_req, uaf.pages) == ("use_after_free", "a", "", (4, 5, 6, 9))
+
+    def test_a_page_that_changed_around_the_post_is_not_judged(self) -> None:
+        # b's grant began 5 ms before the post: within the clocks' possible skew, the write
+        # may have landed before it. Nothing is claimed; the pages are counted as unjudged.
+        self.abort_and_regrant(at_ms=2000)
+        self.wire([4, 5, 6], posted_ms=2005)
+        self.add("d0", "write", 2600, req="b", pool=0, pages=[4])
+        assert self.found == [] and self.ledger.stats.remote_unjudged == 3
+
+    def test_writes_wait_until_the_receivers_events_pass_their_time(self) -> None:
+        # Decode's events of the abort are still on their way when the wire event arrives.
+        self.add("d0", "heartbeat", 1500)
+        self.wire([4, 5, 6], posted_ms=2500)
+        assert self.add("d0", "heartbeat", 1600) == []  # decode's clock is not there yet
+        self.abort_and_regrant(at_ms=2000)
+        (late,) = self.add("d0", "heartbeat", 2700)
+        assert (late.finding, late.victim_req) == ("late_write", "b")
+
+    def test_a_transfer_draining_into_pages_kept_for_it_is_clean(self) -> None:
+        self.add("d0", "hold", 1500, req="a", pool=0, pages=[4, 5, 6], holder="transfer_recv")
+        self.add("d0", "abort", 2000, req="a", reason="client went away")
+        self.add("d0", "free", req="a", pool=0, pages=[4, 5, 6])
+        self.wire([4, 5, 6], posted_ms=2500)
+        self.add("d0", "heartbeat", 2600)
+        assert self.found == []
+
+    def test_writes_wait_for_their_request_and_receiver(self) -> None:
+        # The wire event names only the transfer: its request and receiver come with the claim.
+        self.abort_and_regrant(at_ms=2000)
+        self.wire([4, 5, 6], posted_ms=2500, claim=False)
+        self.add("d0", "heartbeat", 2600)
+        assert self.found == []
+        self.claim(2700)
+        (late,) = self.add("d0", "heartbeat", 2800)
+        assert (late.finding, late.req, late.victim_req) == ("late_write", "a", "b")
+
+    def test_writes_outside_the_registered_pages_name_no_page(self) -> None:
+        # Gaps between pages (a region whose pages are not contiguous) and memory beyond the
+        # pool (decode's other registered buffers) are not KV pages.
+        self.abort_and_regrant(at_ms=2000)
+        outside = [{"addr": K_BASE - 64, "bytes": 64}, {"addr": K_BASE + 16 * PAGE_BYTES, "bytes": 1 << 20}]
+        self.wire([], posted_ms=2500, writes=outside)
+        self.add("d0", "heartbeat", 2600)
+        assert self.found == [] and self.ledger.stats.remote_unjudged == 0
+
+    @pytest.mark.parametrize(
+        ("payload", "fields", "reason"),
+        [
+            ("pool", {"regions": [{"base": 1, "stride": 0}]}, "region 0 has stride 0"),
+            ("pool", {"regions": [{"base": 1, "stride": 8, "page_bytes": 9}]}, "page_bytes 9"),
+            ("pool", {"regions": [{"base": (1 << 64) - 4096, "stride": 4096}]}, "wraps"),
+            ("wire", {"writes": [{"addr": 4096, "bytes": 0}]}, "has no bytes"),
+            ("wire", {"writes": [{"addr": (1 << 64) - 8, "bytes": 16}]}, "past the end of the address space"),
+        ],
+    )
+    def test_bad_ranges_are_refused_by_name(
+        self, payload: str, fields: dict[str, object], reason: str
+    ) -> None:
+        base = (
+            {"pool": 0, "role": "decode", "page_size": 16, "num_pages": 16}
+            if payload == "pool"
+            else {"xfer": "x1", "probe": "ebpf:rdma", "first_write_ns": 1}
+        )
+        with pytest.raises(BadEvent, match=reason):
+            self.add("d0" if payload == "pool" else "p0/ebpf", payload, **(base | fields))
+
+    def test_pages_written_match_a_page_by_page_reading(self) -> None:
+        from kvguard.ledger.ledger import _pages_written
+
+        rng = np.random.default_rng(7)
+        for _ in range(200):
+            num, stride = int(rng.integers(1, 40)), int(rng.integers(1, 64))
+            size = int(rng.integers(1, stride + 1))
+            bases = sorted(int(b) * 4096 for b in rng.choice(64, size=3, replace=False))
+            regions = np.array([(b, stride, size) for b in bases], np.uint64)
+            addr = np.array([int(a) for a in rng.integers(0, 64 * 4096, 5)], np.uint64)
+            end = addr + np.array([int(n) for n in rng.integers(1, 3 * stride * num + 2, 5)], np.uint64)
+            expect = sorted(
+                {
+                    p
+                    for b in bases
+                    for p in range(num)
+                    for lo, hi in zip(addr.tolist(), end.tolist(), strict=True)
+                    if lo < b + p * stride + size and hi > b + p * stride
+                }
+            )
+            assert _pages_written(regions, num, addr, end).tolist() == expect

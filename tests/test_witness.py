@@ -18,10 +18,13 @@ import grpc
 import pytest
 
 from kvguard.cuda_hooks.tcp_stream import Streams, WireReport, transfer_of
-from kvguard.cuda_hooks.witness import RUNS_KEPT, BpfWitness, NullWitness, open_witness
+from kvguard.cuda_hooks.witness import RUNS_KEPT, BpfWitness, NullWitness, open_witness, wire_event
 from kvguard.daemon.process import start_agent, start_daemon
 from kvguard.daemon.store import Store
+from kvguard.ledger.findings import Finding
+from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb
+from kvguard.proto.builder import EventLog
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 from kvguard.testbed import wire
@@ -431,7 +434,7 @@ sys.stdin.readline()  # the provider's post_send is probed now
 status = {}
 for xfer, posts in json.loads(sys.argv[2]).items():
     with label.transfer(xfer):
-        status[xfer] = [transfer.post(*post[:5], ctypes.c_ulonglong(post[5]), ctypes.c_ulonglong(post[6])) for post in posts]
+        status[xfer] = [transfer.post(*p[:5], *map(ctypes.c_ulonglong, p[5:])) for p in posts]
 print(json.dumps(status), flush=True)
 """
 
@@ -501,6 +504,42 @@ def test_the_witness_follows_work_requests_to_a_providers_post_send(
             44,
         ),
     }
+    # And what the daemon makes of x3 when decode had aborted its request and granted the
+    # pages it wrote to another tenant before it was posted: a late write into their pages.
+    late, stray = aborted_and_regranted(by_xfer["p0-x3"], base)
+    assert (late.finding, late.req, late.victim_req, late.victim_tenant) == (
+        "late_write",
+        "a",
+        "b",
+        "initech",
+    )
+    assert (late.node, late.pages, late.details["probe"]) == ("d0", tuple(range(6)), "ebpf:rdma")
+    assert (stray.finding, stray.pages) == ("use_after_free", (100,))  # page 100 was nobody's
+
+
+def aborted_and_regranted(report: WireReport, base: int) -> list[Finding]:
+    """The ledger's findings on `report` (a transfer of request a), where decode (d0) had
+    registered its pool at `base`, and, a second before the writes were posted, had aborted a
+    and granted its pages 0..7 to initech's b."""
+    assert report.remote is not None
+    now = report.remote.first_ns - 1_000_000_000
+    log = EventLog(clock=lambda: now)
+    region = {"base": base, "stride": 4096}
+    log.add("p0", "pool", pool=0, role="prefill", page_size=16, num_pages=128)
+    log.add("d0", "pool", pool=0, role="decode", page_size=16, num_pages=128, regions=[region])
+    log.add("p0", "bootstrap", req="a", prefill_node="p0", decode_node="d0", prompt_tokens=96, tenant="acme")
+    log.add("p0", "xfer_send", req="a", xfer=report.xfer, peer_node="d0", pool=0, status="failed")
+    for req, tenant in (("a", "acme"), ("b", "initech")):
+        log.add("d0", "admit", req=req, tenant=tenant, prompt_tokens=96, stage="decode")
+        log.add("d0", "alloc", req=req, pool=0, pages=list(range(8)))
+        if req == "a":
+            log.add("d0", "abort", req="a", reason="client went away")
+            log.add("d0", "free", req="a", pool=0, pages=list(range(8)))
+    log.lines.append(pb.Event(node="p0/ebpf", seq=1, ts_ns=now, wire=wire_event(report)))
+    now += 2_000_000_000
+    log.add("d0", "heartbeat")  # decode's events pass the time of the writes: they are judged
+    ledger = Ledger()
+    return [f for e in log.events for f in ledger.apply(e)]
 
 
 def test_the_verbs_offsets_are_the_real_headers(tmp_path: Path) -> None:
