@@ -403,6 +403,14 @@ class Daemon:
                 state.findings[kind] = n
             for name, n in self.counters.items():
                 state.counters[name] = n
+            stats = self.ledger.stats
+            for name in (
+                "missing",
+                "suppressed",
+                "remote_unjudged",
+                "remote_unmapped",
+            ):  # what it could not see
+                state.counters[f"ledger_{name}"] = getattr(stats, name)
         return state
 
 

@@ -239,6 +239,7 @@ class LedgerStats:
     missing: int = 0  # sequence numbers never seen (gaps)
     suppressed: int = 0  # repeats of an already reported finding
     remote_unjudged: int = 0  # pages an RDMA write hit whose state changed since: not decidable
+    remote_unmapped: int = 0  # RDMA write ranges into a node that registered no pool memory
 
 
 def _pages(values: Iterable[int]) -> np.ndarray:
@@ -1317,8 +1318,11 @@ class Ledger:
                 waiting.append((t, posted))
                 continue
             r = self.request(t.req)
+            if r is None or all(pool.regions is None for pool in node.pools.values()):
+                self.stats.remote_unmapped += len(posted.addr)
+                continue
             for pool in node.pools.values():
-                if pool.regions is None or r is None:
+                if pool.regions is None:
                     continue
                 pages = _pages_written(pool.regions, pool.pages.num_pages, posted.addr, posted.end)
                 since = pool.pages.since[pages]

@@ -544,3 +544,50 @@ def connect_again(channel: grpc.Channel, node: str) -> AgentStream:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def test_a_late_rdma_write_is_acted_on_where_the_pages_are(daemon: Service) -> None:
+    # The prefill node's witness saw writes posted into memory that decode had registered, a
+    # second after decode aborted the request and granted those pages to another tenant. The
+    # finding is decode's, so its kill and quarantine go to decode's stream, not the witness's.
+    second, base = 1_000_000_000, 0x7F00_0000_0000
+    now = 5 * second
+    log = EventLog(clock=lambda: now)
+    log.add("p0", "pool", pool=0, role="prefill", page_size=16, num_pages=16)
+    log.add("p0", "bootstrap", req="a", prefill_node="p0", decode_node="d0", prompt_tokens=48, tenant="acme")
+    log.add("p0", "xfer_send", req="a", xfer="x1", peer_node="d0", pool=0, status="failed")
+    region = {"base": base, "stride": 4096}
+    log.add("d0", "pool", pool=0, role="decode", page_size=16, num_pages=16, regions=[region])
+    log.add("d0", "alloc", req="a", pool=0, pages=[4, 5, 6])
+    log.add("d0", "abort", req="a", reason="client went away")
+    log.add("d0", "free", req="a", pool=0, pages=[4, 5, 6])
+    log.add("d0", "alloc", req="b", pool=0, pages=[4, 5, 6])
+    now += second - 1_000_000  # 1 ms before the post: too close to judge page 9
+    log.add("d0", "alloc", req="b", pool=0, pages=[9])
+    now += 1_000_000
+    writes = [{"addr": base + 4 * 4096, "bytes": 3 * 4096}, {"addr": base + 9 * 4096, "bytes": 64}]
+    log.add("p0/ebpf", "wire", xfer="x1", probe="ebpf:rdma", calls=2, writes=writes, first_write_ns=now)
+    now += second
+    log.add("d0", "heartbeat")
+    streams = {}
+    with grpc.insecure_channel(daemon.address) as channel:
+        for event in log.events:
+            stream = streams.get(event.node) or streams.setdefault(
+                event.node, AgentStream(channel, event.node)
+            )
+            stream.send([event])
+        for stream in streams.values():
+            stream.close()
+        counters = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest()).counters
+    to_decode = [(c.WhichOneof("body"), c.kill.req, list(c.quarantine.pages)) for c in streams["d0"].commands]
+    assert to_decode == [("kill", "a", []), ("quarantine", "", [4, 5, 6])]
+    assert streams["p0"].commands == [] and streams["p0/ebpf"].commands == []
+    (late,) = stored_findings(daemon.store)
+    assert (late.finding, late.node, late.req, late.victim_req, late.details["witness"]) == (
+        "late_write",
+        "d0",
+        "a",
+        "b",
+        "p0/ebpf#1",
+    )
+    assert counters["ledger_remote_unjudged"] == 1  # page 9

@@ -660,3 +660,12 @@ class TestRemoteWrites:
                 }
             )
             assert _pages_written(regions, num, addr, end).tolist() == expect
+
+    def test_writes_into_a_receiver_that_registered_no_memory_are_counted(self) -> None:
+        self.add("d1", "pool", pool=0, role="decode", page_size=16, num_pages=16)
+        self.add("p0", "bootstrap", req="c", prefill_node="p0", decode_node="d1", prompt_tokens=16)
+        send = {"req": "c", "xfer": "x9", "peer_node": "d1", "pool": 0, "status": "failed"}
+        self.add("p0", "xfer_send", **send)
+        self.wire([1, 2], posted_ms=1100, claim=False, xfer="x9")
+        self.add("d1", "heartbeat", 1200)
+        assert self.found == [] and self.ledger.stats.remote_unmapped == 2  # K's and V's run
