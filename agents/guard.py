@@ -30,6 +30,19 @@ from kvguard.ruleset import Ruleset, load_ruleset
 Mode = Literal["monitor", "enforce"]
 
 
+class WallClock:
+    """Event timestamps: wall-clock nanoseconds (comparable across nodes, as the daemon's
+    judgment of RDMA writes one node saw posted into another's pages needs), never less than
+    the last one given (a clock stepped back does not reorder this node's events)."""
+
+    def __init__(self) -> None:
+        self._last = 0
+
+    def __call__(self) -> int:
+        self._last = max(self._last, time.time_ns())  # called under the guard's lock
+        return self._last
+
+
 @dataclass(slots=True)
 class Verdict:
     """What the engine must do after a guard call: terminate the requests in `kill` (each
@@ -84,7 +97,7 @@ class Guard:
         ruleset: Ruleset | None = None,
         sink: EventSink | None = None,
         on_finding: Callable[[Finding], None] | None = None,
-        clock: Callable[[], int] = time.monotonic_ns,
+        clock: Callable[[], int] | None = None,
     ) -> None:
         if mode not in ("monitor", "enforce"):
             raise ValueError(f"guard mode {mode!r} is not monitor or enforce")
@@ -98,7 +111,7 @@ class Guard:
         self.killed: dict[str, Finding | None] = {}
         self.errors: list[str] = []
         self._on_finding = on_finding
-        self._clock = clock
+        self._clock = clock if clock is not None else WallClock()
         self._seq = 0
         self._lock = threading.RLock()
         self._device_tags: dict[int, Any] = {}  # pool -> its tags on the GPU (DeviceTags), once checked there

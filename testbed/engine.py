@@ -110,6 +110,9 @@ class Worker:
             engine="kvguard-testbed",
             kv_dtype="float32",
             source="testbed",
+            # Decode receives KV into its pages: where they lie, so that RDMA writes a probe saw
+            # the sender post can be mapped to them (unused by the testbed's TCP transfer).
+            regions=self.pool.regions() if config.role != "prefill" else [],
         )
 
     # ------------------------------------------------------------------ guard and pages

@@ -110,6 +110,16 @@ class KVPool:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * elem
 
+    def regions(self) -> list[dict[str, int]]:
+        """Where the pages lie in memory, as a pool event's KvRegions (what an engine registers
+        for RDMA): one region per layer of K and of V, page p of it at base + p * stride."""
+        stride = self.k[0, 0].nbytes
+        return [
+            {"base": t[layer].data_ptr(), "stride": stride}
+            for t in (self.k, self.v)
+            for layer in range(self.num_layers)
+        ]
+
     @property
     def words_per_page(self) -> int:
         """Number of 32-bit words in one page's checksum stream (``page_nbytes // 4``)."""

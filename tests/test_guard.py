@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from kvguard.agents.guard import Guard
+from kvguard.agents.guard import Guard, WallClock
 from kvguard.agents.sink import CaptureSink
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto.capture import read_capture
@@ -140,3 +142,16 @@ def test_guard_events_replay_to_the_same_findings(tmp_path: Path) -> None:
     summary = replay(sink.path.read_text().splitlines(), RULES, replayed.append, replayed.append, Ledger())
     assert summary.bad == 0 and summary.applied == summary.lines
     assert [(f.finding, f.req, f.victim_req, f.pages) for f in replayed] == local
+
+
+def test_events_are_stamped_with_a_wall_clock_that_never_steps_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nodes' timestamps are compared (RDMA writes one node saw posted into another's pages),
+    # so they are the wall clock; a clock stepped back must not reorder a node's events.
+    before = time.time_ns()
+    clock = WallClock()
+    first = clock()
+    assert before <= first <= time.time_ns()
+    monkeypatch.setattr(time, "time_ns", lambda: first - 5_000_000_000)  # NTP steps back 5 s
+    assert clock() == first
+    monkeypatch.undo()
+    assert clock() >= first

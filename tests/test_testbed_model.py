@@ -312,3 +312,16 @@ class TestTinyTransformer:
         nxt = model.decode_step(pool, tables, ctx, torch.zeros(8, dtype=torch.long))
         assert nxt.shape == (8,) and nxt.dtype == torch.long and (nxt < cfg.vocab).all()
         assert model.decode_logits(pool, tables, ctx + 1, nxt).shape == (8, cfg.vocab)
+
+
+def test_the_pools_regions_say_where_each_page_of_each_layer_lies() -> None:
+    # What a decode engine registers for RDMA, in the pool event's terms: page p of region
+    # (K or V of layer l) at base + p * stride, its bytes that page's KV of that layer.
+    pool = KVPool(num_pages=5, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
+    regions = pool.regions()
+    assert len(regions) == 2 * 3
+    for i, region in enumerate(regions):
+        tensor, layer = (pool.k, pool.v)[i // 3], i % 3
+        for page in range(5):
+            assert region["base"] + page * region["stride"] == tensor[layer, page].data_ptr()
+            assert region["stride"] == tensor[layer, page].nbytes == 4 * 2 * 8 * 4
