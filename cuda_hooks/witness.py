@@ -144,6 +144,9 @@ def open_witness(
     missing = _tracing_ready()
     if missing:
         return NullWitness(missing)
+    failed = _compiles_apart(PROGRAM)
+    if failed:
+        return NullWitness(f"the eBPF witness could not be compiled: {failed}")
     try:
         return BpfWitness(bcc, on_report, on_lost, uprobes=uprobes, buffer_pages=buffer_pages)
     except Exception as exc:  # bcc raises plain Exception for a compile or load failure
@@ -154,6 +157,42 @@ def open_witness(
             "" if headers.exists() else f"; no kernel headers at {headers} (install them and link them there)"
         )
         return NullWitness(f"the eBPF witness could not be loaded: {text}{hint}")
+
+
+def compile_program(bcc: Any, program: Path) -> Any:
+    """The witness's BPF program, compiled and loaded (bcc.BPF)."""
+    return bcc.BPF(src_file=str(program).encode(), cflags=[f"-DHEAD={HEAD}", f"-DMAX_RUNS={RUNS_KEPT}"])
+
+
+_COMPILED: set[bytes] = set()  # programs already compiled in a child by this process
+
+
+def _compiles_apart(program: Path) -> str:
+    """Empty when `program` compiles and loads in a child process, else why not. An error
+    in the back end of bcc's LLVM (another distribution's LLVM may meet one) ends the process
+    that hits it, with no exception to catch: the agent must not be that process."""
+    source = program.read_bytes()
+    if source in _COMPILED:
+        return ""
+    code = (
+        "import sys; from pathlib import Path; from kvguard.cuda_hooks import witness; "
+        "witness.compile_program(witness.load_bcc(), Path(sys.argv[1]))"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(program)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return "compiling it took over 300 s"
+    if done.returncode != 0:
+        said = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+        return " ".join(said[-3:])[-300:] or f"the compiler's process exited with {done.returncode}"
+    _COMPILED.add(source)
+    return ""
 
 
 class BpfWitness:
@@ -173,9 +212,7 @@ class BpfWitness:
     ) -> None:
         self._uprobes = UPROBES if uprobes else {}
         self._bcc = bcc
-        self._bpf = bcc.BPF(
-            src_file=str(PROGRAM).encode(), cflags=[f"-DHEAD={HEAD}", f"-DMAX_RUNS={RUNS_KEPT}"]
-        )
+        self._bpf = compile_program(bcc, PROGRAM)
         self._on_report = on_report
         self._on_lost = on_lost
         self._names: dict[int, str] = {}

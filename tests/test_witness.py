@@ -705,3 +705,25 @@ def test_kvguard_witness_prints_a_capture_that_replay_takes(bpf_ready: None, kv_
         [sys.executable, "-m", "kvguard", "replay", "-"], input=line, capture_output=True, text=True
     )
     assert replay.returncode == 0, replay.stderr  # one event, applied, no finding
+
+
+def test_a_program_bccs_llvm_cannot_build_leaves_the_caller_running(
+    bpf_ready: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An error in the back end of bcc's LLVM ends the process that meets it (no exception):
+    # here, zeroing a struct too large for it to inline. The witness meets it in a child
+    # process and says why; the agent (this test) goes on.
+    from kvguard.cuda_hooks import witness as module
+
+    broken = tmp_path / "broken.bpf.c"
+    broken.write_text(
+        module.PROGRAM.read_text()
+        + "\nstruct big { char b[8192]; };\nBPF_PERCPU_ARRAY(bigs, struct big, 1);\n"
+        + "int broken(void *ctx) { int z = 0; struct big *b = bigs.lookup(&z); "
+        + "if (b) __builtin_memset(b, 0, sizeof(*b)); return 0; }\n"
+    )
+    monkeypatch.setattr(module, "PROGRAM", broken)
+    witness = open_witness(lambda name, r: None)
+    assert isinstance(witness, NullWitness)
+    assert witness.reason.startswith("the eBPF witness could not be compiled:")
+    assert "memset" in witness.reason
