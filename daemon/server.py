@@ -388,7 +388,7 @@ class Daemon:
 
     def fleet(self) -> svc.FleetState:
         with self.lock:
-            state = svc.FleetState(requests=len(self.ledger.requests) - 1, events=self.counters["events"])
+            state = svc.FleetState(requests=self.ledger.known_requests, events=self.counters["events"])
             for name, node in sorted(self.ledger.nodes.items()):
                 ns = state.nodes.add(
                     node=name,
@@ -404,12 +404,15 @@ class Daemon:
             for name, n in self.counters.items():
                 state.counters[name] = n
             stats = self.ledger.stats
+            # What the ledger could not see or judge, and what it retired and forgot.
             for name in (
                 "missing",
                 "suppressed",
                 "remote_unjudged",
                 "remote_unmapped",
-            ):  # what it could not see
+                "retired",
+                "forgotten",
+            ):
                 state.counters[f"ledger_{name}"] = getattr(stats, name)
         return state
 

@@ -16,6 +16,12 @@ Invariants kept here:
   rejected_progress;
 - a transfer is reconciled from every side that reports it: bootstrap (what decode
   expects), the decode reservation, the sender, the receiver and the wire probes;
+- memory is bounded by what is in use, not by history: a request no event has named for
+  `retire_idle` applied events and that holds nothing (no grant, share, pending wire verdict
+  or posted writes) is retired, which changes no verdict (what a later event of it may be
+  judged by stays); one idle for `forget_idle` events that no page tag names any more is forgotten
+  (its index reused): an event naming it later starts a new request. Sweeps run at fixed
+  counts of applied events, so a rebuild from the same events does the same;
 - an RDMA write a probe saw posted is judged against the receiver's pages only where their
   state has not changed since before it was posted (allowing clock_skew_ns between the
   nodes' clocks), and only once the receiver's own events have passed that time: what
@@ -24,7 +30,7 @@ Invariants kept here:
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +61,9 @@ _NO_FINDINGS: tuple[Finding, ...] = ()
 GRANT_RUNS = 16  # a request's grants in one pool kept as separate arrays before they are merged
 MAX_REGIONS = 1 << 16  # KvRegions of one pool
 MAX_RUNS = 1 << 16  # remote write ranges of one wire event
+RETIRE_IDLE = 1 << 16  # applied events without news of a request before it may be retired
+FORGET_IDLE = 1 << 20  # ... before it may be forgotten (~30 s at 31K events/s; hours when quieter)
+SWEEP_EVERY = 1024  # applied events between retirement sweeps: each is short
 CLOCK_SKEW_NS = 10_000_000  # how far two nodes' clocks may disagree (NTP in one data centre: < 1 ms)
 _U64 = 1 << 64
 RECV_HOLD = HOLDER_INDEX["transfer_recv"]
@@ -210,9 +219,14 @@ class Request:
     received_bytes = 0
     reads = 0
 
+    last = 0  # the ledger's applied-event count when an event last named it
+    queued = 0  # ... when it was (re)queued among the requests in use
+    retired = False
+
     def __init__(self, id: str, idx: int) -> None:
         self.id = id
         self.idx = idx
+        self.xfers: list[str] = []  # its transfers' ids
         self.stages: dict[str, str] = {}  # node -> stage it was admitted to there
         self.shared: dict[tuple[str, int], Shared] = {}  # (node, pool) -> prefix pages it reads
         # (node, pool) -> every page ever granted, as arrays (merged into one past GRANT_RUNS)
@@ -240,6 +254,8 @@ class LedgerStats:
     suppressed: int = 0  # repeats of an already reported finding
     remote_unjudged: int = 0  # pages an RDMA write hit whose state changed since: not decidable
     remote_unmapped: int = 0  # RDMA write ranges into a node that registered no pool memory
+    retired: int = 0  # requests whose history was dropped (idle, holding nothing)
+    forgotten: int = 0  # retired requests no page tag named any more: gone, their index reused
 
 
 def _pages(values: Iterable[int]) -> np.ndarray:
@@ -269,10 +285,28 @@ def _pages_written(regions: np.ndarray, num_pages: int, addr: np.ndarray, end: n
 class Ledger:
     """The global (or node-local) ownership ledger."""
 
-    def __init__(self, *, dedupe: bool = True, clock_skew_ns: int = CLOCK_SKEW_NS) -> None:
+    def __init__(
+        self,
+        *,
+        dedupe: bool = True,
+        clock_skew_ns: int = CLOCK_SKEW_NS,
+        retire_idle: int = RETIRE_IDLE,
+        forget_idle: int = FORGET_IDLE,
+    ) -> None:
         self.nodes: dict[str, Node] = {}
-        self.requests: list[Request] = [Request(id="", idx=NOBODY)]
+        self.requests: list[Request | None] = [Request(id="", idx=NOBODY)]  # None: forgotten
         self._req_index: dict[str, int] = {}
+        # Retirement (0: never) and forgetting (0: never). Requests in use, least recently
+        # named first; retired ones, least recently named first; indices to reuse.
+        self.retire_idle = retire_idle
+        self.forget_idle = max(forget_idle, retire_idle) if forget_idle and retire_idle else 0
+        self._applied = 0
+        self._sweep_every = min(SWEEP_EVERY, max(1, retire_idle // 4))
+        self._next_sweep = self._sweep_every if retire_idle else 0
+        self._next_scan = self.forget_idle
+        self._recent: OrderedDict[int, Request] = OrderedDict()
+        self._retired: dict[int, Request] = {}
+        self._free: list[int] = []
         self.transfers: dict[str, Transfer] = {}
         self.stats = LedgerStats()
         self.dedupe = dedupe
@@ -349,6 +383,9 @@ class Ledger:
         if self._posted and event.node in self._posted:
             self._judge_posted(node)
         self.stats.events[kind] += 1
+        self._applied += 1
+        if self._applied == self._next_sweep:
+            self._sweep()
         self.last_missing = missing
         if missing:
             self.stats.missing += missing
@@ -361,15 +398,116 @@ class Ledger:
         return None if idx is None else self.requests[idx]
 
     def _request(self, req: str, payload: str) -> Request:
+        """The request an event names (created on its first event); it was just named."""
         if not req:
             raise self._bad(f"{payload} event has no req")
         idx = self._req_index.get(req)
         if idx is not None:
-            return self.requests[idx]
-        r = Request(id=req, idx=len(self.requests))
-        self.requests.append(r)
+            r = self.requests[idx]
+            assert r is not None  # the index of a forgotten request is not in _req_index
+            r.last = self._applied  # the queue of requests in use is reordered lazily, by _sweep
+            if r.retired:  # back in use
+                r.retired = False
+                del self._retired[idx]
+                r.queued = self._applied
+                self._recent[idx] = r
+            return r
+        if self._free:
+            r = Request(id=req, idx=self._free.pop())
+            self.requests[r.idx] = r
+        else:
+            r = Request(id=req, idx=len(self.requests))
+            self.requests.append(r)
         self._req_index[req] = r.idx
+        if self.retire_idle:
+            r.last = r.queued = self._applied
+            self._recent[r.idx] = r
         return r
+
+    @property
+    def known_requests(self) -> int:
+        """Requests the ledger holds now (in use or retired; forgotten ones are not)."""
+        return len(self._req_index)
+
+    # ------------------------------------------------------------------ retirement
+
+    def _sweep(self) -> None:
+        """Retire the requests idle for retire_idle applied events that hold nothing; every
+        forget_idle events, forget the retired ones idle that long that no page tag names."""
+        self._next_sweep = self._applied + self._sweep_every
+        idle_before = self._applied - self.retire_idle
+        # Second chance: in the order they were queued, the requests queued a window ago; one
+        # named since goes to the back, one that still holds something is looked at again
+        # a window later, the rest are retired.
+        due = []
+        for r in self._recent.values():
+            if r.queued > idle_before:
+                break
+            due.append(r)
+        for r in due:
+            if r.last > idle_before or self._holds_something(r):
+                r.queued = self._applied
+                self._recent.move_to_end(r.idx)
+            else:
+                del self._recent[r.idx]
+                self._retire(r)
+        if self.forget_idle and self._applied >= self._next_scan:
+            self._next_scan = self._applied + self.forget_idle // 4  # memory: ~1.25 windows
+            self._forget(self._applied - self.forget_idle)
+
+    def _holds_something(self, r: Request) -> bool:
+        if r.idx in self._wire_pending:
+            return True
+        for (node, pool_id), _ in r.history.items():
+            pool = self.nodes[node].pools.get(pool_id)
+            if pool is not None and pool.live.get(r.idx):
+                return True
+        if any(len(shared.pages) for shared in r.shared.values()):
+            return True
+        return any(t.req == r.id for waiting in self._posted.values() for t, _ in waiting)
+
+    def _retire(self, r: Request) -> None:
+        """A request that holds nothing waits to be forgotten. Everything a later event of it
+        may be judged by stays (its grant history, its transfers: the other side of one may
+        still report); what can no longer matter goes."""
+        for node, pool_id in r.history:
+            pool = self.nodes[node].pools.get(pool_id)
+            if pool is not None:
+                pool.live.pop(r.idx, None)
+        r.stages, r.shared = {}, {}
+        r.retired = True
+        self._retired[r.idx] = r
+        self.stats.retired += 1
+
+    def _forget(self, idle_before: int) -> None:
+        """Forget the retired requests idle since before `idle_before` that no page tag, nor
+        any share, names."""
+        named = np.zeros(len(self.requests), bool)
+        for node in self.nodes.values():
+            for pool in node.pools.values():
+                pp = pool.pages
+                for tags in (pp.writer, pp.prior, pp.own, pp.holder_req[pp.holds > 0]):
+                    named[tags] = True
+                named[np.where(pp.owner >= 0, pp.owner, ~pp.owner)] = True
+        for r in self._recent.values():
+            for shared in r.shared.values():
+                named[shared.writer] = True
+        gone = set()
+        for idx, r in list(self._retired.items()):
+            if r.last > idle_before:
+                break  # retired in the order they were last named: the rest are newer
+            if named[idx]:
+                continue
+            del self._retired[idx]
+            del self._req_index[r.id]
+            for xfer in r.xfers:
+                self.transfers.pop(xfer, None)
+            self.requests[idx] = None
+            self._free.append(idx)
+            gone.add(idx)
+        if gone:  # a reused index must not inherit an old finding's de-duplication
+            self._reported = {f for f in self._reported if f[2] not in gone and f[3] not in gone}
+            self.stats.forgotten += len(gone)
 
     def _pool(self, node: Node, pool: int, payload: str) -> Pool:
         found = node.pools.get(pool)
@@ -411,10 +549,12 @@ class Ledger:
         return BadEvent(reason, kind)
 
     def _name(self, idx: int) -> str:
-        return self.requests[idx].id if idx > NOBODY else ""
+        r = self.requests[idx] if idx > NOBODY else None
+        return r.id if r is not None else ""
 
     def _tenant(self, idx: int) -> str:
-        return self.requests[idx].tenant if idx > NOBODY else ""
+        r = self.requests[idx] if idx > NOBODY else None
+        return r.tenant if r is not None else ""
 
     # ------------------------------------------------------------------ findings
 
@@ -1023,7 +1163,7 @@ class Ledger:
         """batch_clean's answer from the tag check's (on the host or the GPU): a request that
         was rejected, aborted or killed may not attend, whatever its pages hold; one that
         reads nothing is clean."""
-        ended = np.array([bool(r) and self.requests[r].ended for r in readers.tolist()], dtype=bool)
+        ended = np.array([bool(r) and self.requests[r].ended for r in readers.tolist()], dtype=bool)  # type: ignore[union-attr]
         return (tags_clean & ~ended) | (lens == 0)
 
     def writable(self, node: str, pool: int, req: str, pages: Sequence[int]) -> bool:
@@ -1151,19 +1291,23 @@ class Ledger:
             raise self._bad(f"{payload}: {len(x.checksums)} checksums for {len(pages)} pages")
         return pool, pages
 
-    def _transfer(self, xfer: str, req: str) -> Transfer:
+    def _transfer(self, xfer: str, r: Request | None) -> Transfer:
+        req = r.id if r is not None else ""
         t = self.transfers.get(xfer)
         if t is None:
             t = self.transfers[xfer] = Transfer(xfer, req)
-        elif req and not t.req:
+            if r is not None:
+                r.xfers.append(xfer)
+        elif r is not None and not t.req:
             t.req = req
+            r.xfers.append(xfer)
         return t
 
     def _on_xfer_send(self, node: Node, x: pb.XferSend) -> None:
         pool, pages = self._xfer_fields(node, x, "xfer_send")
         pages, tokens = self._pages_read(pool, pages, x.tokens) if x.status == "done" else (pages, x.tokens)
         r = self._request(x.req, "xfer_send")
-        t = self._transfer(x.xfer, r.id)
+        t = self._transfer(x.xfer, r)
         if t.req != r.id:
             raise self._bad(f"xfer_send: transfer {x.xfer} belongs to request {t.req}, not {r.id}")
         pp = pool.pages
@@ -1202,7 +1346,7 @@ class Ledger:
         if x.claimed_checksums and len(x.claimed_checksums) != len(pages):
             raise self._bad(f"xfer_recv: {len(x.claimed_checksums)} claimed checksums for {len(pages)} pages")
         r = self._request(x.req, "xfer_recv")
-        t = self._transfer(x.xfer, r.id)
+        t = self._transfer(x.xfer, r)
         if t.req != r.id:
             raise self._bad(f"xfer_recv: transfer {x.xfer} belongs to request {t.req}, not {r.id}")
         if x.status in ("done", "refused") and need:
@@ -1258,7 +1402,7 @@ class Ledger:
     def _on_wire(self, node: Node, w: pb.Wire) -> None:
         if not w.xfer:
             raise self._bad("wire: xfer (the transfer id) is required")
-        t = self._transfer(w.xfer, "")
+        t = self._transfer(w.xfer, None)
         seen = t.wire.get(w.probe)
         if seen is None:
             seen = t.wire[w.probe] = Seen()

@@ -669,3 +669,74 @@ class TestRemoteWrites:
         self.wire([1, 2], posted_ms=1100, claim=False, xfer="x9")
         self.add("d1", "heartbeat", 1200)
         assert self.found == [] and self.ledger.stats.remote_unmapped == 2  # K's and V's run
+
+
+class TestRetirement:
+    """Bounded memory in a long-running daemon: idle requests that hold nothing are retired
+    (no verdict changes: tests/test_property.py replays every planted bug with requests
+    retired after 3 events), and forgotten once no page tag names them."""
+
+    def setup_method(self) -> None:
+        self.log = EventLog()
+        self.ledger = Ledger(retire_idle=8, forget_idle=64)
+        self.found: list[Finding] = []
+        self.add("pool", pool=0, role="colocated", page_size=4, num_pages=16, context_len=64)
+
+    def add(self, payload: str, **fields: object) -> list[Finding]:
+        found = list(self.ledger.apply(self.log.add("n0", payload, **fields)))
+        self.found += found
+        return found
+
+    def served(self, req: str, pages: list[int], tenant: str = "acme") -> None:
+        self.add("admit", req=req, tenant=tenant, prompt_tokens=4 * len(pages), stage="prefill")
+        self.add("alloc", req=req, pool=0, pages=pages)
+        self.add("write", req=req, pool=0, pages=pages)
+        self.add("read", reads=[{"req": req, "pool": 0, "pages": pages, "tokens": 4 * len(pages)}])
+        self.add("free", req=req, pool=0, pages=pages)
+        self.add("finish", req=req, output_tokens=1)
+
+    def test_memory_follows_the_pool_not_the_history(self) -> None:
+        for i in range(3000):
+            self.served(f"r{i}", [2 + (2 * i) % 14, 3 + (2 * i) % 14])
+        stats = self.ledger.stats
+        assert self.found == [] and stats.retired > 2900 and stats.forgotten > 2800
+        # Known: the last 64 events' requests and those the 14 pages' tags still name; the
+        # indices of forgotten requests are reused.
+        assert self.ledger.known_requests < 64 and len(self.ledger.requests) < 80
+        assert len(self.ledger.transfers) == 0 and len(self.ledger._reported) == 0
+
+    def test_a_request_a_page_still_names_is_kept_for_its_victims_sake(self) -> None:
+        self.served("a", [0], tenant="acme")
+        for i in range(200):  # long idle: retired, but page 0 still holds a's KV
+            self.served(f"r{i}", [2 + i % 14])
+        assert self.ledger.request("a") is not None and self.ledger.stats.forgotten > 150
+        self.add("alloc", req="g", pool=0, pages=[0])
+        (stale,) = self.add("read", reads=[{"req": "g", "pool": 0, "pages": [0], "tokens": 4}])
+        assert (stale.finding, stale.victim_req, stale.victim_tenant) == ("stale_read", "a", "acme")
+
+    def test_a_retired_requests_progress_after_its_abort_is_still_caught(self) -> None:
+        self.add("admit", req="z", tenant="acme", prompt_tokens=4, stage="prefill")
+        self.add("abort", req="z", reason="client went away")
+        for i in range(5):  # idle past retire_idle, not past forget_idle
+            self.served(f"r{i}", [2 + i])
+        assert self.ledger.stats.retired >= 1 and self.ledger.request("z") is not None
+        (zombie,) = self.add("alloc", req="z", pool=0, pages=[9])
+        assert (zombie.finding, zombie.req) == ("rejected_progress", "z")
+
+    def test_a_reused_index_does_not_inherit_an_old_finding(self) -> None:
+        # A double free is reported once per (request, victim, pool): the request that gets a
+        # forgotten request's index must still have its own reported.
+        self.add("alloc", req="d", pool=0, pages=[1])
+        self.add("free", req="d", pool=0, pages=[1])
+        (first,) = self.add("free", req="d", pool=0, pages=[1])
+        old = self.ledger.request("d")
+        assert first.finding == "double_free" and old is not None
+        heir = None
+        for i in range(400):  # page 1 is re-granted and rewritten: nothing names d
+            self.served(f"r{i}", [1 + i % 15])
+            heir = self.ledger.requests[old.idx]
+            if heir is not None and heir.id != "d":
+                break
+        assert heir is not None and heir.id != "d" and self.ledger.request("d") is None
+        (again,) = self.add("free", req=heir.id, pool=0, pages=[0])  # page 0 was never granted
+        assert (again.finding, again.req, again.victim_req) == ("double_free", heir.id, "")
