@@ -124,8 +124,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     server = serve(daemon, args.listen, tls)
     port = server.port
     print(
-        f"kvguard daemon listening on port {port}; store {store.url}; "
-        f"{daemon.counters['rebuilt_events']} events rebuilt",
+        f"kvguard daemon listening on port {port}; store {store.url}; ledger from the snapshot after record "
+        f"{daemon.counters['snapshot_through']} and {daemon.counters['rebuilt_events']} events after it",
         file=sys.stderr,
         flush=True,
     )
@@ -137,6 +137,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     server.stop(grace=2)
     daemon.close()  # what was received is applied and submitted before the writer finishes
     writer.close()
+    # The next start loads this and replays only what comes after it.
+    through = daemon.save_snapshot()
+    print(f"kvguard daemon: ledger snapshot saved after record {through}", file=sys.stderr, flush=True)
     store.close()
     return 0
 

@@ -1,10 +1,12 @@
-"""The ledger's memory over a long run: with retirement (the default) beside without it.
+"""The ledger's memory over a long run, with retirement (the default) beside without it, and
+what a snapshot of each costs (the daemon saves one when it stops and loads it at start).
 
 Workload: one node, a 131,072-page pool; each request is admitted, granted 64 pages, writes
 them, reads them once, frees them and finishes (6 events), and requests follow each other
 through the pool: the shape of a daemon's day, compressed. Each variant runs in its own
 process (its peak RSS is its own) over the same events; printed: requests the ledger still
-knows, index slots, peak RSS, time, and the ratios of the two.
+knows, index slots, peak RSS (before the snapshot), time per event, the snapshot's size and
+the time to dump and to load it, and the ratios of the two variants.
 
     python bench/memory.py [--requests N]
 """
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import time
 
+from kvguard.ledger import snapshot
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb
 
@@ -49,13 +52,22 @@ def run(requests: int, retire: bool) -> dict[str, float]:
             ledger.apply(pb.Event(node="n", seq=seq, ts_ns=seq, **payload))
         if i % 20000 == 0:
             gc.freeze()
+    seconds = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    begin = time.perf_counter()
+    saved = snapshot.dump(ledger)
+    dumped = time.perf_counter()
+    snapshot.load(saved)
     return {
+        "snapshot_mb": len(saved) / 1e6,
+        "dump_s": dumped - begin,
+        "load_s": time.perf_counter() - dumped,
         "events": seq,
         "known": ledger.known_requests,
         "slots": len(ledger.requests),
         "forgotten": ledger.stats.forgotten,
-        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "seconds": time.perf_counter() - start,
+        "rss_mb": rss,
+        "seconds": seconds,
     }
 
 
@@ -78,14 +90,16 @@ def main() -> None:
         results[variant] = json.loads(out)
     r, k = results["retire"], results["keep"]
     print(f"python {sys.version.split()[0]}; {args.requests} requests of {PAGES} pages, {r['events']} events")
-    print(f"{'variant':8} {'known':>9} {'slots':>9} {'forgotten':>10} {'peak RSS MB':>12} {'us/event':>9}")
+    head = f"{'variant':8} {'known':>9} {'slots':>9} {'forgotten':>10} {'peak RSS MB':>12} {'us/event':>9}"
+    print(f"{head} {'snapshot MB':>12} {'dump s':>7} {'load s':>7}")
     for name, x in results.items():
         us = x["seconds"] / x["events"] * 1e6
         counts = f"{x['known']:9.0f} {x['slots']:9.0f} {x['forgotten']:10.0f}"
-        print(f"{name:8} {counts} {x['rss_mb']:12.0f} {us:9.2f}")
+        saved = f"{x['snapshot_mb']:12.1f} {x['dump_s']:7.2f} {x['load_s']:7.2f}"
+        print(f"{name:8} {counts} {x['rss_mb']:12.0f} {us:9.2f} {saved}")
     print(
         f"ratio retire/keep: peak RSS {r['rss_mb'] / k['rss_mb']:.2f}, known {r['known'] / k['known']:.2f}, "
-        f"time {r['seconds'] / k['seconds']:.2f}"
+        f"time {r['seconds'] / k['seconds']:.2f}, snapshot {r['snapshot_mb'] / k['snapshot_mb']:.2f}"
     )
     print(f"command: python bench/memory.py --requests {args.requests}")
 

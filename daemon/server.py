@@ -46,6 +46,7 @@ from kvguard.daemon.client import MAX_MESSAGE  # the largest agent message accep
 from kvguard.daemon.store import EventRun, Record, Store, StoreError, rows_of
 from kvguard.daemon.tls import Tls, peer_names
 from kvguard.daemon.writer import StoreWriter
+from kvguard.ledger import snapshot
 from kvguard.ledger.findings import KILL_ACTIONS, Finding
 from kvguard.ledger.ledger import CLOCK_SKEW_NS, BadEvent, Ledger
 from kvguard.proto import pb
@@ -160,7 +161,7 @@ class Daemon:
         self.mode = mode  # monitor: record and alert, never order a kill
         self.store = store
         self.ruleset = ruleset if ruleset is not None else load_ruleset()
-        self.ledger = Ledger(clock_skew_ns=clock_skew_ns)  # the same on every start: same verdicts
+        self.ledger, through = self._restored(store, Ledger(clock_skew_ns=clock_skew_ns))
         self.lock = threading.Lock()
         self.counters: Counter[str] = Counter()
         self.subscribers: list[Subscriber] = []
@@ -171,16 +172,44 @@ class Daemon:
         self._inbox: queue.Queue[Batch | None] = queue.Queue()  # None: close()
         self.writer: StoreWriter | InlineWriter = writer if writer is not None else InlineWriter(store)
         rebuilt = 0
-        for event in store.events():
+        for event in store.events(after=through):
             self.ledger.apply(event)  # verdicts are already stored; this rebuilds the state
             rebuilt += 1
         self.counters["rebuilt_events"] = rebuilt
+        self.counters["snapshot_through"] = through
         # node -> the last sequence number the store holds (what a new stream is told); moves
         # only when a group commits, while the ledger runs ahead by the groups in flight.
         self._durable: dict[str, int] = {name: node.last_seq for name, node in self.ledger.nodes.items()}
         gc.freeze()
         self._applier = threading.Thread(target=self._apply_loop, name="kvguard-daemon-apply", daemon=True)
         self._applier.start()
+
+    def _restored(self, store: Store, fresh: Ledger) -> tuple[Ledger, int]:
+        """The ledger of the store's latest snapshot, if it is sound and was taken with this
+        daemon's settings, and the record it was taken after; else `fresh` and 0 (the whole
+        store is replayed), saying why."""
+        found = store.latest_snapshot()
+        if isinstance(found, str):
+            if found != "no snapshot":
+                print(f"kvguard daemon: {found}; replaying the whole store", file=sys.stderr, flush=True)
+            return fresh, 0
+        through, body = found
+        try:
+            ledger = snapshot.load(body)
+        except snapshot.SnapshotError as exc:
+            print(f"kvguard daemon: {exc}; replaying the whole store", file=sys.stderr, flush=True)
+            return fresh, 0
+        settings = ("dedupe", "clock_skew_ns", "retire_idle", "forget_idle")
+        if [getattr(ledger, k) for k in settings] != [getattr(fresh, k) for k in settings]:
+            said = "the snapshot was taken with other ledger settings"
+            print(f"kvguard daemon: {said}; replaying the whole store", file=sys.stderr, flush=True)
+            return fresh, 0
+        return ledger, through
+
+    def save_snapshot(self) -> int:
+        """Store the ledger's state as of the last committed record (call once the apply
+        thread has stopped and the writer has committed everything); returns that record."""
+        return self.store.save_snapshot(snapshot.dump(self.ledger))
 
     # ------------------------------------------------------------------ ingest
 

@@ -61,6 +61,16 @@ records = Table(
     Column("hash", LargeBinary(32), nullable=False),
 )
 _COLUMNS = ("kind", "node", "seq", "ts_ns", "req", "tenant", "victim_tenant", "finding", "severity")
+snapshots = Table(
+    "snapshots",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True),
+    Column("through_id", BigInteger(), nullable=False),
+    Column("created_ns", BigInteger(), nullable=False),
+    Column("body", LargeBinary(), nullable=False),
+    Column("digest", LargeBinary(32), nullable=False),
+)
+SNAPSHOTS_KEPT = 2
 
 
 _PAYLOADS = pb.Event.DESCRIPTOR.oneofs_by_name["payload"].fields
@@ -306,11 +316,14 @@ class Store:
         with self.engine.connect() as conn:
             return int(conn.execute(query).scalar_one())
 
-    def events(self) -> Iterator[pb.Event]:
-        """Every stored event in the order it was applied (to rebuild the ledger)."""
+    def events(self, after: int = 0) -> Iterator[pb.Event]:
+        """The stored events after record `after`, in the order they were applied (to rebuild
+        the ledger)."""
         with self.engine.connect() as conn:
             result = conn.execution_options(stream_results=True, yield_per=2000).execute(
-                select(records.c.body).where(records.c.kind == "event").order_by(records.c.id)
+                select(records.c.body)
+                .where((records.c.kind == "event") & (records.c.id > after))
+                .order_by(records.c.id)
             )
             for (body,) in result:
                 yield pb.Event.FromString(body)
@@ -350,6 +363,43 @@ class Store:
             query = query.limit(limit)
         with self.engine.connect() as conn:
             yield from conn.execution_options(stream_results=True, yield_per=2000).execute(query)
+
+    def save_snapshot(self, body: bytes) -> int:
+        """Store a snapshot of the state after the last record committed (by any writer);
+        returns that record's id. Keeps the newest SNAPSHOTS_KEPT."""
+        with self.engine.begin() as conn:
+            last = conn.execute(
+                select(records.c.id, records.c.hash).order_by(records.c.id.desc()).limit(1)
+            ).first()
+            through, after = (last[0], last[1]) if last else (0, GENESIS)
+            digest = hashlib.sha256(after + body).digest()
+            conn.execute(
+                snapshots.insert().values(
+                    through_id=through, created_ns=time.time_ns(), body=body, digest=digest
+                )
+            )
+            kept = select(snapshots.c.id).order_by(snapshots.c.id.desc()).limit(SNAPSHOTS_KEPT)
+            conn.execute(snapshots.delete().where(snapshots.c.id.not_in(kept.scalar_subquery())))
+        return int(through)
+
+    def latest_snapshot(self) -> tuple[int, bytes] | str:
+        """(the last record it includes, its body) of the newest snapshot, or why there is
+        none to use: a snapshot whose digest does not match the chain at its record is not."""
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                select(snapshots.c.through_id, snapshots.c.body, snapshots.c.digest)
+                .order_by(snapshots.c.id.desc())
+                .limit(1)
+            ).first()
+            if row is None:
+                return "no snapshot"
+            through, body, digest = row
+            after = conn.execute(select(records.c.hash).where(records.c.id == through)).scalar()
+        if through and after is None:
+            return f"the snapshot's record {through} is not in the store"
+        if hashlib.sha256((after or GENESIS) + body).digest() != digest:
+            return f"the snapshot taken after record {through} does not match the chain there"
+        return int(through), bytes(body)
 
     def verify(self) -> tuple[bool, int, str]:
         """Walk the chain: (intact, records checked, what is wrong where)."""

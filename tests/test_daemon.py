@@ -591,3 +591,48 @@ def test_a_late_rdma_write_is_acted_on_where_the_pages_are(daemon: Service) -> N
         "p0/ebpf#1",
     )
     assert counters["ledger_remote_unjudged"] == 1  # page 9
+
+
+def fleet_counters(address: str) -> dict[str, int]:
+    with grpc.insecure_channel(address) as channel:
+        return dict(svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest(), timeout=10).counters)
+
+
+@pytest.mark.parametrize("snapshot_is", ["sound", "altered", "of other settings"])
+def test_a_restart_loads_the_snapshot_and_replays_only_what_came_after(
+    store_url: str, snapshot_is: str
+) -> None:
+    # A clean stop saves the ledger; the next start loads it and replays nothing before it.
+    # A snapshot that does not match the chain, or was taken with other ledger settings, is
+    # not used: the whole store is replayed. Either way the verdicts are those of one run.
+    half = [line for line in INCIDENT if line.startswith("{")][:20]
+    first = Daemon(store_url)
+    assert send_capture(half, first.address).accepted == 20
+    said = first.stop()
+    store = Store(store_url)
+    through = store.count()  # every record so far: the snapshot is after the last
+    store.close()
+    assert f"ledger snapshot saved after record {through}" in said
+    args: tuple[str, ...] = ()
+    if snapshot_is == "altered":  # one byte of the stored snapshot changed
+        engine = create_engine(url_of(store_url))
+        with engine.begin() as conn:
+            body = conn.execute(text("SELECT body FROM snapshots ORDER BY id DESC LIMIT 1")).scalar_one()
+            body = bytes(body[:-1]) + bytes([body[-1] ^ 1])
+            conn.execute(text("UPDATE snapshots SET body = :b"), {"b": body})
+        engine.dispose()
+    elif snapshot_is == "of other settings":
+        args = ("--clock-skew-ms", "3")
+    second = start_daemon(store_url, 0, *args)
+    try:
+        counters = fleet_counters(second.address)
+        used = snapshot_is == "sound"
+        assert (counters["snapshot_through"], counters["rebuilt_events"]) == (
+            (through, 0) if used else (0, 20)
+        )
+        again = send_capture(INCIDENT, second.address)  # the agent resends from the start
+        assert (again.accepted, again.repeats, again.rejected) == (19, 20, [])
+    finally:
+        said = second.stop()
+    assert ("replaying the whole store" in said) == (snapshot_is != "sound")
+    assert facts(stored_findings(store_url)) == facts(local_findings())

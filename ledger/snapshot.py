@@ -1,0 +1,315 @@
+"""Ledger snapshots: the whole state of a Ledger as bytes, and back, so that a daemon restarts
+from its latest snapshot plus the events after it instead of replaying its whole history.
+
+Invariant: load(dump(L)) continues exactly as L would (same findings, same state: the
+property tests compare dump() of both after the same further events, byte for byte), and
+dump() of equal states is equal bytes. The format is data only, never code: an uncompressed
+NumPy .npz (read with allow_pickle=False) holding the page arrays, the small arrays packed
+into one per dtype, and one JSON document for everything else. A snapshot that cannot be
+read raises SnapshotError naming the reason; the daemon then replays the store instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import zipfile
+from collections import Counter, OrderedDict
+from typing import Any
+
+import numpy as np
+import orjson
+
+from kvguard.ledger.ledger import (
+    Ledger,
+    Node,
+    Pool,
+    Posted,
+    Request,
+    Seen,
+    Shared,
+    Side,
+    Transfer,
+)
+from kvguard.ledger.pages import PoolPages
+from kvguard.proto import pb
+
+FORMAT = 1
+_PAGE_ARRAYS = (
+    "gen",
+    "owner",
+    "use",
+    "holds",
+    "holder_req",
+    "writer",
+    "wgen",
+    "valid",
+    "own",
+    "prior",
+    "since",
+)
+_REQUEST_PARTS = ("id", "idx", "stages", "shared", "history", "xfers")  # kept apart from its scalars
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be loaded, and why."""
+
+
+class _Packer:
+    """Small arrays, packed into one array per dtype; each is named by [dtype, offset, shape]."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[np.ndarray]] = {}
+        self.sizes: dict[str, int] = {}
+
+    def put(self, a: np.ndarray) -> list[Any]:
+        kind = a.dtype.str
+        offset = self.sizes.get(kind, 0)
+        self.parts.setdefault(kind, []).append(a.ravel())
+        self.sizes[kind] = offset + a.size
+        return [kind, offset, list(a.shape)]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {_packed(kind): np.concatenate(parts) for kind, parts in self.parts.items()}
+
+
+def _packed(kind: str) -> str:
+    """The file name of a dtype's packed array ('<i8' -> 'packed_li8')."""
+    return "packed_" + kind.translate(str.maketrans("<>|=", "lbnn"))
+
+
+class _Unpacker:
+    def __init__(self, files: Any) -> None:
+        self.files = files
+        self.packed: dict[str, np.ndarray] = {}
+
+    def get(self, ref: list[Any]) -> np.ndarray:
+        kind, offset, shape = ref
+        packed = self.packed.get(kind)
+        if packed is None:
+            packed = self.packed[kind] = self.files[_packed(kind)]
+        size = math.prod(shape)
+        if not 0 <= offset <= len(packed) - size:
+            raise SnapshotError(f"an array [{kind}, {offset}, {shape}] lies outside the packed data")
+        return packed[offset : offset + size].reshape(shape).copy()
+
+
+def _fact(value: Any) -> Any:
+    """A de-duplication fact (nested tuples of str and int) as JSON, and back with _tuple."""
+    if isinstance(value, tuple):
+        return [_fact(v) for v in value]
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def _tuple(value: Any) -> Any:
+    return tuple(_tuple(v) for v in value) if isinstance(value, list) else value
+
+
+def _message(m: Any) -> str:
+    return base64.b64encode(m.SerializeToString()).decode()
+
+
+def _report(text: str) -> pb.PoolReport:
+    return pb.PoolReport.FromString(base64.b64decode(text))
+
+
+def dump(ledger: Ledger) -> bytes:
+    """The ledger's state (between two applied events) as bytes."""
+    packer = _Packer()
+    big: dict[str, np.ndarray] = {}
+
+    def side(s: Side | None) -> Any:
+        if s is None:
+            return None
+        fields = [s.node, s.pool, s.tokens, s.bytes, s.status, s.seq, s.peer]
+        return [*fields, packer.put(s.pages), packer.put(s.checksums)]
+
+    def posted(p: Posted) -> list[Any]:
+        return [p.probe, packer.put(p.addr), packer.put(p.end), p.first_ns, p.seen_by]
+
+    nodes = []
+    for node in ledger.nodes.values():
+        pools = []
+        for pool in node.pools.values():
+            key = f"pool{len(big)}"
+            for name in _PAGE_ARRAYS:
+                big[f"{key}.{name}"] = getattr(pool.pages, name)
+            pools.append(
+                {
+                    "pool": pool.pool,
+                    "report": _message(pool.report),
+                    "history": [[seq, ts, _message(r)] for seq, ts, r in pool.history],
+                    "live": list(pool.live.items()),
+                    "regions": None if pool.regions is None else packer.put(pool.regions),
+                    "pages": [key, pool.pages.num_pages, pool.pages.page_size],
+                }
+            )
+        nodes.append([node.name, node.last_seq, node.last_ts_ns, node.agent_version, node.dropped, pools])
+    requests: list[Any] = []
+    for r in ledger.requests:
+        if r is None:
+            requests.append(None)
+            continue
+        scalars = {
+            k: list(v) if isinstance(v, tuple) else v for k, v in vars(r).items() if k not in _REQUEST_PARTS
+        }
+        shared = [
+            [n, p, *(packer.put(a) for a in (s.pages, s.gen, s.writer, s.wgen))]
+            for (n, p), s in r.shared.items()
+        ]
+        # Page numbers fit in int32 (MAX_PAGES): half the bytes of the intp arrays grants keep.
+        history = [
+            [n, p, [packer.put(a.astype(np.int32)) for a in grants]] for (n, p), grants in r.history.items()
+        ]
+        requests.append([r.id, scalars, r.stages, shared, history, r.xfers])
+    transfers = [
+        [
+            t.xfer,
+            t.req,
+            side(t.send),
+            side(t.recv),
+            [[probe, s.bytes, s.calls, s.complete] for probe, s in t.wire.items()],
+            [posted(p) for p in t.posted],
+        ]
+        for t in ledger.transfers.values()
+    ]
+    stats = ledger.stats
+    state = {
+        "format": FORMAT,
+        "config": {
+            "dedupe": ledger.dedupe,
+            "clock_skew_ns": ledger.clock_skew_ns,
+            "retire_idle": ledger.retire_idle,
+            "forget_idle": ledger.forget_idle,
+        },
+        "counts": [ledger._applied, ledger._next_sweep, ledger._next_scan, ledger.last_missing],
+        "stats": {
+            "events": dict(stats.events),
+            "bad": dict(stats.bad),
+            "findings": dict(stats.findings),
+            **{
+                name: getattr(stats, name)
+                for name in (
+                    "page_transitions",
+                    "missing",
+                    "suppressed",
+                    "remote_unjudged",
+                    "remote_unmapped",
+                    "retired",
+                    "forgotten",
+                )
+            },
+        },
+        "nodes": nodes,
+        "requests": requests,
+        "recent": list(ledger._recent),
+        "retired": list(ledger._retired),
+        "free": ledger._free,
+        "transfers": transfers,
+        "reported": sorted((_fact(f) for f in ledger._reported), key=orjson.dumps),
+        "drift_pairs": sorted(list(p) for p in ledger._drift_pairs),
+        "wire_pending": [[idx, t.xfer] for idx, t in ledger._wire_pending.items()],
+        "posted": [
+            [node, [[t.xfer, posted(p)] for t, p in waiting]] for node, waiting in ledger._posted.items()
+        ],
+    }
+    document = orjson.dumps(state, option=orjson.OPT_SORT_KEYS)
+    out = io.BytesIO()
+    np.savez(out, state=np.frombuffer(document, np.uint8), **big, **packer.arrays())
+    return out.getvalue()
+
+
+def load(data: bytes) -> Ledger:
+    """A ledger in the state `data` holds (SnapshotError if it cannot be read)."""
+    try:
+        files = np.load(io.BytesIO(data), allow_pickle=False)
+        state = orjson.loads(bytes(files["state"]))
+        if state.get("format") != FORMAT:
+            raise SnapshotError(f"snapshot format {state.get('format')!r}, this kvguard reads {FORMAT}")
+        return _restore(state, files)
+    except SnapshotError:
+        raise
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        IndexError,
+        OSError,
+        zipfile.BadZipFile,
+        orjson.JSONDecodeError,
+    ) as exc:
+        raise SnapshotError(f"the snapshot cannot be read: {type(exc).__name__}: {exc}") from exc
+
+
+def _restore(state: dict[str, Any], files: Any) -> Ledger:
+    unpack = _Unpacker(files)
+    ledger = Ledger(**state["config"])
+    ledger._applied, ledger._next_sweep, ledger._next_scan, ledger.last_missing = state["counts"]
+    stats, saved = ledger.stats, state["stats"]
+    for name in ("events", "bad", "findings"):
+        setattr(stats, name, Counter(saved[name]))
+    for name, value in saved.items():
+        if name not in ("events", "bad", "findings"):
+            setattr(stats, name, value)
+    for name, last_seq, last_ts, version, dropped, pools in state["nodes"]:
+        node = ledger.nodes[name] = Node(name, last_seq, last_ts, {}, version, dropped)
+        for p in pools:
+            key, num_pages, page_size = p["pages"]
+            pages = PoolPages(num_pages, page_size)
+            for array in _PAGE_ARRAYS:
+                value = files[f"{key}.{array}"]
+                if value.shape != getattr(pages, array).shape or value.dtype != getattr(pages, array).dtype:
+                    raise SnapshotError(
+                        f"pool {p['pool']} of {name}: its {array} array does not fit the pool"
+                    )
+                setattr(pages, array, value)
+            pool = node.pools[p["pool"]] = Pool(name, p["pool"], _report(p["report"]), pages)
+            pool.history = [(seq, ts, _report(r)) for seq, ts, r in p["history"]]
+            pool.live = {idx: n for idx, n in p["live"]}
+            pool.regions = None if p["regions"] is None else unpack.get(p["regions"])
+
+    def side(s: Any) -> Side | None:
+        if s is None:
+            return None
+        node, pool, tokens, nbytes, status, seq, peer, pages, checksums = s
+        return Side(node, pool, unpack.get(pages), tokens, nbytes, unpack.get(checksums), status, seq, peer)
+
+    def posted(p: list[Any]) -> Posted:
+        probe, addr, end, first_ns, seen_by = p
+        return Posted(probe, unpack.get(addr), unpack.get(end), first_ns, seen_by)
+
+    ledger.requests = []
+    for entry in state["requests"]:
+        if entry is None:
+            ledger.requests.append(None)
+            continue
+        rid, scalars, stages, shared, history, xfers = entry
+        r = Request(rid, len(ledger.requests))
+        for k, v in scalars.items():
+            setattr(r, k, tuple(v) if isinstance(v, list) else v)
+        r.stages = dict(stages)
+        r.shared = {(n, p): Shared(*(unpack.get(a) for a in arrays)) for n, p, *arrays in shared}
+        r.history = {(n, p): [unpack.get(a) for a in grants] for n, p, grants in history}
+        r.xfers = list(xfers)
+        ledger.requests.append(r)
+        if r.idx:
+            ledger._req_index[r.id] = r.idx
+    live = ledger.requests
+    ledger._recent = OrderedDict((idx, live[idx]) for idx in state["recent"])
+    ledger._retired = {idx: live[idx] for idx in state["retired"]}
+    ledger._free = list(state["free"])
+    for xfer, req, send, recv, wire, waiting in state["transfers"]:
+        t = ledger.transfers[xfer] = Transfer(xfer, req, side(send), side(recv))
+        t.wire = {probe: Seen(nbytes, calls, complete) for probe, nbytes, calls, complete in wire}
+        t.posted = [posted(p) for p in waiting]
+    ledger._reported = {_tuple(f) for f in state["reported"]}
+    ledger._drift_pairs = {tuple(p) for p in state["drift_pairs"]}
+    ledger._wire_pending = {idx: ledger.transfers[xfer] for idx, xfer in state["wire_pending"]}
+    ledger._posted = {
+        node: [(ledger.transfers[xfer], posted(p)) for xfer, p in waiting]
+        for node, waiting in state["posted"]
+    }
+    return ledger
