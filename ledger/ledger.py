@@ -496,7 +496,7 @@ class Ledger:
         for idx, r in list(self._retired.items()):
             if r.last > idle_before:
                 break  # retired in the order they were last named: the rest are newer
-            if named[idx]:
+            if named[idx] or self._holds_something(r):  # a late wire report may be pending on it
                 continue
             del self._retired[idx]
             del self._req_index[r.id]

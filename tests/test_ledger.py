@@ -778,3 +778,47 @@ def test_a_snapshot_at_any_point_goes_on_as_the_ledger_would() -> None:
         found += [(f.finding, f.node, f.seq) for e in stream[k:] for f in resumed.apply(e)]
         assert found == expected, f"cut at {k}"
         assert snapshot.dump(resumed) == snapshot.dump(whole), f"cut at {k}"
+
+
+def test_a_retired_request_a_late_wire_report_waits_on_is_not_forgotten() -> None:
+    # The witness's partial report arrives after both sides spoke and the request went idle:
+    # the verdict waits for the request's next event, so the request must stay known (a
+    # forgotten one's index could go to another request, which would inherit the verdict).
+    log, ledger = EventLog(), Ledger(retire_idle=4, forget_idle=8)
+    found: list[Finding] = []
+
+    def add(node: str, payload: str, **fields: object) -> None:
+        found.extend(ledger.apply(log.add(node, payload, **fields)))
+
+    add("p0", "pool", pool=0, role="prefill", page_size=16, num_pages=16)
+    add("d0", "pool", pool=0, role="decode", page_size=16, num_pages=16)
+    add("p0", "alloc", req="w", pool=0, pages=[1])
+    add("p0", "write", req="w", pool=0, pages=[1])
+    add(
+        "p0",
+        "xfer_send",
+        req="w",
+        xfer="x",
+        peer_node="d0",
+        pool=0,
+        pages=[1],
+        tokens=16,
+        bytes=4096,
+        status="done",
+    )
+    add("p0", "free", req="w", pool=0, pages=[1])
+    add("d0", "alloc", req="w", pool=0, pages=[2])
+    add("d0", "xfer_recv", req="w", xfer="x", pool=0, pages=[2], tokens=16, bytes=4096, status="done")
+    add("d0", "free", req="w", pool=0, pages=[2])
+    for _ in range(20):  # w idle: retired
+        add("d0", "heartbeat")
+    assert ledger.stats.retired >= 1
+    add("p0/ebpf", "wire", xfer="x", probe="ebpf:tcp", bytes=1024, calls=1)  # partial, late
+    for i in range(40):  # past the forget horizon, page tags long rewritten by others
+        for node in ("p0", "d0"):
+            add(node, "alloc", req=f"o{i}", pool=0, pages=[1 + i % 15])
+            add(node, "write", req=f"o{i}", pool=0, pages=[1 + i % 15])
+            add(node, "free", req=f"o{i}", pool=0, pages=[1 + i % 15])
+    assert ledger.stats.forgotten > 5 and ledger.request("w") is not None
+    add("d0", "finish", req="w")  # its next event: the short wire is judged now
+    assert [f.finding for f in found] == ["transfer_mismatch"] and found[0].req == "w"
