@@ -228,6 +228,7 @@ def test_audit_verify_finds_an_altered_record(daemon: Service) -> None:
     verify = [sys.executable, "-m", "kvguard", "audit", "verify", "--store", daemon.store]
     ok = subprocess.run(verify, capture_output=True, text=True)
     assert ok.returncode == 0 and "60 records, chain intact" in ok.stdout
+    assert "ledger snapshot: after record 60, bound to the chain there" in ok.stdout  # saved at the stop
     engine = create_engine(Store(daemon.store).url)
     with engine.begin() as db:
         db.execute(
@@ -621,6 +622,9 @@ def test_a_restart_loads_the_snapshot_and_replays_only_what_came_after(
             body = bytes(body[:-1]) + bytes([body[-1] ^ 1])
             conn.execute(text("UPDATE snapshots SET body = :b"), {"b": body})
         engine.dispose()
+        verify = [sys.executable, "-m", "kvguard", "audit", "verify", "--store", store_url]
+        said = subprocess.run(verify, capture_output=True, text=True, check=True).stdout
+        assert f"ledger snapshot: the snapshot taken after record {through} does not match the chain" in said
     elif snapshot_is == "of other settings":
         args = ("--clock-skew-ms", "3")
     second = start_daemon(store_url, 0, *args)
