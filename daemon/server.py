@@ -432,17 +432,9 @@ class Daemon:
                 state.findings[kind] = n
             for name, n in self.counters.items():
                 state.counters[name] = n
-            stats = self.ledger.stats
             # What the ledger could not see or judge, and what it retired and forgot.
-            for name in (
-                "missing",
-                "suppressed",
-                "remote_unjudged",
-                "remote_unmapped",
-                "retired",
-                "forgotten",
-            ):
-                state.counters[f"ledger_{name}"] = getattr(stats, name)
+            for name, n in self.ledger.stats.totals().items():
+                state.counters[f"ledger_{name}"] = n
         return state
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -256,6 +256,10 @@ class LedgerStats:
     remote_unmapped: int = 0  # RDMA write ranges into a node that registered no pool memory
     retired: int = 0  # requests whose history was dropped (idle, holding nothing)
     forgotten: int = 0  # retired requests no page tag named any more: gone, their index reused
+
+    def totals(self) -> dict[str, int]:
+        """The plain counts (not the per-kind counters), by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.type == "int"}
 
 
 def _pages(values: Iterable[int]) -> np.ndarray:

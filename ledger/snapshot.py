@@ -190,18 +190,7 @@ def dump(ledger: Ledger) -> bytes:
             "events": dict(stats.events),
             "bad": dict(stats.bad),
             "findings": dict(stats.findings),
-            **{
-                name: getattr(stats, name)
-                for name in (
-                    "page_transitions",
-                    "missing",
-                    "suppressed",
-                    "remote_unjudged",
-                    "remote_unmapped",
-                    "retired",
-                    "forgotten",
-                )
-            },
+            **stats.totals(),
         },
         "nodes": nodes,
         "requests": requests,
