@@ -120,7 +120,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     store = Store(args.store)
     writer = StoreWriter(args.store)  # hashing and inserts run on another core, overlapping the ledger
     skew = int(args.clock_skew_ms * 1_000_000)
-    daemon = Daemon(store, ruleset, mode=args.mode, writer=writer, clock_skew_ns=skew)
+    daemon = Daemon(
+        store, ruleset, mode=args.mode, writer=writer, clock_skew_ns=skew, snapshot_every=args.snapshot_every
+    )
     server = serve(daemon, args.listen, tls)
     port = server.port
     print(
@@ -351,7 +353,19 @@ def milliseconds(text: str) -> float:
     return ms
 
 
+def events_count(text: str) -> int:
+    """An argparse type: a number of events, 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of events") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} events: it cannot be negative")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from kvguard.daemon.server import SNAPSHOT_EVERY
     from kvguard.ledger.ledger import CLOCK_SKEW_NS
 
     parser = argparse.ArgumentParser(
@@ -385,6 +399,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MS",
         help="how far the nodes' clocks may disagree (default %(default)s): an RDMA write seen posted "
         "within this of a change of the page it hit is not judged",
+    )
+    p.add_argument(
+        "--snapshot-every",
+        type=events_count,
+        default=SNAPSHOT_EVERY,
+        metavar="EVENTS",
+        help="after this many events, save a ledger snapshot in the next idle second, so that a start "
+        "after a crash replays only what came after it (0: only at a clean stop; default %(default)s)",
     )
     tls_arguments(p)
     p.set_defaults(func=cmd_daemon)

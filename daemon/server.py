@@ -62,6 +62,8 @@ MAX_UNDELIVERED = 10_000  # commands kept per node while it is not connected
 SUBSCRIBER_QUEUE = 100_000  # alerts waiting for one slow subscriber before it reads from the store
 BACKLOG_PAGE = 1000  # alerts read from the store at a time
 FREEZE_EVERY_S = 1.0  # how often long-lived objects leave the garbage collector's view
+SNAPSHOT_EVERY = 1 << 22  # events after which the next idle moment is used for a snapshot
+SNAPSHOT_IDLE_S = 1.0  # an idle moment: no batch for this long
 
 
 @dataclass
@@ -155,6 +157,7 @@ class Daemon:
         mode: str = "enforce",
         writer: StoreWriter | None = None,
         clock_skew_ns: int = CLOCK_SKEW_NS,
+        snapshot_every: int = SNAPSHOT_EVERY,
     ) -> None:
         if mode not in ("monitor", "enforce"):
             raise ValueError(f"daemon mode {mode!r} is not monitor or enforce")
@@ -177,6 +180,10 @@ class Daemon:
             rebuilt += 1
         self.counters["rebuilt_events"] = rebuilt
         self.counters["snapshot_through"] = through
+        # A snapshot stalls the apply thread for ~10 µs per request the ledger knows (2 s for
+        # a window at full load), so one is taken only in an idle moment (and at a clean stop).
+        self.snapshot_every = snapshot_every
+        self._snapshot_after = -rebuilt  # live events counted from 0: the replayed ones count too
         # node -> the last sequence number the store holds (what a new stream is told); moves
         # only when a group commits, while the ledger runs ahead by the groups in flight.
         self._durable: dict[str, int] = {name: node.last_seq for name, node in self.ledger.nodes.items()}
@@ -229,8 +236,16 @@ class Daemon:
     def _apply_loop(self) -> None:
         frozen = time.monotonic()
         closing = False
+        committed: Future[int] | None = None  # the last group submitted
         while not closing:
-            first = self._inbox.get()
+            due = (
+                self.snapshot_every and self.counters["events"] - self._snapshot_after >= self.snapshot_every
+            )
+            try:
+                first = self._inbox.get(timeout=SNAPSHOT_IDLE_S if due else None)
+            except queue.Empty:
+                self._idle_snapshot(committed)
+                continue
             if first is None:
                 return
             group, count = [first], len(first.events)
@@ -260,6 +275,20 @@ class Daemon:
                 # and the daemon's objects are freed by reference counting.
                 gc.freeze()
                 frozen = time.monotonic()
+
+    def _idle_snapshot(self, last: Future[int] | None) -> None:
+        """No batch came for a while: once every group submitted is durable, the ledger is
+        the state after the store's last record; save it (a crash then replays from here)."""
+        try:
+            if last is not None:
+                last.result()  # groups commit in order: all before it are durable too
+        except BaseException as exc:
+            self._store_failed(exc)
+        with self.lock:
+            through = self.save_snapshot()
+        self._snapshot_after = self.counters["events"]
+        self.counters["snapshots"] += 1
+        self.counters["snapshot_through"] = through
 
     def _store_failed(self, exc: BaseException) -> None:
         # The ledger has moved past what is durable: stop, and rebuild from the store.

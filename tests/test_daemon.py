@@ -640,3 +640,29 @@ def test_a_restart_loads_the_snapshot_and_replays_only_what_came_after(
         said = second.stop()
     assert ("replaying the whole store" in said) == (snapshot_is != "sound")
     assert facts(stored_findings(store_url)) == facts(local_findings())
+
+
+def test_a_crash_replays_only_what_came_after_the_last_idle_snapshot(store_url: str) -> None:
+    # With --snapshot-every 10 the daemon saves the ledger in its first idle second after 10
+    # events; killed (no clean stop), it restarts from that snapshot, not from the start.
+    first = start_daemon(store_url, 0, "--snapshot-every", "10")
+    half = [line for line in INCIDENT if line.startswith("{")][:20]
+    assert send_capture(half, first.address).accepted == 20
+    deadline = time.monotonic() + 20
+    while fleet_counters(first.address).get("snapshots", 0) < 1:
+        assert time.monotonic() < deadline, "no snapshot in an idle moment"
+        time.sleep(0.2)
+    through = fleet_counters(first.address)["snapshot_through"]
+    store = Store(store_url)
+    assert through == store.count() > 0  # the state after the last record, all of them durable
+    store.close()
+    first.kill()  # SIGKILL: no clean stop, no snapshot of its own
+    second = start_daemon(store_url)
+    try:
+        counters = fleet_counters(second.address)
+        assert (counters["snapshot_through"], counters["rebuilt_events"]) == (through, 0)
+        again = send_capture(INCIDENT, second.address)
+        assert (again.accepted, again.repeats, again.rejected) == (19, 20, [])
+    finally:
+        second.stop()
+    assert facts(stored_findings(store_url)) == facts(local_findings())
