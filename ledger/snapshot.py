@@ -110,6 +110,27 @@ def _tuple(value: Any) -> Any:
     return tuple(_tuple(v) for v in value) if isinstance(value, list) else value
 
 
+# A request's scalar attributes and their types (class-level defaults): what a snapshot may set.
+_SCALARS = {
+    k: type(v)
+    for k, v in vars(Request).items()
+    if not k.startswith("_") and not callable(v) and not isinstance(v, property)
+}
+
+
+def _scalar(name: str, value: Any) -> Any:
+    """A request's scalar attribute from a snapshot, checked: a snapshot sets data, nothing else."""
+    kind = _SCALARS.get(name)
+    if name == "bootstrap":  # (prefill node, decode node, prompt tokens) or None
+        if value is None:
+            return None
+        if isinstance(value, list) and [type(v) for v in value] == [str, str, int]:
+            return tuple(value)
+    elif kind is not None and type(value) is kind:
+        return value
+    raise SnapshotError(f"a request's {name!r} = {value!r} is not one of its attributes, or not of its type")
+
+
 def _message(m: Any) -> str:
     return base64.b64encode(m.SerializeToString()).decode()
 
@@ -247,6 +268,7 @@ def load(data: bytes) -> Ledger:
         KeyError,
         TypeError,
         IndexError,
+        AttributeError,
         OSError,
         zipfile.BadZipFile,
         orjson.JSONDecodeError,
@@ -299,7 +321,7 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
         rid, scalars, stages, shared, history, xfers = entry
         r = Request(rid, len(ledger.requests))
         for k, v in scalars.items():
-            setattr(r, k, tuple(v) if isinstance(v, list) else v)
+            setattr(r, k, _scalar(k, v))
         r.stages = dict(stages)
         r.shared = {(n, p): Shared(*(unpack.get(a) for a in arrays)) for n, p, *arrays in shared}
         r.history = {(n, p): [unpack.get(a) for a in grants] for n, p, grants in history}

@@ -822,3 +822,46 @@ def test_a_retired_request_a_late_wire_report_waits_on_is_not_forgotten() -> Non
     assert ledger.stats.forgotten > 5 and ledger.request("w") is not None
     add("d0", "finish", req="w")  # its next event: the short wire is judged now
     assert [f.finding for f in found] == ["transfer_mismatch"] and found[0].req == "w"
+
+
+def test_a_snapshot_sets_data_only_and_a_bad_one_is_refused_by_name() -> None:
+    import io
+
+    import orjson
+
+    from kvguard.ledger import snapshot
+
+    ledger = Ledger()
+    for e in TestWireWitness().events({"bytes": 8192, "complete": True}, wire_first=False):
+        ledger.apply(e)
+    good = snapshot.dump(ledger)
+    assert snapshot.dump(snapshot.load(good)) == good
+
+    def altered(change: object) -> bytes:
+        files = np.load(io.BytesIO(good), allow_pickle=False)
+        arrays = {name: files[name] for name in files.files}
+        state = orjson.loads(bytes(arrays["state"]))
+        change(state)  # type: ignore[operator]
+        arrays["state"] = np.frombuffer(orjson.dumps(state), np.uint8)
+        out = io.BytesIO()
+        np.savez(out, **arrays)
+        return out.getvalue()
+
+    def attribute(state: dict) -> None:  # type: ignore[type-arg]
+        state["requests"][1][1]["ended"] = True
+
+    def wrong_type(state: dict) -> None:  # type: ignore[type-arg]
+        state["requests"][1][1]["granted_pages"] = "2"
+
+    def newer(state: dict) -> None:  # type: ignore[type-arg]
+        state["format"] = 99
+
+    for change, reason in (
+        (attribute, "'ended' = True is not one of its attributes"),
+        (wrong_type, "'granted_pages' = '2' is not one of its attributes, or not of its type"),
+        (newer, "snapshot format 99, this kvguard reads 1"),
+    ):
+        with pytest.raises(snapshot.SnapshotError, match=reason):
+            snapshot.load(altered(change))
+    with pytest.raises(snapshot.SnapshotError, match="cannot be read"):
+        snapshot.load(good[: len(good) // 2])
