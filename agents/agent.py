@@ -179,6 +179,7 @@ class NodeAgent:
             "witnessed": 0,
             "shim_records": 0,
             "shim_refused": 0,
+            "rdma_unlabelled": 0,
         }
         self._channel = channel(daemon, tls)
         for path in sorted(self.spool_dir.glob("*.spool")):
@@ -226,6 +227,7 @@ class NodeAgent:
             try:
                 conn, _ = server.accept()
             except TimeoutError:
+                self._check_witness()
                 continue
             threading.Thread(target=self._guard, args=(conn,), daemon=True).start()
         shims.close()
@@ -314,6 +316,19 @@ class NodeAgent:
     def _witnessed(self, node: str, report: WireReport) -> None:
         self._source(f"{node}/{WITNESS}").emit(wire=wire_event(report))
         self.counters["witnessed"] += 1
+
+    def _check_witness(self) -> None:
+        """Say once that a watched engine posts RDMA writes outside any named transfer (its
+        transfer engine posts from threads of its own): the witness cannot attribute them."""
+        posts = self.witness.unlabelled_posts
+        if posts and not self.counters["rdma_unlabelled"]:
+            print(
+                f"kvguard agent: a watched engine posted {posts} RDMA work request chain(s) outside any "
+                "named transfer: the RDMA witness cannot attribute them (name transfers in the threads "
+                "that post: kvguard_xfer_begin/end)",
+                file=sys.stderr,
+            )
+        self.counters["rdma_unlabelled"] = posts
 
     def _witness_lost(self, lost: int) -> None:
         """The kernel dropped witness events (its buffer was full): every watched node's

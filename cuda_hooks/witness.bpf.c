@@ -417,6 +417,7 @@ static __always_inline void add_run(struct label *l, u64 addr, u64 len) {
 
 BPF_PERF_OUTPUT(providers);
 BPF_HASH(posting, u64, struct post);  // tid -> the post in progress
+BPF_PERCPU_ARRAY(unlabelled, u64, 1);  // posts of watched processes outside any named transfer
 
 static __always_inline int tell_post_send(struct pt_regs *ctx, u64 context) {
     u64 id = bpf_get_current_pid_tgid();
@@ -448,8 +449,14 @@ int rdma_modified_qp(struct pt_regs *ctx) { return tell_from_qp(ctx, PT_REGS_PAR
 int rdma_post_send(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     struct label *l = labels.lookup(&id);
-    if (!l)
+    if (!l) {
+        // A transfer engine that posts from its own threads: not attributable, but said.
+        int zero = 0;
+        u64 *n = unlabelled.lookup(&zero);
+        if (n && watching(id))
+            (*n)++;
         return 0;
+    }
     struct post p = {.runs = l->runs, .runs_lost = l->runs_lost, .at = bpf_ktime_get_ns()};
     p.last_len = l->run_len[(p.runs - 1) & (MAX_RUNS - 1)];
     u64 wr = PT_REGS_PARM2(ctx);

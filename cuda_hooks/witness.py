@@ -82,6 +82,9 @@ class Witness(Protocol):
     available: bool
     reason: str  # why not available ("" when it is)
 
+    @property
+    def unlabelled_posts(self) -> int: ...
+
     def watch(self, pid: int, name: str) -> None: ...
     def unwatch(self, pid: int) -> None: ...
     def close(self) -> None: ...
@@ -91,6 +94,7 @@ class NullWitness:
     """No BPF here: watches nothing. `reason` says why."""
 
     available = False
+    unlabelled_posts = 0
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
@@ -231,6 +235,12 @@ class BpfWitness:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="kvguard-witness", daemon=True)
         self._thread.start()
+
+    @property
+    def unlabelled_posts(self) -> int:
+        """RDMA posts of watched processes made outside any named transfer: a transfer engine
+        that posts from its own threads, whose writes this witness cannot attribute."""
+        return int(sum(self._bpf[b"unlabelled"][ctypes.c_int(0)]))
 
     @property
     def lost_connections(self) -> int:

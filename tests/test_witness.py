@@ -435,6 +435,7 @@ status = {}
 for xfer, posts in json.loads(sys.argv[2]).items():
     with label.transfer(xfer):
         status[xfer] = [transfer.post(*p[:5], *map(ctypes.c_ulonglong, p[5:])) for p in posts]
+status["unlabelled"] = [transfer.post(1, 1, 10, 0, 0, ctypes.c_ulonglong(0), ctypes.c_ulonglong(0))]
 print(json.dumps(status), flush=True)
 """
 
@@ -473,9 +474,17 @@ def test_the_witness_follows_work_requests_to_a_providers_post_send(
             status = json.loads(hear(engine))
             after = time.time_ns()
             wait_for(lambda: len(reports) == 4, "four reports")
+            unlabelled = witness.unlabelled_posts
     finally:
         witness.close()
-    assert status == {"p0-x1": [0, 0, 0, 22], "p0-x2": [0], "p0-x3": [0, 0, 0], "p0-x4": [0] * len(x4)}
+    assert status == {
+        "p0-x1": [0, 0, 0, 22],
+        "p0-x2": [0],
+        "p0-x3": [0, 0, 0],
+        "p0-x4": [0] * len(x4),
+        "unlabelled": [0],
+    }
+    assert unlabelled == 1  # a post outside any named transfer: not reported, but counted
     provider = [p for p in witness.attached(engine.pid) if p[2] == "rdma_post_send"]
     assert len(provider) == 1 and provider[0][0].endswith("libfake-rdmav34.so")  # found by address
     by_xfer = {r.xfer: r for r in reports}
