@@ -551,6 +551,50 @@ def aborted_and_regranted(report: WireReport, base: int) -> list[Finding]:
     return [f for e in log.events for f in ledger.apply(e)]
 
 
+UNLABELLED_ENGINE = r"""
+import ctypes, sys, time
+from kvguard.agents.sink import AgentSink
+from kvguard.proto import pb
+guard = AgentSink(sys.argv[2], "rdma-0")  # its guard: the agent watches this process
+guard.put(pb.Event(node="rdma-0", seq=1, heartbeat=pb.Heartbeat(agent_version="guard")))
+guard.flush()
+transfer = ctypes.CDLL(sys.argv[1])
+print("ready", flush=True)
+while True:  # a transfer engine's own thread: connects (a new queue pair) and posts, unnamed
+    transfer.setup()
+    transfer.post(1, 1, 4096, 0, 0, ctypes.c_ulonglong(0), ctypes.c_ulonglong(4096))
+    time.sleep(0.05)
+"""
+
+
+def test_the_agent_says_when_an_engines_rdma_posts_cannot_be_attributed(
+    bpf_ready: None, tmp_path: Path, compile_c: Callable[..., Path]
+) -> None:
+    compile_c(tmp_path, "libfake-rdmav34.so", STUB_PROVIDER)
+    compile_c(tmp_path, "libibverbs.so.1", STUB_VERBS, (tmp_path, "libfake-rdmav34.so"))
+    transfer = compile_c(tmp_path, "libtransfer.so", TRANSFER, (tmp_path, "libibverbs.so.1"))
+    daemon = start_daemon(str(tmp_path / "audit.db"))
+    sock = str(tmp_path / "agent.sock")
+    agent = start_agent(sock, daemon.address, str(tmp_path / "spool"), "--witness-uprobes")
+    said: list[str] = []
+    assert agent.proc.stderr is not None
+    stderr = agent.proc.stderr
+    threading.Thread(target=lambda: said.extend(iter(stderr.readline, "")), daemon=True).start()
+    engine = subprocess.Popen(
+        [sys.executable, "-c", UNLABELLED_ENGINE, str(transfer), sock], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert hear(engine) == "ready"
+        wait_for(lambda: any("outside any named transfer" in line for line in said), "the warning", 30)
+    finally:
+        engine.kill()
+        engine.wait()
+        agent.stop()
+        daemon.stop()
+    warnings = [line for line in said if "RDMA" in line]
+    assert len(warnings) == 1 and "the RDMA witness cannot attribute them" in warnings[0]  # once
+
+
 def test_the_verbs_offsets_are_the_real_headers(tmp_path: Path) -> None:
     # witness.bpf.c reads struct ibv_context, ibv_send_wr and ibv_sge at fixed offsets.
     fields = {
