@@ -107,13 +107,14 @@ class ShimListener:
         self.path = Path(path)
         self._on_record = on_record
         self._on_bad = on_bad
-        if self.path.exists():
-            self.path.unlink()
+        bound = self.path.with_name(self.path.name + ".binding")  # at its path once it listens
+        bound.unlink(missing_ok=True)
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._server.bind(str(self.path))
-        os.chmod(self.path, 0o666)  # engines may run as other users; the PID identifies them
+        self._server.bind(str(bound))
+        os.chmod(bound, 0o666)  # engines may run as other users; the PID identifies them
         self._server.listen(64)
         self._server.settimeout(0.5)
+        os.replace(bound, self.path)
         self._stop = threading.Event()
         threading.Thread(target=self._serve, name="kvguard-shim", daemon=True).start()
 
