@@ -28,7 +28,7 @@ from urllib.parse import quote, unquote
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvguard.agents.local import PEER_CLOSED, peer_pid, recv_frame, send_frame
+from kvguard.agents.local import PEER_CLOSED, listening, peer_pid, recv_frame, send_frame
 from kvguard.agents.probes import (
     PoolFacts,
     fetch_json,
@@ -215,15 +215,7 @@ class NodeAgent:
     # ------------------------------------------------------------------ guards -> spool
 
     def serve(self) -> None:
-        # The socket appears at its path only once it listens (bound aside, then renamed):
-        # a guard that finds the path is never refused.
-        bound = self.socket_path.with_name(self.socket_path.name + ".binding")
-        bound.unlink(missing_ok=True)
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(str(bound))
-        server.listen(64)
-        server.settimeout(0.5)
-        os.replace(bound, self.socket_path)
+        server = listening(self.socket_path)
         # The engines' LD_PRELOAD shims report their transfers' CUDA copies beside it.
         shims = ShimListener(f"{self.socket_path}.shim", self._shim_record, self._shim_refused)
         while not self.stopping.is_set():

@@ -10,8 +10,10 @@ MAX_FRAME is refused (the peer is misbehaving).
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+from pathlib import Path
 
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
@@ -41,6 +43,22 @@ def recv_frame(sock: socket.socket) -> bytes:
     if n > MAX_FRAME:
         raise ConnectionError(f"frame of {n} bytes (at most {MAX_FRAME})")
     return _exact(sock, n)
+
+
+def listening(path: Path, kind: int = socket.SOCK_STREAM, mode: int | None = None) -> socket.socket:
+    """A Unix socket listening at `path` (timeout 0.5 s, for a stop flag's sake). It appears at
+    its path only once it listens (bound aside, then renamed): a client that finds the path is
+    never refused. `mode`: the permissions of the path."""
+    bound = path.with_name(path.name + ".binding")
+    bound.unlink(missing_ok=True)
+    server = socket.socket(socket.AF_UNIX, kind)
+    server.bind(str(bound))
+    if mode is not None:
+        os.chmod(bound, mode)
+    server.listen(64)
+    server.settimeout(0.5)
+    os.replace(bound, path)
+    return server
 
 
 def peer_pid(sock: socket.socket) -> int:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import socket
 import struct
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvguard.agents.local import listening, peer_pid
 
 LIBRARY = Path(__file__).with_name("shim") / "libkvguard_shim.so"
 LABELS = Path(__file__).with_name("shim") / "libkvguard_label.so"  # the same two calls, for the eBPF witness
@@ -107,14 +108,8 @@ class ShimListener:
         self.path = Path(path)
         self._on_record = on_record
         self._on_bad = on_bad
-        bound = self.path.with_name(self.path.name + ".binding")  # at its path once it listens
-        bound.unlink(missing_ok=True)
-        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._server.bind(str(bound))
-        os.chmod(bound, 0o666)  # engines may run as other users; the PID identifies them
-        self._server.listen(64)
-        self._server.settimeout(0.5)
-        os.replace(bound, self.path)
+        # Engines may run as other users (0o666): the PID, not the path, identifies them.
+        self._server = listening(self.path, socket.SOCK_SEQPACKET, mode=0o666)
         self._stop = threading.Event()
         threading.Thread(target=self._serve, name="kvguard-shim", daemon=True).start()
 
@@ -130,9 +125,7 @@ class ShimListener:
 
     def _read(self, conn: socket.socket) -> None:
         with conn:
-            pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[
-                0
-            ]  # not the record's
+            pid = peer_pid(conn)  # not the record's
             while not self._stop.is_set():
                 try:
                     data = conn.recv(SHIM_RECORD.size + 1)
