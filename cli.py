@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import orjson
 
@@ -331,12 +331,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.out))
 
 
+def _number(text: str, parse: type[int] | type[float], what: str) -> Any:
+    """`text` as a number for an argparse type, or the error that names it."""
+    try:
+        return parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
 def power_of_two(text: str) -> int:
     """An argparse type: a positive power of two (what a perf buffer's size must be)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    n = _number(text, int, "a whole number")
     if n < 1 or n & (n - 1):
         raise argparse.ArgumentTypeError(f"{n} is not a power of two (1, 2, 4, ... pages)")
     return n
@@ -344,10 +349,7 @@ def power_of_two(text: str) -> int:
 
 def milliseconds(text: str) -> float:
     """An argparse type: a duration in milliseconds, not negative."""
-    try:
-        ms = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds") from None
+    ms = _number(text, float, "a number of milliseconds")
     if not 0 <= ms < 1e9:
         raise argparse.ArgumentTypeError(f"{ms} ms is not a duration from 0 up")
     return ms
@@ -355,10 +357,7 @@ def milliseconds(text: str) -> float:
 
 def events_count(text: str) -> int:
     """An argparse type: a number of events, 0 or more."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of events") from None
+    n = _number(text, int, "a whole number of events")
     if n < 0:
         raise argparse.ArgumentTypeError(f"{n} events: it cannot be negative")
     return n
