@@ -206,8 +206,7 @@ class Daemon:
         except snapshot.SnapshotError as exc:
             print(f"kvguard daemon: {exc}; replaying the whole store", file=sys.stderr, flush=True)
             return fresh, 0
-        settings = ("dedupe", "clock_skew_ns", "retire_idle", "forget_idle")
-        if [getattr(ledger, k) for k in settings] != [getattr(fresh, k) for k in settings]:
+        if snapshot.settings(ledger) != snapshot.settings(fresh):
             said = "the snapshot was taken with other ledger settings"
             print(f"kvguard daemon: {said}; replaying the whole store", file=sys.stderr, flush=True)
             return fresh, 0

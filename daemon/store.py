@@ -207,6 +207,11 @@ def _chain(prev: bytes, record_id: int, columns: Sequence[Any], body: bytes) -> 
     ).digest()
 
 
+def _snapshot_digest(after: bytes, body: bytes) -> bytes:
+    """What binds a snapshot to the record it was taken after: SHA-256(that record's hash, body)."""
+    return hashlib.sha256(after + body).digest()
+
+
 def store_url(where: str) -> str:
     """A SQLAlchemy URL, or a plain file path taken as a SQLite database."""
     return where if "://" in where else f"sqlite:///{Path(where).resolve()}"
@@ -372,7 +377,7 @@ class Store:
                 select(records.c.id, records.c.hash).order_by(records.c.id.desc()).limit(1)
             ).first()
             through, after = (last[0], last[1]) if last else (0, GENESIS)
-            digest = hashlib.sha256(after + body).digest()
+            digest = _snapshot_digest(after, body)
             conn.execute(
                 snapshots.insert().values(
                     through_id=through, created_ns=time.time_ns(), body=body, digest=digest
@@ -397,7 +402,7 @@ class Store:
             after = conn.execute(select(records.c.hash).where(records.c.id == through)).scalar()
         if through and after is None:
             return f"the snapshot's record {through} is not in the store"
-        if hashlib.sha256((after or GENESIS) + body).digest() != digest:
+        if _snapshot_digest(after or GENESIS, body) != digest:
             return f"the snapshot taken after record {through} does not match the chain there"
         return int(through), bytes(body)
 

@@ -38,6 +38,7 @@ from kvguard.ledger.pages import PoolPages
 from kvguard.proto import pb
 
 FORMAT = 1
+SETTINGS = ("dedupe", "clock_skew_ns", "retire_idle", "forget_idle")  # a ledger's constructor arguments
 _PAGE_ARRAYS = (
     "gen",
     "owner",
@@ -131,6 +132,11 @@ def _scalar(name: str, value: Any) -> Any:
     raise SnapshotError(f"a request's {name!r} = {value!r} is not one of its attributes, or not of its type")
 
 
+def settings(ledger: Ledger) -> dict[str, Any]:
+    """What a ledger was constructed with (a snapshot's ledger continues only under the same)."""
+    return {name: getattr(ledger, name) for name in SETTINGS}
+
+
 def _message(m: Any) -> str:
     return base64.b64encode(m.SerializeToString()).decode()
 
@@ -220,12 +226,7 @@ def _dump(ledger: Ledger) -> bytes:
     stats = ledger.stats
     state = {
         "format": FORMAT,
-        "config": {
-            "dedupe": ledger.dedupe,
-            "clock_skew_ns": ledger.clock_skew_ns,
-            "retire_idle": ledger.retire_idle,
-            "forget_idle": ledger.forget_idle,
-        },
+        "config": settings(ledger),
         "counts": [ledger._applied, ledger._next_sweep, ledger._next_scan, ledger.last_missing],
         "stats": {
             "events": dict(stats.events),
