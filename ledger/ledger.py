@@ -1442,13 +1442,9 @@ class Ledger:
 
     def _route_posted(self, r: Request, t: Transfer) -> None:
         """A transfer's posted writes wait, under its receiver, for the receiver's events."""
-        receiver = (
-            t.recv.node
-            if t.recv is not None
-            else (
-                t.send.peer if t.send is not None and t.send.peer else (r.bootstrap[1] if r.bootstrap else "")
-            )
-        )
+        # Who received it, as the receiver, the sender or the bootstrap says (in that order).
+        receiver = (t.recv.node if t.recv else "") or (t.send.peer if t.send else "")
+        receiver = receiver or (r.bootstrap[1] if r.bootstrap else "")
         if receiver:
             self._posted.setdefault(receiver, []).extend((t, p) for p in t.posted)
             t.posted = []
