@@ -10,7 +10,8 @@ STAMP := $(VENV)/.installed-stamp
 SHIM := cuda_hooks/shim/libkvguard_shim.so
 LABEL := cuda_hooks/shim/libkvguard_label.so
 
-$(STAMP): pyproject.toml
+# setup.py builds the ledger's C extension (ledger/_hot.c) into the tree (pip install -e).
+$(STAMP): pyproject.toml setup.py ledger/_hot.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $@
@@ -45,4 +46,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(SHIM) $(LABEL)
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(SHIM) $(LABEL) ledger/_hot*.so build

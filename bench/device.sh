@@ -12,6 +12,7 @@ mkdir -p "$out" /tmp/pkg
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
+python3 setup.py -q build_ext --inplace 2>&1 | tail -n 3  # the ledger's C extension, for this Python
 ln -sfn "$PWD" /tmp/pkg/kvguard  # the repository root is the package
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"

@@ -67,6 +67,12 @@ SWEEP_EVERY = 1024  # applied events between retirement sweeps: each is short
 CLOCK_SKEW_NS = 10_000_000  # how far two nodes' clocks may disagree (NTP in one data centre: < 1 ms)
 _U64 = 1 << 64
 RECV_HOLD = HOLDER_INDEX["transfer_recv"]
+# The field number of `pages` in each payload that lists pages (read from it serialized).
+_PAGES_FIELD = {
+    d: d.fields_by_name["pages"].number
+    for d in pb.DESCRIPTOR.message_types_by_name.values()
+    if "pages" in d.fields_by_name
+}
 
 
 class BadEvent(ValueError):
@@ -357,34 +363,27 @@ class Ledger:
         kind = event.WhichOneof("payload")
         if kind is None:
             raise self._bad("event has no payload")
-        if not event.node:
+        name = event.node  # each read of a protobuf string field makes a new str: read once
+        if not name:
             raise self._bad(f"{kind} event has no node")
-        node = self.nodes.get(event.node)
+        node = self.nodes.get(name)
         if node is None:
-            node = self.nodes[event.node] = Node(event.node)
-        seq = event.seq
+            node = self.nodes[name] = Node(name)
+        seq, ts = event.seq, event.ts_ns
         if seq == 0:
-            raise self._bad(f"{kind} event of node {event.node} has no sequence number (they start at 1)")
+            raise self._bad(f"{kind} event of node {name} has no sequence number (they start at 1)")
         if seq <= node.last_seq:
             raise self._bad(
-                f"sequence number {seq} of node {event.node} repeats (last applied: {node.last_seq})",
-                "repeat",
+                f"sequence number {seq} of node {name} repeats (last applied: {node.last_seq})", "repeat"
             )
-        self._node, self._seq, self._ts = event.node, seq, event.ts_ns
+        self._node, self._seq, self._ts = name, seq, ts
         self._found = []
         missing = seq - node.last_seq - 1
-        payload = getattr(event, kind)
-        try:
-            self._handlers[kind](node, payload)
-        except IndexError:
-            bad = self._range_error(node, kind, payload)
-            if bad is None:
-                raise
-            raise bad from None
+        self._handlers[kind](node, getattr(event, kind))
         # Only an applied event advances its node's sequence: a malformed one, whose number
         # may be as wrong as the rest of it, must not make later valid events look repeated.
-        node.last_seq, node.last_ts_ns = seq, event.ts_ns
-        if self._posted and event.node in self._posted:
+        node.last_seq, node.last_ts_ns = seq, ts
+        if self._posted and name in self._posted:
             self._judge_posted(node)
         self.stats.events[kind] += 1
         self._applied += 1
@@ -519,15 +518,20 @@ class Ledger:
             raise self._bad(f"{payload}: pool {pool} of node {node.name} was never reported (no pool event)")
         return found
 
-    def _page_array(self, pool: Pool, values: Any, payload: str, *, bounded: bool = True) -> np.ndarray:
-        """An event's page list as an index array, checked against the pool's size. On the hot
-        path (bounded=False) the caller's first operation on the pages must instead be a
-        gather over all of them, before any state changes: its IndexError becomes the same
-        BadEvent in apply(), and the event costs one pass less."""
-        pages = _pages(values)
-        if bounded and len(pages) and int(pages.max()) >= pool.pages.num_pages:
-            raise self._out_of_range(pool, pages, payload)
-        return pages
+    def _page_array(self, pool: Pool, message: Any, payload: str, *, distinct: bool = True) -> np.ndarray:
+        """The page list of an event's payload (`message`) as an index array, checked against
+        the pool's size and, with `distinct` (every event that changes pages), for a page
+        listed twice: which would count one page as two."""
+        try:
+            return pool.pages.page_list(
+                message.SerializeToString(), _PAGES_FIELD[message.DESCRIPTOR], distinct=distinct
+            )
+        except IndexError:
+            raise self._out_of_range(pool, _pages(message.pages), payload) from None
+        except ValueError as exc:
+            raise self._bad(
+                f"{payload}: page {exc.args[0]} is listed twice (pool {pool.pool} of node {pool.node})"
+            ) from None
 
     def _out_of_range(self, pool: Pool, pages: np.ndarray, payload: str) -> BadEvent:
         bad = pages[pages >= pool.pages.num_pages]
@@ -536,17 +540,6 @@ class Ledger:
             f"{payload}: page {int(bad[0])} out of range for pool {pool.pool} of node {pool.node} "
             f"({pool.pages.num_pages} pages){more}"
         )
-
-    def _range_error(self, node: Node, kind: str, payload: Any) -> BadEvent | None:
-        """The BadEvent for an IndexError raised by a hot-path gather, or None if no page of
-        the event is out of range (then the IndexError is a bug, not bad input)."""
-        for part in payload.reads if kind == "read" else [payload]:
-            pool = node.pools.get(part.pool)
-            if pool is not None:
-                pages = _pages(part.pages)
-                if len(pages) and int(pages.max()) >= pool.pages.num_pages:
-                    return self._out_of_range(pool, pages, kind)
-        return None
 
     def _bad(self, reason: str, kind: str = "malformed") -> BadEvent:
         self.stats.bad[kind] += 1
@@ -818,23 +811,15 @@ class Ledger:
 
     def _on_alloc(self, node: Node, a: pb.Alloc) -> None:
         pool = self._pool(node, a.pool, "alloc")
-        pages = self._page_array(pool, a.pages, "alloc", bounded=False)
+        pages = self._page_array(pool, a, "alloc")
         pp = pool.pages
-        busy = pp.use[pages]  # first gather: the bounds check
         r = self._request(a.req, "alloc")
         if r.ended:
             self._progress(r, f"alloc of {len(pages)} page(s) on {node.name}")
-        if np.count_nonzero(busy):
-            self._early_release(r, pool, pages, busy)
-            pp.use[pages] = 1 + pp.holds[:, pages].sum(axis=0)
-        else:
-            pp.use[pages] = 1
-        pp.gen[pages] += 1
-        pp.owner[pages] = r.idx
-        pp.own[pages] = NOBODY
-        pp.prior[pages] = pp.writer[pages]
-        if pool.regions is not None:
-            pp.since[pages] = self._ts
+        since = self._ts if pool.regions is not None else None
+        if pp.grant(pages, r.idx, since):  # some still in use: judged, then granted
+            self._early_release(r, pool, pages, pp.use[pages])
+            pp.grant(pages, r.idx, since, judged=True)
         grants = r.history.get(key := (node.name, a.pool))
         if grants is None:
             r.history[key] = [pages]
@@ -883,9 +868,9 @@ class Ledger:
 
     def _on_write(self, node: Node, w: pb.Write) -> None:
         pool = self._pool(node, w.pool, "write")
-        pages = self._page_array(pool, w.pages, "write", bounded=False)
+        pages = self._page_array(pool, w, "write")
         pp = pool.pages
-        owner = pp.owner[pages]  # first gather: the bounds check
+        slots = None
         if w.slots:
             if len(w.slots) != len(pages):
                 raise self._bad(
@@ -894,12 +879,10 @@ class Ledger:
             slots = np.array(w.slots, dtype=np.uint32)
             if int(slots.max()) > pp.page_size:
                 raise self._bad(f"write: {int(slots.max())} valid slots in a page of {pp.page_size}")
-        else:
-            slots = pp.page_size
         r = self._request(w.req, "write")
         if r.ended:
             self._progress(r, f"write of {len(pages)} page(s) on {node.name}")
-        self._write(r, pool, pages, slots, drain=False, owner=owner)
+        self._write(r, pool, pages, slots, drain=False)
         r.written_pages += len(pages)
 
     def _write(
@@ -907,90 +890,75 @@ class Ledger:
         r: Request,
         pool: Pool,
         pages: np.ndarray,
-        slots: np.ndarray | int,
+        slots: np.ndarray | None,
         *,
         drain: bool,
-        owner: np.ndarray | None = None,
         land: bool = True,
         via: tuple[str, str, str] | None = None,
     ) -> None:
-        """KV of request r lands in `pages`. Pages r does not own are a late write (another
-        request owns them now) or a use after free (nobody does), except, when `drain`, pages
-        kept alive by a transfer_recv hold: the end of a transfer already in flight. With
-        land=False the write was attempted but refused: it is judged, the pages keep their KV.
-        `via`: (probe, its event, xfer) when a probe saw the write, not the engine."""
+        """KV of request r lands in `pages` (`slots` valid in each; None: full pages). Pages r
+        does not own are a late write (another request owns them now) or a use after free
+        (nobody does), except, when `drain`, pages kept alive by a transfer_recv hold: the end
+        of a transfer already in flight. With land=False the write was attempted but refused:
+        it is judged, the pages keep their KV. `via`: (probe, its event, xfer) when a probe
+        saw the write, not the engine."""
         pp = pool.pages
-        if owner is None:
-            owner = pp.owner[pages]
-        foreign = owner != r.idx
-        if np.count_nonzero(foreign):
-            sel = pages[foreign]
-            other = owner[foreign]
-            bad = np.ones(len(sel), bool)
-            if drain:
-                bad = ~pp.draining(r.idx, sel, other)
-            late = bad & (other >= 0)
-            details = None
-            how = ""
-            if via is not None:
-                probe, event, xfer = via
-                details = {"probe": probe, "witness": event, "xfer": xfer}
-                how = f" by RDMA (transfer {xfer}, seen posted by {probe}, {event})"
-            if late.any():
-                self._by_victim(
-                    "late_write",
-                    r,
-                    pool,
-                    sel[late],
-                    other[late],
-                    lambda v: f"{r.id} wrote KV{how} into pages now granted to {self._name(v)}",
-                    details,
-                )
-            freed = bad & (other < 0)
-            if freed.any():
-                self._report(
-                    "use_after_free",
-                    f"{r.id} wrote KV{how} into {int(freed.sum())} page(s) of pool {pool.pool} on "
-                    f"{pool.node} that it no longer holds",
-                    req=r,
-                    pool=pool,
-                    pages=sel[freed],
-                    details=details,
-                    key=(pool.pool, "write"),
-                )
-            mine = pages[~foreign]
-            if land:
-                pp.own[sel] = NOBODY
-        else:
-            mine = pages
-        if not land:
-            return
         # The content changes wherever the bytes landed, owned or not: whoever reads these
         # pages next reads r's KV.
-        pp.writer[pages] = r.idx
-        pp.wgen[pages] = pp.gen[pages]
-        pp.valid[pages] = slots
-        pp.own[mine] = r.idx
-        self.stats.page_transitions += len(pages)
+        if land and not pp.land(pages, r.idx, slots):
+            self.stats.page_transitions += len(pages)
+            return
+        owner = pp.owner[pages]
+        foreign = owner != r.idx
+        sel = pages[foreign]
+        other = owner[foreign]
+        bad = ~pp.draining(r.idx, sel, other) if drain else np.ones(len(sel), bool)
+        late = bad & (other >= 0)
+        details = None
+        how = ""
+        if via is not None:
+            probe, event, xfer = via
+            details = {"probe": probe, "witness": event, "xfer": xfer}
+            how = f" by RDMA (transfer {xfer}, seen posted by {probe}, {event})"
+        if late.any():
+            self._by_victim(
+                "late_write",
+                r,
+                pool,
+                sel[late],
+                other[late],
+                lambda v: f"{r.id} wrote KV{how} into pages now granted to {self._name(v)}",
+                details,
+            )
+        freed = bad & (other < 0)
+        if freed.any():
+            self._report(
+                "use_after_free",
+                f"{r.id} wrote KV{how} into {int(freed.sum())} page(s) of pool {pool.pool} on "
+                f"{pool.node} that it no longer holds",
+                req=r,
+                pool=pool,
+                pages=sel[freed],
+                details=details,
+                key=(pool.pool, "write"),
+            )
+        if land:
+            pp.land(pages, r.idx, slots, judged=True)
+            self.stats.page_transitions += len(pages)
 
     def _on_free(self, node: Node, f: pb.Free) -> None:
         pool = self._pool(node, f.pool, "free")
-        pages = self._page_array(pool, f.pages, "free", bounded=False)
+        pages = self._page_array(pool, f, "free")
         pp = pool.pages
-        owner = pp.owner[pages]  # first gather: the bounds check
         r = self._request(f.req, "free")
         if self._wire_pending:
             self._settle_wire(r)
-        mine = owner == r.idx
-        n_mine = int(np.count_nonzero(mine))
-        if n_mine != len(pages):
-            self._free_other(r, pool, pages[~mine])
-            pages = pages[mine]
-        pp.owner[pages] = ~r.idx
-        pp.own[pages] = NOBODY
-        pp.use[pages] -= 1
-        if pool.regions is not None:
-            pp.since[pages] = self._ts
+        since = self._ts if pool.regions is not None else None
+        n_mine = len(pages)
+        if others := pp.end_grant(pages, r.idx, since):  # shares ending, or a double free
+            n_mine -= others
+            self._free_other(r, pool, pages[pp.owner[pages] != r.idx])
+            pp.end_grant(pages, r.idx, since, judged=True)
         if n_mine:
             pool.live[r.idx] -= n_mine
         r.freed_pages += n_mine
@@ -1028,7 +996,7 @@ class Ledger:
 
     def _on_hold(self, node: Node, h: pb.Hold) -> None:
         pool = self._pool(node, h.pool, "hold")
-        pages = self._page_array(pool, h.pages, "hold", bounded=False)  # gathered first by +=
+        pages = self._page_array(pool, h, "hold")
         k = HOLDER_INDEX.get(h.holder)
         if k is None:
             raise self._bad(f"hold: holder {h.holder!r} is not one of {', '.join(HOLDERS)}")
@@ -1043,12 +1011,12 @@ class Ledger:
 
     def _on_release(self, node: Node, h: pb.Release) -> None:
         pool = self._pool(node, h.pool, "release")
-        pages = self._page_array(pool, h.pages, "release", bounded=False)
+        pages = self._page_array(pool, h, "release")
         k = HOLDER_INDEX.get(h.holder)
         if k is None:
             raise self._bad(f"release: holder {h.holder!r} is not one of {', '.join(HOLDERS)}")
         pp = pool.pages
-        held = pp.holds[k, pages] > 0  # first gather: the bounds check
+        held = pp.holds[k, pages] > 0
         r = self._request(h.req, "release")
         if self._wire_pending:
             self._settle_wire(r)
@@ -1072,7 +1040,7 @@ class Ledger:
 
     def _on_share(self, node: Node, s: pb.Share) -> None:
         pool = self._pool(node, s.pool, "share")
-        pages = self._page_array(pool, s.pages, "share")
+        pages = self._page_array(pool, s, "share")
         r = self._request(s.req, "share")
         origin = self._request(s.origin_req, "share (origin_req)")
         if r.ended:
@@ -1115,7 +1083,7 @@ class Ledger:
 
     def _on_scrub(self, node: Node, s: pb.Scrub) -> None:
         pool = self._pool(node, s.pool, "scrub")
-        pages = self._page_array(pool, s.pages, "scrub")
+        pages = self._page_array(pool, s, "scrub")
         pp = pool.pages
         pp.writer[pages] = NOBODY
         pp.valid[pages] = 0
@@ -1129,17 +1097,17 @@ class Ledger:
         checked = []
         for entry in rd.reads:  # validate the whole launch before reporting anything
             pool = self._pool(node, entry.pool, "read")
-            pages = self._page_array(pool, entry.pages, "read", bounded=False)
-            own = pool.pages.own[pages]  # first gather: the bounds check
+            # A block table may name a page twice (engines pad with a null page): a read changes nothing.
+            pages = self._page_array(pool, entry, "read", distinct=False)
             pages, tokens = self._pages_read(pool, pages, entry.tokens)
-            checked.append((self._request(entry.req, "read"), pool, pages, tokens, own[: len(pages)]))
-        for r, pool, pages, tokens, own in checked:
+            checked.append((self._request(entry.req, "read"), pool, pages, tokens))
+        for r, pool, pages, tokens in checked:
             if self._wire_pending:
                 self._settle_wire(r)
             if r.ended:
                 self._progress(r, f"read (attention) on {node.name}")
             r.reads += 1
-            self._check_read(r, pool, pages, tokens, own)
+            self._check_read(r, pool, pages, tokens)
 
     def batch_clean(
         self, node: str, pool: int, reqs: Sequence[str], block_tables: np.ndarray, context_lens: np.ndarray
@@ -1192,29 +1160,19 @@ class Ledger:
             )
         return (pages[:need] if need < len(pages) else pages), tokens
 
-    def _check_read(
-        self, r: Request, pool: Pool, pages: np.ndarray, tokens: int, own: np.ndarray | None = None
-    ) -> None:
+    def _check_read(self, r: Request, pool: Pool, pages: np.ndarray, tokens: int) -> None:
         """The check before attention: every slot read must hold the reader's own KV, written
-        under its current grant, or prefix KV it was legitimately given."""
+        under its current grant, or prefix KV it was legitimately given. Clean at once when
+        every page is its own and full but the last, which holds what is read of it (a short
+        page before the last is read in full: its slots beyond `valid` hold whoever wrote
+        there before)."""
         n = len(pages)
         if n == 0:
             return
         pp = pool.pages
         self.stats.page_transitions += n
-        if own is None:
-            own = pp.own[pages]
-        if np.count_nonzero(own != r.idx) == 0:
-            valid = pp.valid[pages]
-            short = np.count_nonzero(valid < pp.page_size)
-            # Clean: every page full, or only the last one short and holding what is read of
-            # it. A short page before the last is read in full: its slots beyond `valid`
-            # hold whoever wrote there before.
-            if short == 0 or (
-                short == 1 and valid[-1] < pp.page_size and valid[-1] >= tokens - (n - 1) * pp.page_size
-            ):
-                return
-        self._read_slow(r, pool, pages, pp.slots_read(n, tokens))
+        if not pp.read_clean(pages, r.idx, tokens):
+            self._read_slow(r, pool, pages, pp.slots_read(n, tokens))
 
     def _read_slow(self, r: Request, pool: Pool, pages: np.ndarray, slots: np.ndarray) -> None:
         pp = pool.pages
@@ -1290,7 +1248,7 @@ class Ledger:
         if x.status not in STATUSES:
             raise self._bad(f"{payload}: status {x.status!r} is not one of {', '.join(STATUSES)}")
         pool = self._pool(node, x.pool, payload)
-        pages = self._page_array(pool, x.pages, payload)
+        pages = self._page_array(pool, x, payload)
         if x.checksums and len(x.checksums) != len(pages):
             raise self._bad(f"{payload}: {len(x.checksums)} checksums for {len(pages)} pages")
         return pool, pages
@@ -1476,7 +1434,7 @@ class Ledger:
                     r,
                     pool,
                     pages[known],
-                    pool.pages.page_size,
+                    None,
                     drain=True,
                     land=False,
                     via=(posted.probe, posted.seen_by, t.xfer),

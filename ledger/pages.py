@@ -16,8 +16,9 @@ Invariants, for every page p (`use` and `holds` count live users; `owner` is sig
   the last change of what decides where a write may land (owner, transfer_recv holds); 0:
   unknown. A remote write posted later than since[p] found the page as it is now.
 
-Every update of the ledger is one vectorised operation over an event's page list; callers
-pass page indices as an intp array (bounds are checked by the first gather).
+Every update of the ledger is one vectorised operation over an event's page list: the
+updates every request makes (grant, land, end_grant) one loop each in C (_hot.c), the rest
+NumPy. Callers pass distinct page indices as an intp array (`page_list` checks an event's).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from kvguard.ledger import _hot
 
 NOBODY = 0  # request index 0 is "no request": never a grantee, writer or holder
 HOLDERS: tuple[str, ...] = ("offload", "transfer_send", "transfer_recv", "abort")
@@ -45,6 +48,7 @@ class PoolPages:
         "owner",
         "page_size",
         "prior",
+        "seen",
         "since",
         "use",
         "valid",
@@ -67,10 +71,69 @@ class PoolPages:
         self.own = np.zeros(n, np.int32)
         self.prior = np.zeros(n, np.int32)
         self.since = np.zeros(n, np.int64)
+        self.seen = np.zeros(n, np.uint8)  # page_list's scratch (all zero between calls): not state
+
+    def page_list(self, message: bytes, field: int, *, distinct: bool = True) -> np.ndarray:
+        """The page list of a serialized event payload (`field`: the number of its `pages`) as
+        an intp array. IndexError(page) for a page outside the pool; with `distinct`,
+        ValueError(page) for a page listed twice."""
+        return _hot.page_list(message, field, self.num_pages, self.seen if distinct else None)
+
+    def grant(self, pages: np.ndarray, req: int, ts: int | None, *, judged: bool = False) -> int:
+        """Grant `pages` to req (since = ts unless ts is None): use = 1 + holds (1 where the
+        page was not in use), gen + 1,
+        owner req, own NOBODY, prior = writer. Returns how many pages were still in use; if
+        some were and not `judged`, nothing changed."""
+        return _hot.grant(
+            pages,
+            self.use,
+            self.holds,
+            self.gen,
+            self.owner,
+            self.own,
+            self.prior,
+            self.writer,
+            None if ts is None else self.since,
+            req,
+            ts or 0,
+            judged,
+        )
+
+    def land(self, pages: np.ndarray, req: int, slots: np.ndarray | None, *, judged: bool = False) -> int:
+        """Req's KV lands in `pages`: writer req, wgen = gen, valid = slots (full pages when
+        None), own req where req owns the page, NOBODY elsewhere. Returns how many pages req
+        does not own; if some and not `judged`, nothing changed."""
+        return _hot.land(
+            pages,
+            self.owner,
+            self.gen,
+            self.writer,
+            self.wgen,
+            self.valid,
+            self.own,
+            req,
+            slots,
+            self.page_size,
+            judged,
+        )
+
+    def end_grant(self, pages: np.ndarray, req: int, ts: int | None, *, judged: bool = False) -> int:
+        """Req's grant ends on each of `pages` it owns: owner ~req, own NOBODY, use - 1, since
+        = ts unless ts is None. Returns how many pages req does not own; if some and not
+        `judged`, nothing changed."""
+        return _hot.end_grant(
+            pages, self.owner, self.own, self.use, None if ts is None else self.since, req, ts or 0, judged
+        )
+
+    def read_clean(self, pages: np.ndarray, req: int, tokens: int) -> bool:
+        """Whether a context of `tokens` tokens through `pages` (exactly the pages it covers)
+        reads only req's own KV written under its current grant: own == req everywhere, every
+        page full but the last, which holds at least the slots read of it."""
+        return _hot.read_clean(pages, self.own, self.valid, req, tokens, self.page_size)
 
     def slots_read(self, count: int, tokens: int) -> np.ndarray:
         """Token slots read in each of `count` pages by a context of `tokens` tokens."""
-        slots = np.full(count, self.page_size, np.int64)
+        slots = np.full(count, self.page_size, np.uint32)
         if count:
             slots[-1] = tokens - (count - 1) * self.page_size
         return slots

@@ -103,6 +103,12 @@ class TestBadEventsChangeNothing:
             ("release", {"req": "a", "pool": 0, "pages": [40], "holder": "offload"}, "page 40 out of range"),
             ("share", {"req": "b", "pool": 0, "pages": [1, 20], "origin_req": "a"}, "page 20 out of range"),
             ("scrub", {"pool": 0, "pages": [16]}, "page 16 out of range"),
+            # A page listed twice would count as two (use, live grants, holds).
+            ("alloc", {"req": "r", "pool": 0, "pages": [5, 6, 5]}, "alloc: page 5 is listed twice"),
+            ("free", {"req": "a", "pool": 0, "pages": [1, 1]}, "free: page 1 is listed twice"),
+            ("write", {"req": "a", "pool": 0, "pages": [2, 1, 2]}, "write: page 2 is listed twice"),
+            ("hold", {"req": "a", "pool": 0, "pages": [1, 1], "holder": "offload"}, "page 1 is listed twice"),
+            ("share", {"req": "b", "pool": 0, "pages": [1, 1], "origin_req": "a"}, "page 1 is listed twice"),
             ("alloc", {"req": "r", "pool": 3, "pages": [1]}, "pool 3 of node n0 was never reported"),
             ("alloc", {"pool": 0, "pages": [1]}, "alloc event has no req"),
             ("admit", {"req": "r", "stage": "encode"}, "stage 'encode' is not one of"),
@@ -174,6 +180,17 @@ class TestBadEventsChangeNothing:
         ledger.apply(pool_event())
         with pytest.raises(BadEvent, match="read of 33 tokens needs 3 pages of 16 but lists 2"):
             ledger.apply(ev("n0", 2, "read", reads=[{"req": "a", "pool": 0, "pages": [1, 2], "tokens": 33}]))
+
+    def test_a_read_may_list_a_page_twice_and_is_judged(self) -> None:
+        # Block tables repeat a padding page; a read changes nothing, so it is judged, not refused.
+        ledger = Ledger()
+        ledger.apply(pool_event())
+        ledger.apply(ev("n0", 2, "alloc", req="a", pool=0, pages=[1]))
+        ledger.apply(ev("n0", 3, "write", req="a", pool=0, pages=[1]))
+        found = ledger.apply(
+            ev("n0", 4, "read", reads=[{"req": "a", "pool": 0, "pages": [1, 0, 0], "tokens": 48}])
+        )
+        assert [(f.finding, sorted(f.pages)) for f in found] == [("foreign_read", [0, 0])]
 
 
 class TestPages:

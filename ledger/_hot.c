@@ -1,0 +1,454 @@
+/* The ledger's hot path in C: an event's page list checked and converted in one pass, and
+ * the page updates of the events every request makes (grant, write, free) and the check
+ * before attention, each one loop over the event's pages instead of several NumPy calls
+ * (each costs ~0.5 us of dispatch; a loop over 64 pages costs less than one of them).
+ *
+ * Invariants: every page is checked against the arrays' bounds before anything changes.
+ * An update first counts the pages that make the event more than the clean case (pages
+ * still in use, not owned by the request); when there are some, it changes nothing unless
+ * the caller says it has judged them (the ledger's findings come from Python, ledger.py,
+ * reading the state as it was), then applies the one update, the same for clean and judged
+ * events. Page lists must be distinct (page_list checks). The arrays are pages.PoolPages's.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_1_22_API_VERSION
+#include <numpy/arrayobject.h>
+#include <stdint.h>
+
+#define NOBODY 0
+
+/* The data of `o` if it is a writable, C-contiguous, 1-d array of `type` with at least `n`
+ * entries; else NULL with TypeError naming the argument. */
+static void *
+array_data(PyObject *o, int type, npy_intp n, const char *name)
+{
+    if (!PyArray_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s: a NumPy array expected, got %.80s", name, Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    PyArrayObject *a = (PyArrayObject *)o;
+    if (!PyArray_EquivTypenums(PyArray_TYPE(a), type) || PyArray_NDIM(a) != 1 ||
+        !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISWRITEABLE(a) || PyArray_DIM(a, 0) < n) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: a writable contiguous 1-d array of the pool's dtype with at least %zd entries "
+                     "expected",
+                     name, (Py_ssize_t)n);
+        return NULL;
+    }
+    return PyArray_DATA(a);
+}
+
+/* The pool's page count: the length of its owner array (every other array is checked
+ * against it). -1 with TypeError if it is not an array. */
+static npy_intp
+pool_size(PyObject *owner)
+{
+    if (!PyArray_Check(owner)) {
+        PyErr_SetString(PyExc_TypeError, "owner: a NumPy array expected");
+        return -1;
+    }
+    return PyArray_SIZE((PyArrayObject *)owner);
+}
+
+/* The holds array: uint32, C-contiguous, (kinds, n). */
+static uint32_t *
+holds_data(PyObject *o, npy_intp n)
+{
+    if (!PyArray_Check(o) || !PyArray_EquivTypenums(PyArray_TYPE((PyArrayObject *)o), NPY_UINT32) ||
+        PyArray_NDIM((PyArrayObject *)o) != 2 || PyArray_DIM((PyArrayObject *)o, 1) != n ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o)) {
+        PyErr_SetString(PyExc_TypeError, "holds: a contiguous (kinds, pages) uint32 array expected");
+        return NULL;
+    }
+    return PyArray_DATA((PyArrayObject *)o);
+}
+
+/* An intp page array, in range [0, n): its data and length; else NULL with an exception. */
+static const npy_intp *
+page_data(PyObject *o, npy_intp n, npy_intp *count)
+{
+    if (!PyArray_Check(o) || !PyArray_EquivTypenums(PyArray_TYPE((PyArrayObject *)o), NPY_INTP) ||
+        PyArray_NDIM((PyArrayObject *)o) != 1 || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o)) {
+        PyErr_SetString(PyExc_TypeError, "pages: a contiguous 1-d intp array expected");
+        return NULL;
+    }
+    const npy_intp *pages = PyArray_DATA((PyArrayObject *)o);
+    npy_intp len = PyArray_DIM((PyArrayObject *)o, 0);
+    for (npy_intp i = 0; i < len; i++) {
+        if (pages[i] < 0 || pages[i] >= n) {
+            PyErr_Format(PyExc_IndexError, "page %zd out of range for %zd pages", (Py_ssize_t)pages[i],
+                         (Py_ssize_t)n);
+            return NULL;
+        }
+    }
+    *count = len;
+    return pages;
+}
+
+static int
+check_args(Py_ssize_t nargs, Py_ssize_t want, const char *fn)
+{
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", fn, want, nargs);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+raise_page(PyObject *type, long long page)
+{
+    PyObject *value = PyLong_FromLongLong(page);
+    if (value != NULL) {
+        PyErr_SetObject(type, value);
+        Py_DECREF(value);
+    }
+    return NULL;
+}
+
+/* Reads a varint at *pos (< end); -1 if it runs past end or beyond 10 bytes. */
+static int
+varint(const uint8_t *data, Py_ssize_t end, Py_ssize_t *pos, uint64_t *value)
+{
+    uint64_t v = 0;
+    for (int shift = 0; shift < 70 && *pos < end; shift += 7) {
+        uint8_t b = data[(*pos)++];
+        v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80)) {
+            *value = v;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* The values of varint field `field` (packed or not) in a serialized message: counted when
+ * out is NULL, else stored in out. -1 with TypeError when the bytes are not a message. */
+static Py_ssize_t
+scan(const uint8_t *data, Py_ssize_t len, uint64_t field, npy_intp *out)
+{
+    Py_ssize_t pos = 0, got = 0;
+    uint64_t key, value, size;
+    while (pos < len) {
+        if (varint(data, len, &pos, &key) < 0)
+            goto bad;
+        int wire = (int)(key & 7);
+        if ((key >> 3) == field && wire == 0) {
+            if (varint(data, len, &pos, &value) < 0)
+                goto bad;
+            if (out != NULL)
+                out[got] = value > NPY_MAX_INTP ? NPY_MAX_INTP : (npy_intp)value;
+            got++;
+            continue;
+        }
+        switch (wire) {
+        case 0:
+            if (varint(data, len, &pos, &value) < 0)
+                goto bad;
+            break;
+        case 1:
+            pos += 8;
+            break;
+        case 2:
+            if (varint(data, len, &pos, &size) < 0 || size > (uint64_t)(len - pos))
+                goto bad;
+            if ((key >> 3) == field) { /* packed */
+                Py_ssize_t end = pos + (Py_ssize_t)size;
+                while (pos < end) {
+                    if (varint(data, end, &pos, &value) < 0)
+                        goto bad;
+                    if (out != NULL)
+                        out[got] = value > NPY_MAX_INTP ? NPY_MAX_INTP : (npy_intp)value;
+                    got++;
+                }
+            } else {
+                pos += (Py_ssize_t)size;
+            }
+            break;
+        case 5:
+            pos += 4;
+            break;
+        default:
+            goto bad;
+        }
+        if (pos > len)
+            goto bad;
+    }
+    return got;
+bad:
+    PyErr_SetString(PyExc_TypeError, "page_list: the bytes are not a serialized protobuf message");
+    return -1;
+}
+
+/* page_list(message, field, num_pages, seen) -> intp array
+ * The page list of an event's payload, read from the payload serialized (`field`: the
+ * number of its `repeated uint32 pages`): protobuf's own iteration makes a Python int of
+ * every page, four times slower than serializing the message and decoding it here.
+ * IndexError(page) for a page outside [0, num_pages); with `seen` (a zeroed uint8 array of
+ * num_pages, left zeroed), ValueError(page) for a page listed twice. */
+static PyObject *
+page_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (check_args(nargs, 4, "page_list") < 0)
+        return NULL;
+    if (!PyBytes_Check(args[0]))
+        return PyErr_Format(PyExc_TypeError, "page_list: bytes expected, got %.80s", Py_TYPE(args[0])->tp_name);
+    const uint8_t *data = (const uint8_t *)PyBytes_AS_STRING(args[0]);
+    Py_ssize_t len = PyBytes_GET_SIZE(args[0]);
+    uint64_t field = PyLong_AsUnsignedLongLong(args[1]);
+    npy_intp n = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    uint8_t *seen = NULL;
+    if (args[3] != Py_None && !(seen = array_data(args[3], NPY_UINT8, n, "seen")))
+        return NULL;
+    Py_ssize_t count = scan(data, len, field, NULL);
+    if (count < 0)
+        return NULL;
+    npy_intp dims[1] = {count};
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_INTP);
+    if (out == NULL)
+        return NULL;
+    npy_intp *pages = PyArray_DATA(out);
+    scan(data, len, field, pages);
+    Py_ssize_t i = 0;
+    for (; i < count; i++) {
+        npy_intp page = pages[i];
+        if (page >= n) {
+            raise_page(PyExc_IndexError, page);
+            break;
+        }
+        if (seen != NULL) {
+            if (seen[page]) {
+                raise_page(PyExc_ValueError, page);
+                break;
+            }
+            seen[page] = 1;
+        }
+    }
+    if (seen != NULL)
+        for (Py_ssize_t j = 0; j < i; j++)
+            seen[pages[j]] = 0;
+    if (i < count) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return (PyObject *)out;
+}
+
+/* grant(pages, use, holds, gen, owner, own, prior, writer, since, req, ts, judged) -> busy
+ * Counts the pages still in use (a live grant or a hold: handed out early). If none, or once
+ * the ledger has judged them (judged true), grants every page to req: use = 1 + its holds
+ * (1 for a page not in use),
+ * gen + 1, owner req, own NOBODY, prior = writer, since = ts (unless since is None). Else
+ * changes nothing. Returns the count. */
+static PyObject *
+grant(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (check_args(nargs, 12, "grant") < 0)
+        return NULL;
+    npy_intp n = pool_size(args[4]), count;
+    if (n < 0)
+        return NULL;
+    uint32_t *use = array_data(args[1], NPY_UINT32, n, "use");
+    uint32_t *holds = use ? holds_data(args[2], n) : NULL;
+    uint32_t *gen = holds ? array_data(args[3], NPY_UINT32, n, "gen") : NULL;
+    int32_t *owner = gen ? array_data(args[4], NPY_INT32, n, "owner") : NULL;
+    int32_t *own = owner ? array_data(args[5], NPY_INT32, n, "own") : NULL;
+    int32_t *prior = own ? array_data(args[6], NPY_INT32, n, "prior") : NULL;
+    int32_t *writer = prior ? array_data(args[7], NPY_INT32, n, "writer") : NULL;
+    if (writer == NULL)
+        return NULL;
+    int64_t *since = NULL;
+    if (args[8] != Py_None && !(since = array_data(args[8], NPY_INT64, n, "since")))
+        return NULL;
+    long req = PyLong_AsLong(args[9]);
+    long long ts = PyLong_AsLongLong(args[10]);
+    int judged = PyObject_IsTrue(args[11]);
+    if (PyErr_Occurred())
+        return NULL;
+    const npy_intp *pages = page_data(args[0], n, &count);
+    if (pages == NULL)
+        return NULL;
+    npy_intp kinds = PyArray_DIM((PyArrayObject *)args[2], 0);
+    long busy = 0;
+    for (npy_intp i = 0; i < count; i++)
+        busy += use[pages[i]] != 0;
+    if (busy && !judged)
+        return PyLong_FromLong(busy);
+    for (npy_intp i = 0; i < count; i++) {
+        npy_intp p = pages[i];
+        uint32_t users = 1;
+        if (use[p] != 0) /* only a page in use has holds: the rest never read them (cache misses) */
+            for (npy_intp k = 0; k < kinds; k++)
+                users += holds[k * n + p];
+        use[p] = users;
+        gen[p] += 1;
+        owner[p] = (int32_t)req;
+        own[p] = NOBODY;
+        prior[p] = writer[p];
+        if (since != NULL)
+            since[p] = ts;
+    }
+    return PyLong_FromLong(busy);
+}
+
+/* land(pages, owner, gen, writer, wgen, valid, own, req, slots, page_size, judged) -> foreign
+ * Counts the pages req does not own. If none, or once the ledger has judged them, req's KV
+ * lands in every page: writer req, wgen = gen, valid = slots[i] (page_size when slots is
+ * None), own req where req owns the page and NOBODY where it does not. Else changes nothing.
+ * Returns the count. */
+static PyObject *
+land(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (check_args(nargs, 11, "land") < 0)
+        return NULL;
+    npy_intp n = pool_size(args[1]), count;
+    if (n < 0)
+        return NULL;
+    int32_t *owner = array_data(args[1], NPY_INT32, n, "owner");
+    uint32_t *gen = owner ? array_data(args[2], NPY_UINT32, n, "gen") : NULL;
+    int32_t *writer = gen ? array_data(args[3], NPY_INT32, n, "writer") : NULL;
+    uint32_t *wgen = writer ? array_data(args[4], NPY_UINT32, n, "wgen") : NULL;
+    uint32_t *valid = wgen ? array_data(args[5], NPY_UINT32, n, "valid") : NULL;
+    int32_t *own = valid ? array_data(args[6], NPY_INT32, n, "own") : NULL;
+    if (own == NULL)
+        return NULL;
+    long req = PyLong_AsLong(args[7]);
+    unsigned long page_size = PyLong_AsUnsignedLong(args[9]);
+    int judged = PyObject_IsTrue(args[10]);
+    if (PyErr_Occurred())
+        return NULL;
+    const npy_intp *pages = page_data(args[0], n, &count);
+    if (pages == NULL)
+        return NULL;
+    const uint32_t *slots = NULL;
+    if (args[8] != Py_None) {
+        if (!(slots = array_data(args[8], NPY_UINT32, count, "slots")))
+            return NULL;
+    }
+    long foreign = 0;
+    for (npy_intp i = 0; i < count; i++)
+        foreign += owner[pages[i]] != req;
+    if (foreign && !judged)
+        return PyLong_FromLong(foreign);
+    for (npy_intp i = 0; i < count; i++) {
+        npy_intp p = pages[i];
+        writer[p] = (int32_t)req;
+        wgen[p] = gen[p];
+        valid[p] = slots != NULL ? slots[i] : (uint32_t)page_size;
+        own[p] = owner[p] == req ? (int32_t)req : NOBODY;
+    }
+    return PyLong_FromLong(foreign);
+}
+
+/* end_grant(pages, owner, own, use, since, req, ts, judged) -> not_owned
+ * Counts the pages req does not own. If none, or once the ledger has judged them, req's
+ * grant of each page it owns ends: owner ~req, own NOBODY, use - 1, since = ts (unless since
+ * is None); the others are left as they are. Else changes nothing. Returns the count. */
+static PyObject *
+end_grant(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (check_args(nargs, 8, "end_grant") < 0)
+        return NULL;
+    npy_intp n = pool_size(args[1]), count;
+    if (n < 0)
+        return NULL;
+    int32_t *owner = array_data(args[1], NPY_INT32, n, "owner");
+    int32_t *own = owner ? array_data(args[2], NPY_INT32, n, "own") : NULL;
+    uint32_t *use = own ? array_data(args[3], NPY_UINT32, n, "use") : NULL;
+    if (use == NULL)
+        return NULL;
+    int64_t *since = NULL;
+    if (args[4] != Py_None && !(since = array_data(args[4], NPY_INT64, n, "since")))
+        return NULL;
+    long req = PyLong_AsLong(args[5]);
+    long long ts = PyLong_AsLongLong(args[6]);
+    int judged = PyObject_IsTrue(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    const npy_intp *pages = page_data(args[0], n, &count);
+    if (pages == NULL)
+        return NULL;
+    long other = 0;
+    for (npy_intp i = 0; i < count; i++)
+        other += owner[pages[i]] != req;
+    if (other && !judged)
+        return PyLong_FromLong(other);
+    for (npy_intp i = 0; i < count; i++) {
+        npy_intp p = pages[i];
+        if (owner[p] != req)
+            continue;
+        owner[p] = (int32_t)~req;
+        own[p] = NOBODY;
+        use[p] -= 1;
+        if (since != NULL)
+            since[p] = ts;
+    }
+    return PyLong_FromLong(other);
+}
+
+/* read_clean(pages, own, valid, req, tokens, page_size) -> bool
+ * Whether a context of `tokens` tokens through `pages` (exactly the pages it covers) reads
+ * only req's own KV written under its current grant: every page's own tag is req and every
+ * page is full, but the last, which holds at least the slots read of it. Changes nothing. */
+static PyObject *
+read_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (check_args(nargs, 6, "read_clean") < 0)
+        return NULL;
+    npy_intp n = pool_size(args[1]), count;
+    if (n < 0)
+        return NULL;
+    int32_t *own = array_data(args[1], NPY_INT32, n, "own");
+    uint32_t *valid = own ? array_data(args[2], NPY_UINT32, n, "valid") : NULL;
+    if (valid == NULL)
+        return NULL;
+    long req = PyLong_AsLong(args[3]);
+    long long tokens = PyLong_AsLongLong(args[4]);
+    long long page_size = PyLong_AsLongLong(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    const npy_intp *pages = page_data(args[0], n, &count);
+    if (pages == NULL)
+        return NULL;
+    for (npy_intp i = 0; i < count; i++) {
+        npy_intp p = pages[i];
+        if (own[p] != req)
+            Py_RETURN_FALSE;
+        if ((long long)valid[p] < page_size &&
+            (i != count - 1 || (long long)valid[p] < tokens - (long long)(count - 1) * page_size))
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef methods[] = {
+    {"page_list", (PyCFunction)(void (*)(void))page_list, METH_FASTCALL, "An event's page list, checked."},
+    {"grant", (PyCFunction)(void (*)(void))grant, METH_FASTCALL, "Pages granted to a request."},
+    {"land", (PyCFunction)(void (*)(void))land, METH_FASTCALL, "A request's KV lands in pages."},
+    {"end_grant", (PyCFunction)(void (*)(void))end_grant, METH_FASTCALL, "A request's grant ends."},
+    {"read_clean", (PyCFunction)(void (*)(void))read_clean, METH_FASTCALL, "The clean read check."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvguard.ledger._hot",
+    .m_doc = "The ledger's hot path over the page arrays.",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__hot(void)
+{
+    import_array();
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,290 @@
+"""The ledger's C hot path (ledger/_hot.c) against the NumPy statements it stands for, on
+random pool states: every update equals them, an event that needs judging changes nothing
+until it is judged, and every input is checked (bounds, repeats, types, bytes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvguard.ledger import _hot
+from kvguard.ledger.pages import HOLDERS, NOBODY, PoolPages
+from kvguard.proto import pb
+
+N = 64  # pages in the pool
+PAGE = 16  # tokens a page
+REQ = 7  # the request an event is of
+
+
+def random_pool(rng: np.random.Generator) -> PoolPages:
+    """Any state, with REQ owning some pages (not necessarily consistent: the kernels'
+    arithmetic must equal NumPy's whatever the state)."""
+    pp = PoolPages(N, PAGE)
+    pp.owner[:] = rng.choice([REQ, REQ, 3, ~REQ, ~3, ~NOBODY], N)
+    pp.own[:] = np.where(rng.random(N) < 0.7, pp.owner, NOBODY)
+    pp.use[:] = np.where(rng.random(N) < 0.5, 0, rng.integers(1, 4, N))
+    pp.holds[:] = rng.integers(0, 2, (len(HOLDERS), N))
+    pp.gen[:] = rng.integers(0, 1 << 32, N, dtype=np.uint32)  # wraps like the NumPy add
+    pp.writer[:] = rng.integers(0, 9, N)
+    pp.wgen[:] = rng.integers(0, 5, N)
+    pp.valid[:] = rng.choice([PAGE, PAGE, 0, 3], N)
+    pp.prior[:] = rng.integers(0, 9, N)
+    pp.since[:] = rng.integers(0, 1000, N)
+    return pp
+
+
+def state(pp: PoolPages) -> dict[str, np.ndarray]:
+    return {
+        name: getattr(pp, name).copy()
+        for name in PoolPages.__slots__
+        if name not in ("num_pages", "page_size")
+    }
+
+
+def assert_same(got: PoolPages, want: dict[str, np.ndarray]) -> None:
+    for name, array in want.items():
+        assert np.array_equal(getattr(got, name), array), name
+
+
+def pages_of(rng: np.random.Generator, clean: bool, pp: PoolPages, mask: np.ndarray) -> np.ndarray:
+    """Distinct pages; with `clean`, only pages where mask holds."""
+    pool = np.flatnonzero(mask) if clean else np.arange(N)
+    if len(pool) == 0:
+        return np.zeros(0, np.intp)
+    return rng.choice(pool, rng.integers(1, len(pool) + 1), replace=False).astype(np.intp)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_grant_equals_numpy(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    pp = random_pool(rng)
+    pages = pages_of(rng, seed % 2 == 0, pp, pp.use == 0)
+    ts = None if seed % 3 == 0 else 12345
+    want = state(pp)
+    busy = int(np.count_nonzero(want["use"][pages]))
+    assert pp.grant(pages, REQ, ts) == busy
+    if busy:  # not judged yet: nothing changed
+        assert_same(pp, want)
+        assert pp.grant(pages, REQ, ts, judged=True) == busy
+    # A page in use keeps its holds; one not in use has none (use counts them), so they are not read.
+    want["use"][pages] = np.where(want["use"][pages] > 0, 1 + want["holds"][:, pages].sum(axis=0), 1)
+    want["gen"][pages] += 1
+    want["owner"][pages] = REQ
+    want["own"][pages] = NOBODY
+    want["prior"][pages] = want["writer"][pages]
+    if ts is not None:
+        want["since"][pages] = ts
+    assert_same(pp, want)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_land_equals_numpy(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    pp = random_pool(rng)
+    pages = pages_of(rng, seed % 2 == 0, pp, pp.owner == REQ)
+    slots = None if seed % 3 == 0 else rng.integers(0, PAGE + 1, len(pages)).astype(np.uint32)
+    want = state(pp)
+    foreign = int(np.count_nonzero(want["owner"][pages] != REQ))
+    assert pp.land(pages, REQ, slots) == foreign
+    if foreign:
+        assert_same(pp, want)
+        assert pp.land(pages, REQ, slots, judged=True) == foreign
+    mine = want["owner"][pages] == REQ
+    want["writer"][pages] = REQ
+    want["wgen"][pages] = want["gen"][pages]
+    want["valid"][pages] = PAGE if slots is None else slots
+    want["own"][pages[mine]] = REQ
+    want["own"][pages[~mine]] = NOBODY
+    assert_same(pp, want)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_end_grant_equals_numpy(seed: int) -> None:
+    rng = np.random.default_rng(200 + seed)
+    pp = random_pool(rng)
+    pp.use[pp.owner == REQ] += 1  # an owner's grant counts in use
+    pages = pages_of(rng, seed % 2 == 0, pp, pp.owner == REQ)
+    ts = None if seed % 3 == 0 else 999
+    want = state(pp)
+    others = int(np.count_nonzero(want["owner"][pages] != REQ))
+    assert pp.end_grant(pages, REQ, ts) == others
+    if others:
+        assert_same(pp, want)
+        assert pp.end_grant(pages, REQ, ts, judged=True) == others
+    mine = pages[want["owner"][pages] == REQ]
+    want["owner"][mine] = ~REQ
+    want["own"][mine] = NOBODY
+    want["use"][mine] -= 1
+    if ts is not None:
+        want["since"][mine] = ts
+    assert_same(pp, want)
+
+
+def read_clean_numpy(pp: PoolPages, pages: np.ndarray, tokens: int) -> bool:
+    """The check as the slot arithmetic says it: every slot read holds REQ's own KV."""
+    slots = pp.slots_read(len(pages), tokens)
+    return bool(
+        ((pp.own[pages] == REQ) & (pp.valid[pages] >= slots)).all()
+        and (
+            # a short page before the last is read in full (its tail holds someone else's KV)
+            (pp.valid[pages[:-1]] == PAGE).all()
+        )
+    )
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_read_clean_equals_the_slot_check(seed: int) -> None:
+    rng = np.random.default_rng(300 + seed)
+    pp = random_pool(rng)
+    if seed % 2:
+        pp.own[:] = REQ  # mostly clean: only `valid` decides
+    pages = rng.choice(N, rng.integers(1, 6), replace=False).astype(np.intp)
+    tokens = int(rng.integers((len(pages) - 1) * PAGE + 1, len(pages) * PAGE + 1))
+    before = state(pp)
+    assert pp.read_clean(pages, REQ, tokens) == read_clean_numpy(pp, pages, tokens)
+    assert_same(pp, before)
+
+
+PAYLOADS = [
+    pb.Alloc(req="r", pool=1, pages=[5, 0, 63, 9]),
+    pb.Write(req="r", pool=1, pages=[3, 4], slots=[16, 2]),
+    pb.Free(req="r", pages=[]),
+    pb.Hold(req="r", pool=2, pages=[1], holder="offload"),
+    pb.ReadEntry(req="r", pool=0, pages=[2, 2, 7], tokens=40),
+    pb.XferRecv(req="r", xfer="x", pool=0, pages=[10, 11, 12], tokens=40, checksums=[1, 2, 3], status="done"),
+    pb.Scrub(pool=0, pages=[60, 61]),
+]
+
+
+@pytest.mark.parametrize("message", PAYLOADS, ids=lambda m: type(m).__name__)
+def test_page_list_reads_the_serialized_pages(message: object) -> None:
+    field = type(message).DESCRIPTOR.fields_by_name["pages"].number
+    got = PoolPages(N, PAGE).page_list(message.SerializeToString(), field, distinct=False)
+    assert got.dtype == np.intp and got.tolist() == list(message.pages)
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def test_page_list_reads_unpacked_pages_and_skips_every_wire_type() -> None:
+    # Another encoder may send repeated scalars unpacked, and fields of any wire type around them.
+    data = (
+        varint(3 << 3 | 0)
+        + varint(300)
+        + varint(9 << 3 | 1)
+        + bytes(8)  # fixed64
+        + varint(1 << 3 | 2)
+        + varint(3)
+        + b"abc"  # a string
+        + varint(3 << 3 | 2)
+        + varint(3)
+        + varint(1)
+        + varint(200)  # packed, 1 + 2 bytes
+        + varint(8 << 3 | 5)
+        + bytes(4)  # fixed32
+        + varint(3 << 3 | 0)
+        + varint(2)
+    )
+    got = _hot.page_list(data, 3, 1000, None)
+    assert got.tolist() == [300, 1, 200, 2]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        varint(3 << 3 | 0) + b"\x80",  # a varint cut short
+        varint(3 << 3 | 2) + varint(10) + b"\x01",  # a length past the end
+        varint(1 << 3 | 3),  # a group (wire type 3)
+        varint(2 << 3 | 1) + bytes(3),  # fixed64 cut short
+        b"\xff" * 11,  # a key longer than any varint
+    ],
+)
+def test_page_list_refuses_bytes_that_are_no_message(data: bytes) -> None:
+    with pytest.raises(TypeError, match="not a serialized protobuf message"):
+        _hot.page_list(data, 3, 1000, None)
+
+
+def test_page_list_names_the_page_out_of_range_or_repeated_and_leaves_seen_zeroed() -> None:
+    pp = PoolPages(N, PAGE)
+    with pytest.raises(IndexError) as err:
+        pp.page_list(pb.Alloc(pages=[1, 2, N, 3]).SerializeToString(), 3)
+    assert err.value.args == (N,)
+    with pytest.raises(IndexError) as err:  # beyond intp: clamped, still out of range
+        _hot.page_list(varint(3 << 3) + varint((1 << 64) - 1), 3, N, None)
+    with pytest.raises(ValueError) as err:
+        pp.page_list(pb.Alloc(pages=[4, 9, 4]).SerializeToString(), 3)
+    assert err.value.args == (4,)
+    assert not pp.seen.any()
+    assert pp.page_list(pb.Alloc(pages=[4, 9, 4]).SerializeToString(), 3, distinct=False).tolist() == [
+        4,
+        9,
+        4,
+    ]
+
+
+def test_bad_arrays_and_pages_are_refused_before_anything_changes() -> None:
+    pp = PoolPages(N, PAGE)
+    before = state(pp)
+    with pytest.raises(IndexError, match="page 64 out of range"):
+        pp.grant(np.array([1, N], np.intp), REQ, None)
+    with pytest.raises(TypeError, match="pages: a contiguous 1-d intp array"):
+        pp.grant(np.array([1, 2], np.int32), REQ, None)
+    with pytest.raises(TypeError, match="use: a writable contiguous 1-d array"):
+        _hot.grant(
+            np.array([1], np.intp),
+            pp.use.astype(np.int64),
+            pp.holds,
+            pp.gen,
+            pp.owner,
+            pp.own,
+            pp.prior,
+            pp.writer,
+            None,
+            REQ,
+            0,
+            False,
+        )
+    with pytest.raises(TypeError, match="gen: a writable"):
+        _hot.land(
+            np.array([1], np.intp),
+            pp.owner,
+            pp.gen[:10],
+            pp.writer,
+            pp.wgen,
+            pp.valid,
+            pp.own,
+            REQ,
+            None,
+            PAGE,
+            False,
+        )
+    with pytest.raises(TypeError, match="slots: a writable"):
+        pp.land(np.array([1, 2], np.intp), REQ, np.array([1], np.uint32))
+    with pytest.raises(TypeError, match="holds: a contiguous"):
+        _hot.grant(
+            np.array([1], np.intp),
+            pp.use,
+            pp.holds.T,
+            pp.gen,
+            pp.owner,
+            pp.own,
+            pp.prior,
+            pp.writer,
+            None,
+            REQ,
+            0,
+            False,
+        )
+    frozen = pp.since.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(TypeError, match="since: a writable"):
+        _hot.end_grant(np.array([1], np.intp), pp.owner, pp.own, pp.use, frozen, REQ, 0, True)
+    with pytest.raises(TypeError, match="takes 6 arguments"):
+        _hot.read_clean(np.array([1], np.intp), pp.own)
+    assert_same(pp, before)
