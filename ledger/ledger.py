@@ -260,6 +260,7 @@ class LedgerStats:
     suppressed: int = 0  # repeats of an already reported finding
     remote_unjudged: int = 0  # pages an RDMA write hit whose state changed since: not decidable
     remote_unmapped: int = 0  # RDMA write ranges into a node that registered no pool memory
+    orphan_wire: int = 0  # transfers a probe reported that no side claimed within forget_idle events
     retired: int = 0  # requests whose history was dropped (idle, holding nothing)
     forgotten: int = 0  # retired requests no page tag named any more: gone, their index reused
 
@@ -318,6 +319,9 @@ class Ledger:
         self._retired: dict[int, Request] = {}
         self._free: list[int] = []
         self.transfers: dict[str, Transfer] = {}
+        # Transfers only a probe has named so far -> when one last did, oldest first: bounded,
+        # like requests, or a stream of wire reports no engine claims would grow it forever.
+        self._orphans: dict[str, int] = {}
         self.stats = LedgerStats()
         self.dedupe = dedupe
         self._reported: set[tuple[Any, ...]] = set()
@@ -457,6 +461,7 @@ class Ledger:
         if self.forget_idle and self._applied >= self._next_scan:
             self._next_scan = self._applied + self.forget_idle // 4  # memory: ~1.25 windows
             self._forget(self._applied - self.forget_idle)
+            self._forget_orphans(self._applied - self.forget_idle)
 
     def _holds_something(self, r: Request) -> bool:
         if r.idx in self._wire_pending:
@@ -511,6 +516,17 @@ class Ledger:
         if gone:  # a reused index must not inherit an old finding's de-duplication
             self._reported = {f for f in self._reported if f[2] not in gone and f[3] not in gone}
             self.stats.forgotten += len(gone)
+
+    def _forget_orphans(self, idle_before: int) -> None:
+        """Drop the transfers only a probe reported, last named before `idle_before`: a side
+        that claims one later finds no wire report to compare with (counted: orphan_wire)."""
+        while self._orphans:
+            xfer, last = next(iter(self._orphans.items()))
+            if last >= idle_before:
+                return
+            del self._orphans[xfer]
+            del self.transfers[xfer]
+            self.stats.orphan_wire += 1
 
     def _pool(self, node: Node, pool: int, payload: str) -> Pool:
         found = node.pools.get(pool)
@@ -1254,6 +1270,7 @@ class Ledger:
         return pool, pages
 
     def _transfer(self, xfer: str, r: Request | None) -> Transfer:
+        """The transfer `xfer`; `r`: the request a side of it names (None: a probe's report)."""
         req = r.id if r is not None else ""
         t = self.transfers.get(xfer)
         if t is None:
@@ -1263,6 +1280,11 @@ class Ledger:
         elif r is not None and not t.req:
             t.req = req
             r.xfers.append(xfer)
+        if not t.req:  # an orphan until a side claims it: named just now
+            self._orphans.pop(xfer, None)
+            self._orphans[xfer] = self._applied
+        elif r is not None and self._orphans:
+            self._orphans.pop(xfer, None)
         return t
 
     def _on_xfer_send(self, node: Node, x: pb.XferSend) -> None:

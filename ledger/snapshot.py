@@ -37,7 +37,7 @@ from kvguard.ledger.ledger import (
 from kvguard.ledger.pages import PoolPages
 from kvguard.proto import pb
 
-FORMAT = 1
+FORMAT = 2  # 2: orphan transfers kept apart (Ledger._orphans)
 SETTINGS = ("dedupe", "clock_skew_ns", "retire_idle", "forget_idle")  # a ledger's constructor arguments
 _PAGE_ARRAYS = (
     "gen",
@@ -243,6 +243,7 @@ def _dump(ledger: Ledger) -> bytes:
         "reported": sorted((_fact(f) for f in ledger._reported), key=orjson.dumps),
         "drift_pairs": sorted(list(p) for p in ledger._drift_pairs),
         "wire_pending": [[idx, t.xfer] for idx, t in ledger._wire_pending.items()],
+        "orphans": list(ledger._orphans.items()),
         "posted": [
             [node, [[t.xfer, posted(p)] for t, p in waiting]] for node, waiting in ledger._posted.items()
         ],
@@ -341,6 +342,7 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
     ledger._reported = {_tuple(f) for f in state["reported"]}
     ledger._drift_pairs = {tuple(p) for p in state["drift_pairs"]}
     ledger._wire_pending = {idx: ledger.transfers[xfer] for idx, xfer in state["wire_pending"]}
+    ledger._orphans = {xfer: last for xfer, last in state["orphans"]}
     ledger._posted = {
         node: [(ledger.transfers[xfer], posted(p)) for xfer, p in waiting]
         for node, waiting in state["posted"]

@@ -740,6 +740,37 @@ class TestRetirement:
         (zombie,) = self.add("alloc", req="z", pool=0, pages=[9])
         assert (zombie.finding, zombie.req) == ("rejected_progress", "z")
 
+    def test_wire_reports_no_side_claims_are_forgotten_and_counted(self) -> None:
+        # A probe's report of a transfer the engine never names (lost events, another
+        # program's traffic, a forged stream) must not be kept forever.
+        for i in range(400):
+            self.ledger.apply(
+                self.log.add("n0/ebpf", "wire", xfer=f"stray{i}", probe="ebpf:tcp", bytes=10, calls=1)
+            )
+            self.served(f"r{i}", [2 + i % 14])
+        assert self.ledger.stats.orphan_wire > 350 and len(self.ledger.transfers) < 20
+        assert set(self.ledger.transfers) == set(self.ledger._orphans)
+        # Claimed in time, a report is compared with the claim as before.
+        # (more bytes on the wire than the sender claims: wrong at once)
+        self.ledger.apply(self.log.add("n0/ebpf", "wire", xfer="late", probe="ebpf:tcp", bytes=100, calls=1))
+        for i in range(3):
+            self.served(f"s{i}", [2 + i])
+        self.add("alloc", req="t", pool=0, pages=[1])
+        self.add("write", req="t", pool=0, pages=[1])
+        (short,) = self.add(
+            "xfer_send",
+            req="t",
+            xfer="late",
+            peer_node="d0",
+            pool=0,
+            pages=[1],
+            tokens=4,
+            bytes=64,
+            status="done",
+        )
+        assert (short.finding, short.details["probe"]) == ("transfer_mismatch", "ebpf:tcp")
+        assert "late" not in self.ledger._orphans
+
     def test_a_reused_index_does_not_inherit_an_old_finding(self) -> None:
         # A double free is reported once per (request, victim, pool): the request that gets a
         # forgotten request's index must still have its own reported.
@@ -783,6 +814,9 @@ def test_a_snapshot_at_any_point_goes_on_as_the_ledger_would() -> None:
     log.add("d9", "alloc", req="w", pool=0, pages=[3, 4])
     log.add("d9", "xfer_recv", req="w", xfer="x9", pool=0, pages=[3, 4], tokens=32, bytes=8192, status="done")
     log.add("d9", "read", reads=[{"req": "w", "pool": 0, "pages": [3, 4], "tokens": 32}])
+    log.add("q0/ebpf", "wire", xfer="stray", probe="ebpf:tcp", bytes=1, calls=1)  # never claimed
+    for _ in range(8):
+        log.add("q0", "heartbeat")
     stream = log.events
     retiring = {"retire_idle": 2, "forget_idle": 6}
     whole = Ledger(**retiring)
@@ -876,7 +910,7 @@ def test_a_snapshot_sets_data_only_and_a_bad_one_is_refused_by_name() -> None:
     for change, reason in (
         (attribute, "'ended' = True is not one of its attributes"),
         (wrong_type, "'granted_pages' = '2' is not one of its attributes, or not of its type"),
-        (newer, "snapshot format 99, this kvguard reads 1"),
+        (newer, f"snapshot format 99, this kvguard reads {snapshot.FORMAT}"),
     ):
         with pytest.raises(snapshot.SnapshotError, match=reason):
             snapshot.load(altered(change))
