@@ -102,7 +102,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     import threading
 
     from kvguard.daemon.server import Daemon, serve
-    from kvguard.daemon.store import Store
+    from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
     from kvguard.daemon.tls import from_args
     from kvguard.ruleset import RulesetError, load_ruleset
 
@@ -117,8 +117,25 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     sys.setswitchinterval(0.0005)
     from kvguard.daemon.writer import StoreWriter
 
-    store = Store(args.store)
-    writer = StoreWriter(args.store)  # hashing and inserts run on another core, overlapping the ledger
+    try:
+        key = read_audit_key(args.audit_key) if args.audit_key else None
+        store = Store(args.store, key)
+        if key is not None and store.sealed_from is None:
+            # An empty store is sealed from its first record. One with records is sealed only
+            # on purpose: a seal gone missing (removed along with a rewrite) must not be
+            # replaced by a new one that vouches only for what comes next.
+            if store.count():
+                raise StoreError(
+                    f"audit store {store.url} is not sealed but has records: seal it once with "
+                    "`kvguard audit seal` (or, if it was sealed, its seal was removed: verify it)"
+                )
+            store.seal()
+        store.write_key()  # a sealed store is written only with its key: say so now, not at the first batch
+    except (AuditKeyError, StoreError) as exc:
+        print(f"kvguard daemon: {exc}", file=sys.stderr)
+        return 2
+    # hashing and inserts run on another core, overlapping the ledger
+    writer = StoreWriter(args.store, key=key)
     skew = int(args.clock_skew_ms * 1_000_000)
     daemon = Daemon(
         store, ruleset, mode=args.mode, writer=writer, clock_skew_ns=skew, snapshot_every=args.snapshot_every
@@ -232,14 +249,21 @@ def cmd_witness(args: argparse.Namespace) -> int:
 
 
 def cmd_audit_verify(args: argparse.Namespace) -> int:
-    from kvguard.daemon.store import Store
+    from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
 
-    store = Store(args.store)
+    try:
+        store = Store(args.store, read_audit_key(args.audit_key) if args.audit_key else None)
+    except (AuditKeyError, StoreError) as exc:
+        print(f"kvguard audit verify: {exc}", file=sys.stderr)
+        return 1
     ok, n, problem = store.verify()
     if not ok:
-        print(f"audit log {store.url}: NOT intact after {n} good records: {problem}", file=sys.stderr)
+        print(f"audit log {store.url}: NOT proven intact after {n} good records: {problem}", file=sys.stderr)
         return 1
-    print(f"audit log {store.url}: {n} records, chain intact")
+    sealed = (
+        "" if store.sealed_from is None else f", sealed with the audit key from record {store.sealed_from} on"
+    )
+    print(f"audit log {store.url}: {n} records, chain intact{sealed}")
     # The ledger snapshot a restart would load is derived data, outside the chain, but bound
     # to it: one that does not match is not loaded (the store is replayed), and is said here.
     found = store.latest_snapshot()
@@ -249,6 +273,40 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
         )
     else:
         print(f"ledger snapshot: after record {found[0]}, bound to the chain there")
+    return 0
+
+
+def cmd_audit_seal(args: argparse.Namespace) -> int:
+    from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
+
+    try:
+        key = read_audit_key(args.audit_key)
+        plain = Store(args.store)
+        ok, n, problem = plain.verify()
+        plain.close()
+        if not ok:  # sealing vouches for nothing before it, but says so only of a sound chain
+            raise StoreError(f"audit store {plain.url}: not sealed: the chain is not intact ({problem})")
+        store = Store(args.store, key)
+        from_id = store.seal()
+    except (AuditKeyError, StoreError) as exc:
+        print(f"kvguard audit seal: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"audit log {store.url}: {n} records, chain intact; "
+        f"sealed with the audit key from record {from_id} on"
+    )
+    return 0
+
+
+def cmd_audit_new_key(args: argparse.Namespace) -> int:
+    from kvguard.daemon.store import new_audit_key
+
+    try:
+        new_audit_key(args.path)
+    except OSError as exc:
+        print(f"kvguard audit new-key: {args.path}: {exc.strerror}", file=sys.stderr)
+        return 1
+    print(f"audit key written to {args.path} (mode 600): keep it off the database's machine or disk")
     return 0
 
 
@@ -407,6 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="after this many events, save a ledger snapshot in the next idle second, so that a start "
         "after a crash replays only what came after it (0: only at a clean stop; default %(default)s)",
     )
+    p.add_argument(
+        "--audit-key",
+        metavar="FILE",
+        help="seal the audit chain with this key (HMAC-SHA256; `kvguard audit new-key`), kept outside the "
+        "database, so that no one who can write the database but lacks the key can rewrite it unnoticed; "
+        "a sealed store needs it",
+    )
     tls_arguments(p)
     p.set_defaults(func=cmd_daemon)
 
@@ -459,7 +524,19 @@ def build_parser() -> argparse.ArgumentParser:
     audit = sub.add_parser("audit", help="the audit log").add_subparsers(dest="audit_command", required=True)
     p = audit.add_parser("verify", help="prove that no record was altered, removed or reordered")
     p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
+    p.add_argument(
+        "--audit-key", metavar="FILE", help="the key the store is sealed with (needed to prove it)"
+    )
     p.set_defaults(func=cmd_audit_verify)
+    p = audit.add_parser(
+        "seal", help="seal an existing store's chain with an audit key from its next record on"
+    )
+    p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
+    p.add_argument("--audit-key", metavar="FILE", required=True, help="the key (`kvguard audit new-key`)")
+    p.set_defaults(func=cmd_audit_seal)
+    p = audit.add_parser("new-key", help="write a new random audit key (for --audit-key), mode 600")
+    p.add_argument("path", help="where (never over an existing file)")
+    p.set_defaults(func=cmd_audit_new_key)
     from kvguard.daemon.audit import add_parsers as add_audit_queries
 
     add_audit_queries(audit)

@@ -5,12 +5,18 @@ schema is created and changed only by Alembic migrations (daemon/migrations). In
 records are only ever inserted, with ids 1, 2, 3, ... without gaps; each record's hash covers
 its id, every column and the previous record's hash, so `verify()` proves that nothing was
 altered, removed or reordered; one store has one writer (the daemon), which owns the chain.
+A plain hash chain can be recomputed by whoever can write the database; a store sealed with
+an audit key (kept outside it, `--audit-key`) chains its records from the seal on with
+HMAC-SHA256 under that key instead, which only the key's holder can recompute: appending to a
+sealed store needs the key, and verify proves a sealed store only with it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
+import os
 import struct
 import threading
 import time
@@ -71,6 +77,14 @@ snapshots = Table(
     Column("digest", LargeBinary(32), nullable=False),
 )
 SNAPSHOTS_KEPT = 2
+seal = Table(
+    "seal",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True),
+    Column("from_id", BigInteger(), nullable=False),
+    Column("tag", LargeBinary(32), nullable=False),
+)
+MIN_KEY_BYTES = 32
 
 
 _PAYLOADS = pb.Event.DESCRIPTOR.oneofs_by_name["payload"].fields
@@ -177,39 +191,79 @@ def _prefixed(text: str) -> bytes:
     return data
 
 
-def _chain(prev: bytes, record_id: int, columns: Sequence[Any], body: bytes) -> bytes:
-    """sha256(prev hash, id, each column length-prefixed (as text), body length-prefixed).
-    Written out column by column: it runs once per stored event, on the writer's hot path."""
+def _chain(prev: bytes, record_id: int, columns: Sequence[Any], body: bytes, key: bytes | None) -> bytes:
+    """sha256(prev hash, id, each column length-prefixed (as text), body length-prefixed), or
+    under `key` HMAC-SHA256 of the same. Written out column by column: it runs once per
+    stored event, on the writer's hot path."""
     kind, node, seq, ts_ns, req, tenant, victim_tenant, finding, severity = columns
     seq_b, ts_b, req_b, tenant_b = b"%d" % seq, b"%d" % ts_ns, req.encode(), tenant.encode()
-    return hashlib.sha256(
-        b"".join(
-            (
-                prev,
-                _ID(record_id),
-                _prefixed(kind),
-                _prefixed(node),
-                _LEN(len(seq_b)),
-                seq_b,
-                _LEN(len(ts_b)),
-                ts_b,
-                _LEN(len(req_b)),
-                req_b,
-                _LEN(len(tenant_b)),
-                tenant_b,
-                _prefixed(victim_tenant),
-                _prefixed(finding),
-                _prefixed(severity),
-                _LEN(len(body)),
-                body,
-            )
+    data = b"".join(
+        (
+            prev,
+            _ID(record_id),
+            _prefixed(kind),
+            _prefixed(node),
+            _LEN(len(seq_b)),
+            seq_b,
+            _LEN(len(ts_b)),
+            ts_b,
+            _LEN(len(req_b)),
+            req_b,
+            _LEN(len(tenant_b)),
+            tenant_b,
+            _prefixed(victim_tenant),
+            _prefixed(finding),
+            _prefixed(severity),
+            _LEN(len(body)),
+            body,
         )
-    ).digest()
+    )
+    return _digest(data, key)
 
 
-def _snapshot_digest(after: bytes, body: bytes) -> bytes:
-    """What binds a snapshot to the record it was taken after: SHA-256(that record's hash, body)."""
-    return hashlib.sha256(after + body).digest()
+def _digest(data: bytes, key: bytes | None) -> bytes:
+    """SHA-256 of `data`, or under an audit key HMAC-SHA256 (which only the key's holder can make)."""
+    return hashlib.sha256(data).digest() if key is None else hmac.digest(key, data, "sha256")
+
+
+def _snapshot_digest(after: bytes, body: bytes, key: bytes | None) -> bytes:
+    """What binds a snapshot to the record it was taken after: the digest of that record's
+    hash and the body (under the audit key in a sealed store)."""
+    return _digest(after + body, key)
+
+
+def _seal_tag(key: bytes, from_id: int) -> bytes:
+    return _digest(b"kvguard audit seal from %d" % from_id, key)
+
+
+class AuditKeyError(ValueError):
+    """An audit key file that must not be used: what is wrong with it, by name."""
+
+
+def read_audit_key(path: str) -> bytes:
+    """The audit key in `path` (at least MIN_KEY_BYTES, trailing whitespace aside). Refused if
+    anyone but its owner may read or write it: a key others can read seals nothing."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            key = f.read().rstrip()
+    except OSError as exc:
+        raise AuditKeyError(f"audit key {path}: {exc.strerror}") from None
+    if st.st_mode & 0o077:
+        raise AuditKeyError(
+            f"audit key {path}: others may read or write it (mode {st.st_mode & 0o777:o}); chmod 600 it"
+        )
+    if len(key) < MIN_KEY_BYTES:
+        raise AuditKeyError(f"audit key {path}: {len(key)} bytes, at least {MIN_KEY_BYTES} needed")
+    return key
+
+
+def new_audit_key(path: str) -> None:
+    """Write a new random audit key (64 hex digits) to `path`, readable by its owner only;
+    never over an existing file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(os.urandom(MIN_KEY_BYTES).hex() + "\n")
 
 
 def store_url(where: str) -> str:
@@ -231,7 +285,9 @@ class StoreError(RuntimeError):
 
 
 class Store:
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, key: bytes | None = None) -> None:
+        """The store at `where`, with its audit key if it is sealed (StoreError if it is
+        sealed with another)."""
         self.url = store_url(where)
         sqlite = self.url.startswith("sqlite")
         self.engine = create_engine(self.url, connect_args={"check_same_thread": False} if sqlite else {})
@@ -245,6 +301,8 @@ class Store:
                 cursor.close()
 
         migrate(self.engine)
+        self._key = key
+        self.sealed_from = self._sealed(key)  # the first record sealed with the audit key, or None
         self._lock = threading.Lock()
         # The hot insert bypasses SQLAlchemy's per-row parameter handling: one long-lived DBAPI
         # connection, one executemany of tuples per commit.
@@ -267,17 +325,56 @@ class Store:
             ).first()
         self._next_id, self._last_hash = (last[0] + 1, last[1]) if last else (1, GENESIS)
 
+    def _sealed(self, key: bytes | None) -> int | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(seal.c.from_id, seal.c.tag).order_by(seal.c.id).limit(1)).first()
+        if row is None:
+            return None
+        from_id, tag = int(row[0]), bytes(row[1])
+        if key is not None and not hmac.compare_digest(_seal_tag(key, from_id), tag):
+            raise StoreError(
+                f"audit store {self.url}: the audit key given is not the one its chain is sealed with"
+            )
+        return from_id
+
+    def seal(self) -> int:
+        """Seal the store with this Store's key from its next record on; returns that record.
+        Done once, on purpose (`kvguard audit seal`, or the daemon on an empty store): a seal
+        that appears by itself later would hide a rewrite of everything before it."""
+        if self._key is None:
+            raise StoreError(f"audit store {self.url}: no key to seal with")
+        if self.sealed_from is not None:
+            raise StoreError(f"audit store {self.url}: sealed already, from record {self.sealed_from} on")
+        with self.engine.begin() as conn:
+            from_id = (conn.execute(select(func.max(records.c.id))).scalar() or 0) + 1
+            conn.execute(seal.insert().values(from_id=from_id, tag=_seal_tag(self._key, from_id)))
+        self.sealed_from = from_id
+        return from_id
+
+    def write_key(self) -> bytes | None:
+        """The key new records and snapshots are bound with (None: plain SHA-256); StoreError
+        if the store is sealed and this Store was not given its key."""
+        if self.sealed_from is None:
+            return None
+        if self._key is None:
+            raise StoreError(
+                f"audit store {self.url}: its chain is sealed from record {self.sealed_from} on; "
+                "writing to it needs the audit key (--audit-key)"
+            )
+        return self._key
+
     def append(self, rows: Sequence[Record]) -> list[int]:
         """Append rows in one transaction; returns their ids. StoreError if it did not commit."""
         if not rows:
             return []
+        mac = self.write_key()
         with self._lock:
             prev, next_id = self._last_hash, self._next_id
             values = []
             for i, row in enumerate(rows):
                 kind, node, seq, ts_ns, body, req, tenant, victim_tenant, finding, severity = row
                 columns = (kind, node, seq, ts_ns, req, tenant, victim_tenant, finding, severity)
-                digest = _chain(prev, next_id + i, columns, body)
+                digest = _chain(prev, next_id + i, columns, body, mac)
                 values.append((next_id + i, *columns, body, prev, digest))
                 prev = digest
             try:
@@ -372,12 +469,13 @@ class Store:
     def save_snapshot(self, body: bytes) -> int:
         """Store a snapshot of the state after the last record committed (by any writer);
         returns that record's id. Keeps the newest SNAPSHOTS_KEPT."""
+        mac = self.write_key()
         with self.engine.begin() as conn:
             last = conn.execute(
                 select(records.c.id, records.c.hash).order_by(records.c.id.desc()).limit(1)
             ).first()
             through, after = (last[0], last[1]) if last else (0, GENESIS)
-            digest = _snapshot_digest(after, body)
+            digest = _snapshot_digest(after, body, mac)
             conn.execute(
                 snapshots.insert().values(
                     through_id=through, created_ns=time.time_ns(), body=body, digest=digest
@@ -402,12 +500,26 @@ class Store:
             after = conn.execute(select(records.c.hash).where(records.c.id == through)).scalar()
         if through and after is None:
             return f"the snapshot's record {through} is not in the store"
-        if _snapshot_digest(after or GENESIS, body) != digest:
+        if self.sealed_from is not None and self._key is None:
+            return "the store is sealed: checking its snapshot needs the audit key"
+        if (
+            _snapshot_digest(after or GENESIS, body, self._key if self.sealed_from is not None else None)
+            != digest
+        ):
             return f"the snapshot taken after record {through} does not match the chain there"
         return int(through), bytes(body)
 
     def verify(self) -> tuple[bool, int, str]:
-        """Walk the chain: (intact, records checked, what is wrong where)."""
+        """Walk the chain: (intact, records checked, what is wrong where). A sealed store is
+        proven only with its audit key; a key given for a store that is not sealed proves
+        nothing either (the seal may have been removed along with a rewrite)."""
+        if self._key is not None and self.sealed_from is None:
+            return (
+                False,
+                0,
+                "an audit key was given but the chain is not sealed (never sealed, or the seal was removed)",
+            )
+        sealed_from = self.sealed_from if self.sealed_from is not None else 1 << 63
         prev, expected_id, n = GENESIS, 1, 0
         with self.engine.connect() as conn:
             result = conn.execution_options(stream_results=True, yield_per=2000).execute(
@@ -419,7 +531,14 @@ class Store:
                     return False, n, f"record {expected_id} is missing (next is {v['id']})"
                 if v["prev_hash"] != prev:
                     return False, n, f"record {v['id']}: the chain is broken before it"
-                if _chain(prev, v["id"], [v[name] for name in _COLUMNS], v["body"]) != v["hash"]:
+                key = self._key if v["id"] >= sealed_from else None
+                if key is None and v["id"] >= sealed_from:
+                    return (
+                        False,
+                        n,
+                        f"records from {sealed_from} on are sealed: proving them needs the audit key",
+                    )
+                if _chain(prev, v["id"], [v[name] for name in _COLUMNS], v["body"], key) != v["hash"]:
                     return False, n, f"record {v['id']} ({v['kind']} of {v['node']}) was altered"
                 prev, expected_id, n = v["hash"], expected_id + 1, n + 1
         return True, n, ""

@@ -24,8 +24,8 @@ from multiprocessing.connection import Connection
 from kvguard.daemon.store import EventRun, Record, Store, StoreError, rows_of
 
 
-def _serve(where: str, conn: Connection) -> None:
-    store = Store(where)
+def _serve(where: str, key: bytes | None, conn: Connection) -> None:
+    store = Store(where, key)
     try:
         while True:
             try:
@@ -58,11 +58,12 @@ def _serve(where: str, conn: Connection) -> None:
 class StoreWriter:
     """Submits groups of records to the writer process; resolves their futures in order."""
 
-    def __init__(self, where: str, max_in_flight: int = 4) -> None:
+    def __init__(self, where: str, max_in_flight: int = 4, key: bytes | None = None) -> None:
+        """`key`: the store's audit key, when it is sealed (see store.py)."""
         context = multiprocessing.get_context("spawn")  # never fork a process that runs gRPC threads
         self._conn, child = context.Pipe()
         self._proc = context.Process(
-            target=_serve, args=(where, child), name="kvguard-store-writer", daemon=True
+            target=_serve, args=(where, key, child), name="kvguard-store-writer", daemon=True
         )
         self._proc.start()
         child.close()

@@ -240,7 +240,114 @@ def test_audit_verify_finds_an_altered_record(daemon: Service) -> None:
         db.execute(text("DELETE FROM records WHERE id = 3"))
     engine.dispose()
     gone = subprocess.run(verify, capture_output=True, text=True)
-    assert gone.returncode == 1 and "NOT intact" in gone.stderr
+    assert gone.returncode == 1 and "NOT proven intact" in gone.stderr
+
+
+def audit(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvguard", "audit", *args], capture_output=True, text=True)
+
+
+def rechain(where: str, key: bytes | None) -> None:
+    """What someone who can write the database does to hide an edit: recompute every hash."""
+    from kvguard.daemon.store import GENESIS, _chain
+
+    engine = create_engine(url_of(where))
+    with engine.begin() as db:
+        prev = GENESIS
+        for row in db.execute(text("SELECT * FROM records ORDER BY id")).mappings().all():
+            columns = [row[c] for c in ("kind", "node", "seq", "ts_ns", "req", "tenant")]
+            columns += [row[c] for c in ("victim_tenant", "finding", "severity")]
+            digest = _chain(prev, row["id"], columns, row["body"], key)
+            db.execute(
+                text("UPDATE records SET prev_hash = :p, hash = :h WHERE id = :i"),
+                {"p": prev, "h": digest, "i": row["id"]},
+            )
+            prev = digest
+    engine.dispose()
+
+
+def test_a_sealed_chain_cannot_be_rewritten_without_its_key(store_url: str, tmp_path: Path) -> None:
+    key, other = tmp_path / "audit.key", tmp_path / "other.key"
+    made = audit("new-key", str(key))
+    assert made.returncode == 0 and (key.stat().st_mode & 0o777) == 0o600
+    assert audit("new-key", str(key)).returncode == 1  # never over an existing key
+    audit("new-key", str(other))
+    d = start_daemon(store_url, 0, "--audit-key", str(key))
+    send_capture(INCIDENT, d.address)
+    d.stop()
+    store = ["--store", store_url]
+    ok = audit("verify", *store, "--audit-key", str(key))
+    assert ok.returncode == 0, ok.stderr
+    assert "60 records, chain intact, sealed with the audit key from record 1 on" in ok.stdout
+    assert "ledger snapshot: after record 60, bound to the chain there" in ok.stdout
+    unkeyed = audit("verify", *store)
+    assert (
+        unkeyed.returncode == 1
+        and "records from 1 on are sealed: proving them needs the audit key" in unkeyed.stderr
+    )
+    wrong = audit("verify", *store, "--audit-key", str(other))
+    assert wrong.returncode == 1 and "not the one its chain is sealed with" in wrong.stderr
+    # Without the key a sealed store takes no records: the daemon does not start.
+    with pytest.raises(RuntimeError, match="sealed from record 1 on; writing to it needs the audit key"):
+        start_daemon(store_url)
+    # A rewrite by someone who can write the database: a victim's tenant changed, the chain
+    # recomputed. Caught with the key, whether the seal is left in place or removed too.
+    engine = create_engine(url_of(store_url))
+    with engine.begin() as db:
+        db.execute(text("UPDATE records SET victim_tenant = 'x' WHERE victim_tenant = 'acme'"))
+    rechain(store_url, None)
+    caught = audit("verify", *store, "--audit-key", str(key))
+    assert caught.returncode == 1 and "record 1 (event of p0) was altered" in caught.stderr
+    with engine.begin() as db:
+        db.execute(text("DELETE FROM seal"))
+    engine.dispose()
+    assert audit("verify", *store).returncode == 0  # what a plain chain cannot tell
+    with pytest.raises(RuntimeError, match="is not sealed but has records: seal it once"):
+        start_daemon(store_url, 0, "--audit-key", str(key))  # no new seal over a rewrite
+    unsealed = audit("verify", *store, "--audit-key", str(key))
+    assert (
+        unsealed.returncode == 1
+        and "the chain is not sealed (never sealed, or the seal was removed)" in unsealed.stderr
+    )
+
+
+def test_a_store_sealed_later_is_proven_plain_before_the_seal_and_keyed_after(tmp_path: Path) -> None:
+    where, key = str(tmp_path / "audit.db"), tmp_path / "audit.key"
+    audit("new-key", str(key))
+    d = start_daemon(where)
+    send_capture(INCIDENT[:20], d.address)
+    d.stop()
+    first = Store(where).count()
+    with pytest.raises(
+        RuntimeError, match="is not sealed but has records: seal it once with `kvguard audit seal`"
+    ):
+        start_daemon(where, 0, "--audit-key", str(key))
+    sealed = audit("seal", "--store", where, "--audit-key", str(key))
+    assert sealed.returncode == 0 and f"sealed with the audit key from record {first + 1} on" in sealed.stdout
+    again = audit("seal", "--store", where, "--audit-key", str(key))
+    assert again.returncode == 1 and f"sealed already, from record {first + 1} on" in again.stderr
+    d = start_daemon(where, 0, "--audit-key", str(key))
+    send_capture(INCIDENT, d.address)  # the first 20 lines are repeats: refused, not stored
+    d.stop()
+    ok = audit("verify", "--store", where, "--audit-key", str(key))
+    assert ok.returncode == 0, ok.stderr
+    assert f"sealed with the audit key from record {first + 1} on" in ok.stdout
+    assert Store(where).count() > first + 10
+    assert facts(stored_findings(where)) == facts(local_findings())
+
+
+def test_an_audit_key_others_may_read_or_too_short_is_refused(tmp_path: Path) -> None:
+    where, key = str(tmp_path / "audit.db"), tmp_path / "audit.key"
+    key.write_text("k" * 64)
+    key.chmod(0o640)
+    with pytest.raises(RuntimeError, match=r"others may read or write it \(mode 640\); chmod 600 it"):
+        start_daemon(where, 0, "--audit-key", str(key))
+    key.chmod(0o600)
+    key.write_text("short\n")
+    with pytest.raises(RuntimeError, match="5 bytes, at least 32 needed"):
+        start_daemon(where, 0, "--audit-key", str(key))
+    missing = audit("verify", "--store", where, "--audit-key", str(tmp_path / "nope"))
+    assert missing.returncode == 1 and "No such file or directory" in missing.stderr
 
 
 def stale_reads(node: str, n: int) -> list[pb.Event]:
