@@ -462,8 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=events_count,
         default=SNAPSHOT_EVERY,
         metavar="EVENTS",
-        help="after this many events, save a ledger snapshot in the next idle second, so that a start "
-        "after a crash replays only what came after it (0: only at a clean stop; default %(default)s)",
+        help="every this many events, save a ledger snapshot (dumped by a forked copy of the daemon while it "
+        "goes on), so that a start after a crash replays only what came after it (0: only at a clean stop; "
+        "default %(default)s)",
     )
     p.add_argument(
         "--audit-key",

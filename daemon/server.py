@@ -62,8 +62,7 @@ MAX_UNDELIVERED = 10_000  # commands kept per node while it is not connected
 SUBSCRIBER_QUEUE = 100_000  # alerts waiting for one slow subscriber before it reads from the store
 BACKLOG_PAGE = 1000  # alerts read from the store at a time
 FREEZE_EVERY_S = 1.0  # how often long-lived objects leave the garbage collector's view
-SNAPSHOT_EVERY = 1 << 22  # events after which the next idle moment is used for a snapshot
-SNAPSHOT_IDLE_S = 1.0  # an idle moment: no batch for this long
+SNAPSHOT_EVERY = 1 << 22  # events after which the next group is followed by a snapshot
 
 
 @dataclass
@@ -180,9 +179,10 @@ class Daemon:
             rebuilt += 1
         self.counters["rebuilt_events"] = rebuilt
         self.counters["snapshot_through"] = through
-        # A snapshot stalls the apply thread for ~10 µs per request the ledger knows (2 s for
-        # a window at full load), so one is taken only in an idle moment (and at a clean stop).
+        # Dumping the ledger takes ~10 µs per request it knows (2 s for a window at full load):
+        # a periodic snapshot is dumped by a forked copy of the daemon while it goes on.
         self.snapshot_every = snapshot_every
+        self._snapshotting: threading.Thread | None = None
         self._snapshot_after = -rebuilt  # live events counted from 0: the replayed ones count too
         # node -> the last sequence number the store holds (what a new stream is told); moves
         # only when a group commits, while the ledger runs ahead by the groups in flight.
@@ -231,20 +231,15 @@ class Daemon:
         it and the ledger answers with repeats."""
         self._inbox.put(None)
         self._applier.join(timeout=60)
+        saving = self._snapshotting
+        if saving is not None:
+            saving.join(timeout=120)  # a forked snapshot being stored finishes first
 
     def _apply_loop(self) -> None:
         frozen = time.monotonic()
         closing = False
-        committed: Future[int] | None = None  # the last group submitted
         while not closing:
-            due = (
-                self.snapshot_every and self.counters["events"] - self._snapshot_after >= self.snapshot_every
-            )
-            try:
-                first = self._inbox.get(timeout=SNAPSHOT_IDLE_S if due else None)
-            except queue.Empty:
-                self._idle_snapshot(committed)
-                continue
+            first = self._inbox.get()
             if first is None:
                 return
             group, count = [first], len(first.events)
@@ -265,6 +260,13 @@ class Daemon:
                 self._store_failed(exc)
             # The next group is applied while this one commits; acks wait for the commit.
             committed.add_done_callback(lambda done, g=group, a=applied: self._release(g, a, done))
+            if (
+                self.snapshot_every
+                and applied.rows
+                and self._snapshotting is None
+                and self.counters["events"] - self._snapshot_after >= self.snapshot_every
+            ):
+                self._fork_snapshot(committed, applied.rows)
             if time.monotonic() - frozen > FREEZE_EVERY_S:
                 # The ledger only grows (a request object per request), and a full collection
                 # walks every object it can see: at 10^5-10^6 requests that is a 50-100 ms
@@ -275,19 +277,38 @@ class Daemon:
                 gc.freeze()
                 frozen = time.monotonic()
 
-    def _idle_snapshot(self, last: Future[int] | None) -> None:
-        """No batch came for a while: once every group submitted is durable, the ledger is
-        the state after the store's last record; save it (a crash then replays from here)."""
+    def _fork_snapshot(self, committed: Future[int], rows: int) -> None:
+        """Snapshot the ledger as it is after the group just submitted (whose `rows` records
+        end at the state it holds now) without stopping: a forked copy dumps it (the apply
+        thread stalls ~10 ms for a 500 MB ledger instead of ~2 s), and a thread stores the
+        bytes once the group is durable."""
+        self._snapshot_after = self.counters["events"]  # the next is due snapshot_every on, whatever happens
         try:
-            if last is not None:
-                last.result()  # groups commit in order: all before it are durable too
-        except BaseException as exc:
-            self._store_failed(exc)
-        with self.lock:
-            through = self.save_snapshot()
-        self._snapshot_after = self.counters["events"]
-        self.counters["snapshots"] += 1
-        self.counters["snapshot_through"] = through
+            forked = snapshot.Forked(self.ledger)
+        except OSError as exc:
+            self.counters["snapshot_failures"] += 1
+            print(f"kvguard daemon: periodic ledger snapshot not taken: {exc}", file=sys.stderr, flush=True)
+            return
+        self._snapshotting = threading.Thread(
+            target=self._store_forked,
+            args=(forked, committed, rows),
+            name="kvguard-daemon-snapshot",
+            daemon=True,
+        )
+        self._snapshotting.start()
+
+    def _store_forked(self, forked: snapshot.Forked, committed: Future[int], rows: int) -> None:
+        try:
+            body = forked.result()
+            through = committed.result() + rows - 1  # groups commit in order: all before it too
+            self.store.save_snapshot(body, through)
+            self.counters["snapshots"] += 1
+            self.counters["snapshot_through"] = through
+        except Exception as exc:  # the next one is due after another snapshot_every events
+            self.counters["snapshot_failures"] += 1
+            print(f"kvguard daemon: periodic ledger snapshot not saved: {exc}", file=sys.stderr, flush=True)
+        finally:
+            self._snapshotting = None
 
     def _store_failed(self, exc: BaseException) -> None:
         # The ledger has moved past what is durable: stop, and rebuild from the store.

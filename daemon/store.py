@@ -466,14 +466,19 @@ class Store:
         with self.engine.connect() as conn:
             yield from conn.execution_options(stream_results=True, yield_per=2000).execute(query)
 
-    def save_snapshot(self, body: bytes) -> int:
-        """Store a snapshot of the state after the last record committed (by any writer);
-        returns that record's id. Keeps the newest SNAPSHOTS_KEPT."""
+    def save_snapshot(self, body: bytes, through: int | None = None) -> int:
+        """Store a snapshot of the state after record `through` (default: the last record
+        committed, by any writer); returns that record's id. Keeps the newest SNAPSHOTS_KEPT."""
         mac = self.write_key()
         with self.engine.begin() as conn:
-            last = conn.execute(
-                select(records.c.id, records.c.hash).order_by(records.c.id.desc()).limit(1)
-            ).first()
+            query = select(records.c.id, records.c.hash)
+            if through is None:
+                query = query.order_by(records.c.id.desc()).limit(1)
+            else:
+                query = query.where(records.c.id == through)
+            last = conn.execute(query).first()
+            if through is not None and last is None:
+                raise StoreError(f"audit store {self.url}: no record {through} to take a snapshot after")
             through, after = (last[0], last[1]) if last else (0, GENESIS)
             digest = _snapshot_digest(after, body, mac)
             conn.execute(

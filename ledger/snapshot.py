@@ -7,6 +7,7 @@ dump() of equal states is equal bytes. The format is data only, never code: an u
 NumPy .npz (read with allow_pickle=False) holding the page arrays, the small arrays packed
 into one per dtype, and one JSON document for everything else. A snapshot that cannot be
 read raises SnapshotError naming the reason; the daemon then replays the store instead.
+`Forked` dumps a ledger from a forked copy of the process, so the owner goes on at once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import gc
 import io
 import math
+import os
 import zipfile
 from collections import Counter, OrderedDict
 from typing import Any
@@ -252,6 +254,44 @@ def _dump(ledger: Ledger) -> bytes:
     out = io.BytesIO()
     np.savez(out, state=np.frombuffer(document, np.uint8), **big, **packer.arrays())
     return out.getvalue()
+
+
+class Forked:
+    """dump(ledger) by a forked copy of this process: the copy holds the ledger as it was at
+    the fork (copy-on-write), dumps it on another core and writes the bytes to a pipe, while
+    the caller goes on changing its own. The fork itself takes ~10 ms for a 500 MB process;
+    memory grows by what either side changes meanwhile (at most the ledger's size). Fork from
+    the thread that owns the ledger, between two events. The copy touches nothing but the
+    ledger and the pipe (no locks, sockets or other threads' state) and leaves by os._exit."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        read_fd, write_fd = os.pipe()
+        try:
+            self.pid = os.fork()
+        except OSError:
+            os.close(read_fd)
+            os.close(write_fd)
+            raise
+        if self.pid == 0:  # the copy
+            code = 1
+            try:
+                os.close(read_fd)
+                with os.fdopen(write_fd, "wb") as out:
+                    out.write(dump(ledger))
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_fd)
+        self._read_fd = read_fd
+
+    def result(self) -> bytes:
+        """The snapshot's bytes, once the copy is done (SnapshotError if it failed). Once."""
+        with os.fdopen(self._read_fd, "rb") as pipe:
+            body = pipe.read()
+        status = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        if status != 0 or not body:
+            raise SnapshotError(f"the process dumping the snapshot exited with status {status}")
+        return body
 
 
 def load(data: bytes) -> Ledger:
