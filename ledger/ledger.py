@@ -233,7 +233,6 @@ class Request:
         self.id = id
         self.idx = idx
         self.xfers: list[str] = []  # its transfers' ids
-        self.stages: dict[str, str] = {}  # node -> stage it was admitted to there
         self.shared: dict[tuple[str, int], Shared] = {}  # (node, pool) -> prefix pages it reads
         # (node, pool) -> every page ever granted, as arrays (merged into one past GRANT_RUNS)
         self.history: dict[tuple[str, int], list[np.ndarray]] = {}
@@ -482,7 +481,7 @@ class Ledger:
             pool = self.nodes[node].pools.get(pool_id)
             if pool is not None:
                 pool.live.pop(r.idx, None)
-        r.stages, r.shared = {}, {}
+        r.shared = {}
         r.retired = True
         self._retired[r.idx] = r
         self.stats.retired += 1
@@ -741,7 +740,6 @@ class Ledger:
             self._progress(r, f"admit to {a.stage} on {node.name}")
         if not r.tenant:
             r.tenant = a.tenant
-        r.stages[node.name] = a.stage
         r.prompt_tokens = max(r.prompt_tokens, a.prompt_tokens)
         if r.state == "new":
             r.state = "admitted"

@@ -39,7 +39,7 @@ from kvguard.ledger.ledger import (
 from kvguard.ledger.pages import PoolPages
 from kvguard.proto import pb
 
-FORMAT = 2  # 2: orphan transfers kept apart (Ledger._orphans)
+FORMAT = 2  # 2: orphan transfers kept apart (Ledger._orphans); no per-request stages
 SETTINGS = ("dedupe", "clock_skew_ns", "retire_idle", "forget_idle")  # a ledger's constructor arguments
 _PAGE_ARRAYS = (
     "gen",
@@ -54,7 +54,7 @@ _PAGE_ARRAYS = (
     "prior",
     "since",
 )
-_REQUEST_PARTS = ("id", "idx", "stages", "shared", "history", "xfers")  # kept apart from its scalars
+_REQUEST_PARTS = ("id", "idx", "shared", "history", "xfers")  # kept apart from its scalars
 
 
 class SnapshotError(ValueError):
@@ -213,7 +213,7 @@ def _dump(ledger: Ledger) -> bytes:
         history = [
             [n, p, [packer.put(a.astype(np.int32)) for a in grants]] for (n, p), grants in r.history.items()
         ]
-        requests.append([r.id, scalars, r.stages, shared, history, r.xfers])
+        requests.append([r.id, scalars, shared, history, r.xfers])
     transfers = [
         [
             t.xfer,
@@ -360,11 +360,10 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
         if entry is None:
             ledger.requests.append(None)
             continue
-        rid, scalars, stages, shared, history, xfers = entry
+        rid, scalars, shared, history, xfers = entry
         r = Request(rid, len(ledger.requests))
         for k, v in scalars.items():
             setattr(r, k, _scalar(k, v))
-        r.stages = dict(stages)
         r.shared = {(n, p): Shared(*(unpack.get(a) for a in arrays)) for n, p, *arrays in shared}
         r.history = {(n, p): [unpack.get(a) for a in grants] for n, p, grants in history}
         r.xfers = list(xfers)
