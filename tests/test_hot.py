@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvguard.ledger import _hot
 from kvguard.ledger.pages import HOLDERS, NOBODY, PoolPages
@@ -208,6 +210,23 @@ def test_page_list_reads_unpacked_pages_and_skips_every_wire_type() -> None:
 def test_page_list_refuses_bytes_that_are_no_message(data: bytes) -> None:
     with pytest.raises(TypeError, match="not a serialized protobuf message"):
         _hot.page_list(data, 3, 1000, None)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.binary(max_size=64), st.integers(1, 7), st.booleans())
+def test_page_list_survives_any_bytes(data: bytes, field: int, distinct: bool) -> None:
+    # The daemon's C parser sees bytes an agent sent (re-serialized by protobuf, but checked
+    # as if not): any input gives pages in range or a clear error, and `seen` stays zeroed.
+    pp = PoolPages(N, PAGE)
+    try:
+        got = pp.page_list(data, field, distinct=distinct)
+    except (TypeError, IndexError, ValueError):
+        assert not pp.seen.any()
+        return
+    assert not pp.seen.any()
+    assert got.dtype == np.intp and ((got >= 0) & (got < N)).all()
+    if distinct:
+        assert len(set(got.tolist())) == len(got)
 
 
 def test_page_list_names_the_page_out_of_range_or_repeated_and_leaves_seen_zeroed() -> None:
