@@ -3,9 +3,10 @@
 One implementation, used by the in-engine guard (one node) and by the daemon (all nodes).
 `Ledger.apply(event)` validates an event completely before it changes any page or request
 state (a bad event raises BadEvent and changes nothing),
-applies its page list as a handful of vectorised NumPy operations (pages.py), and returns
-the findings it caused. Findings carry facts only; the ruleset gives them severity and
-action.
+applies its page list as one C loop (the updates every request makes) or a few vectorised
+NumPy operations (pages.py, _hot.c), and returns the findings it caused: findings are
+always made here, from the state as the event found it. Findings carry facts only; the
+ruleset gives them severity and action.
 
 Invariants kept here:
 - per node, events are applied in sequence order; a repeated sequence number is refused

@@ -254,52 +254,22 @@ def test_bad_arrays_and_pages_are_refused_before_anything_changes() -> None:
         pp.grant(np.array([1, N], np.intp), REQ, None)
     with pytest.raises(TypeError, match="pages: a contiguous 1-d intp array"):
         pp.grant(np.array([1, 2], np.int32), REQ, None)
+    one = np.array([1], np.intp)
+
+    def grant(**swap: np.ndarray) -> None:  # _hot.grant with one of the pool's arrays swapped
+        arrays = [
+            swap.get(n, getattr(pp, n)) for n in ("use", "holds", "gen", "owner", "own", "prior", "writer")
+        ]
+        _hot.grant(one, *arrays, None, REQ, 0, False)
+
     with pytest.raises(TypeError, match="use: a writable contiguous 1-d array"):
-        _hot.grant(
-            np.array([1], np.intp),
-            pp.use.astype(np.int64),
-            pp.holds,
-            pp.gen,
-            pp.owner,
-            pp.own,
-            pp.prior,
-            pp.writer,
-            None,
-            REQ,
-            0,
-            False,
-        )
+        grant(use=pp.use.astype(np.int64))
+    with pytest.raises(TypeError, match="holds: a contiguous"):
+        grant(holds=pp.holds.T)
     with pytest.raises(TypeError, match="gen: a writable"):
-        _hot.land(
-            np.array([1], np.intp),
-            pp.owner,
-            pp.gen[:10],
-            pp.writer,
-            pp.wgen,
-            pp.valid,
-            pp.own,
-            REQ,
-            None,
-            PAGE,
-            False,
-        )
+        grant(gen=pp.gen[:10])
     with pytest.raises(TypeError, match="slots: a writable"):
         pp.land(np.array([1, 2], np.intp), REQ, np.array([1], np.uint32))
-    with pytest.raises(TypeError, match="holds: a contiguous"):
-        _hot.grant(
-            np.array([1], np.intp),
-            pp.use,
-            pp.holds.T,
-            pp.gen,
-            pp.owner,
-            pp.own,
-            pp.prior,
-            pp.writer,
-            None,
-            REQ,
-            0,
-            False,
-        )
     frozen = pp.since.copy()
     frozen.flags.writeable = False
     with pytest.raises(TypeError, match="since: a writable"):
