@@ -252,7 +252,7 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
     from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
 
     try:
-        store = Store(args.store, read_audit_key(args.audit_key) if args.audit_key else None)
+        store = Store(args.store, *(read_audit_key(path) for path in args.audit_key or ()))
     except (AuditKeyError, StoreError) as exc:
         print(f"kvguard audit verify: {exc}", file=sys.stderr)
         return 1
@@ -260,9 +260,10 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
     if not ok:
         print(f"audit log {store.url}: NOT proven intact after {n} good records: {problem}", file=sys.stderr)
         return 1
-    sealed = (
-        "" if store.sealed_from is None else f", sealed with the audit key from record {store.sealed_from} on"
-    )
+    seals = store.seals
+    sealed = "" if not seals else f", sealed with the audit key from record {seals[0]} on"
+    if len(seals) > 1:
+        sealed += f" (key rotated at record{'s' if len(seals) > 2 else ''} {', '.join(map(str, seals[1:]))})"
     print(f"audit log {store.url}: {n} records, chain intact{sealed}")
     # The ledger snapshot a restart would load is derived data, outside the chain, but bound
     # to it: one that does not match is not loaded (the store is replayed), and is said here.
@@ -281,7 +282,19 @@ def cmd_audit_seal(args: argparse.Namespace) -> int:
 
     try:
         key = read_audit_key(args.audit_key)
+        if args.current_key:  # a rotation: the holder of the current key seals on with a new one
+            store = Store(args.store, read_audit_key(args.current_key))
+            from_id = store.seal(key, rotate=True)
+            print(
+                f"audit log {store.url}: sealed with the new audit key from record {from_id} on (key rotated)"
+            )
+            return 0
         plain = Store(args.store)
+        if plain.seals:
+            raise StoreError(
+                f"audit store {plain.url}: sealed already (the current seal from record "
+                f"{plain.seals[-1]} on); to rotate its key, give the current one as --current-key"
+            )
         ok, n, problem = plain.verify()
         plain.close()
         if not ok:  # sealing vouches for nothing before it, but says so only of a sound chain
@@ -526,14 +539,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = audit.add_parser("verify", help="prove that no record was altered, removed or reordered")
     p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
     p.add_argument(
-        "--audit-key", metavar="FILE", help="the key the store is sealed with (needed to prove it)"
+        "--audit-key",
+        metavar="FILE",
+        action="append",
+        help="a key the store is sealed with (needed to prove what it sealed; once per key a rotation left)",
     )
     p.set_defaults(func=cmd_audit_verify)
     p = audit.add_parser(
-        "seal", help="seal an existing store's chain with an audit key from its next record on"
+        "seal", help="seal a store's chain with an audit key from its next record on (daemon stopped)"
     )
     p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
     p.add_argument("--audit-key", metavar="FILE", required=True, help="the key (`kvguard audit new-key`)")
+    p.add_argument(
+        "--current-key",
+        metavar="FILE",
+        help="rotate: the key the store is sealed with now; the new one follows it",
+    )
     p.set_defaults(func=cmd_audit_seal)
     p = audit.add_parser("new-key", help="write a new random audit key (for --audit-key), mode 600")
     p.add_argument("path", help="where (never over an existing file)")

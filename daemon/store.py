@@ -285,9 +285,9 @@ class StoreError(RuntimeError):
 
 
 class Store:
-    def __init__(self, where: str, key: bytes | None = None) -> None:
-        """The store at `where`, with its audit key if it is sealed (StoreError if it is
-        sealed with another)."""
+    def __init__(self, where: str, *keys: bytes | None) -> None:
+        """The store at `where`, with the audit keys given (None: none), each matched to the
+        seals it made (StoreError for a key that made none of this store's seals)."""
         self.url = store_url(where)
         sqlite = self.url.startswith("sqlite")
         self.engine = create_engine(self.url, connect_args={"check_same_thread": False} if sqlite else {})
@@ -301,8 +301,10 @@ class Store:
                 cursor.close()
 
         migrate(self.engine)
-        self._key = key
-        self.sealed_from = self._sealed(key)  # the first record sealed with the audit key, or None
+        self._given = [k for k in keys if k is not None]
+        # Seals as (from_id, tag), in the order they were made (the last is the current one; a
+        # rotation adds one), and the key of each seal whose key was given, by its index.
+        self._seals, self._keys = self._sealed(self._given)
         self._lock = threading.Lock()
         # The hot insert bypasses SQLAlchemy's per-row parameter handling: one long-lived DBAPI
         # connection, one executemany of tuples per commit.
@@ -325,43 +327,69 @@ class Store:
             ).first()
         self._next_id, self._last_hash = (last[0] + 1, last[1]) if last else (1, GENESIS)
 
-    def _sealed(self, key: bytes | None) -> int | None:
+    def _sealed(self, keys: list[bytes]) -> tuple[list[tuple[int, bytes]], dict[int, bytes]]:
         with self.engine.connect() as conn:
-            row = conn.execute(select(seal.c.from_id, seal.c.tag).order_by(seal.c.id).limit(1)).first()
-        if row is None:
-            return None
-        from_id, tag = int(row[0]), bytes(row[1])
-        if key is not None and not hmac.compare_digest(_seal_tag(key, from_id), tag):
-            raise StoreError(
-                f"audit store {self.url}: the audit key given is not the one its chain is sealed with"
-            )
-        return from_id
+            rows = conn.execute(select(seal.c.from_id, seal.c.tag).order_by(seal.c.id)).all()
+        seals = [(int(from_id), bytes(tag)) for from_id, tag in rows]
+        found: dict[int, bytes] = {}
+        for key in keys:
+            made = [
+                i
+                for i, (from_id, tag) in enumerate(seals)
+                if hmac.compare_digest(_seal_tag(key, from_id), tag)
+            ]
+            if seals and not made:
+                raise StoreError(
+                    f"audit store {self.url}: an audit key given is not one its chain is sealed with"
+                )
+            found.update((i, key) for i in made)
+        return seals, found
 
-    def seal(self) -> int:
-        """Seal the store with this Store's key from its next record on; returns that record.
-        Done once, on purpose (`kvguard audit seal`, or the daemon on an empty store): a seal
-        that appears by itself later would hide a rewrite of everything before it."""
-        if self._key is None:
+    @property
+    def sealed_from(self) -> int | None:
+        """The first record sealed with an audit key (None: the store is not sealed)."""
+        return self._seals[0][0] if self._seals else None
+
+    @property
+    def seals(self) -> list[int]:
+        """The first record of each seal, oldest first: a key rotation adds one."""
+        return [from_id for from_id, _ in self._seals]
+
+    def seal(self, key: bytes | None = None, *, rotate: bool = False) -> int:
+        """Seal the store with `key` (default: the key this Store was given) from its next
+        record on; returns that record. Done on purpose, with no daemon writing (`kvguard
+        audit seal`, or the daemon on an empty store): a seal that appears by itself later
+        would hide a rewrite of everything before it. A sealed store is sealed again (its
+        key rotated: `rotate`) only by the holder of its current key."""
+        key = key if key is not None else (self._given[-1] if self._given else None)
+        if key is None:
             raise StoreError(f"audit store {self.url}: no key to seal with")
-        if self.sealed_from is not None:
-            raise StoreError(f"audit store {self.url}: sealed already, from record {self.sealed_from} on")
+        if self._seals and not (rotate and len(self._seals) - 1 in self._keys):
+            raise StoreError(
+                f"audit store {self.url}: sealed already (the current seal from record {self._seals[-1][0]} "
+                "on)" + ("; rotating its key needs the current one" if rotate else "")
+            )
+        if rotate and not self._seals:
+            raise StoreError(f"audit store {self.url}: not sealed, so there is no key to rotate")
         with self.engine.begin() as conn:
             from_id = (conn.execute(select(func.max(records.c.id))).scalar() or 0) + 1
-            conn.execute(seal.insert().values(from_id=from_id, tag=_seal_tag(self._key, from_id)))
-        self.sealed_from = from_id
+            conn.execute(seal.insert().values(from_id=from_id, tag=_seal_tag(key, from_id)))
+        self._seals.append((from_id, _seal_tag(key, from_id)))
+        self._keys[len(self._seals) - 1] = key
         return from_id
 
     def write_key(self) -> bytes | None:
         """The key new records and snapshots are bound with (None: plain SHA-256); StoreError
-        if the store is sealed and this Store was not given its key."""
-        if self.sealed_from is None:
+        if the store is sealed and this Store was not given its current key."""
+        if not self._seals:
             return None
-        if self._key is None:
+        key = self._keys.get(len(self._seals) - 1)
+        if key is None:
             raise StoreError(
-                f"audit store {self.url}: its chain is sealed from record {self.sealed_from} on; "
-                "writing to it needs the audit key (--audit-key)"
+                f"audit store {self.url}: its chain is sealed (the current seal from record "
+                f"{self._seals[-1][0]} on); writing to it needs that audit key (--audit-key)"
             )
-        return self._key
+        return key
 
     def append(self, rows: Sequence[Record]) -> list[int]:
         """Append rows in one transaction; returns their ids. StoreError if it did not commit."""
@@ -505,12 +533,11 @@ class Store:
             after = conn.execute(select(records.c.hash).where(records.c.id == through)).scalar()
         if through and after is None:
             return f"the snapshot's record {through} is not in the store"
-        if self.sealed_from is not None and self._key is None:
-            return "the store is sealed: checking its snapshot needs the audit key"
-        if (
-            _snapshot_digest(after or GENESIS, body, self._key if self.sealed_from is not None else None)
-            != digest
-        ):
+        try:
+            key = self.write_key()  # snapshots are bound under the current seal's key
+        except StoreError:
+            return "the store is sealed: checking its snapshot needs its current audit key"
+        if _snapshot_digest(after or GENESIS, body, key) != digest:
             return f"the snapshot taken after record {through} does not match the chain there"
         return int(through), bytes(body)
 
@@ -518,13 +545,16 @@ class Store:
         """Walk the chain: (intact, records checked, what is wrong where). A sealed store is
         proven only with its audit key; a key given for a store that is not sealed proves
         nothing either (the seal may have been removed along with a rewrite)."""
-        if self._key is not None and self.sealed_from is None:
+        if self._given and not self._seals:
             return (
                 False,
                 0,
                 "an audit key was given but the chain is not sealed (never sealed, or the seal was removed)",
             )
-        sealed_from = self.sealed_from if self.sealed_from is not None else 1 << 63
+        # Seal i covers its records up to the next seal's first record (a later seal made at
+        # the same record replaces it).
+        starts = [from_id for from_id, _ in self._seals] + [1 << 63]
+        segment = -1  # the seal covering the record (-1: before any)
         prev, expected_id, n = GENESIS, 1, 0
         with self.engine.connect() as conn:
             result = conn.execution_options(stream_results=True, yield_per=2000).execute(
@@ -536,12 +566,15 @@ class Store:
                     return False, n, f"record {expected_id} is missing (next is {v['id']})"
                 if v["prev_hash"] != prev:
                     return False, n, f"record {v['id']}: the chain is broken before it"
-                key = self._key if v["id"] >= sealed_from else None
-                if key is None and v["id"] >= sealed_from:
+                while v["id"] >= starts[segment + 1]:
+                    segment += 1
+                key = self._keys.get(segment)
+                if segment >= 0 and key is None:
                     return (
                         False,
                         n,
-                        f"records from {sealed_from} on are sealed: proving them needs the audit key",
+                        f"records from {starts[segment]} on are sealed with an audit key not given: "
+                        "proving them needs it",
                     )
                 if _chain(prev, v["id"], [v[name] for name in _COLUMNS], v["body"], key) != v["hash"]:
                     return False, n, f"record {v['id']} ({v['kind']} of {v['node']}) was altered"

@@ -283,12 +283,15 @@ def test_a_sealed_chain_cannot_be_rewritten_without_its_key(store_url: str, tmp_
     unkeyed = audit("verify", *store)
     assert (
         unkeyed.returncode == 1
-        and "records from 1 on are sealed: proving them needs the audit key" in unkeyed.stderr
+        and "records from 1 on are sealed with an audit key not given" in unkeyed.stderr
     )
     wrong = audit("verify", *store, "--audit-key", str(other))
-    assert wrong.returncode == 1 and "not the one its chain is sealed with" in wrong.stderr
+    assert wrong.returncode == 1 and "an audit key given is not one its chain is sealed with" in wrong.stderr
     # Without the key a sealed store takes no records: the daemon does not start.
-    with pytest.raises(RuntimeError, match="sealed from record 1 on; writing to it needs the audit key"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"sealed \(the current seal from record 1 on\); writing to it needs that audit key",
+    ):
         start_daemon(store_url)
     # A rewrite by someone who can write the database: a victim's tenant changed, the chain
     # recomputed. Caught with the key, whether the seal is left in place or removed too.
@@ -325,7 +328,10 @@ def test_a_store_sealed_later_is_proven_plain_before_the_seal_and_keyed_after(tm
     sealed = audit("seal", "--store", where, "--audit-key", str(key))
     assert sealed.returncode == 0 and f"sealed with the audit key from record {first + 1} on" in sealed.stdout
     again = audit("seal", "--store", where, "--audit-key", str(key))
-    assert again.returncode == 1 and f"sealed already, from record {first + 1} on" in again.stderr
+    assert (
+        again.returncode == 1
+        and f"sealed already (the current seal from record {first + 1} on)" in again.stderr
+    )
     d = start_daemon(where, 0, "--audit-key", str(key))
     send_capture(INCIDENT, d.address)  # the first 20 lines are repeats: refused, not stored
     d.stop()
@@ -333,6 +339,46 @@ def test_a_store_sealed_later_is_proven_plain_before_the_seal_and_keyed_after(tm
     assert ok.returncode == 0, ok.stderr
     assert f"sealed with the audit key from record {first + 1} on" in ok.stdout
     assert Store(where).count() > first + 10
+    assert facts(stored_findings(where)) == facts(local_findings())
+
+
+def test_the_audit_key_rotates_and_each_key_proves_what_it_sealed(tmp_path: Path) -> None:
+    where, k1, k2 = str(tmp_path / "audit.db"), tmp_path / "k1", tmp_path / "k2"
+    audit("new-key", str(k1))
+    audit("new-key", str(k2))
+    d = start_daemon(where, 0, "--audit-key", str(k1))
+    send_capture(INCIDENT[:20], d.address)
+    d.stop()
+    first = Store(where).count()
+    store = ["--store", where]
+    refused = audit("seal", *store, "--audit-key", str(k2))
+    assert (
+        refused.returncode == 1
+        and "to rotate its key, give the current one as --current-key" in refused.stderr
+    )
+    impostor = audit("seal", *store, "--audit-key", str(k1), "--current-key", str(k2))
+    assert impostor.returncode == 1 and "not one its chain is sealed with" in impostor.stderr
+    rotated = audit("seal", *store, "--audit-key", str(k2), "--current-key", str(k1))
+    assert rotated.returncode == 0 and f"from record {first + 1} on (key rotated)" in rotated.stdout
+    with pytest.raises(RuntimeError, match=f"the current seal from record {first + 1} on"):
+        start_daemon(where, 0, "--audit-key", str(k1))  # the old key writes no more
+    d = start_daemon(where, 0, "--audit-key", str(k2))
+    send_capture(INCIDENT, d.address)
+    d.stop()
+    both = audit("verify", *store, "--audit-key", str(k1), "--audit-key", str(k2))
+    assert both.returncode == 0, both.stderr
+    assert f"sealed with the audit key from record 1 on (key rotated at record {first + 1})" in both.stdout
+    assert "bound to the chain there" in both.stdout  # the snapshot, under the current key
+    old_only = audit("verify", *store, "--audit-key", str(k1))
+    assert (
+        old_only.returncode == 1
+        and f"records from {first + 1} on are sealed with an audit key not given" in old_only.stderr
+    )
+    new_only = audit("verify", *store, "--audit-key", str(k2))
+    assert (
+        new_only.returncode == 1
+        and "records from 1 on are sealed with an audit key not given" in new_only.stderr
+    )
     assert facts(stored_findings(where)) == facts(local_findings())
 
 
