@@ -65,15 +65,9 @@ _MAX_UINT32 = (1 << 32) - 1
 
 def request_timeline(source: Source, req: str) -> list[AuditItem]:
     """Every record of request `req`, in record order: events (read launches listing it in any
-    entry included), findings naming it as offender or victim, commands for it."""
-    items: dict[int, AuditItem] = {}
-    for item in source.records(Filters(req=req)):
-        items[item.id] = item
-    for item in source.reads_listing(req):
-        items.setdefault(item.id, item)
-    for item in source.findings_with_victim(req):
-        items.setdefault(item.id, item)
-    return [items[i] for i in sorted(items)]
+    entry included), findings naming it as offender or victim, commands for it (the store
+    indexes every request a record names)."""
+    return list(source.records(Filters(req=req)))
 
 
 # ---------------------------------------------------------------------------------------- commands

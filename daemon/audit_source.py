@@ -71,14 +71,6 @@ class Source(Protocol):
 
     def records(self, f: Filters) -> Iterator[AuditItem]: ...
 
-    def reads_listing(self, req: str) -> Iterator[AuditItem]:
-        """`read` events with an entry of `req` (at least those not indexed under `req`)."""
-        ...
-
-    def findings_with_victim(self, req: str) -> Iterator[AuditItem]:
-        """Findings whose victim_req is `req`."""
-        ...
-
     def close(self) -> None: ...
 
 
@@ -88,71 +80,6 @@ def _decode(kind: str, body: bytes) -> Body:
     if kind == "finding":
         return pb.Finding.FromString(body)
     return svc.Command.FromString(body)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _string_field(number: int, text: str) -> bytes:
-    """The exact wire bytes of a string field (length-delimited): a prefilter needle."""
-    data = text.encode()
-    return _varint(number << 3 | 2) + _varint(len(data)) + data
-
-
-_READ_FIELD = pb.Event.DESCRIPTOR.fields_by_name["read"].number
-_ENTRY_REQ = pb.ReadEntry.DESCRIPTOR.fields_by_name["req"].number
-_VICTIM_REQ = pb.Finding.DESCRIPTOR.fields_by_name["victim_req"].number
-
-
-def _read_varint(body: bytes, i: int) -> tuple[int, int]:
-    """(the varint at body[i], the index after it); IndexError if it runs off the end."""
-    value = shift = 0
-    while True:
-        b = body[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        shift += 7
-        if b < 0x80:
-            return value, i
-
-
-def _has_top_field(body: bytes, number: int) -> bool:
-    """Whether a serialized message has top-level field `number`, by walking its tags without
-    decoding it; True when the bytes cannot be walked (then the caller decodes to be sure)."""
-    i, n = 0, len(body)
-    try:
-        while i < n:
-            tag, i = _read_varint(body, i)
-            if tag >> 3 == number:
-                return True
-            wire = tag & 7
-            if wire == 0:
-                _, i = _read_varint(body, i)
-            elif wire == 1:
-                i += 8
-            elif wire == 5:
-                i += 4
-            elif wire == 2:
-                length, i = _read_varint(body, i)
-                i += length
-            else:
-                return True
-    except IndexError:
-        return True
-    return False
-
-
-def _lists_reader(event: pb.Event, req: str) -> bool:
-    return event.WhichOneof("payload") == "read" and any(e.req == req for e in event.read.reads)
 
 
 class StoreSource:
@@ -198,36 +125,6 @@ class StoreSource:
         for record_id, kind, body in self.store.rows(**asdict(f)):
             yield AuditItem(record_id, kind, _decode(kind, body))
 
-    def _scan(self, kind: str, req: str) -> Iterator[tuple[int, bytes]]:
-        from sqlalchemy import select
-
-        from kvguard.daemon.store import records
-
-        c = records.c
-        query = select(c.id, c.body).where(c.kind == kind, c.req != req).order_by(c.id)
-        with self.store.engine.connect() as conn:
-            yield from conn.execution_options(stream_results=True, yield_per=2000).execute(query)
-
-    def reads_listing(self, req: str) -> Iterator[AuditItem]:
-        # The index holds one request per record, so a read launch that lists `req` in a later
-        # entry (or whose index entry is empty) is found only in the bodies: scan the events not
-        # indexed under `req`, but decode only those whose bytes hold a read payload and the
-        # exact encoding of `req` as an entry's request.
-        needle = _string_field(_ENTRY_REQ, req)
-        for record_id, body in self._scan("event", req):
-            if needle in body and _has_top_field(body, _READ_FIELD):
-                event = pb.Event.FromString(body)
-                if _lists_reader(event, req):
-                    yield AuditItem(record_id, "event", event)
-
-    def findings_with_victim(self, req: str) -> Iterator[AuditItem]:
-        needle = _string_field(_VICTIM_REQ, req)
-        for record_id, body in self._scan("finding", req):
-            if needle in body:
-                finding = pb.Finding.FromString(body)
-                if finding.victim_req == req:
-                    yield AuditItem(record_id, "finding", finding)
-
     def close(self) -> None:
         self.store.close()
 
@@ -253,18 +150,6 @@ class DaemonSource:
             which = record.WhichOneof("body")
             body = getattr(record, which) if which else None
             yield AuditItem(record.id, record.kind, body, f.req if body is None else "")
-
-    def reads_listing(self, req: str) -> Iterator[AuditItem]:
-        # AuditQuery matches one indexed request per record: every event has to come over the
-        # wire to find the read launches that list `req` after another request.
-        for item in self.records(Filters(kind="event")):
-            if isinstance(item.body, pb.Event) and _lists_reader(item.body, req):
-                yield item
-
-    def findings_with_victim(self, req: str) -> Iterator[AuditItem]:
-        for item in self.records(Filters(kind="finding")):
-            if isinstance(item.body, pb.Finding) and item.body.victim_req == req:
-                yield item
 
     def close(self) -> None:
         self.channel.close()

@@ -85,6 +85,13 @@ seal = Table(
     Column("tag", LargeBinary(32), nullable=False),
 )
 MIN_KEY_BYTES = 32
+# The requests a record names beyond its `req` column (migration 0006): derived, outside the chain.
+named = Table(
+    "named",
+    metadata,
+    Column("record_id", BigInteger(), nullable=False),
+    Column("req", String(256), nullable=False),
+)
 
 
 _PAYLOADS = pb.Event.DESCRIPTOR.oneofs_by_name["payload"].fields
@@ -107,15 +114,19 @@ class Record(NamedTuple):
     victim_tenant: str = ""
     finding: str = ""
     severity: str = ""
+    named: tuple[str, ...] = ()  # the other requests it names (indexed in `named`)
 
     @staticmethod
     def of_event(event: pb.Event, body: bytes | None = None) -> Record:
         """The row of an event; `body` is its bytes as received, when the caller has them."""
         kind = event.WhichOneof("payload") or ""
         req = tenant = ""
+        others: tuple[str, ...] = ()
         if kind == "read":
             reads = event.read.reads
-            req = reads[0].req if reads else ""  # indexed by its first request; the others are in the body
+            req = reads[0].req if reads else ""  # its first request; the others go to `named`
+            if len(reads) > 1:
+                others = _read_others(reads)
         elif kind:
             payload = getattr(event, kind)
             if kind in _HAS_REQ:
@@ -123,10 +134,11 @@ class Record(NamedTuple):
             if kind in _HAS_TENANT:
                 tenant = payload.tenant
         data = body if body is not None else event.SerializeToString()
-        return Record("event", event.node, event.seq, event.ts_ns, data, req, tenant)
+        return Record("event", event.node, event.seq, event.ts_ns, data, req, tenant, named=others)
 
     @staticmethod
     def of_finding(finding: Finding) -> Record:
+        victim = (finding.victim_req,) if finding.victim_req and finding.victim_req != finding.req else ()
         return Record(
             "finding",
             finding.node,
@@ -138,7 +150,28 @@ class Record(NamedTuple):
             finding.victim_tenant,
             finding.finding,
             finding.severity,
+            victim,
         )
+
+
+def _read_others(reads: Sequence[pb.ReadEntry]) -> tuple[str, ...]:
+    """The requests of a read launch after its first (indexed in `named`), each once."""
+    first = reads[0].req
+    return tuple(sorted({e.req for e in reads} - {first, ""}))
+
+
+def named_of(kind: str, body: bytes) -> tuple[str, ...]:
+    """What a stored record names beyond its `req` column, from its body: the `named` rows it
+    must have (the writer's Record.named, recomputed)."""
+    if kind == "event":
+        event = pb.Event.FromString(body)
+        if event.WhichOneof("payload") == "read" and len(event.read.reads) > 1:
+            return _read_others(event.read.reads)
+    elif kind == "finding":
+        f = pb.Finding.FromString(body)
+        if f.victim_req and f.victim_req != f.req:
+            return (f.victim_req,)
+    return ()
 
 
 class EventRun(NamedTuple):
@@ -321,6 +354,8 @@ class Store:
         marks = ", ".join(["?"] * 13 if self.engine.dialect.paramstyle == "qmark" else ["%s"] * 13)
         names = ("id", *_COLUMNS, "body", "prev_hash", "hash")
         self._insert = f"INSERT INTO records ({', '.join(names)}) VALUES ({marks})"
+        mark = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
+        self._insert_named = f"INSERT INTO named (record_id, req) VALUES ({mark}, {mark})"
         with self.engine.connect() as conn:
             last = conn.execute(
                 select(records.c.id, records.c.hash).order_by(records.c.id.desc()).limit(1)
@@ -399,15 +434,20 @@ class Store:
         with self._lock:
             prev, next_id = self._last_hash, self._next_id
             values = []
+            also = []
             for i, row in enumerate(rows):
-                kind, node, seq, ts_ns, body, req, tenant, victim_tenant, finding, severity = row
+                kind, node, seq, ts_ns, body, req, tenant, victim_tenant, finding, severity, others = row
                 columns = (kind, node, seq, ts_ns, req, tenant, victim_tenant, finding, severity)
                 digest = _chain(prev, next_id + i, columns, body, mac)
                 values.append((next_id + i, *columns, body, prev, digest))
                 prev = digest
+                if others:
+                    also += [(next_id + i, other) for other in others]
             try:
                 cursor = self._raw.cursor()
                 cursor.executemany(self._insert, values)
+                if also:
+                    cursor.executemany(self._insert_named, also)
                 cursor.close()
                 self._raw.commit()
             except Exception as exc:  # any failure means: not durable
@@ -479,8 +519,10 @@ class Store:
             query = query.where(c.kind == kind)
         if tenant:
             query = query.where((c.tenant == tenant) | (c.victim_tenant == tenant))
-        if req:
-            query = query.where(c.req == req)
+        if req:  # its own request, or one it names beyond it (a read launch's batch, a victim)
+            query = query.where(
+                (c.req == req) | c.id.in_(select(named.c.record_id).where(named.c.req == req))
+            )
         if node:
             query = query.where(c.node == node)
         if finding:
@@ -544,7 +586,9 @@ class Store:
     def verify(self) -> tuple[bool, int, str]:
         """Walk the chain: (intact, records checked, what is wrong where). A sealed store is
         proven only with its audit key; a key given for a store that is not sealed proves
-        nothing either (the seal may have been removed along with a rewrite)."""
+        nothing either (the seal may have been removed along with a rewrite). The index of
+        named requests, outside the chain, is checked against the bodies it derives from (a
+        row removed from it would hide a read launch from a request's timeline)."""
         if self._given and not self._seals:
             return (
                 False,
@@ -556,10 +600,16 @@ class Store:
         starts = [from_id for from_id, _ in self._seals] + [1 << 63]
         segment = -1  # the seal covering the record (-1: before any)
         prev, expected_id, n = GENESIS, 1, 0
-        with self.engine.connect() as conn:
+        with self.engine.connect() as conn, self.engine.connect() as side:
             result = conn.execution_options(stream_results=True, yield_per=2000).execute(
                 select(records).order_by(records.c.id)
             )
+            index = iter(
+                side.execution_options(stream_results=True, yield_per=2000).execute(
+                    select(named.c.record_id, named.c.req).order_by(named.c.record_id)
+                )
+            )
+            pending = next(index, None)
             for row in result:
                 v = row._mapping
                 if v["id"] != expected_id:
@@ -578,7 +628,16 @@ class Store:
                     )
                 if _chain(prev, v["id"], [v[name] for name in _COLUMNS], v["body"], key) != v["hash"]:
                     return False, n, f"record {v['id']} ({v['kind']} of {v['node']}) was altered"
+                indexed = []
+                while pending is not None and pending[0] <= v["id"]:
+                    indexed.append((pending[0], pending[1]))
+                    pending = next(index, None)
+                names = named_of(v["kind"], v["body"]) if v["kind"] in ("event", "finding") else ()
+                if sorted(indexed) != [(v["id"], req) for req in names]:
+                    return False, n, f"record {v['id']}: the index of the requests it names was altered"
                 prev, expected_id, n = v["hash"], expected_id + 1, n + 1
+        if pending is not None:
+            return False, n, f"the index of named requests lists record {pending[0]}, past the last record"
         return True, n, ""
 
     def close(self) -> None:

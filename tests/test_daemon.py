@@ -243,6 +243,36 @@ def test_audit_verify_finds_an_altered_record(daemon: Service) -> None:
     assert gone.returncode == 1 and "NOT proven intact" in gone.stderr
 
 
+def test_the_requests_a_record_names_are_indexed_and_the_index_verified(store_url: str) -> None:
+    # A decode step's launch names its whole batch; a request's timeline must find it by any
+    # entry, and a row taken out of that index (outside the chain) must not go unnoticed.
+    log = EventLog()
+    log.add("n0", "pool", pool=0, role="colocated", page_size=16, num_pages=16)
+    reads = [{"req": r, "pool": 0, "pages": [i], "tokens": 16} for i, r in enumerate(["a", "b", "c", "b"])]
+    launch = log.add("n0", "read", reads=reads)
+    s = Store(store_url)
+    try:
+        s.append([Record.of_event(e) for e in log.events])
+        assert [r[0] for r in s.rows(req="b")] == [2] and [r[0] for r in s.rows(req="c")] == [2]
+        assert pb.Event.FromString(next(s.rows(req="c"))[2]) == launch
+        assert s.verify() == (True, 2, "")
+        engine = create_engine(url_of(store_url))
+        with engine.begin() as db:
+            db.execute(text("DELETE FROM named WHERE req = 'c'"))
+        assert s.verify() == (False, 1, "record 2: the index of the requests it names was altered")
+        assert list(s.rows(req="c")) == []  # what such a removal would hide
+        with engine.begin() as db:
+            db.execute(text("INSERT INTO named (record_id, req) VALUES (2, 'c'), (1, 'z')"))
+        assert s.verify() == (False, 0, "record 1: the index of the requests it names was altered")
+        with engine.begin() as db:
+            db.execute(text("DELETE FROM named WHERE req = 'z'"))
+            db.execute(text("INSERT INTO named (record_id, req) VALUES (9, 'z')"))
+        assert s.verify() == (False, 2, "the index of named requests lists record 9, past the last record")
+        engine.dispose()
+    finally:
+        s.close()
+
+
 def audit(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvguard", "audit", *args], capture_output=True, text=True)
 
