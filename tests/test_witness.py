@@ -579,7 +579,12 @@ def test_the_agent_says_when_an_engines_rdma_posts_cannot_be_attributed(
     said: list[str] = []
     assert agent.proc.stderr is not None
     stderr = agent.proc.stderr
-    threading.Thread(target=lambda: said.extend(iter(stderr.readline, "")), daemon=True).start()
+
+    def read_stderr() -> None:  # until agent.stop() takes the rest of the pipe and closes it
+        with contextlib.suppress(ValueError, OSError):
+            said.extend(iter(stderr.readline, ""))
+
+    threading.Thread(target=read_stderr, daemon=True).start()
     engine = subprocess.Popen(
         [sys.executable, "-c", UNLABELLED_ENGINE, str(transfer), sock], stdout=subprocess.PIPE, text=True
     )
@@ -589,7 +594,7 @@ def test_the_agent_says_when_an_engines_rdma_posts_cannot_be_attributed(
     finally:
         engine.kill()
         engine.wait()
-        agent.stop()
+        said += agent.stop().splitlines()
         daemon.stop()
     warnings = [line for line in said if "RDMA" in line]
     assert len(warnings) == 1 and "the RDMA witness cannot attribute them" in warnings[0]  # once
