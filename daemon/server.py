@@ -280,7 +280,7 @@ class Daemon:
     def _fork_snapshot(self, committed: Future[int], rows: int) -> None:
         """Snapshot the ledger as it is after the group just submitted (whose `rows` records
         end at the state it holds now) without stopping: a forked copy dumps it (the apply
-        thread stalls ~10 ms for a 500 MB ledger instead of ~2 s), and a thread stores the
+        thread stalls ~30 ms for a 450 MB ledger instead of ~2 s), and a thread stores the
         bytes once the group is durable."""
         self._snapshot_after = self.counters["events"]  # the next is due snapshot_every on, whatever happens
         try:

@@ -259,7 +259,7 @@ def _dump(ledger: Ledger) -> bytes:
 class Forked:
     """dump(ledger) by a forked copy of this process: the copy holds the ledger as it was at
     the fork (copy-on-write), dumps it on another core and writes the bytes to a pipe, while
-    the caller goes on changing its own. The fork itself takes ~10 ms for a 500 MB process;
+    the caller goes on changing its own. The fork itself takes ~30 ms for a 450 MB ledger;
     memory grows by what either side changes meanwhile (at most the ledger's size). Fork from
     the thread that owns the ledger, between two events. The copy touches nothing but the
     ledger and the pipe (no locks, sockets or other threads' state) and leaves by os._exit."""
