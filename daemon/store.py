@@ -138,7 +138,6 @@ class Record(NamedTuple):
 
     @staticmethod
     def of_finding(finding: Finding) -> Record:
-        victim = (finding.victim_req,) if finding.victim_req and finding.victim_req != finding.req else ()
         return Record(
             "finding",
             finding.node,
@@ -150,8 +149,13 @@ class Record(NamedTuple):
             finding.victim_tenant,
             finding.finding,
             finding.severity,
-            victim,
+            _victim_named(finding.req, finding.victim_req),
         )
+
+
+def _victim_named(req: str, victim: str) -> tuple[str, ...]:
+    """A finding's victim, when it names one besides its own request (indexed in `named`)."""
+    return (victim,) if victim and victim != req else ()
 
 
 def _read_others(reads: Sequence[pb.ReadEntry]) -> tuple[str, ...]:
@@ -169,8 +173,7 @@ def named_of(kind: str, body: bytes) -> tuple[str, ...]:
             return _read_others(event.read.reads)
     elif kind == "finding":
         f = pb.Finding.FromString(body)
-        if f.victim_req and f.victim_req != f.req:
-            return (f.victim_req,)
+        return _victim_named(f.req, f.victim_req)
     return ()
 
 
@@ -351,10 +354,9 @@ class Store:
             cursor = self._raw.cursor()
             cursor.execute("PRAGMA wal_autocheckpoint=0")
             cursor.close()
-        marks = ", ".join(["?"] * 13 if self.engine.dialect.paramstyle == "qmark" else ["%s"] * 13)
-        names = ("id", *_COLUMNS, "body", "prev_hash", "hash")
-        self._insert = f"INSERT INTO records ({', '.join(names)}) VALUES ({marks})"
         mark = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
+        names = ("id", *_COLUMNS, "body", "prev_hash", "hash")
+        self._insert = f"INSERT INTO records ({', '.join(names)}) VALUES ({', '.join([mark] * len(names))})"
         self._insert_named = f"INSERT INTO named (record_id, req) VALUES ({mark}, {mark})"
         with self.engine.connect() as conn:
             last = conn.execute(
@@ -408,8 +410,9 @@ class Store:
             raise StoreError(f"audit store {self.url}: not sealed, so there is no key to rotate")
         with self.engine.begin() as conn:
             from_id = (conn.execute(select(func.max(records.c.id))).scalar() or 0) + 1
-            conn.execute(seal.insert().values(from_id=from_id, tag=_seal_tag(key, from_id)))
-        self._seals.append((from_id, _seal_tag(key, from_id)))
+            tag = _seal_tag(key, from_id)
+            conn.execute(seal.insert().values(from_id=from_id, tag=tag))
+        self._seals.append((from_id, tag))
         self._keys[len(self._seals) - 1] = key
         return from_id
 
@@ -632,8 +635,7 @@ class Store:
                 while pending is not None and pending[0] <= v["id"]:
                     indexed.append((pending[0], pending[1]))
                     pending = next(index, None)
-                names = named_of(v["kind"], v["body"]) if v["kind"] in ("event", "finding") else ()
-                if sorted(indexed) != [(v["id"], req) for req in names]:
+                if sorted(indexed) != [(v["id"], req) for req in named_of(v["kind"], v["body"])]:
                     return False, n, f"record {v['id']}: the index of the requests it names was altered"
                 prev, expected_id, n = v["hash"], expected_id + 1, n + 1
         if pending is not None:

@@ -4,6 +4,8 @@ until it is judged, and every input is checked (bounds, repeats, types, bytes)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -56,6 +58,15 @@ def pages_of(rng: np.random.Generator, clean: bool, pp: PoolPages, mask: np.ndar
     return rng.choice(pool, rng.integers(1, len(pool) + 1), replace=False).astype(np.intp)
 
 
+def judged_count(pp: PoolPages, want: dict[str, np.ndarray], update: Callable[..., int], count: int) -> None:
+    """`update` counts `count` pages needing judgment; with any, it changes nothing until told
+    they were judged, and then counts the same."""
+    assert update() == count
+    if count:
+        assert_same(pp, want)
+        assert update(judged=True) == count
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_grant_equals_numpy(seed: int) -> None:
     rng = np.random.default_rng(seed)
@@ -64,10 +75,7 @@ def test_grant_equals_numpy(seed: int) -> None:
     ts = None if seed % 3 == 0 else 12345
     want = state(pp)
     busy = int(np.count_nonzero(want["use"][pages]))
-    assert pp.grant(pages, REQ, ts) == busy
-    if busy:  # not judged yet: nothing changed
-        assert_same(pp, want)
-        assert pp.grant(pages, REQ, ts, judged=True) == busy
+    judged_count(pp, want, lambda **j: pp.grant(pages, REQ, ts, **j), busy)
     # A page in use keeps its holds; one not in use has none (use counts them), so they are not read.
     want["use"][pages] = np.where(want["use"][pages] > 0, 1 + want["holds"][:, pages].sum(axis=0), 1)
     want["gen"][pages] += 1
@@ -87,10 +95,7 @@ def test_land_equals_numpy(seed: int) -> None:
     slots = None if seed % 3 == 0 else rng.integers(0, PAGE + 1, len(pages)).astype(np.uint32)
     want = state(pp)
     foreign = int(np.count_nonzero(want["owner"][pages] != REQ))
-    assert pp.land(pages, REQ, slots) == foreign
-    if foreign:
-        assert_same(pp, want)
-        assert pp.land(pages, REQ, slots, judged=True) == foreign
+    judged_count(pp, want, lambda **j: pp.land(pages, REQ, slots, **j), foreign)
     mine = want["owner"][pages] == REQ
     want["writer"][pages] = REQ
     want["wgen"][pages] = want["gen"][pages]
@@ -109,10 +114,7 @@ def test_end_grant_equals_numpy(seed: int) -> None:
     ts = None if seed % 3 == 0 else 999
     want = state(pp)
     others = int(np.count_nonzero(want["owner"][pages] != REQ))
-    assert pp.end_grant(pages, REQ, ts) == others
-    if others:
-        assert_same(pp, want)
-        assert pp.end_grant(pages, REQ, ts, judged=True) == others
+    judged_count(pp, want, lambda **j: pp.end_grant(pages, REQ, ts, **j), others)
     mine = pages[want["owner"][pages] == REQ]
     want["owner"][mine] = ~REQ
     want["own"][mine] = NOBODY

@@ -440,12 +440,18 @@ print(json.dumps(status), flush=True)
 """
 
 
+def verbs_stack(tmp_path: Path, compile_c: Callable[..., Path]) -> Path:
+    """The stand-in RDMA stack: a provider, libibverbs over it, and the transfer library an
+    engine links against that; returns the last."""
+    compile_c(tmp_path, "libfake-rdmav34.so", STUB_PROVIDER)
+    compile_c(tmp_path, "libibverbs.so.1", STUB_VERBS, (tmp_path, "libfake-rdmav34.so"))
+    return compile_c(tmp_path, "libtransfer.so", TRANSFER, (tmp_path, "libibverbs.so.1"))
+
+
 def test_the_witness_follows_work_requests_to_a_providers_post_send(
     bpf_ready: None, tmp_path: Path, compile_c: Callable[..., Path]
 ) -> None:
-    compile_c(tmp_path, "libfake-rdmav34.so", STUB_PROVIDER)
-    compile_c(tmp_path, "libibverbs.so.1", STUB_VERBS, (tmp_path, "libfake-rdmav34.so"))
-    transfer = compile_c(tmp_path, "libtransfer.so", TRANSFER, (tmp_path, "libibverbs.so.1"))
+    transfer = verbs_stack(tmp_path, compile_c)
     write, send, compare_swap = 0, 2, 5  # IBV_WR_RDMA_WRITE, IBV_WR_SEND, IBV_WR_ATOMIC_CMP_AND_SWP
     # Each post: work requests, SGEs each, bytes per SGE, opcode, immediate (13: refused), the
     # first remote address's offset from base, the step between work requests' addresses.
@@ -570,9 +576,7 @@ while True:  # a transfer engine's own thread: connects (a new queue pair) and p
 def test_the_agent_says_when_an_engines_rdma_posts_cannot_be_attributed(
     bpf_ready: None, tmp_path: Path, compile_c: Callable[..., Path]
 ) -> None:
-    compile_c(tmp_path, "libfake-rdmav34.so", STUB_PROVIDER)
-    compile_c(tmp_path, "libibverbs.so.1", STUB_VERBS, (tmp_path, "libfake-rdmav34.so"))
-    transfer = compile_c(tmp_path, "libtransfer.so", TRANSFER, (tmp_path, "libibverbs.so.1"))
+    transfer = verbs_stack(tmp_path, compile_c)
     daemon = start_daemon(str(tmp_path / "audit.db"))
     sock = str(tmp_path / "agent.sock")
     agent = start_agent(sock, daemon.address, str(tmp_path / "spool"), "--witness-uprobes")
