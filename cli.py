@@ -112,8 +112,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     except RulesetError as exc:
         print(f"kvguard daemon: the ruleset is not usable:\n{exc}", file=sys.stderr)
         return 2
-    # The daemon hands each batch between threads (gRPC reader, writer, responder): with
-    # Python's default 5 ms GIL switch interval those hand-offs, not the work, set the latency.
+    # The daemon's loop shares the GIL with gRPC's and the store's helper threads: with
+    # Python's default 5 ms switch interval a reply the loop is due to send could wait that long.
     sys.setswitchinterval(0.0005)
     from kvguard.daemon.writer import StoreWriter
 

@@ -8,10 +8,12 @@ resumable by cursor) and kill/quarantine commands go back to the agent of the no
 On start the ledger is rebuilt from the store, so a restart loses nothing and changes no
 verdict.
 
-Where a batch goes: the gRPC event loop parses it; one apply thread applies the batches of
-all streams to the ledger, in groups, and sends each command as soon as it is ordered; a
-store-writer process commits each group (on another core, while the next group is applied);
-the commit's callback sends alerts and acks.
+Where a batch goes: everything of the daemon runs on one asyncio event loop, in one thread
+(the gRPC streams too), so a batch never waits for another thread to be woken or for the GIL:
+the stream parses it and applies it to the ledger at once, and each command goes out as soon
+as it is ordered; the batch's rows join the next group; a store-writer process commits one
+group at a time (on another core) while the batches that arrive meanwhile make up the next
+(group commit); the loop reads each commit's report and sends its alerts and acks.
 
 Invariants: an acknowledged event is durable, and an alert's cursor names a durable record;
 (node, seq) is applied and stored at most once; a store failure after the ledger moved on
@@ -24,14 +26,14 @@ before the commit, the agent resends the batch and the same verdict orders the c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
-import queue
 import sys
 import threading
 import time
 import traceback
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future
@@ -56,7 +58,6 @@ from kvguard.ruleset import Ruleset, load_ruleset
 
 TRANSPORT_LIMIT = 64 << 20  # gRPC's own limit: beyond it gRPC refuses, before the daemon sees a byte
 MAX_BATCH = 65536
-GROUP_EVENTS = 16384  # events applied, then committed, together at most
 MAX_IN_FLIGHT = 8  # batches of one stream applied or committing but not yet acknowledged
 MAX_UNDELIVERED = 10_000  # commands kept per node while it is not connected
 SUBSCRIBER_QUEUE = 100_000  # alerts waiting for one slow subscriber before it reads from the store
@@ -67,21 +68,16 @@ SNAPSHOT_EVERY = 1 << 22  # events after which the next group is followed by a s
 
 @dataclass
 class Subscriber:
-    """One alert stream's live feed: filled from the daemon's commit thread, drained by the
-    stream on the server's event loop. When it overflows, later alerts are not queued: the
-    stream catches up from the store instead (it holds everything published)."""
+    """One alert stream's live feed: filled as commits are reported, drained by the stream
+    (both on the daemon's loop). When it overflows, later alerts are not queued: the stream
+    catches up from the store instead (it holds everything published)."""
 
     filter: svc.AlertFilter
-    loop: asyncio.AbstractEventLoop
     live: asyncio.Queue[tuple[int, Finding]] = field(default_factory=lambda: asyncio.Queue(SUBSCRIBER_QUEUE))
     overflowed: bool = False
     dropped: int = 0
 
     def push(self, record_id: int, finding: Finding) -> None:
-        """Thread-safe."""
-        self.loop.call_soon_threadsafe(self._put, record_id, finding)
-
-    def _put(self, record_id: int, finding: Finding) -> None:
         if self.overflowed:
             self.dropped += 1
             return
@@ -94,19 +90,34 @@ class Subscriber:
 
 class InlineWriter:
     """The store written from the daemon's own process (tests, tools): the same interface as
-    StoreWriter, each group committed before submit() returns."""
+    StoreWriter, each group committed before submit() returns (reported on the loop's next
+    step, as StoreWriter's commits are)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._committed: Callable[[int], None] = lambda first: None
+        self._failed: Callable[[StoreError], None] = lambda exc: None
 
-    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> Future[int]:
-        done: Future[int] = Future()
+    def start(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        committed: Callable[[int], None],
+        failed: Callable[[StoreError], None],
+    ) -> None:
+        self._loop, self._committed, self._failed = loop, committed, failed
+
+    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
+        assert self._loop is not None, "start() first"
         try:
             ids = self.store.append(rows_of(messages, parts))
-            done.set_result(ids[0] if ids else 0)
         except StoreError as exc:
-            done.set_exception(exc)
-        return done
+            self._loop.call_soon_threadsafe(self._failed, exc)
+            return
+        self._loop.call_soon_threadsafe(self._committed, ids[0] if ids else 0)
+
+    def close(self) -> None:
+        pass
 
 
 Reply = Callable[[svc.DaemonMessage], None]
@@ -123,13 +134,16 @@ class Batch:
 
 
 @dataclass(slots=True)
-class Applied:
-    """What applying a group produced, to commit and then release."""
+class Group:
+    """Batches applied to the ledger and committed together: what they produced, to commit
+    and then release."""
 
-    parts: list[Record | EventRun] = field(default_factory=list)
+    batches: list[Batch] = field(default_factory=list)
+    parts: list[Record | EventRun] = field(default_factory=list)  # EventRun.message: index in batches
     rows: int = 0  # rows the parts expand to
     findings: list[tuple[int, Finding]] = field(default_factory=list)  # (index of its row, finding)
-    acks: list[svc.Ack] = field(default_factory=list)
+    acks: list[svc.Ack] = field(default_factory=list)  # one per batch
+    committed: Future[int] = field(default_factory=Future)  # its first record id, once durable
 
     def add(self, part: Record | EventRun) -> None:
         self.parts.append(part)
@@ -171,7 +185,6 @@ class Daemon:
         self._outbox_lock = threading.Lock()
         self._undelivered: dict[str, list[svc.Command]] = {}  # commands that found their node away
         self._command_id = store.count("command")
-        self._inbox: queue.Queue[Batch | None] = queue.Queue()  # None: close()
         self.writer: StoreWriter | InlineWriter = writer if writer is not None else InlineWriter(store)
         rebuilt = 0
         for event in store.events(after=through):
@@ -187,9 +200,16 @@ class Daemon:
         # node -> the last sequence number the store holds (what a new stream is told); moves
         # only when a group commits, while the ledger runs ahead by the groups in flight.
         self._durable: dict[str, int] = {name: node.last_seq for name, node in self.ledger.nodes.items()}
+        self._next = Group()  # batches applied since the last submit
+        self._committing: deque[Group] = deque()  # submitted, not yet reported durable: at most one
+        self._drained: asyncio.Event | None = None  # close(): set once nothing is left to commit
+        self._frozen = time.monotonic()
         gc.freeze()
-        self._applier = threading.Thread(target=self._apply_loop, name="kvguard-daemon-apply", daemon=True)
-        self._applier.start()
+        # The daemon's loop: the gRPC server runs on it too (serve()).
+        self.loop = asyncio.new_event_loop()
+        self.writer.start(self.loop, self._committed, self._store_failed)
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvguard-daemon", daemon=True)
+        self._thread.start()
 
     def _restored(self, store: Store, fresh: Ledger) -> tuple[Ledger, int]:
         """The ledger of the store's latest snapshot, if it is sound and was taken with this
@@ -220,68 +240,78 @@ class Daemon:
     # ------------------------------------------------------------------ ingest
 
     def ingest(self, batch: Batch) -> None:
-        """Queue one batch of a node's events; its ack goes to `batch.reply` once it is
-        durable. The batches of all streams are applied by one thread and committed together
-        (group commit), so a stream waits for one commit, not for everyone else's in turn."""
-        self._inbox.put(batch)
+        """Apply one batch of a node's events (on the daemon's loop): its commands go out now,
+        its ack to `batch.reply` once it is durable. Batches that arrive while a group
+        commits are committed together next (group commit), so a stream waits for one commit,
+        not for everyone else's in turn."""
+        self._apply(batch, self._next)
+        if not self._committing:
+            self._submit()
+        if time.monotonic() - self._frozen > FREEZE_EVERY_S:
+            # The ledger only grows (a request object per request), and a full collection
+            # walks every object it can see: at 10^5-10^6 requests that is a 50-100 ms stop,
+            # the daemon's worst alert latency. Survivors of the last second move out of its
+            # view (gc.freeze, O(1)). They are the ledger's, which live on anyway; only cyclic
+            # garbage among them would never be freed, and the daemon's objects are freed by
+            # reference counting.
+            gc.freeze()
+            self._frozen = time.monotonic()
 
-    def close(self) -> None:
-        """Apply and submit what is queued, then stop applying (call after the server stops,
-        before the writer closes). Acks of that last work reach no stream; the agents resend
-        it and the ledger answers with repeats."""
-        self._inbox.put(None)
-        self._applier.join(timeout=60)
+    def _submit(self) -> None:
+        """The batches applied so far go to the writer as one group."""
+        group, self._next = self._next, Group()
+        if not group.batches:
+            return
+        self._committing.append(group)
+        self.writer.submit([b.message for b in group.batches], group.parts)
+        if (
+            self.snapshot_every
+            and group.rows
+            and self._snapshotting is None
+            and self.counters["events"] - self._snapshot_after >= self.snapshot_every
+        ):
+            self._fork_snapshot(group)
+
+    def _committed(self, first_id: int) -> None:
+        """The writer's report: the oldest group in flight is durable. Its alerts go out, then
+        its acks (its commands went out before the commit, so a stream's commands reach its
+        agent before the ack of the batch that caused them); then the next group is submitted."""
+        group = self._committing.popleft()
+        group.committed.set_result(first_id)
+        for row_index, finding in group.findings:
+            self._publish(first_id + row_index, finding)
+        for batch, ack in zip(group.batches, group.acks, strict=True):
+            self._durable[ack.node] = ack.durable_seq
+            batch.reply(svc.DaemonMessage(ack=ack))
+        self._submit()
+        if self._drained is not None and not self._committing:
+            self._drained.set()
+
+    def close(self, timeout: float = 60) -> None:
+        """Commit what was applied, then stop the loop (call from another thread, after the
+        server stops and before the writer closes). Acks of that last work reach no stream;
+        the agents resend it and the ledger answers with repeats."""
+
+        async def drain() -> None:
+            self._drained = asyncio.Event()
+            self._submit()
+            if self._committing:
+                await self._drained.wait()
+
+        if self._thread.is_alive():
+            with contextlib.suppress(TimeoutError):
+                asyncio.run_coroutine_threadsafe(drain(), self.loop).result(timeout)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
         saving = self._snapshotting
         if saving is not None:
             saving.join(timeout=120)  # a forked snapshot being stored finishes first
 
-    def _apply_loop(self) -> None:
-        frozen = time.monotonic()
-        closing = False
-        while not closing:
-            first = self._inbox.get()
-            if first is None:
-                return
-            group, count = [first], len(first.events)
-            while count < GROUP_EVENTS:
-                try:
-                    batch = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if batch is None:
-                    closing = True
-                    break
-                group.append(batch)
-                count += len(batch.events)
-            applied = self._apply(group)
-            try:
-                committed = self.writer.submit([b.message for b in group], applied.parts)
-            except StoreError as exc:
-                self._store_failed(exc)
-            # The next group is applied while this one commits; acks wait for the commit.
-            committed.add_done_callback(lambda done, g=group, a=applied: self._release(g, a, done))
-            if (
-                self.snapshot_every
-                and applied.rows
-                and self._snapshotting is None
-                and self.counters["events"] - self._snapshot_after >= self.snapshot_every
-            ):
-                self._fork_snapshot(committed, applied.rows)
-            if time.monotonic() - frozen > FREEZE_EVERY_S:
-                # The ledger only grows (a request object per request), and a full collection
-                # walks every object it can see: at 10^5-10^6 requests that is a 50-100 ms
-                # stop of every thread, the daemon's worst alert latency. Survivors of the
-                # last second move out of its view (gc.freeze, O(1)). They are the ledger's,
-                # which live on anyway; only cyclic garbage among them would never be freed,
-                # and the daemon's objects are freed by reference counting.
-                gc.freeze()
-                frozen = time.monotonic()
-
-    def _fork_snapshot(self, committed: Future[int], rows: int) -> None:
-        """Snapshot the ledger as it is after the group just submitted (whose `rows` records
-        end at the state it holds now) without stopping: a forked copy dumps it (the apply
-        thread stalls ~30 ms for a 450 MB ledger instead of ~2 s), and a thread stores the
-        bytes once the group is durable."""
+    def _fork_snapshot(self, group: Group) -> None:
+        """Snapshot the ledger as it is after the group just submitted (whose rows end at the
+        state it holds now) without stopping: a forked copy dumps it (the loop stalls ~30 ms
+        for a 450 MB ledger instead of ~2 s), and a thread stores the bytes once the group is
+        durable."""
         self._snapshot_after = self.counters["events"]  # the next is due snapshot_every on, whatever happens
         try:
             forked = snapshot.Forked(self.ledger)
@@ -291,7 +321,7 @@ class Daemon:
             return
         self._snapshotting = threading.Thread(
             target=self._store_forked,
-            args=(forked, committed, rows),
+            args=(forked, group.committed, group.rows),
             name="kvguard-daemon-snapshot",
             daemon=True,
         )
@@ -315,55 +345,39 @@ class Daemon:
         print(f"kvguard daemon: {exc}; stopping", file=sys.stderr, flush=True)
         os._exit(70)
 
-    def _release(self, group: list[Batch], applied: Applied, committed: Future[int]) -> None:
-        """A group is durable: send its alerts, then its acks (its commands went out before
-        the commit, so a stream's commands reach its agent before the ack of the batch that
-        caused them)."""
-        try:
-            first_id = committed.result()
-        except BaseException as exc:
-            self._store_failed(exc)
-        for row_index, finding in applied.findings:
-            self._publish(first_id + row_index, finding)
-        for batch, ack in zip(group, applied.acks, strict=True):
-            self._durable[ack.node] = ack.durable_seq
-            batch.reply(svc.DaemonMessage(ack=ack))
-
     def durable_seq(self, node: str) -> int:
         """The last sequence number of `node` that the store holds (0: none)."""
         return self._durable.get(node, 0)
 
-    def _apply(self, group: list[Batch]) -> Applied:
-        """Apply a group to the ledger; the accepted events become runs of rows, each finding
-        (and the kill it orders) a row right after the event that raised it."""
-        out = Applied()
+    def _apply(self, batch: Batch, group: Group) -> None:
+        """Apply a batch to the ledger, into `group`: its accepted events become runs of rows,
+        each finding (and the kill it orders) a row right after the event that raised it."""
+        m = len(group.batches)
+        group.batches.append(batch)
+        node = batch.node
+        ack = svc.Ack(node=node)
         with self.lock:
-            for m, batch in enumerate(group):
-                node = batch.node
-                ack = svc.Ack(node=node)
-                run = -1  # start of the current run of accepted events
-                for i, event in enumerate(batch.events):
-                    found = self._apply_event(node, event, ack)
-                    if found is None:  # not applied: not stored
-                        if run >= 0:
-                            out.add(EventRun(m, run, i))
-                            run = -1
-                        continue
-                    ack.accepted += 1
-                    if run < 0:
-                        run = i
-                    if found:
-                        out.add(EventRun(m, run, i + 1))
+            run = -1  # start of the current run of accepted events
+            for i, event in enumerate(batch.events):
+                found = self._apply_event(node, event, ack)
+                if found is None:  # not applied: not stored
+                    if run >= 0:
+                        group.add(EventRun(m, run, i))
                         run = -1
-                        self._judge(found, out)
-                if run >= 0:
-                    out.add(EventRun(m, run, len(batch.events)))
-                known = self.ledger.nodes.get(node)
-                ack.durable_seq = known.last_seq if known else 0
-                out.acks.append(ack)
-            self.counters["events"] += sum(a.accepted for a in out.acks)
-            self.counters["findings"] += len(out.findings)
-        return out
+                    continue
+                ack.accepted += 1
+                if run < 0:
+                    run = i
+                if found:
+                    group.add(EventRun(m, run, i + 1))
+                    run = -1
+                    self._judge(found, group)
+            if run >= 0:
+                group.add(EventRun(m, run, len(batch.events)))
+            known = self.ledger.nodes.get(node)
+            ack.durable_seq = known.last_seq if known else 0
+            group.acks.append(ack)
+            self.counters["events"] += ack.accepted
 
     def _apply_event(self, node: str, event: pb.Event, ack: svc.Ack) -> Sequence[Finding] | None:
         """One event to the ledger: its findings, or None (and why, in the ack) if it was not
@@ -386,7 +400,7 @@ class Daemon:
             traceback.print_exc(file=sys.stderr)
         return None
 
-    def _judge(self, found: Sequence[Finding], out: Applied) -> None:
+    def _judge(self, found: Sequence[Finding], out: Group) -> None:
         """The ruleset's verdict on each finding of an event: its row, then its commands' rows;
         the commands go out now, before the commit (see the module's invariants)."""
         for f in found:
@@ -394,6 +408,7 @@ class Daemon:
             if evaluated is None:
                 continue
             out.findings.append((out.rows, evaluated))
+            self.counters["findings"] += 1
             out.add(Record.of_finding(evaluated))
             for command in self._commands_for(evaluated):
                 body = command.SerializeToString()
@@ -488,8 +503,8 @@ class Daemon:
 
 
 class AgentSession:
-    """One AgentService stream, on the server's event loop: its node (named by the hello),
-    the messages going back (acks from the commit thread, commands from the apply thread, a
+    """One AgentService stream, on the daemon's loop: its node (named by the hello), the
+    messages going back (acks as commits are reported, commands as they are ordered, a
     StreamError), and the bound on its batches in the daemon."""
 
     def __init__(self, daemon: Daemon, context: grpc.aio.ServicerContext) -> None:
@@ -501,19 +516,15 @@ class AgentSession:
         self.node = ""
         self.closed = False
 
-    # From the daemon's threads.
     def reply(self, msg: svc.DaemonMessage) -> None:
-        """A batch's ack (the commit thread)."""
-        self.loop.call_soon_threadsafe(self._acked, msg)
-
-    def send(self, msg: svc.DaemonMessage) -> None:
-        """A command for this stream's node (the apply thread, or connect())."""
-        self.loop.call_soon_threadsafe(self._command, msg)
-
-    # On the loop.
-    def _acked(self, msg: svc.DaemonMessage) -> None:
+        """A batch's ack (on the loop, as its commit is reported)."""
         self.out.put_nowait(msg)
         self.in_flight.release()
+
+    def send(self, msg: svc.DaemonMessage) -> None:
+        """A command for this stream's node (thread-safe: send_command may be called from
+        anywhere)."""
+        self.loop.call_soon_threadsafe(self._command, msg)
 
     def _command(self, msg: svc.DaemonMessage) -> None:
         if self.closed:  # the stream ended before this reached it: the node's next one takes it
@@ -648,7 +659,7 @@ class AlertServicer:
     async def Subscribe(
         self, request: svc.AlertFilter, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[svc.Alert]:
-        sub = Subscriber(request, asyncio.get_running_loop())
+        sub = Subscriber(request)
         self.daemon.subscribers.append(sub)  # before reading the backlog: nothing falls between
         try:
             last = request.after
@@ -697,14 +708,12 @@ class FleetServicer(svc_grpc.FleetServiceServicer):
 
 
 class Server:
-    """The gRPC server, on an asyncio event loop in a thread of its own: the agent and alert
-    streams run on the loop (no thread per stream, so a batch changes threads only to be
-    applied and committed); audit queries and fleet state run in a small thread pool."""
+    """The gRPC server, on the daemon's loop: the agent and alert streams run there (no thread
+    per stream, so a batch never changes threads in the daemon); audit queries and fleet
+    state run in a small thread pool."""
 
     def __init__(self, daemon: Daemon, listen: str, tls: Tls | None = None) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="kvguard-grpc", daemon=True)
-        self._thread.start()
+        self.loop = daemon.loop
         self._server: grpc.aio.Server | None = None
         start = self._start(daemon, listen, tls)
         self.port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
@@ -748,9 +757,7 @@ class Server:
     def stop(self, grace: float) -> None:
         """Stop serving; streams get `grace` seconds to end."""
         if self._server is not None:
-            asyncio.run_coroutine_threadsafe(self._server.stop(grace), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=grace + 5)
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace), self.loop).result(timeout=grace + 5)
 
 
 def serve(daemon: Daemon, listen: str, tls: Tls | None = None) -> Server:

@@ -1,24 +1,23 @@
 """The audit store's writer in a process of its own, so that building, hashing and inserting
 records runs on another core than the daemon's ledger, and overlaps it: while group k
-commits, the daemon applies group k+1. A group travels as the batches' bytes as received and
-the runs of accepted events in them (`EventRun`), so the daemon never builds an event's row.
+commits, the daemon applies the batches of group k+1. A group travels as the batches' bytes
+as received and the runs of accepted events in them (`EventRun`), so the daemon never builds
+an event's row.
 
 Invariants: groups are committed in the order they were submitted, each in one
-transaction (shared with the groups queued behind it when the writer falls behind);
-`submit()` returns a future that resolves to the group's first record id only once the group
-is durable; if the writer fails or dies, every pending and later future fails (the daemon
-then stops and rebuilds from the store). The writer exits after committing what was
-submitted before `close()`, or when the daemon dies (its end of the pipe closes).
+transaction (shared with the groups queued behind it when the writer falls behind); each
+commit is reported, in order and only once durable, on the daemon's event loop; if the writer
+fails or dies, that is reported instead and nothing after it commits (the daemon then stops
+and rebuilds from the store). The writer exits after committing what was submitted before
+`close()`, or when the daemon dies (its end of the pipe closes).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
-import threading
-from collections import deque
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 from kvguard.daemon.store import EventRun, Record, Store, StoreError, rows_of
@@ -56,9 +55,10 @@ def _serve(where: str, key: bytes | None, conn: Connection) -> None:
 
 
 class StoreWriter:
-    """Submits groups of records to the writer process; resolves their futures in order."""
+    """Sends groups of records to the writer process; its replies are read on the daemon's
+    event loop (no thread of its own: a commit's report wakes the loop directly)."""
 
-    def __init__(self, where: str, max_in_flight: int = 4, key: bytes | None = None) -> None:
+    def __init__(self, where: str, key: bytes | None = None) -> None:
         """`key`: the store's audit key, when it is sealed (see store.py)."""
         context = multiprocessing.get_context("spawn")  # never fork a process that runs gRPC threads
         self._conn, child = context.Pipe()
@@ -67,51 +67,55 @@ class StoreWriter:
         )
         self._proc.start()
         child.close()
-        self._pending: deque[Future[int]] = deque()
-        self._slots = threading.Semaphore(max_in_flight)
-        self._lock = threading.Lock()
-        self._failed: BaseException | None = None
-        threading.Thread(target=self._replies, name="kvguard-store-replies", daemon=True).start()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._committed: Callable[[int], None] = lambda first: None
+        self._failed: Callable[[StoreError], None] = lambda exc: None
+        self._dead = False
 
-    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> Future[int]:
+    def start(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        committed: Callable[[int], None],
+        failed: Callable[[StoreError], None],
+    ) -> None:
+        """Report on `loop` each commit, in submission order, by its group's first record id,
+        or the writer's failure, once (call before the loop runs, or on it)."""
+        self._loop, self._committed, self._failed = loop, committed, failed
+        loop.add_reader(self._conn.fileno(), self._readable)
+
+    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
         """Commit a group: `rows_of(messages, parts)`, in one transaction, after every group
-        submitted before it. Blocks while `max_in_flight` groups are pending."""
-        done: Future[int] = Future()
-        self._slots.acquire()
-        with self._lock:
-            if self._failed is not None:
-                self._slots.release()
-                done.set_exception(self._failed)
-                return done
-            self._pending.append(done)
+        submitted before it (on the loop given to start())."""
+        if self._dead:
+            return  # the failure was reported; the daemon is stopping
+        try:
             self._conn.send((messages, parts))
-        return done
+        except OSError:
+            self._die("the audit store's writer process died")
 
-    def _replies(self) -> None:
-        while True:
-            try:
+    def _readable(self) -> None:
+        try:
+            while self._conn.poll():
                 status, value = self._conn.recv()
-            except (EOFError, OSError):
-                status, value = "error", "the audit store's writer process died"
-            with self._lock:
-                done = self._pending.popleft() if self._pending else None
                 if status != "ok":
-                    self._failed = StoreError(str(value))
-                    waiting = [done, *self._pending] if done else list(self._pending)
-                    self._pending.clear()
-            self._slots.release()
-            if status == "ok":
-                if done is not None:
-                    done.set_result(int(value))
-                continue
-            for future in waiting:
-                future.set_exception(self._failed)  # type: ignore[arg-type]
+                    self._die(str(value))
+                    return
+                self._committed(int(value))
+        except (EOFError, OSError):
+            self._die("the audit store's writer process died")
+
+    def _die(self, reason: str) -> None:
+        if self._dead:
             return
+        self._dead = True
+        if self._loop is not None:
+            self._loop.remove_reader(self._conn.fileno())
+        self._failed(StoreError(reason))
 
     def close(self) -> None:
-        # Ask the writer to finish: closing our end alone would not wake it while our reply
-        # thread still blocks reading that end (the socket stays open under it).
-        with self._lock, contextlib.suppress(OSError):
+        """Commit what was submitted, then end the writer process (call once the daemon's loop
+        has stopped reading its replies)."""
+        with contextlib.suppress(OSError):
             self._conn.send(None)
         self._proc.join(timeout=10)
         self._conn.close()

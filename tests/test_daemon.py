@@ -4,14 +4,13 @@ commands back to the right node, health and reflection, a tamper-evident audit l
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -44,6 +43,24 @@ EVENTS = [e for _, e in read_capture(INCIDENT)]
 
 def Daemon(store: str) -> Service:
     return start_daemon(store)
+
+
+def ingest(daemon: server.Daemon, node: str, events: Sequence[pb.Event], reply: server.Reply) -> None:
+    """A batch handed to the daemon's loop, as a stream hands it (from the test's thread)."""
+    batch = svc.AgentMessage(batch=svc.EventBatch(events=events))
+    daemon.loop.call_soon_threadsafe(
+        daemon.ingest, server.Batch(node, batch.batch.events, batch.SerializeToString(), reply)
+    )
+
+
+def run_until(loop: asyncio.AbstractEventLoop, done: Callable[[], bool], timeout: float = 10) -> None:
+    """Run `loop` (not running elsewhere) until `done()`."""
+
+    async def wait() -> None:
+        while not done():
+            await asyncio.sleep(0.005)
+
+    loop.run_until_complete(asyncio.wait_for(wait(), timeout))
 
 
 @pytest.fixture
@@ -526,9 +543,8 @@ def test_a_kill_ordered_while_its_node_is_away_reaches_its_next_stream(tmp_path:
     grpc_server = server.serve(daemon, "127.0.0.1:0")
     try:
         events = stale_reads("p6", 1)
-        batch = svc.AgentMessage(batch=svc.EventBatch(events=events))
         acked: list[svc.DaemonMessage] = []
-        daemon.ingest(server.Batch("p6", batch.batch.events, batch.SerializeToString(), acked.append))
+        ingest(daemon, "p6", events, acked.append)
         deadline = time.monotonic() + 10
         while not acked and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -546,15 +562,28 @@ def test_a_kill_ordered_while_its_node_is_away_reaches_its_next_stream(tmp_path:
 
 
 class HeldWriter(server.InlineWriter):
-    """The store's writer with its commits held back until `release` is set: a slow disk."""
+    """The store's writer with its commits held back until release(): a slow disk."""
 
     def __init__(self, store: Store) -> None:
         super().__init__(store)
-        self.release = threading.Event()
+        self.held: list[tuple[Sequence[bytes], Sequence[Record | EventRun]]] | None = []
 
-    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> Future[int]:
-        self.release.wait(30)
-        return super().submit(messages, parts)
+    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
+        if self.held is None:
+            super().submit(messages, parts)
+        else:
+            self.held.append((messages, parts))
+
+    def release(self) -> None:
+        """Commit what was held, and from now on each group as it comes (thread-safe)."""
+
+        def go() -> None:
+            held, self.held = self.held, None
+            for messages, parts in held or []:
+                super(HeldWriter, self).submit(messages, parts)
+
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(go)
 
 
 def test_a_kill_does_not_wait_for_the_disk(tmp_path: Path) -> None:
@@ -568,8 +597,7 @@ def test_a_kill_does_not_wait_for_the_disk(tmp_path: Path) -> None:
     try:
         assert daemon.connect("p7", sent.append)
         events = stale_reads("p7", 1)
-        batch = svc.AgentMessage(batch=svc.EventBatch(events=events))
-        daemon.ingest(server.Batch("p7", batch.batch.events, batch.SerializeToString(), sent.append))
+        ingest(daemon, "p7", events, sent.append)
         deadline = time.monotonic() + 10
         while not sent and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -577,7 +605,7 @@ def test_a_kill_does_not_wait_for_the_disk(tmp_path: Path) -> None:
         assert [m.WhichOneof("body") for m in sent] == ["command"]
         assert (sent[0].command.kill.req, sent[0].command.kill.finding) == ("p7-r0", "stale_read")
         assert store.count() == 0  # nothing durable yet
-        writer.release.set()
+        writer.release()
         while len(sent) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert [m.WhichOneof("body") for m in sent] == ["command", "ack"]
@@ -585,10 +613,8 @@ def test_a_kill_does_not_wait_for_the_disk(tmp_path: Path) -> None:
         commands = [svc.Command.FromString(body) for _, _, body in store.rows(kind="command")]
         assert commands == [sent[0].command]
     finally:
-        writer.release.set()
-        acked = time.monotonic() + 10  # the apply thread is done with the store before it closes
-        while not any(m.HasField("ack") for m in sent) and time.monotonic() < acked:
-            time.sleep(0.01)
+        writer.release()
+        daemon.close()  # done with the store before it closes
         store.close()
 
 
@@ -619,9 +645,8 @@ def test_the_store_writer_commits_what_it_was_given_and_exits_when_closed(tmp_pa
     Store(where).close()
     writer = StoreWriter(where)
     batch = svc.AgentMessage(batch=svc.EventBatch(events=EVENTS[:5])).SerializeToString()
-    done = writer.submit([batch], [EventRun(0, 0, 5)])
-    writer.close()
-    assert done.result(timeout=10) == 1
+    writer.submit([batch], [EventRun(0, 0, 5)])
+    writer.close()  # without waiting for the commit's report
     assert writer._proc.exitcode == 0  # it finished on its own, it was not killed
     s = Store(where)
     try:
@@ -632,18 +657,24 @@ def test_the_store_writer_commits_what_it_was_given_and_exits_when_closed(tmp_pa
 
 def test_groups_queued_at_the_writer_keep_their_order_and_their_ids(tmp_path: Path) -> None:
     # Submitted back to back, the groups queue up in the writer's pipe, which commits them
-    # together: each future must still resolve to its own group's first record id.
+    # together: each must still be reported with its own group's first record id, in order.
     where = str(tmp_path / "audit.db")
     Store(where).close()
-    writer = StoreWriter(where, max_in_flight=8)
+    writer = StoreWriter(where)
+    loop = asyncio.new_event_loop()
+    committed: list[int] = []
+    failed: list[Exception] = []
+    writer.start(loop, committed.append, failed.append)
     sizes = [3, 1, 4, 1, 5]
-    futures, start = [], 0
+    start = 0
     for n in sizes:
         batch = svc.AgentMessage(batch=svc.EventBatch(events=EVENTS[start : start + n])).SerializeToString()
-        futures.append(writer.submit([batch], [EventRun(0, 0, n)]))
+        writer.submit([batch], [EventRun(0, 0, n)])
         start += n
-    assert [f.result(timeout=10) for f in futures] == [1, 4, 5, 9, 10]
+    run_until(loop, lambda: len(committed) == len(sizes))
+    assert committed == [1, 4, 5, 9, 10] and failed == []
     writer.close()
+    loop.close()
     s = Store(where)
     try:
         assert [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")] == EVENTS[:14]
@@ -661,8 +692,7 @@ def test_a_closing_daemon_commits_everything_it_was_sent(tmp_path: Path) -> None
     daemon = server.Daemon(store, writer=writer)
     events = stale_reads("p5", 30)
     for i in range(0, len(events), 7):
-        batch = svc.AgentMessage(batch=svc.EventBatch(events=events[i : i + 7]))
-        daemon.ingest(server.Batch("p5", batch.batch.events, batch.SerializeToString(), lambda _: None))
+        ingest(daemon, "p5", events[i : i + 7], lambda _: None)
     daemon.close()
     writer.close()
     assert writer._proc.exitcode == 0
@@ -693,9 +723,8 @@ def test_a_new_stream_is_told_only_what_is_durable(tmp_path: Path) -> None:
     daemon = server.Daemon(store, writer=writer)
     grpc_server = server.serve(daemon, "127.0.0.1:0")
     events = stale_reads("p9", 2)
-    batch = svc.AgentMessage(batch=svc.EventBatch(events=events))
     try:
-        daemon.ingest(server.Batch("p9", batch.batch.events, batch.SerializeToString(), lambda _: None))
+        ingest(daemon, "p9", events, lambda _: None)
         deadline = time.monotonic() + 10
         while daemon.ledger.nodes.get("p9") is None or daemon.ledger.nodes["p9"].last_seq < len(events):
             assert time.monotonic() < deadline
@@ -704,7 +733,7 @@ def test_a_new_stream_is_told_only_what_is_durable(tmp_path: Path) -> None:
             stream = connect_again(channel, "p9")
             assert stream.durable_seq == 0  # applied, not committed
             stream.close()
-        writer.release.set()
+        writer.release()
         while daemon.durable_seq("p9") < len(events):
             assert time.monotonic() < deadline
             time.sleep(0.01)
@@ -713,7 +742,7 @@ def test_a_new_stream_is_told_only_what_is_durable(tmp_path: Path) -> None:
             assert stream.durable_seq == len(events)
             stream.close()
     finally:
-        writer.release.set()
+        writer.release()
         grpc_server.stop(grace=1)
         store.close()
 
