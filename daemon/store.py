@@ -2,9 +2,15 @@
 
 SQLite (WAL) in a file by default, PostgreSQL (or any SQLAlchemy URL) for clusters. The
 schema is created and changed only by Alembic migrations (daemon/migrations). Invariants:
-records are only ever inserted, with ids 1, 2, 3, ... without gaps; each record's hash covers
-its id, every column and the previous record's hash, so `verify()` proves that nothing was
-altered, removed or reordered; one store has one writer (the daemon), which owns the chain.
+records are only ever inserted; every event, finding and command has an id, 1, 2, 3, ...
+without gaps; each record's hash covers its id, every column and the previous record's hash,
+so `verify()` proves that nothing was altered, removed or reordered; one store has one writer
+(the daemon), which owns the chain. The consecutive events a batch delivered are stored as
+one record (kind `events`, a run): its body is the events' bytes as an EventBatch, its id the
+first event's, and it takes one id per event; every request they name is indexed (`named`),
+and their times lie within RUN_SPAN_NS of its `ts_ns`. Reads expand runs, so every reader
+sees one (id, "event", bytes) per event, as if each were a record of its own: storing a batch
+of 64 events costs one row and one hash instead of 64 (the writer's cost is per row).
 A plain hash chain can be recomputed by whoever can write the database; a store sealed with
 an audit key (kept outside it, `--audit-key`) chains its records from the seal on with
 HMAC-SHA256 under that key instead, which only the key's holder can recompute: appending to a
@@ -94,6 +100,9 @@ named = Table(
 )
 
 
+RUN_SPAN_NS = 1_000_000_000  # a run's events lie in [ts_ns, ts_ns + this]: time filters stay indexed
+RUN_MAX = 1 << 16  # events in a run at most (a batch holds no more): id filters stay indexed
+
 _PAYLOADS = pb.Event.DESCRIPTOR.oneofs_by_name["payload"].fields
 # Which payloads carry the indexed columns (a getattr with a default is slow where it misses).
 _HAS_REQ = frozenset(f.name for f in _PAYLOADS if "req" in f.message_type.fields_by_name)
@@ -115,26 +124,23 @@ class Record(NamedTuple):
     finding: str = ""
     severity: str = ""
     named: tuple[str, ...] = ()  # the other requests it names (indexed in `named`)
+    ids: int = 1  # the ids it takes: a run's events
 
     @staticmethod
     def of_event(event: pb.Event, body: bytes | None = None) -> Record:
         """The row of an event; `body` is its bytes as received, when the caller has them."""
-        kind = event.WhichOneof("payload") or ""
-        req = tenant = ""
-        others: tuple[str, ...] = ()
-        if kind == "read":
-            reads = event.read.reads
-            req = reads[0].req if reads else ""  # its first request; the others go to `named`
-            if len(reads) > 1:
-                others = _read_others(reads)
-        elif kind:
-            payload = getattr(event, kind)
-            if kind in _HAS_REQ:
-                req = payload.req
-            if kind in _HAS_TENANT:
-                tenant = payload.tenant
+        req, tenant, others = _indexed(event)
         data = body if body is not None else event.SerializeToString()
         return Record("event", event.node, event.seq, event.ts_ns, data, req, tenant, named=others)
+
+    @staticmethod
+    def of_run(events: Sequence[pb.Event], bodies: Sequence[bytes]) -> Record:
+        """The row of consecutive events of one node (two or more, within RUN_SPAN_NS of the
+        first, none earlier), `bodies` their bytes as received."""
+        first = events[0]
+        data = svc.RawEventBatch(events=bodies).SerializeToString()
+        named = _run_named(events)
+        return Record("events", first.node, first.seq, first.ts_ns, data, named=named, ids=len(events))
 
     @staticmethod
     def of_finding(finding: Finding) -> Record:
@@ -151,6 +157,41 @@ class Record(NamedTuple):
             finding.severity,
             _victim_named(finding.req, finding.victim_req),
         )
+
+
+def _indexed(event: pb.Event) -> tuple[str, str, tuple[str, ...]]:
+    """An event's index columns: its request (a read launch's first), its tenant, and the
+    other requests it names."""
+    kind = event.WhichOneof("payload") or ""
+    if kind == "read":
+        reads = event.read.reads
+        first = reads[0].req if reads else ""  # the others go to `named`
+        return first, "", _read_others(reads) if len(reads) > 1 else ()
+    if not kind:
+        return "", "", ()
+    payload = getattr(event, kind)
+    return (payload.req if kind in _HAS_REQ else ""), (payload.tenant if kind in _HAS_TENANT else ""), ()
+
+
+def _run_named(events: Iterator[pb.Event] | Sequence[pb.Event]) -> tuple[str, ...]:
+    """Every request the events of a run name, each once (indexed in `named`)."""
+    names: set[str] = set()
+    for one in events:
+        req, _, others = _indexed(one)
+        names.add(req)
+        names.update(others)
+    names.discard("")
+    return tuple(sorted(names))
+
+
+def _run_events(body: bytes) -> Sequence[bytes]:
+    """The events' bytes of a run's body."""
+    return svc.RawEventBatch.FromString(body).events
+
+
+def _ids(kind: str, body: bytes) -> int:
+    """The ids a stored record takes: a run's events, else one."""
+    return len(_run_events(body)) if kind == "events" else 1
 
 
 def _victim_named(req: str, victim: str) -> tuple[str, ...]:
@@ -171,6 +212,8 @@ def named_of(kind: str, body: bytes) -> tuple[str, ...]:
         event = pb.Event.FromString(body)
         if event.WhichOneof("payload") == "read" and len(event.read.reads) > 1:
             return _read_others(event.read.reads)
+    elif kind == "events":
+        return _run_named(pb.Event.FromString(e) for e in _run_events(body))
     elif kind == "finding":
         f = pb.Finding.FromString(body)
         return _victim_named(f.req, f.victim_req)
@@ -188,9 +231,10 @@ class EventRun(NamedTuple):
 
 
 def rows_of(messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> list[Record]:
-    """The rows of a group: each EventRun expanded into its events' rows (the bytes each event
-    arrived as, and its index columns), Records as they are. `messages` are AgentMessage
-    batches as received; each is parsed once."""
+    """The rows of a group: each EventRun as run records (its events' bytes as they arrived;
+    a new run where an event's time falls outside the run's span; a lone event as an event
+    record), Records as they are. `messages` are AgentMessage batches as received; each is
+    parsed once."""
     parsed: dict[int, tuple[Sequence[bytes], Sequence[pb.Event]]] = {}
     rows: list[Record] = []
     for part in parts:
@@ -205,7 +249,18 @@ def rows_of(messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> li
                 svc.AgentMessage.FromString(data).batch.events,
             )
         bodies, events = found
-        rows += [Record.of_event(events[i], bodies[i]) for i in range(part.start, part.stop)]
+        start = part.start
+        while start < part.stop:
+            t0 = events[start].ts_ns
+            stop = start + 1
+            last = min(part.stop, start + RUN_MAX)
+            while stop < last and t0 <= events[stop].ts_ns <= t0 + RUN_SPAN_NS:
+                stop += 1
+            if stop - start == 1:
+                rows.append(Record.of_event(events[start], bodies[start]))
+            else:
+                rows.append(Record.of_run(events[start:stop], bodies[start:stop]))
+            start = stop
     return rows
 
 
@@ -320,6 +375,17 @@ class StoreError(RuntimeError):
     """The store could not commit: nothing of the batch is durable."""
 
 
+def _ending(conn: Any, through: int | None) -> tuple[int, bytes] | None:
+    """(the last id, the hash) of the record that holds id `through` (None: the last
+    record), or None if there is none."""
+    c = records.c
+    query = select(c.id, c.kind, c.body, c.hash).order_by(c.id.desc()).limit(1)
+    if through is not None:
+        query = query.where(c.id <= through)
+    row = conn.execute(query).first()
+    return (row[0] + _ids(row[1], row[2]) - 1, row[3]) if row else None
+
+
 class Store:
     def __init__(self, where: str, *keys: bytes | None) -> None:
         """The store at `where`, with the audit keys given (None: none), each matched to the
@@ -360,9 +426,11 @@ class Store:
         self._insert_named = f"INSERT INTO named (record_id, req) VALUES ({mark}, {mark})"
         with self.engine.connect() as conn:
             last = conn.execute(
-                select(records.c.id, records.c.hash).order_by(records.c.id.desc()).limit(1)
+                select(records.c.id, records.c.kind, records.c.body, records.c.hash)
+                .order_by(records.c.id.desc())
+                .limit(1)
             ).first()
-        self._next_id, self._last_hash = (last[0] + 1, last[1]) if last else (1, GENESIS)
+        self._next_id, self._last_hash = (last[0] + _ids(last[1], last[2]), last[3]) if last else (1, GENESIS)
 
     def _sealed(self, keys: list[bytes]) -> tuple[list[tuple[int, bytes]], dict[int, bytes]]:
         with self.engine.connect() as conn:
@@ -409,7 +477,8 @@ class Store:
         if rotate and not self._seals:
             raise StoreError(f"audit store {self.url}: not sealed, so there is no key to rotate")
         with self.engine.begin() as conn:
-            from_id = (conn.execute(select(func.max(records.c.id))).scalar() or 0) + 1
+            last = _ending(conn, None)
+            from_id = (last[0] if last else 0) + 1
             tag = _seal_tag(key, from_id)
             conn.execute(seal.insert().values(from_id=from_id, tag=tag))
         self._seals.append((from_id, tag))
@@ -430,22 +499,24 @@ class Store:
         return key
 
     def append(self, rows: Sequence[Record]) -> list[int]:
-        """Append rows in one transaction; returns their ids. StoreError if it did not commit."""
+        """Append rows in one transaction; returns their ids (a run's: its first event's).
+        StoreError if it did not commit."""
         if not rows:
             return []
         mac = self.write_key()
         with self._lock:
-            prev, next_id = self._last_hash, self._next_id
+            prev, record_id = self._last_hash, self._next_id
             values = []
             also = []
-            for i, row in enumerate(rows):
-                kind, node, seq, ts_ns, body, req, tenant, victim_tenant, finding, severity, others = row
+            for row in rows:
+                kind, node, seq, ts_ns, body, req, tenant, victim_tenant, finding, severity, others, ids = row
                 columns = (kind, node, seq, ts_ns, req, tenant, victim_tenant, finding, severity)
-                digest = _chain(prev, next_id + i, columns, body, mac)
-                values.append((next_id + i, *columns, body, prev, digest))
+                digest = _chain(prev, record_id, columns, body, mac)
+                values.append((record_id, *columns, body, prev, digest))
                 prev = digest
                 if others:
-                    also += [(next_id + i, other) for other in others]
+                    also += [(record_id, other) for other in others]
+                record_id += ids
             try:
                 cursor = self._raw.cursor()
                 cursor.executemany(self._insert, values)
@@ -457,7 +528,7 @@ class Store:
                 with contextlib.suppress(Exception):  # the commit failure is what gets reported
                     self._raw.rollback()
                 raise StoreError(f"audit store {self.url}: commit failed: {exc}") from exc
-            self._next_id, self._last_hash = next_id + len(rows), prev
+            self._next_id, self._last_hash = record_id, prev
         if self._checkpoints is not None:
             self._checkpoints.set()
         elif self.url.startswith("sqlite"):
@@ -483,23 +554,37 @@ class Store:
             conn.close()
 
     def count(self, kind: str | None = None) -> int:
-        query = select(func.count()).select_from(records)
-        if kind:
-            query = query.where(records.c.kind == kind)
+        """How many events, findings or commands (`kind`), or all of them (None)."""
+        c = records.c
         with self.engine.connect() as conn:
-            return int(conn.execute(query).scalar_one())
+            if kind not in (None, "", "event"):
+                return int(conn.execute(select(func.count()).where(c.kind == kind)).scalar_one())
+            # Ids have no gaps: the last one counts them all.
+            last = conn.execute(select(c.id, c.kind, c.body).order_by(c.id.desc()).limit(1)).first()
+            total = last[0] + _ids(last[1], last[2]) - 1 if last else 0
+            if not kind:
+                return total
+            others = conn.execute(select(func.count()).where(c.kind.in_(("finding", "command")))).scalar_one()
+            return total - int(others)
 
     def events(self, after: int = 0) -> Iterator[pb.Event]:
-        """The stored events after record `after`, in the order they were applied (to rebuild
+        """The stored events after id `after`, in the order they were applied (to rebuild
         the ledger)."""
+        c = records.c
         with self.engine.connect() as conn:
             result = conn.execution_options(stream_results=True, yield_per=2000).execute(
-                select(records.c.body)
-                .where((records.c.kind == "event") & (records.c.id > after))
-                .order_by(records.c.id)
+                select(c.id, c.kind, c.body)
+                .where(c.kind.in_(("event", "events")) & (c.id > after - RUN_MAX))
+                .order_by(c.id)
             )
-            for (body,) in result:
-                yield pb.Event.FromString(body)
+            for record_id, kind, body in result:
+                if kind == "event":
+                    if record_id > after:
+                        yield pb.Event.FromString(body)
+                    continue
+                for i, data in enumerate(_run_events(body)):
+                    if record_id + i > after:
+                        yield pb.Event.FromString(data)
 
     def rows(
         self,
@@ -514,15 +599,18 @@ class Store:
         until_ns: int = 0,
         limit: int = 0,
     ) -> Iterator[tuple[int, str, bytes]]:
-        """(id, kind, body) of the records that match, in id order. A tenant matches as offender
-        or as victim."""
+        """(id, kind, body) of the events, findings and commands that match, in id order; a
+        run's events one by one, each as (its id, "event", its bytes). A tenant matches as
+        offender or as victim."""
         c = records.c
-        query = select(c.id, c.kind, c.body).where(c.id > after).order_by(c.id)
+        # Runs are selected by what may match (their first id and time, every request they
+        # name), and their events filtered one by one below.
+        query = select(c.id, c.kind, c.ts_ns, c.body).where(c.id > after - RUN_MAX).order_by(c.id)
         if kind:
-            query = query.where(c.kind == kind)
+            query = query.where(c.kind.in_(("event", "events")) if kind == "event" else c.kind == kind)
         if tenant:
-            query = query.where((c.tenant == tenant) | (c.victim_tenant == tenant))
-        if req:  # its own request, or one it names beyond it (a read launch's batch, a victim)
+            query = query.where((c.tenant == tenant) | (c.victim_tenant == tenant) | (c.kind == "events"))
+        if req:  # its own request, or one it names beyond it (a read launch's batch, a victim, a run)
             query = query.where(
                 (c.req == req) | c.id.in_(select(named.c.record_id).where(named.c.req == req))
             )
@@ -531,28 +619,47 @@ class Store:
         if finding:
             query = query.where(c.finding == finding)
         if since_ns:
-            query = query.where(c.ts_ns >= since_ns)
+            query = query.where(c.ts_ns >= since_ns - RUN_SPAN_NS)
         if until_ns:
             query = query.where(c.ts_ns <= until_ns)
-        if limit:
-            query = query.limit(limit)
+        inspect = bool(tenant or req or since_ns or until_ns)  # a run's events must be decoded
+        left = limit or -1
         with self.engine.connect() as conn:
-            yield from conn.execution_options(stream_results=True, yield_per=2000).execute(query)
+            for record_id, record_kind, ts_ns, body in conn.execution_options(
+                stream_results=True, yield_per=2000
+            ).execute(query):
+                if record_kind != "events":
+                    if record_id <= after or ts_ns < since_ns:
+                        continue
+                    yield record_id, record_kind, body
+                    left -= 1
+                    if not left:
+                        return
+                    continue
+                for i, data in enumerate(_run_events(body)):
+                    if record_id + i <= after:
+                        continue
+                    if inspect:
+                        event = pb.Event.FromString(data)
+                        if (since_ns and event.ts_ns < since_ns) or (until_ns and event.ts_ns > until_ns):
+                            continue
+                        own, own_tenant, others = _indexed(event)
+                        if (tenant and own_tenant != tenant) or (req and req != own and req not in others):
+                            continue
+                    yield record_id + i, "event", data
+                    left -= 1
+                    if not left:
+                        return
 
     def save_snapshot(self, body: bytes, through: int | None = None) -> int:
         """Store a snapshot of the state after record `through` (default: the last record
         committed, by any writer); returns that record's id. Keeps the newest SNAPSHOTS_KEPT."""
         mac = self.write_key()
         with self.engine.begin() as conn:
-            query = select(records.c.id, records.c.hash)
-            if through is None:
-                query = query.order_by(records.c.id.desc()).limit(1)
-            else:
-                query = query.where(records.c.id == through)
-            last = conn.execute(query).first()
-            if through is not None and last is None:
-                raise StoreError(f"audit store {self.url}: no record {through} to take a snapshot after")
-            through, after = (last[0], last[1]) if last else (0, GENESIS)
+            last = _ending(conn, through)
+            if through is not None and (last is None or last[0] != through):
+                raise StoreError(f"audit store {self.url}: no record ends at id {through} to snapshot after")
+            through, after = last if last else (0, GENESIS)
             digest = _snapshot_digest(after, body, mac)
             conn.execute(
                 snapshots.insert().values(
@@ -575,9 +682,10 @@ class Store:
             if row is None:
                 return "no snapshot"
             through, body, digest = row
-            after = conn.execute(select(records.c.hash).where(records.c.id == through)).scalar()
-        if through and after is None:
+            last = _ending(conn, through) if through else None
+        if through and (last is None or last[0] != through):
             return f"the snapshot's record {through} is not in the store"
+        after = last[1] if last else None
         try:
             key = self.write_key()  # snapshots are bound under the current seal's key
         except StoreError:
@@ -637,7 +745,10 @@ class Store:
                     pending = next(index, None)
                 if sorted(indexed) != [(v["id"], req) for req in named_of(v["kind"], v["body"])]:
                     return False, n, f"record {v['id']}: the index of the requests it names was altered"
-                prev, expected_id, n = v["hash"], expected_id + 1, n + 1
+                ids = _ids(v["kind"], v["body"])
+                if v["kind"] == "events" and ids < 2:
+                    return False, n, f"record {v['id']}: a run of {ids} events"
+                prev, expected_id, n = v["hash"], expected_id + ids, n + ids
         if pending is not None:
             return False, n, f"the index of named requests lists record {pending[0]}, past the last record"
         return True, n, ""

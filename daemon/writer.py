@@ -47,7 +47,7 @@ def _serve(where: str, key: bytes | None, conn: Connection) -> None:
             first = ids[0] if ids else 0
             for group in rows:
                 conn.send(("ok", first))
-                first += len(group)
+                first += sum(row.ids for row in group)
             if stop:
                 return
     finally:

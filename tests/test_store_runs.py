@@ -1,0 +1,205 @@
+"""Runs: the consecutive events of a batch stored as one record. Every read must see exactly
+what it saw when each event was a record of its own: the same ids, bodies and matches for
+every filter, the same replay, counts and chain length; and a run must be as tamper-evident
+as the records it replaces."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from kvguard.daemon.store import RUN_SPAN_NS, EventRun, Record, Store, StoreError, rows_of
+from kvguard.daemon.store import store_url as url_of
+from kvguard.proto import pb
+from kvguard.proto.builder import EventLog
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+TENANTS = ["acme", "globex", "initech"]
+
+
+def workload(seed: int) -> tuple[list[bytes], list[list[Record | EventRun]], list[list[Record]]]:
+    """Groups as the daemon submits them (batches as received, runs of accepted events with
+    findings between them) and the same records one event a record (how they were stored
+    before runs). Times mostly step 1 µs, now and then jump past a run's span or go back."""
+    rng = random.Random(seed)
+    now = [10**15]
+
+    def clock() -> int:
+        roll = rng.random()
+        now[0] += 3 * RUN_SPAN_NS // 2 if roll < 0.03 else -5_000 if roll < 0.06 else 1_000
+        return now[0]
+
+    log = EventLog(clock=clock)
+    messages: list[bytes] = []
+    groups: list[list[Record | EventRun]] = []
+    flat: list[list[Record]] = []
+    req = 0
+    for _ in range(12):
+        parts: list[Record | EventRun] = []
+        rows: list[Record] = []
+        for _ in range(rng.randint(1, 3)):  # batches in the group
+            node = rng.choice(["n0", "n1"])
+            events: list[pb.Event] = []
+            for _ in range(rng.randint(1, 40)):
+                req += 1
+                name = f"{node}-r{rng.randint(max(1, req - 8), req)}"
+                kind = rng.choice(["admit", "alloc", "write", "read", "free"])
+                if kind == "admit":
+                    events.append(log.add(node, kind, req=name, tenant=rng.choice(TENANTS)))
+                elif kind == "read":
+                    entries = [
+                        {"req": rng.choice([name, f"{node}-r{rng.randint(1, req)}"]), "pool": 0, "pages": [2]}
+                        for _ in range(rng.randint(1, 3))
+                    ]
+                    events.append(log.add(node, kind, reads=entries))
+                else:
+                    events.append(log.add(node, kind, req=name, pool=0, pages=[3]))
+            messages.append(svc.AgentMessage(batch=svc.EventBatch(events=events)).SerializeToString())
+            position = len(messages) - 1
+            start = 0
+            while start < len(events):  # accepted runs, a finding after some of them
+                stop = min(len(events), start + rng.randint(1, 25))
+                parts.append(EventRun(position, start, stop))
+                rows += [Record.of_event(e) for e in events[start:stop]]
+                if rng.random() < 0.4:
+                    last = events[stop - 1]
+                    victim = rng.choice(TENANTS)
+                    finding = pb.Finding(finding="stale_read", node=node, seq=last.seq, ts_ns=last.ts_ns)
+                    record = Record(
+                        "finding",
+                        node,
+                        last.seq,
+                        last.ts_ns,
+                        finding.SerializeToString(),
+                        f"{node}-r{req}",
+                        rng.choice(TENANTS),
+                        victim,
+                        "stale_read",
+                        "critical",
+                    )
+                    parts.append(record)
+                    rows.append(record)
+                start = stop
+        groups.append(parts)
+        flat.append(rows)
+    return messages, groups, flat
+
+
+def stores(tmp_path: Path, store_url: str, seed: int) -> tuple[Store, Store]:
+    """The workload in runs (store_url) and one event a record (a SQLite file beside it)."""
+    messages, groups, flat = workload(seed)
+    runs, plain = Store(store_url), Store(str(tmp_path / "plain.db"))
+    for parts, rows in zip(groups, flat, strict=True):
+        assert runs.append(rows_of(messages, parts))[0] == plain.append(rows)[0]
+    return runs, plain
+
+
+def test_runs_read_back_exactly_as_one_record_an_event(store_url: str, tmp_path: Path) -> None:
+    runs, plain = stores(tmp_path, store_url, seed=7)
+    try:
+        total = plain.count()
+        engine = create_engine(url_of(store_url))
+        with engine.connect() as db:
+            physical = db.execute(text("SELECT count(*) FROM records")).scalar_one()
+            kinds = {k for (k,) in db.execute(text("SELECT DISTINCT kind FROM records"))}
+        engine.dispose()
+        assert "events" in kinds and physical < total / 2  # the point of runs
+        assert runs.verify() == plain.verify() == (True, total, "")
+        for kind in (None, "event", "finding", "command"):
+            assert runs.count(kind) == plain.count(kind)
+        for after in (0, 1, 5, total // 3, total - 1, total):
+            assert list(runs.events(after)) == list(plain.events(after))
+        rng = random.Random(3)
+        times = sorted(e.ts_ns for e in plain.events())
+        for _ in range(300):
+            since = rng.choice(times) + rng.choice([-1, 0, 1])  # mostly inside some run's span
+            filters = rng.choice(
+                [
+                    {"kind": "event"},
+                    {"kind": "finding"},
+                    {"req": f"n{rng.randint(0, 1)}-r{rng.randint(1, 400)}"},
+                    {"tenant": rng.choice(TENANTS)},
+                    {"node": rng.choice(["n0", "n1"])},
+                    {"since_ns": since},
+                    {"until_ns": since},
+                    {"since_ns": since, "until_ns": rng.choice(times)},
+                    {"after": rng.randint(0, total)},
+                    {"kind": "event", "tenant": rng.choice(TENANTS), "after": rng.randint(0, total)},
+                    {"req": f"n0-r{rng.randint(1, 400)}", "limit": rng.randint(1, 3)},
+                    {"limit": rng.randint(1, total)},
+                ]
+            )
+            assert list(runs.rows(**filters)) == list(plain.rows(**filters)), filters
+    finally:
+        runs.close()
+        plain.close()
+
+
+def first_run(store_url: str) -> tuple[int, bytes, list[str]]:
+    """The first run record: its id, its body and the requests indexed for it."""
+    engine = create_engine(url_of(store_url))
+    with engine.connect() as db:
+        run_id, body = db.execute(
+            text("SELECT id, body FROM records WHERE kind = 'events' ORDER BY id LIMIT 1")
+        ).one()
+        named = db.execute(text("SELECT req FROM named WHERE record_id = :i"), {"i": run_id}).scalars().all()
+    engine.dispose()
+    return run_id, bytes(body), list(named)
+
+
+@pytest.mark.parametrize("edit", ["an event in its body", "a request it names", "the whole run"])
+def test_a_run_is_as_tamper_evident_as_its_events(store_url: str, tmp_path: Path, edit: str) -> None:
+    runs, plain = stores(tmp_path, store_url, seed=11)
+    plain.close()
+    run_id, body, named = first_run(store_url)
+    assert named
+    events = list(svc.RawEventBatch.FromString(body).events)
+    altered = pb.Event.FromString(events[-1])
+    altered.ts_ns += 1  # one nanosecond of one event
+    events[-1] = altered.SerializeToString()
+    statement, params, why = {
+        "an event in its body": (
+            "UPDATE records SET body = :b WHERE id = :i",
+            {"b": svc.RawEventBatch(events=events).SerializeToString()},
+            f"record {run_id} (events of",
+        ),
+        "a request it names": (
+            "DELETE FROM named WHERE record_id = :i AND req = :r",
+            {"r": named[-1]},
+            f"record {run_id}: the index of the requests it names was altered",
+        ),
+        "the whole run": ("DELETE FROM records WHERE id = :i", {}, f"record {run_id} is missing"),
+    }[edit]
+    runs.close()
+    engine = create_engine(url_of(store_url))
+    with engine.begin() as db:
+        db.execute(text(statement), {"i": run_id, **params})
+    engine.dispose()
+    edited = Store(store_url)
+    try:
+        ok, _, message = edited.verify()
+        assert not ok and why in message, message
+    finally:
+        edited.close()
+
+
+def test_a_snapshot_is_taken_only_where_a_record_ends(store_url: str, tmp_path: Path) -> None:
+    runs, plain = stores(tmp_path, store_url, seed=5)
+    plain.close()
+    engine = create_engine(url_of(store_url))
+    with engine.connect() as db:
+        run_id, body = db.execute(
+            text("SELECT id, body FROM records WHERE kind = 'events' ORDER BY id LIMIT 1")
+        ).one()
+    engine.dispose()
+    end = run_id + len(svc.RawEventBatch.FromString(body).events) - 1
+    try:
+        assert runs.save_snapshot(b"state", end) == end
+        assert runs.latest_snapshot() == (end, b"state")
+        with pytest.raises(StoreError, match=f"no record ends at id {end - 1}"):
+            runs.save_snapshot(b"state", end - 1)
+    finally:
+        runs.close()
