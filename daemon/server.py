@@ -45,9 +45,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvguard.daemon.client import MAX_MESSAGE  # the largest agent message accepted (refused above)
-from kvguard.daemon.store import EventRun, Record, Store, StoreError, rows_of
+from kvguard.daemon.store import EventRun, Record, Store
 from kvguard.daemon.tls import Tls, peer_names
-from kvguard.daemon.writer import StoreWriter
+from kvguard.daemon.writer import InlineWriter, Writer
 from kvguard.ledger import snapshot
 from kvguard.ledger.findings import KILL_ACTIONS, Finding
 from kvguard.ledger.ledger import CLOCK_SKEW_NS, BadEvent, Ledger
@@ -88,38 +88,6 @@ class Subscriber:
             self.dropped += 1
 
 
-class InlineWriter:
-    """The store written from the daemon's own process (tests, tools): the same interface as
-    StoreWriter, each group committed before submit() returns (reported on the loop's next
-    step, as StoreWriter's commits are)."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._committed: Callable[[int], None] = lambda first: None
-        self._failed: Callable[[StoreError], None] = lambda exc: None
-
-    def start(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        committed: Callable[[int], None],
-        failed: Callable[[StoreError], None],
-    ) -> None:
-        self._loop, self._committed, self._failed = loop, committed, failed
-
-    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
-        assert self._loop is not None, "start() first"
-        try:
-            ids = self.store.append(rows_of(messages, parts))
-        except StoreError as exc:
-            self._loop.call_soon_threadsafe(self._failed, exc)
-            return
-        self._loop.call_soon_threadsafe(self._committed, ids[0] if ids else 0)
-
-    def close(self) -> None:
-        pass
-
-
 Reply = Callable[[svc.DaemonMessage], None]
 
 
@@ -140,8 +108,8 @@ class Group:
 
     batches: list[Batch] = field(default_factory=list)
     parts: list[Record | EventRun] = field(default_factory=list)  # EventRun.message: index in batches
-    rows: int = 0  # rows the parts expand to
-    findings: list[tuple[int, Finding]] = field(default_factory=list)  # (index of its row, finding)
+    rows: int = 0  # the ids its parts take (a run of events one per event)
+    findings: list[tuple[int, Finding]] = field(default_factory=list)  # (its id, less the first, finding)
     acks: list[svc.Ack] = field(default_factory=list)  # one per batch
     committed: Future[int] = field(default_factory=Future)  # its first record id, once durable
 
@@ -168,7 +136,7 @@ class Daemon:
         ruleset: Ruleset | None = None,
         *,
         mode: str = "enforce",
-        writer: StoreWriter | None = None,
+        writer: Writer | None = None,
         clock_skew_ns: int = CLOCK_SKEW_NS,
         snapshot_every: int = SNAPSHOT_EVERY,
     ) -> None:
@@ -185,7 +153,7 @@ class Daemon:
         self._outbox_lock = threading.Lock()
         self._undelivered: dict[str, list[svc.Command]] = {}  # commands that found their node away
         self._command_id = store.count("command")
-        self.writer: StoreWriter | InlineWriter = writer if writer is not None else InlineWriter(store)
+        self.writer: Writer = writer if writer is not None else InlineWriter(store)
         rebuilt = 0
         for event in store.events(after=through):
             self.ledger.apply(event)  # verdicts are already stored; this rebuilds the state

@@ -54,23 +54,14 @@ def _serve(where: str, key: bytes | None, conn: Connection) -> None:
         store.close()
 
 
-class StoreWriter:
-    """Sends groups of records to the writer process; its replies are read on the daemon's
-    event loop (no thread of its own: a commit's report wakes the loop directly)."""
+class Writer:
+    """What the daemon needs of a store writer: groups submitted in order, and each commit
+    reported on the daemon's loop by its group's first record id (or the failure, once)."""
 
-    def __init__(self, where: str, key: bytes | None = None) -> None:
-        """`key`: the store's audit key, when it is sealed (see store.py)."""
-        context = multiprocessing.get_context("spawn")  # never fork a process that runs gRPC threads
-        self._conn, child = context.Pipe()
-        self._proc = context.Process(
-            target=_serve, args=(where, key, child), name="kvguard-store-writer", daemon=True
-        )
-        self._proc.start()
-        child.close()
+    def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._committed: Callable[[int], None] = lambda first: None
         self._failed: Callable[[StoreError], None] = lambda exc: None
-        self._dead = False
 
     def start(
         self,
@@ -78,14 +69,60 @@ class StoreWriter:
         committed: Callable[[int], None],
         failed: Callable[[StoreError], None],
     ) -> None:
-        """Report on `loop` each commit, in submission order, by its group's first record id,
-        or the writer's failure, once (call before the loop runs, or on it)."""
+        """Report commits and failures on `loop` (call before the loop runs, or on it)."""
         self._loop, self._committed, self._failed = loop, committed, failed
-        loop.add_reader(self._conn.fileno(), self._readable)
+        self._listen(loop)
+
+    def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Where a writer that reports from elsewhere hooks its reports into the loop."""
 
     def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
         """Commit a group: `rows_of(messages, parts)`, in one transaction, after every group
         submitted before it (on the loop given to start())."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Commit what was submitted and stop."""
+
+
+class InlineWriter(Writer):
+    """The store written from the daemon's own process (tests, tools): each group committed
+    before submit() returns, and reported on the loop's next step, as StoreWriter's are."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__()
+        self.store = store
+
+    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
+        assert self._loop is not None, "start() first"
+        try:
+            ids = self.store.append(rows_of(messages, parts))
+        except StoreError as exc:
+            self._loop.call_soon_threadsafe(self._failed, exc)
+            return
+        self._loop.call_soon_threadsafe(self._committed, ids[0] if ids else 0)
+
+
+class StoreWriter(Writer):
+    """Sends groups of records to the writer process; its replies are read on the daemon's
+    event loop (no thread of its own: a commit's report wakes the loop directly)."""
+
+    def __init__(self, where: str, key: bytes | None = None) -> None:
+        """`key`: the store's audit key, when it is sealed (see store.py)."""
+        super().__init__()
+        context = multiprocessing.get_context("spawn")  # never fork a process that runs gRPC threads
+        self._conn, child = context.Pipe()
+        self._proc = context.Process(
+            target=_serve, args=(where, key, child), name="kvguard-store-writer", daemon=True
+        )
+        self._proc.start()
+        child.close()
+        self._dead = False
+
+    def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.add_reader(self._conn.fileno(), self._readable)
+
+    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
         if self._dead:
             return  # the failure was reported; the daemon is stopping
         try:

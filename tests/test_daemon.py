@@ -26,7 +26,7 @@ from kvguard.daemon.client import AgentStream, DaemonRefused, send_capture
 from kvguard.daemon.process import Service, start_daemon
 from kvguard.daemon.store import MIGRATIONS, EventRun, Record, Store
 from kvguard.daemon.store import store_url as url_of
-from kvguard.daemon.writer import StoreWriter
+from kvguard.daemon.writer import InlineWriter, StoreWriter
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
@@ -561,7 +561,7 @@ def test_a_kill_ordered_while_its_node_is_away_reaches_its_next_stream(tmp_path:
         store.close()
 
 
-class HeldWriter(server.InlineWriter):
+class HeldWriter(InlineWriter):
     """The store's writer with its commits held back until release(): a slow disk."""
 
     def __init__(self, store: Store) -> None:
