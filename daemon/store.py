@@ -101,7 +101,7 @@ named = Table(
 
 
 RUN_SPAN_NS = 1_000_000_000  # a run's events lie in [ts_ns, ts_ns + this]: time filters stay indexed
-RUN_MAX = 1 << 16  # events in a run at most (a batch holds no more): id filters stay indexed
+RUN_MAX = 1 << 16  # events in a run at most (a batch holds no more)
 
 _PAYLOADS = pb.Event.DESCRIPTOR.oneofs_by_name["payload"].fields
 # Which payloads carry the indexed columns (a getattr with a default is slow where it misses).
@@ -375,6 +375,14 @@ class StoreError(RuntimeError):
     """The store could not commit: nothing of the batch is durable."""
 
 
+def _holding(conn: Any, record_id: int) -> int:
+    """The id of the record that holds id `record_id` (a run holds its events' ids), or
+    `record_id` if none does yet."""
+    c = records.c
+    found = conn.execute(select(func.max(c.id)).where(c.id <= record_id)).scalar()
+    return int(found) if found is not None else record_id
+
+
 def _ending(conn: Any, through: int | None) -> tuple[int, bytes] | None:
     """(the last id, the hash) of the record that holds id `through` (None: the last
     record), or None if there is none."""
@@ -574,7 +582,7 @@ class Store:
         with self.engine.connect() as conn:
             result = conn.execution_options(stream_results=True, yield_per=2000).execute(
                 select(c.id, c.kind, c.body)
-                .where(c.kind.in_(("event", "events")) & (c.id > after - RUN_MAX))
+                .where(c.kind.in_(("event", "events")) & (c.id >= _holding(conn, after + 1)))
                 .order_by(c.id)
             )
             for record_id, kind, body in result:
@@ -605,7 +613,7 @@ class Store:
         c = records.c
         # Runs are selected by what may match (their first id and time, every request they
         # name), and their events filtered one by one below.
-        query = select(c.id, c.kind, c.ts_ns, c.body).where(c.id > after - RUN_MAX).order_by(c.id)
+        query = select(c.id, c.kind, c.ts_ns, c.body).order_by(c.id)
         if kind:
             query = query.where(c.kind.in_(("event", "events")) if kind == "event" else c.kind == kind)
         if tenant:
@@ -625,6 +633,8 @@ class Store:
         inspect = bool(tenant or req or since_ns or until_ns)  # a run's events must be decoded
         left = limit or -1
         with self.engine.connect() as conn:
+            if after:
+                query = query.where(c.id >= _holding(conn, after + 1))
             for record_id, record_kind, ts_ns, body in conn.execution_options(
                 stream_results=True, yield_per=2000
             ).execute(query):
