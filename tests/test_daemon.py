@@ -567,9 +567,11 @@ class HeldWriter(InlineWriter):
     def __init__(self, store: Store) -> None:
         super().__init__(store)
         self.held: list[tuple[Sequence[bytes], Sequence[Record | EventRun]]] | None = []
+        self.committed: list[Sequence[bytes]] = []  # each group's batches, as committed
 
     def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
         if self.held is None:
+            self.committed.append(messages)
             super().submit(messages, parts)
         else:
             self.held.append((messages, parts))
@@ -580,10 +582,48 @@ class HeldWriter(InlineWriter):
         def go() -> None:
             held, self.held = self.held, None
             for messages, parts in held or []:
+                self.committed.append(messages)
                 super(HeldWriter, self).submit(messages, parts)
 
         assert self._loop is not None
         self._loop.call_soon_threadsafe(go)
+
+
+def test_batches_that_arrive_while_a_group_commits_are_committed_together_next(tmp_path: Path) -> None:
+    # Group commit: one group at a time goes to the writer; whatever the streams deliver
+    # meanwhile is applied at once (its kills go out) and committed as the next group, in
+    # one transaction, its alerts' cursors and acks following that commit.
+    store = Store(str(tmp_path / "audit.db"))
+    writer = HeldWriter(store)
+    daemon = server.Daemon(store, writer=writer)
+    sent: dict[str, list[svc.DaemonMessage]] = {n: [] for n in ("g1", "g2", "g3")}
+    try:
+        for node, box in sent.items():
+            assert daemon.connect(node, box.append)
+        ingest(daemon, "g1", stale_reads("g1", 1), sent["g1"].append)
+        ingest(daemon, "g2", stale_reads("g2", 2), sent["g2"].append)
+        ingest(daemon, "g3", stale_reads("g3", 3), sent["g3"].append)
+        deadline = time.monotonic() + 10
+        while sum(len(box) for box in sent.values()) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Every batch applied and judged (1 + 2 + 3 kills), none committed, one group out.
+        assert [[m.WhichOneof("body") for m in box] for box in sent.values()] == [
+            ["command"],
+            ["command"] * 2,
+            ["command"] * 3,
+        ]
+        assert writer.held is not None and [len(messages) for messages, _ in writer.held] == [1]
+        writer.release()
+        while any(not box or box[-1].WhichOneof("body") != "ack" for box in sent.values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert [len(messages) for messages in writer.committed] == [1, 2]  # g1 alone, then g2 + g3
+        assert [box[-1].ack.accepted for box in sent.values()] == [4, 7, 10]
+        assert store.count("event") == 21 and store.count("finding") == 6 and store.verify()[0]
+    finally:
+        writer.release()
+        daemon.close()
+        store.close()
 
 
 def test_a_kill_does_not_wait_for_the_disk(tmp_path: Path) -> None:
