@@ -209,12 +209,10 @@ def named_of(kind: str, body: bytes) -> tuple[str, ...]:
     """What a stored record names beyond its `req` column, from its body: the `named` rows it
     must have (the writer's Record.named, recomputed)."""
     if kind == "event":
-        event = pb.Event.FromString(body)
-        if event.WhichOneof("payload") == "read" and len(event.read.reads) > 1:
-            return _read_others(event.read.reads)
-    elif kind == "events":
+        return _indexed(pb.Event.FromString(body))[2]
+    if kind == "events":
         return _run_named(pb.Event.FromString(e) for e in _run_events(body))
-    elif kind == "finding":
+    if kind == "finding":
         f = pb.Finding.FromString(body)
         return _victim_named(f.req, f.victim_req)
     return ()
@@ -433,12 +431,8 @@ class Store:
         self._insert = f"INSERT INTO records ({', '.join(names)}) VALUES ({', '.join([mark] * len(names))})"
         self._insert_named = f"INSERT INTO named (record_id, req) VALUES ({mark}, {mark})"
         with self.engine.connect() as conn:
-            last = conn.execute(
-                select(records.c.id, records.c.kind, records.c.body, records.c.hash)
-                .order_by(records.c.id.desc())
-                .limit(1)
-            ).first()
-        self._next_id, self._last_hash = (last[0] + _ids(last[1], last[2]), last[3]) if last else (1, GENESIS)
+            last = _ending(conn, None)
+        self._next_id, self._last_hash = (last[0] + 1, last[1]) if last else (1, GENESIS)
 
     def _sealed(self, keys: list[bytes]) -> tuple[list[tuple[int, bytes]], dict[int, bytes]]:
         with self.engine.connect() as conn:
@@ -568,8 +562,8 @@ class Store:
             if kind not in (None, "", "event"):
                 return int(conn.execute(select(func.count()).where(c.kind == kind)).scalar_one())
             # Ids have no gaps: the last one counts them all.
-            last = conn.execute(select(c.id, c.kind, c.body).order_by(c.id.desc()).limit(1)).first()
-            total = last[0] + _ids(last[1], last[2]) - 1 if last else 0
+            last = _ending(conn, None)
+            total = last[0] if last else 0
             if not kind:
                 return total
             others = conn.execute(select(func.count()).where(c.kind.in_(("finding", "command")))).scalar_one()
