@@ -346,7 +346,7 @@ class PrefillWorker(Worker):
             xfer = f"{self.config.node}-x{self.xfers}"
             self.g("hold", req, 0, pages, "transfer_send")
         with self.copies.transfer(xfer):  # on CUDA, the shim (when preloaded) counts this copy off the GPU
-            data = self.pool.export_pages(torch.tensor(send_pages, dtype=torch.long)).numpy().tobytes()
+            data = self.pool.export_pages(torch.tensor(send_pages, dtype=torch.long)).cpu().numpy().tobytes()
         header = {
             "op": "kv",
             "req": req,
@@ -414,7 +414,7 @@ class PrefillWorker(Worker):
             with self.lock:
                 self.host_cache[(tenant, tokens)] = self.pool.export_pages(
                     torch.tensor(pages, dtype=torch.long)
-                )
+                ).cpu()  # host memory, as an offload is
                 self.g("release", req, 0, pages, "offload")
                 if "offload_free" not in self.faults:
                     self.give_back(pages)

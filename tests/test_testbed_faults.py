@@ -49,6 +49,7 @@ def run(
     with Cluster(tmp_path / guard, faults=faults, guard=guard, **options) as cluster:
         results = scenario(cluster)
         findings = cluster.findings() if guard != "off" else []
+    print(cluster.log[-4000:])  # the testbed's own account, shown when a test fails
     return results, findings
 
 
