@@ -123,21 +123,16 @@ class Guard:
     ) -> np.ndarray:
         """batch_clean's answer from the GPU: the pool's tags on the device (brought up to date
         with the pages the events since the last step named, in one scatter) and one launch of
-        the tag-check kernel over the device's own block tables."""
-        import cupy
-
-        from kvguard.cuda_hooks.kernels import DeviceTags, tag_check
+        the tag-check kernel over the device's own block tables; one copy each way."""
+        from kvguard.cuda_hooks.kernels import DeviceTags
 
         pp = self.ledger.nodes[self.node].pools[pool].pages
         tags = self._device_tags.get(pool)
         if tags is None:
             tags = self._device_tags[pool] = DeviceTags()
-        tags.sync(pp.own, pp.valid)
         readers = self.ledger.reader_indices(reqs)
-        found = tag_check(
-            tags.own, tags.valid, block_tables, context_lens, cupy.asarray(readers), pp.page_size
-        )
-        return self.ledger.clean_given_tags(readers, cupy.asnumpy(found), _host(context_lens))
+        found = tags.check(pp.own, pp.valid, block_tables, context_lens, readers, pp.page_size)
+        return self.ledger.clean_given_tags(readers, found > 0, found == 2)
 
     def _emit(self, payload: str, req: str = "", **fields: Any) -> Verdict:
         with self._lock:

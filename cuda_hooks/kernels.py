@@ -14,7 +14,8 @@
 
 Arrays on a CUDA device (CuPy arrays, or torch CUDA tensors, taken without a copy) run the
 CuPy raw kernels below; NumPy arrays and CPU tensors run the NumPy/PyTorch code. `DeviceTags`
-keeps a device copy of one pool's tags in step with the ledger by batched scatters.
+keeps a device copy of one pool's tags in step with the ledger: the tags of the pages written
+since the last check travel with the next check and are applied by its launch.
 """
 
 from __future__ import annotations
@@ -31,23 +32,55 @@ _CHUNK_PAGES = 256  # CPU checksums: pages per chunk (bounds the int64 scratch m
 
 SOURCE = r"""
 extern "C" __global__ void kvguard_tag_check(
-    const int *tables, const int *lens, const int *readers, const int *own, const unsigned int *valid,
+    const int *tables, const int *lens, const int *upload, int n_updates, int *own, unsigned int *valid,
     int batch, int width, int page_size, int num_pages, unsigned char *clean)
 {
+    // upload = [pages (ascending, in range), their own tags, their valid tags]
+    // (n_updates each: the tags of the pages written since the last launch), then one reader
+    // per request. An updated page is judged by its new tag, found by binary search, and the
+    // blocks store the new tags for the next launch: no block reads the stored tag of an
+    // updated page, so the stores race with nothing (a page listed twice is stored twice with
+    // the same tags).
+    const int *readers = upload + 3 * n_updates;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n_updates; i += gridDim.x * blockDim.x) {
+        int p = upload[i];
+        own[p] = upload[n_updates + i];
+        valid[p] = (unsigned int)upload[2 * n_updates + i];
+    }
     // One block per request: its threads walk the pages its context covers.
     int b = blockIdx.x;
+    if (b >= batch)
+        return;
     int len = lens[b], reader = readers[b];
     int pages = (len + page_size - 1) / page_size;
     int bad = pages > width || reader == 0;
     for (int col = threadIdx.x; col < pages && col < width; col += blockDim.x) {
         int need = min(len - col * page_size, page_size);
         int p = tables[(long long)b * width + col];
-        if (p < 0 || p >= num_pages || own[p] != reader || valid[p] < (unsigned int)need)
+        if (p < 0 || p >= num_pages) {
+            bad = 1;
+            continue;
+        }
+        int lo = 0, hi = n_updates;
+        while (lo < hi) {
+            int mid = (lo + hi) >> 1;
+            if (upload[mid] < p)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        int o = own[p];
+        unsigned int v = valid[p];
+        if (lo < n_updates && upload[lo] == p) {
+            o = upload[n_updates + lo];
+            v = (unsigned int)upload[2 * n_updates + lo];
+        }
+        if (o != reader || v < (unsigned int)need)
             bad = 1;
     }
     bad = __syncthreads_or(bad);
     if (threadIdx.x == 0)
-        clean[b] = len == 0 || !bad;
+        clean[b] = len == 0 ? 2 : !bad;  // 2: clean because it reads nothing
 }
 
 extern "C" __global__ void kvguard_page_checksums(
@@ -91,15 +124,21 @@ extern "C" __global__ void kvguard_page_checksums(
 """
 
 _module: Any = None
+_functions: dict[tuple[str, int], Any] = {}  # (kernel, device) -> its function
 
 
-def _kernels() -> Any:
+def _kernel(name: str) -> Any:
+    """A kernel of SOURCE on the current device (compiled once, on first use)."""
+    import cupy
+
     global _module
-    if _module is None:
-        import cupy
-
-        _module = cupy.RawModule(code=SOURCE)
-    return _module
+    key = (name, cupy.cuda.runtime.getDevice())
+    function = _functions.get(key)
+    if function is None:
+        if _module is None:
+            _module = cupy.RawModule(code=SOURCE)
+        function = _functions[key] = _module.get_function(name)
+    return function
 
 
 def on_device(array: Any) -> bool:
@@ -125,19 +164,33 @@ def tag_check(own: Any, valid: Any, tables: Any, lens: Any, readers: Any, page_s
 def _tag_check_gpu(own: Any, valid: Any, tables: Any, lens: Any, readers: Any, page_size: int) -> Any:
     import cupy
 
-    tables = cupy.ascontiguousarray(cupy.asarray(tables), dtype=cupy.int32)
-    lens = cupy.ascontiguousarray(cupy.asarray(lens), dtype=cupy.int32)
-    readers = cupy.ascontiguousarray(cupy.asarray(readers), dtype=cupy.int32)
+    clean = cupy.empty(len(readers), dtype=cupy.uint8)
+    _launch_tag_check(own, valid, tables, lens, _int32(readers), 0, page_size, clean)
+    return clean.astype(bool)
+
+
+def _int32(array: Any) -> Any:
+    import cupy
+
+    return cupy.ascontiguousarray(cupy.asarray(array), dtype=cupy.int32)
+
+
+def _launch_tag_check(
+    own: Any, valid: Any, tables: Any, lens: Any, upload: Any, n_updates: int, page_size: int, clean: Any
+) -> None:
+    """One launch: the updates of `upload` applied, a uint8 per request written to `clean`
+    (0 not clean, 1 clean, 2 clean because it reads nothing)."""
+    tables, lens = _int32(tables), _int32(lens)
     batch, width = tables.shape
-    clean = cupy.zeros(batch, dtype=cupy.uint8)
-    if batch:
-        _kernels().get_function("kvguard_tag_check")(
-            (batch,),
+    if batch or n_updates:
+        _kernel("kvguard_tag_check")(
+            (max(batch, 1),),
             (128,),
             (
                 tables,
                 lens,
-                readers,
+                upload,
+                np.int32(n_updates),
                 own,
                 valid,
                 np.int32(batch),
@@ -147,38 +200,90 @@ def _tag_check_gpu(own: Any, valid: Any, tables: Any, lens: Any, readers: Any, p
                 clean,
             ),
         )
-    return clean.astype(cupy.bool_)
 
 
 class DeviceTags:
-    """One pool's tags on the device, in step with the ledger's host arrays: the guard notes
-    the pages each event names (`touch`), and `sync` copies their tags over in one scatter
-    before the check (a new pool, i.e. new host arrays, is copied whole)."""
+    """One pool's tags on the device, in step with the ledger's host arrays. The guard notes
+    the pages each event names (`touch`); `check` sends their tags and the batch's readers in
+    one copy, and one launch applies them and checks the batch; the verdicts come back in one
+    copy. The copies go through pinned buffers kept from step to step (a new pool, i.e. new
+    host arrays, is copied whole)."""
 
     def __init__(self, device: Any = None) -> None:
         self.device = device
         self._source: Any = None
-        self._touched: list[np.ndarray] = []
+        self._touched: list[int] = []  # pages, repeats allowed (Python ints: cheap to extend per event)
         self.own: Any = None
         self.valid: Any = None
+        self._up_host: np.ndarray = np.zeros(0, np.int32)  # pinned, grown as needed
+        self._up: Any = None
+        self._out_host: np.ndarray = np.zeros(0, np.uint8)
+        self._out: Any = None
 
     def touch(self, pages: Any) -> None:
-        self._touched.append(np.asarray(pages, dtype=np.int64))
+        self._touched.extend(pages.tolist() if hasattr(pages, "tolist") else pages)
 
-    def sync(self, host_own: np.ndarray, host_valid: np.ndarray) -> None:
+    def _pending(self, host_own: np.ndarray, host_valid: np.ndarray) -> np.ndarray:
+        """The in-range pages touched since the last launch, ascending (a repeat carries the
+        same tags as its first: harmless to the kernel, cheaper than removing)."""
         import cupy
 
+        touched, self._touched = self._touched, []
+        if self._source is not host_own:
+            self.own, self.valid = cupy.asarray(host_own), cupy.asarray(host_valid)
+            self._source = host_own
+            return np.zeros(0, np.int64)
+        if not touched:
+            return np.zeros(0, np.int64)
+        pages = np.sort(np.array(touched, dtype=np.int64))
+        return pages[(pages >= 0) & (pages < len(host_own))]
+
+    def _buffers(self, words: int, batch: int) -> None:
+        import cupy
+        import cupyx
+
+        if len(self._up_host) < words:
+            size = max(1024, 1 << (words - 1).bit_length())
+            self._up_host, self._up = cupyx.empty_pinned(size, np.int32), cupy.empty(size, np.int32)
+        if len(self._out_host) < batch:
+            size = max(256, 1 << (batch - 1).bit_length())
+            self._out_host, self._out = cupyx.empty_pinned(size, np.uint8), cupy.empty(size, np.uint8)
+
+    def sync(self, host_own: np.ndarray, host_valid: np.ndarray) -> None:
+        """Bring the device tags up to date (a check does this itself)."""
+        self.check(host_own, host_valid, np.zeros((0, 1), np.int32), np.zeros(0, np.int32), (), 1)
+
+    def check(
+        self, own: np.ndarray, valid: np.ndarray, tables: Any, lens: Any, readers: Any, page_size: int
+    ) -> np.ndarray:
+        """`tag_check` of a batch against the tags brought up to date, on the host: per
+        request 0 (not clean), 1 (clean) or 2 (clean: reads nothing)."""
+        import cupy
+
+        readers = np.asarray(readers, dtype=np.int32)
+        batch = len(readers)
         with cupy.cuda.Device(self.device):
-            if self._source is not host_own:
-                self.own, self.valid = cupy.asarray(host_own), cupy.asarray(host_valid)
-                self._source = host_own
-            elif self._touched:
-                pages = np.unique(np.concatenate(self._touched))
-                pages = pages[(pages >= 0) & (pages < len(host_own))]
-                at = cupy.asarray(pages)
-                self.own[at] = cupy.asarray(host_own[pages])
-                self.valid[at] = cupy.asarray(host_valid[pages])
-        self._touched.clear()
+            pages = self._pending(own, valid)
+            n = len(pages)
+            words = 3 * n + batch
+            self._buffers(words, batch)
+            up = self._up_host
+            up[:n], up[n : 2 * n], up[2 * n : 3 * n], up[3 * n : words] = (
+                pages,
+                own[pages],
+                valid[pages],
+                readers,
+            )
+            stream = cupy.cuda.get_current_stream()
+            if words:
+                cupy.cuda.runtime.memcpyAsync(self._up.data.ptr, up.ctypes.data, 4 * words, 1, stream.ptr)
+            _launch_tag_check(self.own, self.valid, tables, lens, self._up, n, page_size, self._out)
+            if batch:
+                cupy.cuda.runtime.memcpyAsync(
+                    self._out_host.ctypes.data, self._out.data.ptr, batch, 2, stream.ptr
+                )
+            stream.synchronize()  # the pinned buffers are reused: this step's copies are done
+            return self._out_host[:batch].copy()
 
 
 # ---------------------------------------------------------------------------- checksums
@@ -215,7 +320,8 @@ def checksums_cpu(k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor) -> np.n
     return out.numpy().view(np.uint64)
 
 
-def _checksums_gpu(k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor) -> np.ndarray:
+def _checksums_gpu(k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, chunks: int = 0) -> np.ndarray:
+    """chunks: blocks per (page, layer, K or V) block; 0 chooses (bench/gpu.py tries others)."""
     import cupy
 
     layers, pool_pages = k.shape[0], k.shape[1]
@@ -225,8 +331,8 @@ def _checksums_gpu(k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor) -> np.
     at = cupy.asarray(pages.to(device=k.device, dtype=torch.long).reshape(-1))
     out = cupy.zeros(len(at), dtype=cupy.uint64)
     if len(at):
-        chunks = max(1, min(64, block_words // 8192))  # each thread takes several 16-byte loads
-        _kernels().get_function("kvguard_page_checksums")(
+        chunks = chunks or max(1, min(64, block_words // 8192))  # a thread takes several 16-byte loads
+        _kernel("kvguard_page_checksums")(
             (len(at), 2 * layers, chunks),
             (256,),
             (words_k, words_v, at, np.int64(pool_pages), np.int64(block_words), out),

@@ -1139,19 +1139,22 @@ class Ledger:
         pp = self.nodes[node].pools[pool].pages
         readers = self.reader_indices(reqs)
         tags_clean = check_tags(pp.own, pp.valid, block_tables, context_lens, readers, pp.page_size)
-        return self.clean_given_tags(readers, tags_clean, np.asarray(context_lens))
+        return self.clean_given_tags(readers, tags_clean, np.asarray(context_lens) == 0)
 
     def reader_indices(self, reqs: Sequence[str]) -> np.ndarray:
         """The ledger's index of each request (NOBODY for one it does not know): what the
         page tags name."""
         return np.array([self._req_index.get(r, NOBODY) for r in reqs], dtype=np.int32)
 
-    def clean_given_tags(self, readers: np.ndarray, tags_clean: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    def clean_given_tags(
+        self, readers: np.ndarray, tags_clean: np.ndarray, reads_nothing: np.ndarray
+    ) -> np.ndarray:
         """batch_clean's answer from the tag check's (on the host or the GPU): a request that
         was rejected, aborted or killed may not attend, whatever its pages hold; one that
         reads nothing is clean."""
-        ended = np.array([bool(r) and self.requests[r].ended for r in readers.tolist()], dtype=bool)  # type: ignore[union-attr]
-        return (tags_clean & ~ended) | (lens == 0)
+        requests = self.requests  # a reader's index is a known request's, or NOBODY's stand-in
+        ended = np.array([requests[r].state in ENDED for r in readers.tolist()], dtype=bool)  # type: ignore[union-attr]
+        return (tags_clean & ~ended) | reads_nothing
 
     def writable(self, node: str, pool: int, req: str, pages: Sequence[int]) -> bool:
         """Whether KV of `req` may land in `pages` now: each is granted to it, or kept for it

@@ -136,7 +136,8 @@ def test_the_kernels_compile_for_the_h200() -> None:
     except nvrtc.NVRTCError:
         pytest.fail(nvrtc.getProgramLog(program))
     ptx = nvrtc.getPTX(program)
-    assert b".entry kvguard_tag_check" in ptx and b".entry kvguard_page_checksums" in ptx
+    for kernel in (b"kvguard_tag_check", b"kvguard_page_checksums"):
+        assert b".entry " + kernel in ptx
 
 
 # ---------------------------------------------------------------------------- on a GPU
@@ -190,3 +191,49 @@ def test_device_tags_follow_the_ledger_by_batched_updates() -> None:
         tags.own, tags.valid, cupy.asarray([[3, 4]]), cupy.asarray([32]), cupy.asarray([7]), 16
     )
     assert cupy.asnumpy(got).tolist() == [True]
+    # The guard's step: the pages written since go over with the readers in one copy, and the
+    # verdicts come back as 0 (not clean), 1 (clean), 2 (clean: reads nothing).
+    own[5], valid[5] = 9, 3
+    own[3] = 8  # page 3 now holds request 8's KV: request 7 may no longer read it
+    tags.touch([5, 3])
+    verdicts = tags.check(
+        own, valid, cupy.asarray([[3, 4], [5, 0], [3, 0]]), cupy.asarray([32, 3, 0]), np.array([7, 9, 7]), 16
+    )
+    assert verdicts.tolist() == [0, 1, 2]
+    assert cupy.asnumpy(tags.own).tolist() == own.tolist()
+
+
+@pytest.mark.gpu
+def test_device_tags_check_steps_like_the_host_check() -> None:
+    # Steps of random tag changes (some pages touched twice, some out of range) and random
+    # batches: the device's verdicts, with the updates applied inside the launch, are the
+    # host's on the host's tags, and the device keeps the host's tags between steps.
+    import cupy
+
+    rng = np.random.default_rng(11)
+    pages, ps = 4096, 16
+    own = rng.integers(0, 40, pages).astype(np.int32)
+    valid = rng.integers(0, ps + 1, pages).astype(np.uint32)
+    tags = kernels.DeviceTags()
+    tags.sync(own, valid)
+    for step in range(30):
+        changed = rng.integers(0, pages, int(rng.integers(0, 600)))
+        own[changed] = rng.integers(0, 40, len(changed))
+        valid[changed] = rng.integers(0, ps + 1, len(changed))
+        tags.touch(changed)
+        tags.touch([-1, pages])  # named by a bad event: ignored
+        batch = int(rng.integers(0, 64))
+        width = int(rng.integers(1, 40))
+        readers = rng.integers(0, 40, batch).astype(np.int32)
+        lens = rng.integers(0, ps * (width + 1), batch).astype(np.int32)
+        # rows made of pages the reader owns (with a few foreign ones), so both verdicts occur
+        rows = [rng.choice(np.flatnonzero(own == r) if (own == r).any() else [0], width) for r in readers]
+        tables = np.array(rows, np.int32).reshape(batch, width)
+        flip = rng.random(tables.shape) < 0.01
+        tables[flip] = rng.integers(-2, pages + 2, int(flip.sum()))
+        got = tags.check(own, valid, cupy.asarray(tables), cupy.asarray(lens), readers, ps)
+        want = check_tags(own, valid, tables, lens, readers, ps)
+        assert ((got > 0) == want).all(), f"step {step}"
+        assert ((got == 2) == (lens == 0)).all(), f"step {step}"
+    assert cupy.asnumpy(tags.own).tolist() == own.tolist()
+    assert cupy.asnumpy(tags.valid).tolist() == valid.tolist()
