@@ -5,7 +5,7 @@
 # protobuf, grpcio and pytest; what else kvguard needs travels as wheels in .whl/ (ignored by
 # git; see the README's "GPU kernels" section for the download command).
 #
-#   run(command="bash bench/device.sh", carry=[".whl"], timeout_s=540)
+#   run(command="bash bench/device.sh", carry=[".whl"], timeout_s=480)
 set -uo pipefail
 out=${OUT:-/tmp/kvguard-device}
 mkdir -p "$out" /tmp/pkg
@@ -17,6 +17,10 @@ ln -sfn "$PWD" /tmp/pkg/kvguard  # the repository root is the package
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$out/device.txt"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_testbed_faults.py \
+SECONDS=0
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_testbed_faults.py \
     2>&1 | tee "$out/gpu-tests.log"
+echo "gpu tests: ${SECONDS} s" | tee -a "$out/device.txt"
+SECONDS=0
 timeout 200 python3 bench/gpu.py 2>&1 | tee "$out/gpu-bench.log"
+echo "bench/gpu.py: ${SECONDS} s" | tee -a "$out/device.txt"
