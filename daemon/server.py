@@ -168,6 +168,8 @@ class Daemon:
         # node -> the last sequence number the store holds (what a new stream is told); moves
         # only when a group commits, while the ledger runs ahead by the groups in flight.
         self._durable: dict[str, int] = {name: node.last_seq for name, node in self.ledger.nodes.items()}
+        self._inbox: deque[Batch] = deque()  # received, not yet applied (the head is next)
+        self._apply_due = False  # _apply_next is scheduled
         self._next = Group()  # batches applied since the last submit
         self._committing: deque[Group] = deque()  # submitted, not yet reported durable: at most one
         self._drained: asyncio.Event | None = None  # close(): set once nothing is left to commit
@@ -208,11 +210,27 @@ class Daemon:
     # ------------------------------------------------------------------ ingest
 
     def ingest(self, batch: Batch) -> None:
-        """Apply one batch of a node's events (on the daemon's loop): its commands go out now,
-        its ack to `batch.reply` once it is durable. Batches that arrive while a group
-        commits are committed together next (group commit), so a stream waits for one commit,
-        not for everyone else's in turn."""
-        self._apply(batch, self._next)
+        """Take one batch of a node's events (on the daemon's loop) to apply in arrival order:
+        its commands go out as soon as it is applied, its ack to `batch.reply` once it is
+        durable. Batches that arrive while a group commits are committed together next (group
+        commit), so a stream waits for one commit, not for everyone else's in turn."""
+        self._inbox.append(batch)
+        if not self._apply_due:
+            self._apply_due = True
+            self.loop.call_soon(self._apply_next)
+
+    def _apply_next(self) -> None:
+        """Apply the oldest batch received, then let the loop run what became ready meanwhile
+        before the next: applying is the loop's one long step (~10 µs an event), and the
+        steps that deliver a kill, an ack or an alert are short; taken in turn with whole
+        batches they would wait behind every batch received before them."""
+        self._apply_due = False
+        if not self._inbox:
+            return  # close() applied it already
+        self._apply(self._inbox.popleft(), self._next)
+        if self._inbox:
+            self._apply_due = True
+            self.loop.call_soon(self._apply_next)
         if not self._committing:
             self._submit()
         if time.monotonic() - self._frozen > FREEZE_EVERY_S:
@@ -262,6 +280,8 @@ class Daemon:
 
         async def drain() -> None:
             self._drained = asyncio.Event()
+            while self._inbox:
+                self._apply_next()
             self._submit()
             if self._committing:
                 await self._drained.wait()
@@ -491,8 +511,15 @@ class AgentSession:
 
     def send(self, msg: svc.DaemonMessage) -> None:
         """A command for this stream's node (thread-safe: send_command may be called from
-        anywhere)."""
-        self.loop.call_soon_threadsafe(self._command, msg)
+        anywhere; on the loop, as the ledger's verdicts are, it is queued at once)."""
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._command(msg)
+        else:
+            self.loop.call_soon_threadsafe(self._command, msg)
 
     def _command(self, msg: svc.DaemonMessage) -> None:
         if self.closed:  # the stream ended before this reached it: the node's next one takes it
