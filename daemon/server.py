@@ -64,6 +64,7 @@ SUBSCRIBER_QUEUE = 100_000  # alerts waiting for one slow subscriber before it r
 BACKLOG_PAGE = 1000  # alerts read from the store at a time
 FREEZE_EVERY_S = 1.0  # how often long-lived objects leave the garbage collector's view
 SNAPSHOT_EVERY = 1 << 22  # events after which the next group is followed by a snapshot
+APPLY_SLICE = 256  # events applied in one step of the loop (~2.5 ms): the most a delivery waits behind
 
 
 @dataclass
@@ -99,6 +100,11 @@ class Batch:
     events: Sequence[pb.Event]
     message: bytes  # the AgentMessage as received: what the store keeps of each event
     reply: Reply  # where its ack goes (the stream's outbox)
+    # How far it is applied, when that takes more than one step of the loop:
+    ack: svc.Ack | None = None  # set at its first event
+    index: int = 0  # its place in its group
+    done: int = 0  # events applied
+    run: int = -1  # start of the run of accepted events still open
 
 
 @dataclass(slots=True)
@@ -220,14 +226,16 @@ class Daemon:
             self.loop.call_soon(self._apply_next)
 
     def _apply_next(self) -> None:
-        """Apply the oldest batch received, then let the loop run what became ready meanwhile
-        before the next: applying is the loop's one long step (~10 µs an event), and the
-        steps that deliver a kill, an ack or an alert are short; taken in turn with whole
-        batches they would wait behind every batch received before them."""
+        """Apply the oldest batch received (up to APPLY_SLICE of its events), then let the loop
+        run what became ready meanwhile before the next: applying is the loop's one long step
+        (~10 µs an event), and the steps that deliver a kill, an ack or an alert are short;
+        taken in turn with whole batches they would wait behind every batch received before
+        them, and behind all of a large one (the node agent sends up to 4,096 events at once)."""
         self._apply_due = False
         if not self._inbox:
             return  # close() applied it already
-        self._apply(self._inbox.popleft(), self._next)
+        if self._apply(self._inbox[0], self._next, APPLY_SLICE):
+            self._inbox.popleft()
         if self._inbox:
             self._apply_due = True
             self.loop.call_soon(self._apply_next)
@@ -244,7 +252,10 @@ class Daemon:
             self._frozen = time.monotonic()
 
     def _submit(self) -> None:
-        """The batches applied so far go to the writer as one group."""
+        """The batches applied so far go to the writer as one group (once the one being
+        applied is whole: its rows so far are in it)."""
+        if self._inbox and self._inbox[0].ack is not None:
+            return
         group, self._next = self._next, Group()
         if not group.batches:
             return
@@ -337,17 +348,18 @@ class Daemon:
         """The last sequence number of `node` that the store holds (0: none)."""
         return self._durable.get(node, 0)
 
-    def _apply(self, batch: Batch, group: Group) -> None:
-        """Apply a batch to the ledger, into `group`: its accepted events become runs of rows,
-        each finding (and the kill it orders) a row right after the event that raised it."""
-        m = len(group.batches)
-        group.batches.append(batch)
-        node = batch.node
-        ack = svc.Ack(node=node)
+    def _apply(self, batch: Batch, group: Group, limit: int) -> bool:
+        """Apply up to `limit` more events of a batch to the ledger, into `group`; True once the
+        batch is whole. Its accepted events become runs of rows, each finding (and the kill
+        it orders) a row right after the event that raised it."""
+        if batch.ack is None:
+            batch.ack, batch.index = svc.Ack(node=batch.node), len(group.batches)
+            group.batches.append(batch)
+        node, ack, m, run, events = batch.node, batch.ack, batch.index, batch.run, batch.events
+        end = min(len(events), batch.done + limit)
         with self.lock:
-            run = -1  # start of the current run of accepted events
-            for i, event in enumerate(batch.events):
-                found = self._apply_event(node, event, ack)
+            for i in range(batch.done, end):
+                found = self._apply_event(node, events[i], ack)
                 if found is None:  # not applied: not stored
                     if run >= 0:
                         group.add(EventRun(m, run, i))
@@ -360,12 +372,16 @@ class Daemon:
                     group.add(EventRun(m, run, i + 1))
                     run = -1
                     self._judge(found, group)
+            batch.done, batch.run = end, run
+            if end < len(events):
+                return False
             if run >= 0:
-                group.add(EventRun(m, run, len(batch.events)))
+                group.add(EventRun(m, run, len(events)))
             known = self.ledger.nodes.get(node)
             ack.durable_seq = known.last_seq if known else 0
             group.acks.append(ack)
             self.counters["events"] += ack.accepted
+        return True
 
     def _apply_event(self, node: str, event: pb.Event, ack: svc.Ack) -> Sequence[Finding] | None:
         """One event to the ledger: its findings, or None (and why, in the ack) if it was not

@@ -924,3 +924,63 @@ def test_a_crash_replays_only_what_came_after_the_last_periodic_snapshot(store_u
     finally:
         second.stop()
     assert facts(stored_findings(store_url)) == facts(local_findings())
+
+
+def test_a_large_batch_is_applied_in_slices_and_acks_go_out_between_them(tmp_path: Path) -> None:
+    # A batch larger than APPLY_SLICE is applied a slice per step of the loop: an ack that
+    # became due meanwhile goes out between two slices, not after the whole batch. The large
+    # batch's runs continue across slices: it is stored, judged and acknowledged as if it had
+    # been applied at once, and its group waits for its last slice.
+    store = Store(str(tmp_path / "audit.db"))
+    writer = HeldWriter(store)
+    daemon = server.Daemon(store, writer=writer)
+    small: list[svc.DaemonMessage] = []
+    big: list[svc.DaemonMessage] = []
+    applied_at_small_ack: list[int] = []
+    log = EventLog()
+    log.add("b1", "pool", pool=0, role="colocated", page_size=16, num_pages=64)
+    for i in range(120):  # findings among the first slices (runs cut short), then one long run
+        req, page = f"b1-r{i}", [i % 64]
+        log.add("b1", "alloc", req=req, pool=0, pages=page)
+        log.add("b1", "read", reads=[{"req": req, "pool": 0, "pages": page, "tokens": 16}])
+        log.add("b1", "free", req=req, pool=0, pages=page)
+    for i in range(400):
+        log.add("b1", "alloc", req=f"b1-c{i}", pool=0, pages=[i % 64])
+        log.add("b1", "free", req=f"b1-c{i}", pool=0, pages=[i % 64])
+    events = log.lines
+    assert len(events) > 3 * server.APPLY_SLICE
+
+    def on_small(msg: svc.DaemonMessage) -> None:
+        if msg.WhichOneof("body") == "ack":
+            applied_at_small_ack.append(daemon.ledger.nodes["b1"].last_seq)
+        small.append(msg)
+
+    try:
+        assert daemon.connect("s1", small.append) and daemon.connect("b1", big.append)
+        ingest(daemon, "s1", stale_reads("s1", 1), on_small)
+        deadline = time.monotonic() + 10
+        while not small and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert writer.held is not None and len(writer.held) == 1  # s1's group, held
+
+        def big_then_release() -> None:  # in one step: the commit is reported mid-batch
+            message = svc.AgentMessage(batch=svc.EventBatch(events=events))
+            daemon.ingest(server.Batch("b1", message.batch.events, message.SerializeToString(), big.append))
+            writer.release()
+
+        daemon.loop.call_soon_threadsafe(big_then_release)
+        while (not big or big[-1].WhichOneof("body") != "ack") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert applied_at_small_ack and 0 < applied_at_small_ack[0] < len(events)
+        assert [m.ack.accepted for m in big if m.WhichOneof("body") == "ack"] == [len(events)]
+        assert [m.command.kill.req for m in big if m.WhichOneof("body") == "command"] == [
+            f"b1-r{i}" for i in range(120)
+        ]
+        assert [len(messages) for messages in writer.committed] == [1, 1]  # s1, then b1 whole
+        stored = [e for e in store.events() if e.node == "b1"]
+        assert stored == events
+        assert store.count("finding") == 121 and store.verify()[0]
+    finally:
+        writer.release()
+        daemon.close()
+        store.close()
