@@ -10,10 +10,12 @@ verdict.
 
 Where a batch goes: everything of the daemon runs on one asyncio event loop, in one thread
 (the gRPC streams too), so a batch never waits for another thread to be woken or for the GIL:
-the stream parses it and applies it to the ledger at once, and each command goes out as soon
-as it is ordered; the batch's rows join the next group; a store-writer process commits one
-group at a time (on another core) while the batches that arrive meanwhile make up the next
-(group commit); the loop reads each commit's report and sends its alerts and acks.
+the stream parses it and queues it, and the loop applies the queued batches to the ledger in
+arrival order, one step (at most APPLY_SLICE events) at a time with whatever became ready in
+between, so deliveries never wait behind a queue of batches; each command goes out as soon as
+it is ordered; the batch's rows join the next group; a store-writer process commits one group
+at a time (on another core) while the batches that arrive meanwhile make up the next (group
+commit); the loop reads each commit's report and sends its alerts and acks.
 
 Invariants: an acknowledged event is durable, and an alert's cursor names a durable record;
 (node, seq) is applied and stored at most once; a store failure after the ledger moved on

@@ -34,6 +34,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -54,6 +56,8 @@ ROLES = ("prefill", "decode", "colocated")
 STAGES = ("prefill", "decode")
 STATUSES = ("done", "failed", "refused")  # refused: the receiver kept the KV out of its pages
 ENDED = ("rejected", "aborted", "killed")
+_ENDED_STATES = frozenset(ENDED)
+_STATE = attrgetter("state")
 # Compared for config drift: not where the pages lie (a restarted engine registers new memory).
 _POOL_FIELDS = tuple(
     f.name for f in pb.PoolReport.DESCRIPTOR.fields if f.name not in ("pool", "source", "regions")
@@ -1144,7 +1148,8 @@ class Ledger:
     def reader_indices(self, reqs: Sequence[str]) -> np.ndarray:
         """The ledger's index of each request (NOBODY for one it does not know): what the
         page tags name."""
-        return np.array([self._req_index.get(r, NOBODY) for r in reqs], dtype=np.int32)
+        # map() over dict.get: the per-request loop runs in C (a decode batch, every step)
+        return np.fromiter(map(self._req_index.get, reqs, repeat(NOBODY)), np.int32, len(reqs))
 
     def clean_given_tags(
         self, readers: np.ndarray, tags_clean: np.ndarray, reads_nothing: np.ndarray
@@ -1152,8 +1157,9 @@ class Ledger:
         """batch_clean's answer from the tag check's (on the host or the GPU): a request that
         was rejected, aborted or killed may not attend, whatever its pages hold; one that
         reads nothing is clean."""
-        requests = self.requests  # a reader's index is a known request's, or NOBODY's stand-in
-        ended = np.array([requests[r].state in ENDED for r in readers.tolist()], dtype=bool)  # type: ignore[union-attr]
+        # A reader's index is a known request's, or NOBODY's stand-in; the loop runs in C.
+        states = map(_STATE, map(self.requests.__getitem__, readers.tolist()))
+        ended = np.fromiter(map(_ENDED_STATES.__contains__, states), bool, len(readers))
         return (tags_clean & ~ended) | reads_nothing
 
     def writable(self, node: str, pool: int, req: str, pages: Sequence[int]) -> bool:
