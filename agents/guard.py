@@ -121,9 +121,10 @@ class Guard:
     def _clean_on_device(
         self, pool: int, reqs: Sequence[str], block_tables: Any, context_lens: Any
     ) -> np.ndarray:
-        """batch_clean's answer from the GPU: the pool's tags on the device (brought up to date
-        with the pages the events since the last step named, in one scatter) and one launch of
-        the tag-check kernel over the device's own block tables; one copy each way."""
+        """batch_clean's answer from the GPU: one launch of the tag-check kernel over the
+        device's own block tables, against the pool's tags on the device, which the same launch
+        first brings up to date with the pages the events since the last step named; one copy
+        each way."""
         from kvguard.cuda_hooks.kernels import DeviceTags
 
         pp = self.ledger.nodes[self.node].pools[pool].pages
