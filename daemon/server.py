@@ -236,7 +236,13 @@ class Daemon:
         self._apply_due = False
         if not self._inbox:
             return  # close() applied it already
-        if self._apply(self._inbox[0], self._next, APPLY_SLICE):
+        try:
+            whole = self._apply(self._inbox[0], self._next, APPLY_SLICE)
+        except Exception as exc:  # a bug: the ledger may have moved past what the group holds
+            traceback.print_exc(file=sys.stderr)
+            self._store_failed(exc)  # stop; the restart rebuilds from the store
+            return
+        if whole:
             self._inbox.popleft()
         if self._inbox:
             self._apply_due = True

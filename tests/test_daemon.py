@@ -984,3 +984,41 @@ def test_a_large_batch_is_applied_in_slices_and_acks_go_out_between_them(tmp_pat
         writer.release()
         daemon.close()
         store.close()
+
+
+def test_a_bug_while_applying_stops_the_daemon_before_anything_is_acknowledged(tmp_path: Path) -> None:
+    # Fail safe: an exception out of a batch's apply (here the ruleset's) leaves the ledger
+    # ahead of what its group holds. The daemon stops (exit 70, as on a store failure) so
+    # that its restart rebuilds from the store; nothing of the batch was acknowledged.
+    script = """
+import sys, time
+from kvguard.daemon import server
+from kvguard.daemon.store import Store
+from kvguard.proto.builder import EventLog
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+class Broken:
+    def evaluate(self, finding):
+        raise RuntimeError("a bug in the ruleset")
+
+log = EventLog()
+log.add("n1", "pool", pool=0, role="colocated", page_size=16, num_pages=64)
+log.add("n1", "alloc", req="r1", pool=0, pages=[3])
+log.add("n1", "read", reads=[{"req": "r1", "pool": 0, "pages": [3], "tokens": 16}])
+daemon = server.Daemon(Store(sys.argv[1]), ruleset=Broken())
+message = svc.AgentMessage(batch=svc.EventBatch(events=log.lines))
+acked = []
+batch = server.Batch("n1", message.batch.events, message.SerializeToString(), acked.append)
+daemon.loop.call_soon_threadsafe(daemon.ingest, batch)
+time.sleep(20)
+print("still running; acked:", acked)
+"""
+    where = str(tmp_path / "audit.db")
+    done = subprocess.run([sys.executable, "-c", script, where], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 70, done.stdout + done.stderr
+    assert "a bug in the ruleset" in done.stderr and "stopping" in done.stderr
+    store = Store(where)
+    try:
+        assert store.count() == 0 and store.verify()[0]
+    finally:
+        store.close()
