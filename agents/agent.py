@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import socket
 import struct
@@ -50,6 +51,15 @@ _LEN = struct.Struct(">I")
 AGENT = "kvguard-agent"  # how the agent names itself to the daemon
 WITNESS = "ebpf"  # a node's witness reports as node/ebpf: its own sequence, beside the guard's
 SHIM = "shim"  # and its engine's LD_PRELOAD shim as node/shim
+IN_FLIGHT = 4  # batches a node's stream sends ahead of their acks (the daemon takes 8)
+# A batch goes ahead of an ack once AHEAD_MIN events wait, or the oldest has waited
+# AHEAD_AFTER_S: a stalled commit (a slow disk) then holds no event, so no kill, for longer
+# than that, while under load sends stay as large as with one batch in flight (a message per
+# few events costs the daemon more than it saves: `bench/ingest.py --paced-as agent` at 2 M
+# page transitions/s gave alert p99 ~100 ms sending at once and ~70-110 ms with a 5 ms wait,
+# against ~40 with one batch in flight and with these values).
+AHEAD_MIN = 64
+AHEAD_AFTER_S = 0.05
 
 
 class Spool:
@@ -59,7 +69,9 @@ class Spool:
         self.path = directory / f"{quote(node, safe='')}.spool"  # a probe's source is node/probe
         self.pending: deque[pb.Event] = deque()
         self.bodies: deque[bytes] = deque()  # each pending event serialized: sent and spooled as is
+        self.arrived: deque[float] = deque()  # when each pending event reached the spool (monotonic)
         self.cond = threading.Condition()
+        self._woken = False  # wake() was called since the last take()
         self._trimmed = 0
         if self.path.exists():
             data = self.path.read_bytes()
@@ -71,6 +83,7 @@ class Spool:
                 body = data[offset + _LEN.size : offset + _LEN.size + n]
                 self.pending.append(pb.Event.FromString(body))
                 self.bodies.append(body)
+                self.arrived.append(0.0)  # from before a restart: long waiting
                 offset += _LEN.size + n
         self._file = self.path.open("ab")
 
@@ -85,26 +98,67 @@ class Spool:
             os.fsync(self._file.fileno())
             self.pending.extend(events)
             self.bodies.extend(bodies)
+            self.arrived.extend([time.monotonic()] * len(bodies))
             self.cond.notify_all()
 
-    def take(self, limit: int, max_bytes: int, timeout: float) -> tuple[list[pb.Event], list[bytes]]:
-        """The oldest unacknowledged events and their bytes, at most `limit` of them and
-        `max_bytes` of bytes (but always the first), waiting up to `timeout` for one."""
+    def take(
+        self, limit: int, max_bytes: int, timeout: float, after: int = 0, ahead: bool = False
+    ) -> tuple[list[pb.Event], list[bytes]]:
+        """The oldest unacknowledged events numbered after `after` (those up to it are sent
+        and not yet acknowledged) and their bytes, at most `limit` of them and `max_bytes` of
+        bytes (but always the first), waiting up to `timeout` for one or for wake(). `ahead`
+        (they would go ahead of an ack): only once AHEAD_MIN events wait or the oldest of
+        them has waited AHEAD_AFTER_S; else none."""
+        deadline = time.monotonic() + timeout
         with self.cond:
-            if not self.pending:
-                self.cond.wait(timeout)
+            while True:
+                skip = self._sent(after)
+                waiting = len(self.pending) - skip
+                now = time.monotonic()
+                due = waiting and (not ahead or waiting >= AHEAD_MIN)
+                if waiting and not due:  # going ahead of an ack: a few may wait a little
+                    old = self.arrived[skip] + AHEAD_AFTER_S
+                    due = now >= old
+                    wait = min(deadline, old) - now
+                else:
+                    wait = deadline - now
+                if due or self._woken or wait <= 0:
+                    break
+                self.cond.wait(wait)
+            self._woken = False
+            if not due:
+                return [], []
             n = total = 0
-            for body in self.bodies:
+            for body in itertools.islice(self.bodies, skip, None):
                 if n == limit or (n and total + len(body) > max_bytes):
                     break
                 n, total = n + 1, total + len(body)
-            return [self.pending[i] for i in range(n)], [self.bodies[i] for i in range(n)]
+            return (
+                list(itertools.islice(self.pending, skip, skip + n)),
+                list(itertools.islice(self.bodies, skip, skip + n)),
+            )
+
+    def _sent(self, after: int) -> int:
+        """How many pending events are numbered up to `after` (a prefix: numbers increase)."""
+        n = 0
+        for event in self.pending:
+            if event.seq > after:
+                break
+            n += 1
+        return n
+
+    def wake(self) -> None:
+        """End a take() that is waiting (an ack came: the sender has work besides sending)."""
+        with self.cond:
+            self._woken = True
+            self.cond.notify_all()
 
     def ack(self, durable_seq: int, rejected: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         with self.cond:
             while self.pending and (self.pending[0].seq <= durable_seq or self.pending[0].seq in rejected):
                 self.pending.popleft()
                 self.bodies.popleft()
+                self.arrived.popleft()
                 self._trimmed += 1
             if not self.pending:
                 self._file.truncate(0)
@@ -336,20 +390,47 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ spool -> daemon
 
+    def _acknowledged(self, node: str, spool: Spool, batch: list[pb.Event], ack: svc.Ack | None) -> None:
+        """The daemon settled a whole batch (stored it, had it, or refused it for good)."""
+        assert ack is not None
+        rejected = {r.seq for r in ack.rejected}
+        for r in ack.rejected:
+            print(f"kvguard agent: the daemon refused {node} seq {r.seq}: {r.reason}", file=sys.stderr)
+        self.counters["rejected"] += len(rejected)
+        self.counters["acked"] += ack.accepted + ack.repeats
+        spool.ack(max(ack.durable_seq, batch[-1].seq), rejected)
+
     def _upstream(self, node: str, spool: Spool) -> None:
+        """The node's spool to the daemon: up to IN_FLIGHT batches sent ahead of their acks
+        (see AHEAD_MIN), so events the engine reports while a batch commits need
+        not wait for that commit; each ack (in order) trims the spool. After a reconnect,
+        everything not acknowledged is sent again (the daemon counts what it already has as
+        repeats)."""
         delay = 0.1
         while not self.stopping.is_set():
             stream = None
             try:
                 relay = functools.partial(self._relay, node)  # commands go to the guard as they come
-                stream = AgentStream(self._channel, node, AGENT, on_command=relay)
+                stream = AgentStream(self._channel, node, AGENT, on_command=relay, on_ack=spool.wake)
                 spool.ack(stream.durable_seq)
                 delay = 0.1
+                in_flight: deque[list[pb.Event]] = deque()  # sent, not acknowledged, oldest first
                 while not self.stopping.is_set():
-                    batch, bodies = spool.take(self.batch, MAX_BATCH_BYTES, timeout=0.2)
+                    full = len(in_flight) >= IN_FLIGHT
+                    ack = stream.next_ack(timeout=0.2 if full else 0) if in_flight else None
+                    if ack is not None:
+                        self._acknowledged(node, spool, in_flight.popleft(), ack)
+                        continue
+                    if full:
+                        continue
+                    after = in_flight[-1][-1].seq if in_flight else 0
+                    batch, bodies = spool.take(self.batch, MAX_BATCH_BYTES, 0.2, after, bool(in_flight))
                     if not batch:
                         continue
                     if len(batch) == 1 and len(bodies[0]) > MAX_MESSAGE - 64:
+                        if in_flight:  # dropped only at the spool's head: after what is in flight
+                            self._acknowledged(node, spool, in_flight.popleft(), stream.next_ack())
+                            continue
                         # The daemon would refuse the message, and the agent resend it, forever.
                         print(
                             f"kvguard agent: {node} seq {batch[0].seq} is {len(bodies[0])} bytes, over "
@@ -359,17 +440,8 @@ class NodeAgent:
                         self.counters["oversized"] += 1
                         spool.ack(0, {batch[0].seq})
                         continue
-                    ack = stream.send_serialized(bodies)
-                    rejected = {r.seq for r in ack.rejected}
-                    for r in ack.rejected:
-                        print(
-                            f"kvguard agent: the daemon refused {node} seq {r.seq}: {r.reason}",
-                            file=sys.stderr,
-                        )
-                    self.counters["rejected"] += len(rejected)
-                    self.counters["acked"] += ack.accepted + ack.repeats
-                    # The daemon settled the whole batch (stored, had it, or refused it for good).
-                    spool.ack(max(ack.durable_seq, batch[-1].seq), rejected)
+                    stream.post(bodies)
+                    in_flight.append(batch)
             except (grpc.RpcError, DaemonRefused) as exc:
                 self.counters["reconnects"] += 1
                 detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)

@@ -39,11 +39,13 @@ fixed rate of page transitions and measure latency from the scheduled time: the 
 is sent on its own schedule, as one engine step's events (an engine reports a step's
 allocations, writes and attention reads together when the step ends; at the goal rate with
 64-page requests each node sends ~30 such steps a second); latency runs from the step's
-send. --paced-as agent instead spreads the events evenly in time and sends, whenever the
-last ack is back, every event due by then, as the node agent sends its spool; latency runs
-from each event's own time. That is the harder case: a send per few events, so the
-per-message cost (gRPC, one commit) dominates. --py-spy DIR records the daemon with
-`py-spy record --gil` (samples of the thread holding the GIL: where its Python time goes).
+send. --paced-as agent instead spreads the events evenly in time and sends every event due
+by then as the node agent sends its spool: when no batch waits for its ack, or ahead of the
+acks (up to its IN_FLIGHT batches) once AHEAD_MIN events are due or the oldest has waited
+AHEAD_AFTER_S; latency runs from each event's own time. That is the harder case: a send per
+few events, so the per-message cost (gRPC, one commit) dominates. --py-spy DIR records the
+daemon with `py-spy record --gil` (samples of the thread holding the GIL: where its Python
+time goes).
 
 Machines are shared and noisy: compare the ratio (daemon / floor, measured side by side in
 one run), not absolute rates.
@@ -66,6 +68,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -75,6 +78,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from kvguard.agents.agent import AHEAD_AFTER_S, AHEAD_MIN, IN_FLIGHT
 from kvguard.daemon.client import MAX_MESSAGE, AgentStream
 from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
@@ -358,8 +362,9 @@ def drive(
     transitions per second, each batch on its schedule; latencies then run from the batch's
     scheduled time, so an agent that falls behind counts the wait too. Paced `as_agent`: each
     event has its own scheduled time (when the engine produced it), and each send carries
-    every event due by then, as the node agent sends what its spool holds when the last ack
-    comes back (at most AGENT_BATCH events); latencies run from the oldest event's time."""
+    every event due by then (at most AGENT_BATCH), as the node agent sends what its spool
+    holds (ahead of the acks, up to its IN_FLIGHT batches, by its AHEAD_MIN/AHEAD_AFTER_S
+    rule); latencies run from the oldest event's time."""
     run = Run()
     per_agent = paced / len(workloads)
     lock = threading.Lock()
@@ -402,10 +407,26 @@ def drive(
         offset = k / len(workloads) * max(w.transitions) / per_agent  # agents do not start in step
         due = started[0] + offset + np.cumsum(moved) / per_agent
         acks: list[float] = []
+        in_flight: deque[tuple[int, int]] = deque()  # sent, not yet acknowledged, as the node agent
         i = events = transitions = planted = 0
-        while i < len(bodies):
+        while i < len(bodies) or in_flight:
             now = time.perf_counter()
-            if now >= deadline:
+            sending = i < len(bodies) and now < deadline
+            ready = int(np.searchsorted(due, now, side="right")) - i if sending else 0
+            ahead = ready >= AHEAD_MIN or (ready > 0 and now - due[i] >= AHEAD_AFTER_S)
+            if in_flight and (len(in_flight) >= IN_FLIGHT or not sending or not ahead):
+                wait = None  # an ack, or the time events may go ahead of it (the node agent's rule)
+                if sending and len(in_flight) < IN_FLIGHT:
+                    wait = max(1e-4, min(due[min(i + AHEAD_MIN, len(due)) - 1], due[i] + AHEAD_AFTER_S) - now)
+                ack = stream.next_ack(timeout=wait)
+                if ack is not None:
+                    a, b = in_flight.popleft()
+                    acks.append(time.perf_counter() - float(due[a]))
+                    check(ack, b - a)
+                    events += b - a
+                    transitions += int(moved[a:b].sum())
+                continue
+            if not sending:
                 break
             if due[i] > now:
                 time.sleep(due[i] - now)
@@ -415,11 +436,8 @@ def drive(
                 if at in reads:
                     sent_at[reads[at]] = float(due[at])
                     planted += 1
-            ack = stream.send_serialized(bodies[i:j])
-            acks.append(time.perf_counter() - float(due[i]))
-            check(ack, j - i)
-            events += j - i
-            transitions += int(moved[i:j].sum())
+            stream.post(bodies[i:j])
+            in_flight.append((i, j))
             i = j
         return events, transitions, planted, acks
 

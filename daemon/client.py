@@ -1,10 +1,11 @@
 """Talking to the daemon as an agent does: one stream per node, batches in, acks back.
 
 `AgentStream.send()` returns only when the daemon has acknowledged the batch, i.e. when it
-is durable. Commands (kill, quarantine) are handed over the moment they arrive, to the
-stream's `on_command` (the agent relays them to the guard at once) or else kept in
-`commands`: the daemon sends a command before the commit of the batch that caused it, and a
-command may also come while no batch is in flight.
+is durable; `post()` and `next_ack()` let a sender keep several batches in flight (the
+daemon takes up to 8 a stream and acknowledges them in order). Commands (kill, quarantine)
+are handed over the moment they arrive, to the stream's `on_command` (the agent relays them
+to the guard at once) or else kept in `commands`: the daemon sends a command before the
+commit of the batch that caused it, and a command may also come while no batch is in flight.
 `send_capture()` is `kvguard replay CAPTURE --to ADDR`: it keeps the capture's global order
 across nodes by sending each run of one node's events as a batch and waiting for its ack
 before the next.
@@ -42,8 +43,10 @@ class AgentStream:
         node: str,
         agent_version: str = "kvguard",
         on_command: Callable[[svc.Command], None] | None = None,
+        on_ack: Callable[[], None] | None = None,
     ) -> None:
         self.node = node
+        self._on_ack = on_ack  # told (on the reader thread) each time an ack is queued
         self._out: queue.Queue[bytes | None] = queue.Queue()
         # Requests go as bytes: a batch is each event serialized into a RawAgentMessage (the
         # same bytes on the wire as an AgentMessage), which skips copying every event into a
@@ -70,6 +73,8 @@ class AgentStream:
                 body = msg.WhichOneof("body")
                 if body == "ack":
                     self._acks.put(msg.ack)
+                    if self._on_ack is not None:
+                        self._on_ack()
                 elif body == "command":
                     try:
                         self._on_command(msg.command)
@@ -81,6 +86,8 @@ class AgentStream:
         except grpc.RpcError as exc:
             end = exc
         self._acks.put(end)
+        if self._on_ack is not None:
+            self._on_ack()
 
     def _next_ack(self) -> svc.Ack:
         ack = self._acks.get()
@@ -89,14 +96,31 @@ class AgentStream:
             raise ack
         return ack
 
+    def next_ack(self, timeout: float | None = None) -> svc.Ack | None:
+        """The ack of the oldest batch posted and not yet acknowledged (None if none came
+        within `timeout`); raises once the stream is over."""
+        try:
+            ack = self._acks.get(timeout=timeout) if timeout != 0 else self._acks.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(ack, Exception):
+            self._acks.put(ack)
+            raise ack
+        self.durable_seq = ack.durable_seq
+        return ack
+
+    def post(self, bodies: list[bytes]) -> None:
+        """Send a batch of serialized events without waiting for its ack (see next_ack)."""
+        self._out.put(svc.RawAgentMessage(batch=svc.RawEventBatch(events=bodies)).SerializeToString())
+
     def send(self, events: Iterable[pb.Event]) -> svc.Ack:
         return self.send_serialized([e.SerializeToString() for e in events])
 
     def send_serialized(self, bodies: list[bytes]) -> svc.Ack:
         """send() for events that are serialized already (the agent's spool keeps them so)."""
-        self._out.put(svc.RawAgentMessage(batch=svc.RawEventBatch(events=bodies)).SerializeToString())
-        ack = self._next_ack()
-        self.durable_seq = ack.durable_seq
+        self.post(bodies)
+        ack = self.next_ack()
+        assert ack is not None
         return ack
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,10 +20,12 @@ from kvguard.agents.agent import NodeAgent, Spool
 from kvguard.agents.guard import Guard
 from kvguard.agents.local import MAX_FRAME, send_frame
 from kvguard.agents.sink import AgentSink
+from kvguard.daemon import server
 from kvguard.daemon.process import Service
 from kvguard.daemon.process import start_agent as agent_service
 from kvguard.daemon.process import start_daemon as daemon_service
 from kvguard.daemon.store import Store
+from kvguard.daemon.writer import InlineWriter
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.ruleset import load_ruleset
@@ -191,8 +194,21 @@ def test_the_spool_hands_out_batches_by_count_and_by_bytes(tmp_path: Path) -> No
     sizes = [e.ByteSize() for e in events]
     assert [e.seq for e in spool.take(10, sizes[0] + sizes[1], timeout=0)[0]] == [1, 2]
     assert [e.seq for e in spool.take(2, 1 << 20, timeout=0)[0]] == [1, 2]
+    # Sent ahead of their acks: the next take starts after the last event sent.
+    assert [e.seq for e in spool.take(2, 1 << 20, timeout=0, after=2)[0]] == [3, 4]
     spool.ack(3)
     assert [e.seq for e in spool.take(10, 100, timeout=0)[0]] == [4]  # alone, however big
+    # Nothing beyond what was sent: a take waits, until wake() (an ack came) ends it early.
+    threading.Timer(0.2, spool.wake).start()
+    started = time.monotonic()
+    assert spool.take(10, 1 << 20, timeout=30, after=5) == ([], [])
+    assert time.monotonic() - started < 10
+    # Ahead of an ack, a few events wait a little (AHEAD_AFTER_S), not for the ack.
+    spool.append([pb.Event(node="d0", seq=6, alloc=pb.Alloc(req="r6", pool=0, pages=[1]))])
+    assert spool.take(10, 1 << 20, timeout=0, after=5, ahead=True) == ([], [])
+    started = time.monotonic()
+    assert [e.seq for e in spool.take(10, 1 << 20, timeout=30, after=5, ahead=True)[0]] == [6]
+    assert time.monotonic() - started < 10
     spool.close()
     again = Spool(tmp_path, "d0")  # after a restart: the same sizes, from the file
     again.ack(3)  # what the daemon's hello says it has
@@ -238,3 +254,69 @@ def test_the_local_socket_refuses_bad_guards_and_keeps_serving(tmp_path: Path) -
     finally:
         agent.stop()
         daemon.stop()
+
+
+class _HeldWriter(InlineWriter):
+    """The daemon's store writer with every commit held until release(): a slow disk."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.held: list[tuple[Any, Any]] | None = []
+
+    def submit(self, messages: Any, parts: Any) -> None:
+        if self.held is None:
+            super().submit(messages, parts)
+        else:
+            self.held.append((messages, parts))
+
+    def release(self) -> None:
+        def go() -> None:
+            held, self.held = self.held, None
+            for messages, parts in held or []:
+                super(_HeldWriter, self).submit(messages, parts)
+
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(go)
+
+
+def test_the_agent_sends_on_while_a_batch_commits(tmp_path: Path) -> None:
+    # Events the engine reports while the agent's last batch is still committing go out
+    # without waiting for that commit (up to IN_FLIGHT batches ahead of their acks, once
+    # AHEAD_MIN events wait or the oldest has waited AHEAD_AFTER_S): here the disk holds every
+    # commit, and the daemon still judges the later leak and its kill reaches the guard. Once
+    # the disk moves, every event is stored once, in order, and the spool empties.
+    store = Store(str(tmp_path / "audit.db"))
+    writer = _HeldWriter(store)
+    daemon = server.Daemon(store, writer=writer)
+    grpc_server = server.Server(daemon, "127.0.0.1:0")
+    agent = NodeAgent(tmp_path / "agent.sock", f"127.0.0.1:{grpc_server.port}", tmp_path / "spool")
+    threading.Thread(target=agent.serve, daemon=True).start()
+    commands: list[svc.Command] = []
+    sink = AgentSink(tmp_path / "agent.sock", "d0", on_command=commands.append)
+    try:
+        guard = Guard("d0", mode="monitor", ruleset=RULES, sink=sink)  # the daemon decides here
+        guard.pool(0, "decode", page_size=16, num_pages=64, context_len=1024)
+        traffic(guard, 5)
+        assert sink.flush()
+        assert wait_for(lambda: writer.held is not None and len(writer.held) >= 1)
+        guard.admit("a1", "acme", 16, "decode")
+        guard.alloc("a1", 0, [40])
+        guard.write("a1", 0, [40])
+        guard.free("a1", 0, [40])
+        guard.admit("g1", "globex", 16, "decode")
+        guard.alloc("g1", 0, [40])
+        guard.check_attention(0, ["g1"], np.array([[40]]), np.array([16]))
+        assert sink.flush()
+        assert wait_for(lambda: any(c.kill.req == "g1" for c in commands))
+        assert store.count() == 0 and agent.counters["acked"] == 0  # nothing durable yet
+        writer.release()
+        assert wait_for(lambda: agent.counters["acked"] == guard._seq)
+        assert [e.seq for e in stored(str(tmp_path / "audit.db"))] == list(range(1, guard._seq + 1))
+        assert wait_for(lambda: not agent.spools["d0"].pending)
+    finally:
+        sink.close()
+        agent.stop()
+        grpc_server.stop(1)
+        writer.release()
+        daemon.close()
+        store.close()
