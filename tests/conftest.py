@@ -11,13 +11,16 @@ from __future__ import annotations
 import os
 import subprocess
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
+
+from kvguard.daemon.store import EventRun, Record, Store
+from kvguard.daemon.writer import InlineWriter
 
 PG = os.environ.get("KVGUARD_TEST_PG", "postgresql+psycopg://kvguard:kvguard@127.0.0.1:5432/kvguard_test")
 
@@ -88,3 +91,37 @@ def cuda_runtime() -> Path:
 def build_copier() -> Callable[[Path, Path], Path]:
     """(folder, the runtime's folder) -> the copier library built there against that runtime."""
     return lambda out, runtime: compile_library(out, "libcopier.so", COPIER, (runtime, "libcudart.so.12"))
+
+
+class HeldWriter(InlineWriter):
+    """The daemon's store writer with its commits held back until release(): a slow disk."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.held: list[tuple[Sequence[bytes], Sequence[Record | EventRun]]] | None = []
+        self.committed: list[Sequence[bytes]] = []  # each group's batches, as committed
+
+    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
+        if self.held is None:
+            self.committed.append(messages)
+            super().submit(messages, parts)
+        else:
+            self.held.append((messages, parts))
+
+    def release(self) -> None:
+        """Commit what was held, and from now on each group as it comes (thread-safe)."""
+
+        def go() -> None:
+            held, self.held = self.held, None
+            for messages, parts in held or []:
+                self.committed.append(messages)
+                super(HeldWriter, self).submit(messages, parts)
+
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(go)
+
+
+@pytest.fixture
+def held_writer() -> type[InlineWriter]:
+    """HeldWriter (tests cannot import conftest): `held_writer(store)` makes one."""
+    return HeldWriter

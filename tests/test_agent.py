@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -81,6 +80,18 @@ def traffic(guard: Guard, n: int, start: int = 0) -> None:
         guard.free(req, 0, pages)
 
 
+def leak(guard: Guard) -> None:
+    """A leak a monitor-mode guard lets through: globex's g1 attends to page 40, which holds
+    acme's a1's KV (a stale read, which the daemon answers with a kill of g1)."""
+    guard.admit("a1", "acme", 16, "decode")
+    guard.alloc("a1", 0, [40])
+    guard.write("a1", 0, [40])
+    guard.free("a1", 0, [40])
+    guard.admit("g1", "globex", 16, "decode")
+    guard.alloc("g1", 0, [40])
+    guard.check_attention(0, ["g1"], np.array([[40]]), np.array([16]))
+
+
 def test_events_reach_the_store_and_kills_reach_the_guard(tmp_path: Path, cluster) -> None:  # type: ignore[no-untyped-def]
     store, _, _, _ = cluster
     commands: list[svc.Command] = []
@@ -89,13 +100,7 @@ def test_events_reach_the_store_and_kills_reach_the_guard(tmp_path: Path, cluste
     guard.pool(0, "decode", page_size=16, num_pages=64, context_len=1024)
     traffic(guard, 20)
     # A leak the monitor-mode guard lets through: the daemon's verdict comes back as a kill.
-    guard.admit("a1", "acme", 16, "decode")
-    guard.alloc("a1", 0, [40])
-    guard.write("a1", 0, [40])
-    guard.free("a1", 0, [40])
-    guard.admit("g1", "globex", 16, "decode")
-    guard.alloc("g1", 0, [40])
-    guard.check_attention(0, ["g1"], np.array([[40]]), np.array([16]))
+    leak(guard)  # g1 reads page 40, which holds a1's KV
     assert sink.flush()
     assert wait_for(lambda: len(stored(store)) == guard._seq)
     assert [e.seq for e in stored(store)] == list(range(1, guard._seq + 1))
@@ -256,37 +261,14 @@ def test_the_local_socket_refuses_bad_guards_and_keeps_serving(tmp_path: Path) -
         daemon.stop()
 
 
-class _HeldWriter(InlineWriter):
-    """The daemon's store writer with every commit held until release(): a slow disk."""
-
-    def __init__(self, store: Store) -> None:
-        super().__init__(store)
-        self.held: list[tuple[Any, Any]] | None = []
-
-    def submit(self, messages: Any, parts: Any) -> None:
-        if self.held is None:
-            super().submit(messages, parts)
-        else:
-            self.held.append((messages, parts))
-
-    def release(self) -> None:
-        def go() -> None:
-            held, self.held = self.held, None
-            for messages, parts in held or []:
-                super(_HeldWriter, self).submit(messages, parts)
-
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(go)
-
-
-def test_the_agent_sends_on_while_a_batch_commits(tmp_path: Path) -> None:
+def test_the_agent_sends_on_while_a_batch_commits(tmp_path: Path, held_writer: type[InlineWriter]) -> None:
     # Events the engine reports while the agent's last batch is still committing go out
     # without waiting for that commit (up to IN_FLIGHT batches ahead of their acks, once
     # AHEAD_MIN events wait or the oldest has waited AHEAD_AFTER_S): here the disk holds every
     # commit, and the daemon still judges the later leak and its kill reaches the guard. Once
     # the disk moves, every event is stored once, in order, and the spool empties.
     store = Store(str(tmp_path / "audit.db"))
-    writer = _HeldWriter(store)
+    writer = held_writer(store)
     daemon = server.Daemon(store, writer=writer)
     grpc_server = server.Server(daemon, "127.0.0.1:0")
     agent = NodeAgent(tmp_path / "agent.sock", f"127.0.0.1:{grpc_server.port}", tmp_path / "spool")
@@ -299,13 +281,7 @@ def test_the_agent_sends_on_while_a_batch_commits(tmp_path: Path) -> None:
         traffic(guard, 5)
         assert sink.flush()
         assert wait_for(lambda: writer.held is not None and len(writer.held) >= 1)
-        guard.admit("a1", "acme", 16, "decode")
-        guard.alloc("a1", 0, [40])
-        guard.write("a1", 0, [40])
-        guard.free("a1", 0, [40])
-        guard.admit("g1", "globex", 16, "decode")
-        guard.alloc("g1", 0, [40])
-        guard.check_attention(0, ["g1"], np.array([[40]]), np.array([16]))
+        leak(guard)  # g1 reads page 40, which holds a1's KV
         assert sink.flush()
         assert wait_for(lambda: any(c.kill.req == "g1" for c in commands))
         assert store.count() == 0 and agent.counters["acked"] == 0  # nothing durable yet

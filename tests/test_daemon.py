@@ -561,40 +561,14 @@ def test_a_kill_ordered_while_its_node_is_away_reaches_its_next_stream(tmp_path:
         store.close()
 
 
-class HeldWriter(InlineWriter):
-    """The store's writer with its commits held back until release(): a slow disk."""
-
-    def __init__(self, store: Store) -> None:
-        super().__init__(store)
-        self.held: list[tuple[Sequence[bytes], Sequence[Record | EventRun]]] | None = []
-        self.committed: list[Sequence[bytes]] = []  # each group's batches, as committed
-
-    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
-        if self.held is None:
-            self.committed.append(messages)
-            super().submit(messages, parts)
-        else:
-            self.held.append((messages, parts))
-
-    def release(self) -> None:
-        """Commit what was held, and from now on each group as it comes (thread-safe)."""
-
-        def go() -> None:
-            held, self.held = self.held, None
-            for messages, parts in held or []:
-                self.committed.append(messages)
-                super(HeldWriter, self).submit(messages, parts)
-
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(go)
-
-
-def test_batches_that_arrive_while_a_group_commits_are_committed_together_next(tmp_path: Path) -> None:
+def test_batches_that_arrive_while_a_group_commits_are_committed_together_next(
+    tmp_path: Path, held_writer: type[InlineWriter]
+) -> None:
     # Group commit: one group at a time goes to the writer; whatever the streams deliver
     # meanwhile is applied at once (its kills go out) and committed as the next group, in
     # one transaction, its alerts' cursors and acks following that commit.
     store = Store(str(tmp_path / "audit.db"))
-    writer = HeldWriter(store)
+    writer = held_writer(store)
     daemon = server.Daemon(store, writer=writer)
     sent: dict[str, list[svc.DaemonMessage]] = {n: [] for n in ("g1", "g2", "g3")}
     try:
@@ -626,12 +600,12 @@ def test_batches_that_arrive_while_a_group_commits_are_committed_together_next(t
         store.close()
 
 
-def test_a_kill_does_not_wait_for_the_disk(tmp_path: Path) -> None:
+def test_a_kill_does_not_wait_for_the_disk(tmp_path: Path, held_writer: type[InlineWriter]) -> None:
     # The read is a leak in progress: the kill goes out as soon as the ledger has judged it.
     # Its alert and the batch's ack wait for the commit (an alert's cursor names a durable
     # record), and the command is stored with them.
     store = Store(str(tmp_path / "audit.db"))
-    writer = HeldWriter(store)
+    writer = held_writer(store)
     daemon = server.Daemon(store, writer=writer)
     sent: list[svc.DaemonMessage] = []
     try:
@@ -754,12 +728,12 @@ def test_a_node_may_open_a_new_stream_once_its_last_one_ended(daemon: Service) -
         second.close()
 
 
-def test_a_new_stream_is_told_only_what_is_durable(tmp_path: Path) -> None:
+def test_a_new_stream_is_told_only_what_is_durable(tmp_path: Path, held_writer: type[InlineWriter]) -> None:
     # The hello's ack tells an agent what it may drop from its spool: what the store holds,
     # not what the ledger has applied. (A stream's own batches are durable before it lets its
     # node go, but a stream the server cancels does not wait for that.)
     store = Store(str(tmp_path / "audit.db"))
-    writer = HeldWriter(store)
+    writer = held_writer(store)
     daemon = server.Daemon(store, writer=writer)
     grpc_server = server.serve(daemon, "127.0.0.1:0")
     events = stale_reads("p9", 2)
@@ -926,13 +900,15 @@ def test_a_crash_replays_only_what_came_after_the_last_periodic_snapshot(store_u
     assert facts(stored_findings(store_url)) == facts(local_findings())
 
 
-def test_a_large_batch_is_applied_in_slices_and_acks_go_out_between_them(tmp_path: Path) -> None:
+def test_a_large_batch_is_applied_in_slices_and_acks_go_out_between_them(
+    tmp_path: Path, held_writer: type[InlineWriter]
+) -> None:
     # A batch larger than APPLY_SLICE is applied a slice per step of the loop: an ack that
     # became due meanwhile goes out between two slices, not after the whole batch. The large
     # batch's runs continue across slices: it is stored, judged and acknowledged as if it had
     # been applied at once, and its group waits for its last slice.
     store = Store(str(tmp_path / "audit.db"))
-    writer = HeldWriter(store)
+    writer = held_writer(store)
     daemon = server.Daemon(store, writer=writer)
     small: list[svc.DaemonMessage] = []
     big: list[svc.DaemonMessage] = []
