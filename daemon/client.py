@@ -63,7 +63,8 @@ class AgentStream:
         threading.Thread(target=self._read, name=f"kvguard-stream-{node}", daemon=True).start()
         hello = svc.AgentMessage(hello=svc.Hello(node=node, agent_version=agent_version))
         self._out.put(hello.SerializeToString())
-        self.durable_seq = self._next_ack().durable_seq  # what the daemon already has of this node
+        self.durable_seq = 0  # what the daemon has of this node: the hello's ack says, then each ack
+        self.next_ack()  # no timeout: the hello's ack, or the stream's end (raised)
 
     def _read(self) -> None:
         """The daemon's messages as they arrive: commands handed over, acks queued for send()."""
@@ -89,22 +90,15 @@ class AgentStream:
         if self._on_ack is not None:
             self._on_ack()
 
-    def _next_ack(self) -> svc.Ack:
-        ack = self._acks.get()
-        if isinstance(ack, Exception):
-            self._acks.put(ack)  # the stream is over: every later send() fails the same way
-            raise ack
-        return ack
-
     def next_ack(self, timeout: float | None = None) -> svc.Ack | None:
         """The ack of the oldest batch posted and not yet acknowledged (None if none came
-        within `timeout`); raises once the stream is over."""
+        within `timeout`; 0: only one already here); raises once the stream is over."""
         try:
-            ack = self._acks.get(timeout=timeout) if timeout != 0 else self._acks.get_nowait()
+            ack = self._acks.get(timeout=timeout)
         except queue.Empty:
             return None
         if isinstance(ack, Exception):
-            self._acks.put(ack)
+            self._acks.put(ack)  # the stream is over: every later call fails the same way
             raise ack
         self.durable_seq = ack.durable_seq
         return ack
