@@ -1,7 +1,8 @@
-/* The ledger's hot path in C: an event's page list checked and converted in one pass, and
- * the page updates of the events every request makes (grant, write, free) and the check
- * before attention, each one loop over the event's pages instead of several NumPy calls
- * (each costs ~0.5 us of dispatch; a loop over 64 pages costs less than one of them).
+/* The ledger's hot path in C: the events every request makes read from their bytes (creating
+ * protobuf's objects for them costs more than applying them), an event's page list checked
+ * and converted in one pass, and the page updates of those events (grant, write, free) and
+ * the check before attention, each one loop over the event's pages instead of several NumPy
+ * calls (each costs ~0.5 us of dispatch; a loop over 64 pages costs less than one of them).
  *
  * Invariants: every page is checked against the arrays' bounds before anything changes.
  * An update first counts the pages that make the event more than the clean case (pages
@@ -181,17 +182,18 @@ bad:
     return -1;
 }
 
-/* page_list(message, field, num_pages, seen) -> intp array
+/* page_list(message, field, num_pages, seen[, start, end]) -> intp array
  * The page list of an event's payload, read from the payload serialized (`field`: the
- * number of its `repeated uint32 pages`): protobuf's own iteration makes a Python int of
- * every page, four times slower than serializing the message and decoding it here.
+ * number of its `repeated uint32 pages`), or from bytes [start, end) of `message` (where
+ * event_head found the payload): protobuf's own iteration makes a Python int of every page,
+ * four times slower than decoding them here.
  * IndexError(page) for a page outside [0, num_pages); with `seen` (a zeroed uint8 array of
  * num_pages, left zeroed), ValueError(page) for a page listed twice. */
 static PyObject *
 page_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (check_args(nargs, 4, "page_list") < 0)
+    if (nargs != 6 && check_args(nargs, 4, "page_list") < 0)
         return NULL;
     if (!PyBytes_Check(args[0]))
         return PyErr_Format(PyExc_TypeError, "page_list: bytes expected, got %.80s", Py_TYPE(args[0])->tp_name);
@@ -199,6 +201,13 @@ page_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t len = PyBytes_GET_SIZE(args[0]);
     uint64_t field = PyLong_AsUnsignedLongLong(args[1]);
     npy_intp n = PyLong_AsSsize_t(args[2]);
+    if (nargs == 6) { /* the message is bytes [start, end) of args[0] */
+        Py_ssize_t start = PyLong_AsSsize_t(args[4]), end = PyLong_AsSsize_t(args[5]);
+        if (!PyErr_Occurred() && (start < 0 || end < start || end > len))
+            PyErr_SetString(PyExc_ValueError, "page_list: [start, end) outside the bytes");
+        data += start;
+        len = end - start;
+    }
     if (PyErr_Occurred())
         return NULL;
     uint8_t *seen = NULL;
@@ -429,12 +438,198 @@ read_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+
+/* ---------------------------------------------------------------- events read from their bytes */
+
+enum { EV_ALLOC = 16, EV_WRITE = 17, EV_FREE = 18, EV_READ = 22 };
+
+typedef struct {
+    const uint8_t *data;
+    Py_ssize_t pos, end;
+} Reader;
+
+/* The next field's number and wire type; 0 at the end, -1 when the bytes are not a message. */
+static int
+next_field(Reader *r, uint64_t *number, int *wire)
+{
+    uint64_t key;
+    if (r->pos >= r->end)
+        return 0;
+    if (varint(r->data, r->end, &r->pos, &key) < 0 || (key >> 3) == 0)
+        return -1;
+    *number = key >> 3;
+    *wire = (int)(key & 7);
+    return 1;
+}
+
+/* Skips a field's value of wire type `wire`; -1 when it runs past the end (or is a group). */
+static int
+skip_value(Reader *r, int wire)
+{
+    uint64_t value;
+    switch (wire) {
+    case 0:
+        return varint(r->data, r->end, &r->pos, &value);
+    case 1:
+        r->pos += 8;
+        break;
+    case 2:
+        if (varint(r->data, r->end, &r->pos, &value) < 0 || value > (uint64_t)(r->end - r->pos))
+            return -1;
+        r->pos += (Py_ssize_t)value;
+        break;
+    case 5:
+        r->pos += 4;
+        break;
+    default:
+        return -1;
+    }
+    return r->pos <= r->end ? 0 : -1;
+}
+
+/* A length-delimited value: its bytes [*start, *end); -1 when it runs past the end. */
+static int
+span(Reader *r, Py_ssize_t *start, Py_ssize_t *end)
+{
+    uint64_t size;
+    if (varint(r->data, r->end, &r->pos, &size) < 0 || size > (uint64_t)(r->end - r->pos))
+        return -1;
+    *start = r->pos;
+    r->pos += (Py_ssize_t)size;
+    *end = r->pos;
+    return 0;
+}
+
+/* The fields of an alloc, write or free payload, or of a read's entry (tokens: field 4),
+ * in [r->pos, r->end): req (1), pool (2), pages (3, left to page_list); 0 if plain, -1 if
+ * anything else is there (a field twice, a wire type not its own, a value beyond uint32, a
+ * write's slots). */
+static int
+payload(Reader r, int kind, Py_ssize_t *req_start, Py_ssize_t *req_end, uint64_t *pool, uint64_t *tokens)
+{
+    uint64_t number;
+    int wire, got, seen = 0;
+    while ((got = next_field(&r, &number, &wire)) > 0) {
+        if (number == 1 && wire == 2 && !(seen & 1)) {
+            if (span(&r, req_start, req_end) < 0)
+                return -1;
+            seen |= 1;
+        } else if (number == 2 && wire == 0 && !(seen & 2)) {
+            if (varint(r.data, r.end, &r.pos, pool) < 0 || *pool > UINT32_MAX)
+                return -1;
+            seen |= 2;
+        } else if (number == 3 && (wire == 0 || wire == 2)) {
+            if (skip_value(&r, wire) < 0)
+                return -1;
+        } else if (number == 4 && kind == EV_READ && wire == 0 && !(seen & 4)) {
+            if (varint(r.data, r.end, &r.pos, tokens) < 0)
+                return -1;
+            seen |= 4;
+        } else if (number <= 4) { /* a known field twice, a wire type not its own, slots */
+            return -1;
+        } else if (skip_value(&r, wire) < 0) {
+            return -1;
+        }
+    }
+    return got;
+}
+
+static PyObject *last_node; /* the node of the last event decoded: most events repeat it */
+
+/* event_head(body) -> (kind, node, seq, ts_ns, req, pool, tokens, start, end) or None
+ * An Event read straight from its bytes, for the events every request makes: alloc (16),
+ * write (17) without slots, free (18) and a read (22) of one entry; [start, end) are the
+ * bytes of the payload (of the read's entry), whose field 3 lists the pages (page_list
+ * reads them there). None for anything other than that plain shape (another payload, a
+ * field given twice, a wire type not its own, invalid UTF-8, a value beyond its type,
+ * malformed bytes): the caller then parses the event with protobuf, the authority on what
+ * the bytes mean, so this never decides anything protobuf would decide otherwise. */
+static PyObject *
+event_head(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (check_args(nargs, 1, "event_head") < 0)
+        return NULL;
+    if (!PyBytes_Check(args[0]))
+        return PyErr_Format(PyExc_TypeError, "event_head: bytes expected, got %.80s", Py_TYPE(args[0])->tp_name);
+    Reader r = {(const uint8_t *)PyBytes_AS_STRING(args[0]), 0, PyBytes_GET_SIZE(args[0])};
+    uint64_t number, seq = 0, ts = 0, pool = 0, tokens = 0;
+    int wire, got, seen = 0, kind = 0;
+    Py_ssize_t node_start = 0, node_end = 0, start = 0, end = 0, req_start = 0, req_end = 0;
+    while ((got = next_field(&r, &number, &wire)) > 0) {
+        if (number == 1 && wire == 2 && !(seen & 1)) {
+            if (span(&r, &node_start, &node_end) < 0)
+                Py_RETURN_NONE;
+            seen |= 1;
+        } else if (number == 2 && wire == 0 && !(seen & 2)) {
+            if (varint(r.data, r.end, &r.pos, &seq) < 0)
+                Py_RETURN_NONE;
+            seen |= 2;
+        } else if (number == 3 && wire == 0 && !(seen & 4)) {
+            if (varint(r.data, r.end, &r.pos, &ts) < 0)
+                Py_RETURN_NONE;
+            seen |= 4;
+        } else if ((number == EV_ALLOC || number == EV_WRITE || number == EV_FREE || number == EV_READ) &&
+                   wire == 2 && !kind) {
+            if (span(&r, &start, &end) < 0)
+                Py_RETURN_NONE;
+            kind = (int)number;
+        } else if (number <= 3 || (number >= 10 && number <= 28)) {
+            Py_RETURN_NONE; /* a field twice, a wire type not its own, another payload */
+        } else if (skip_value(&r, wire) < 0) {
+            Py_RETURN_NONE;
+        }
+    }
+    if (got < 0 || !kind)
+        Py_RETURN_NONE;
+    if (kind == EV_READ) { /* Read: exactly one entry (field 1) */
+        Reader entries = {r.data, start, end};
+        int n = 0;
+        while ((got = next_field(&entries, &number, &wire)) > 0) {
+            if (number == 1 && wire == 2) {
+                if (n++ || span(&entries, &start, &end) < 0)
+                    Py_RETURN_NONE;
+            } else if (number == 1 || skip_value(&entries, wire) < 0) {
+                Py_RETURN_NONE;
+            }
+        }
+        if (got < 0 || n != 1)
+            Py_RETURN_NONE;
+    }
+    Reader fields = {r.data, start, end};
+    if (payload(fields, kind, &req_start, &req_end, &pool, &tokens) < 0)
+        Py_RETURN_NONE;
+    const char *base = (const char *)r.data;
+    PyObject *node;
+    Py_ssize_t node_len = node_end - node_start;
+    if (last_node != NULL && PyUnicode_GET_LENGTH(last_node) == node_len && PyUnicode_IS_ASCII(last_node) &&
+        memcmp(PyUnicode_DATA(last_node), base + node_start, (size_t)node_len) == 0) {
+        node = Py_NewRef(last_node);
+    } else {
+        node = PyUnicode_DecodeUTF8(base + node_start, node_len, NULL);
+        if (node == NULL) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        Py_XSETREF(last_node, Py_NewRef(node));
+    }
+    PyObject *req = PyUnicode_DecodeUTF8(base + req_start, req_end - req_start, NULL);
+    if (req == NULL) {
+        PyErr_Clear();
+        Py_DECREF(node);
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(iNKLNKKnn)", kind, node, (unsigned long long)seq, (long long)(int64_t)ts, req,
+                         (unsigned long long)pool, (unsigned long long)tokens, start, end);
+}
+
 static PyMethodDef methods[] = {
     {"page_list", (PyCFunction)(void (*)(void))page_list, METH_FASTCALL, "An event's page list, checked."},
     {"grant", (PyCFunction)(void (*)(void))grant, METH_FASTCALL, "Pages granted to a request."},
     {"land", (PyCFunction)(void (*)(void))land, METH_FASTCALL, "A request's KV lands in pages."},
     {"end_grant", (PyCFunction)(void (*)(void))end_grant, METH_FASTCALL, "A request's grant ends."},
     {"read_clean", (PyCFunction)(void (*)(void))read_clean, METH_FASTCALL, "The clean read check."},
+    {"event_head", (PyCFunction)(void (*)(void))event_head, METH_FASTCALL, "A common event read from its bytes."},
     {NULL, NULL, 0, NULL},
 };
 

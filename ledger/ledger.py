@@ -2,10 +2,12 @@
 
 One implementation, used by the in-engine guard (one node) and by the daemon (all nodes).
 `Ledger.apply(event)` validates an event completely before it changes any page or request
-state (a bad event raises BadEvent and changes nothing),
-applies its page list as one C loop (the updates every request makes) or a few vectorised
-NumPy operations (pages.py, _hot.c), and returns the findings it caused: findings are
-always made here, from the state as the event found it. Findings carry facts only; the
+state (a bad event raises BadEvent and changes nothing); `apply_serialized(bytes)` does the
+same for an event as an agent sent it, reading the common ones straight from their bytes
+(_hot.c) into the same handlers. An event's page list is applied as one C loop (the
+updates every request makes) or a few vectorised NumPy operations (pages.py, _hot.c); apply
+returns the findings it caused: findings are always made here, from the state as the event
+found it. Findings carry facts only; the
 ruleset gives them severity and action.
 
 Invariants kept here:
@@ -39,7 +41,9 @@ from operator import attrgetter
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
+from kvguard.ledger import _hot
 from kvguard.ledger.findings import Finding
 from kvguard.ledger.pages import (
     HOLDER_INDEX,
@@ -63,6 +67,9 @@ _POOL_FIELDS = tuple(
     f.name for f in pb.PoolReport.DESCRIPTOR.fields if f.name not in ("pool", "source", "regions")
 )
 _NO_FINDINGS: tuple[Finding, ...] = ()
+# The events apply_serialized reads from their bytes, by their payload's field number.
+_HOT_KINDS = {pb.Event.DESCRIPTOR.fields_by_name[k].number: k for k in ("alloc", "write", "free", "read")}
+_HOT_PAGES = 3  # the field number of `pages` in Alloc, Write, Free and ReadEntry (event_head's shape)
 GRANT_RUNS = 16  # a request's grants in one pool kept as separate arrays before they are merged
 MAX_REGIONS = 1 << 16  # KvRegions of one pool
 MAX_RUNS = 1 << 16  # remote write ranges of one wire event
@@ -371,13 +378,65 @@ class Ledger:
         kind = event.WhichOneof("payload")
         if kind is None:
             raise self._bad("event has no payload")
-        name = event.node  # each read of a protobuf string field makes a new str: read once
+        node = self._event_begin(kind, event.node, event.seq, event.ts_ns)
+        self._handlers[kind](node, getattr(event, kind))
+        return self._event_end(node, kind)
+
+    def apply_serialized(self, body: bytes, node: str | None = None) -> Sequence[Finding]:
+        """apply() of an event as serialized (as agents send it), and, with `node`, only if it
+        is that node's (BadEvent "identity" otherwise). The events every request makes are
+        read straight from their bytes (_hot.event_head): protobuf's objects for them would
+        cost more than applying them. Any other event, or one with anything unusual in its
+        bytes, is parsed by protobuf and applied as apply() does: the same handlers judge
+        both, so the verdicts and errors are the same either way."""
+        head = _hot.event_head(body)
+        if head is None:
+            event = self._parse(body)
+            if node is not None and event.node != node:
+                raise self._bad(f"event of node {event.node!r} on the stream of {node!r}", "identity")
+            return self.apply(event)
+        number, name, seq, ts, req, pool_id, tokens, start, end = head
+        if node is not None and name != node:
+            raise self._bad(f"event of node {name!r} on the stream of {node!r}", "identity")
+        kind = _HOT_KINDS[number]
+        at = self._event_begin(kind, name, seq, ts)
+        pool = at.pools.get(pool_id)
+        try:
+            distinct = kind != "read"  # a block table may name a page twice
+            pages = (
+                None
+                if pool is None
+                else pool.pages.page_list(body, _HOT_PAGES, distinct=distinct, within=(start, end))
+            )
+        except (IndexError, ValueError, TypeError):  # out of range, listed twice, malformed
+            pages = None
+        if pages is None:  # the handler of the parsed event words the error
+            self._handlers[kind](at, getattr(self._parse(body), kind))
+        elif kind == "alloc":
+            self._apply_alloc(at, pool, pages, req)
+        elif kind == "write":
+            self._apply_write(at, pool, pages, None, req)
+        elif kind == "free":
+            self._apply_free(at, pool, pages, req)
+        else:
+            pages, tokens = self._pages_read(pool, pages, tokens)
+            self._apply_read(at, [(self._request(req, "read"), pool, pages, tokens)])
+        return self._event_end(at, kind)
+
+    def _parse(self, body: bytes) -> pb.Event:
+        try:
+            return pb.Event.FromString(body)
+        except DecodeError as exc:
+            raise self._bad(f"the bytes are not a kvguard.v1.Event: {exc}") from None
+
+    def _event_begin(self, kind: str, name: str, seq: int, ts: int) -> Node:
+        """An event's node, once its header is valid; the event becomes the context of the
+        findings it raises."""
         if not name:
             raise self._bad(f"{kind} event has no node")
         node = self.nodes.get(name)
         if node is None:
             node = self.nodes[name] = Node(name)
-        seq, ts = event.seq, event.ts_ns
         if seq == 0:
             raise self._bad(f"{kind} event of node {name} has no sequence number (they start at 1)")
         if seq <= node.last_seq:
@@ -386,12 +445,16 @@ class Ledger:
             )
         self._node, self._seq, self._ts = name, seq, ts
         self._found = []
+        return node
+
+    def _event_end(self, node: Node, kind: str) -> Sequence[Finding]:
+        """The event was applied: its node's sequence moves on; its findings."""
+        seq = self._seq
         missing = seq - node.last_seq - 1
-        self._handlers[kind](node, getattr(event, kind))
         # Only an applied event advances its node's sequence: a malformed one, whose number
         # may be as wrong as the rest of it, must not make later valid events look repeated.
-        node.last_seq, node.last_ts_ns = seq, ts
-        if self._posted and name in self._posted:
+        node.last_seq, node.last_ts_ns = seq, self._ts
+        if self._posted and node.name in self._posted:
             self._judge_posted(node)
         self.stats.events[kind] += 1
         self._applied += 1
@@ -830,16 +893,18 @@ class Ledger:
 
     def _on_alloc(self, node: Node, a: pb.Alloc) -> None:
         pool = self._pool(node, a.pool, "alloc")
-        pages = self._page_array(pool, a, "alloc")
+        self._apply_alloc(node, pool, self._page_array(pool, a, "alloc"), a.req)
+
+    def _apply_alloc(self, node: Node, pool: Pool, pages: np.ndarray, req: str) -> None:
         pp = pool.pages
-        r = self._request(a.req, "alloc")
+        r = self._request(req, "alloc")
         if r.ended:
             self._progress(r, f"alloc of {len(pages)} page(s) on {node.name}")
         since = self._ts if pool.regions is not None else None
         if pp.grant(pages, r.idx, since):  # some still in use: judged, then granted
             self._early_release(r, pool, pages, pp.use[pages])
             pp.grant(pages, r.idx, since, judged=True)
-        grants = r.history.get(key := (node.name, a.pool))
+        grants = r.history.get(key := (node.name, pool.pool))
         if grants is None:
             r.history[key] = [pages]
         else:
@@ -888,7 +953,6 @@ class Ledger:
     def _on_write(self, node: Node, w: pb.Write) -> None:
         pool = self._pool(node, w.pool, "write")
         pages = self._page_array(pool, w, "write")
-        pp = pool.pages
         slots = None
         if w.slots:
             if len(w.slots) != len(pages):
@@ -896,9 +960,14 @@ class Ledger:
                     f"write: {len(w.slots)} slots for {len(pages)} pages (must match, or be empty)"
                 )
             slots = np.array(w.slots, dtype=np.uint32)
-            if int(slots.max()) > pp.page_size:
-                raise self._bad(f"write: {int(slots.max())} valid slots in a page of {pp.page_size}")
-        r = self._request(w.req, "write")
+            if int(slots.max()) > pool.pages.page_size:
+                raise self._bad(f"write: {int(slots.max())} valid slots in a page of {pool.pages.page_size}")
+        self._apply_write(node, pool, pages, slots, w.req)
+
+    def _apply_write(
+        self, node: Node, pool: Pool, pages: np.ndarray, slots: np.ndarray | None, req: str
+    ) -> None:
+        r = self._request(req, "write")
         if r.ended:
             self._progress(r, f"write of {len(pages)} page(s) on {node.name}")
         self._write(r, pool, pages, slots, drain=False)
@@ -967,9 +1036,11 @@ class Ledger:
 
     def _on_free(self, node: Node, f: pb.Free) -> None:
         pool = self._pool(node, f.pool, "free")
-        pages = self._page_array(pool, f, "free")
+        self._apply_free(node, pool, self._page_array(pool, f, "free"), f.req)
+
+    def _apply_free(self, node: Node, pool: Pool, pages: np.ndarray, req: str) -> None:
         pp = pool.pages
-        r = self._request(f.req, "free")
+        r = self._request(req, "free")
         if self._wire_pending:
             self._settle_wire(r)
         since = self._ts if pool.regions is not None else None
@@ -1120,6 +1191,10 @@ class Ledger:
             pages = self._page_array(pool, entry, "read", distinct=False)
             pages, tokens = self._pages_read(pool, pages, entry.tokens)
             checked.append((self._request(entry.req, "read"), pool, pages, tokens))
+        self._apply_read(node, checked)
+
+    def _apply_read(self, node: Node, checked: list[tuple[Request, Pool, np.ndarray, int]]) -> None:
+        """An attention launch whose every entry is valid: (reader, pool, pages it covers, tokens)."""
         for r, pool, pages, tokens in checked:
             if self._wire_pending:
                 self._settle_wire(r)

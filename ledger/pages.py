@@ -73,11 +73,17 @@ class PoolPages:
         self.since = np.zeros(n, np.int64)
         self.seen = np.zeros(n, np.uint8)  # page_list's scratch (all zero between calls): not state
 
-    def page_list(self, message: bytes, field: int, *, distinct: bool = True) -> np.ndarray:
-        """The page list of a serialized event payload (`field`: the number of its `pages`) as
-        an intp array. IndexError(page) for a page outside the pool; with `distinct`,
-        ValueError(page) for a page listed twice."""
-        return _hot.page_list(message, field, self.num_pages, self.seen if distinct else None)
+    def page_list(
+        self, message: bytes, field: int, *, distinct: bool = True, within: tuple[int, int] | None = None
+    ) -> np.ndarray:
+        """The page list of a serialized event payload (`field`: the number of its `pages`), or
+        of the payload at bytes `within` [start, end) of `message`, as an intp array.
+        IndexError(page) for a page outside the pool; with `distinct`, ValueError(page) for a
+        page listed twice."""
+        seen = self.seen if distinct else None
+        if within is None:
+            return _hot.page_list(message, field, self.num_pages, seen)
+        return _hot.page_list(message, field, self.num_pages, seen, *within)
 
     def grant(self, pages: np.ndarray, req: int, ts: int | None, *, judged: bool = False) -> int:
         """Grant `pages` to req (since = ts unless ts is None): use = 1 + holds (1 where the

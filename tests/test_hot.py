@@ -8,10 +8,12 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvguard.ledger import _hot
+from kvguard.ledger import _hot, snapshot
+from kvguard.ledger.ledger import BadEvent, Ledger
 from kvguard.ledger.pages import HOLDERS, NOBODY, PoolPages
 from kvguard.proto import pb
 
@@ -279,3 +281,147 @@ def test_bad_arrays_and_pages_are_refused_before_anything_changes() -> None:
     with pytest.raises(TypeError, match="takes 6 arguments"):
         _hot.read_clean(np.array([1], np.intp), pp.own)
     assert_same(pp, before)
+
+
+# ---------------------------------------------------------------- events read from their bytes
+
+FIELDS = {  # what event_head reads, by name: the numbers it assumes must be the proto's
+    "Event": ("node", "seq", "ts_ns", "alloc", "write", "free", "read"),
+    "Alloc": ("req", "pool", "pages"),
+    "Write": ("req", "pool", "pages", "slots"),
+    "Free": ("req", "pool", "pages"),
+    "Read": ("reads",),
+    "ReadEntry": ("req", "pool", "pages", "tokens"),
+}
+
+
+def test_event_head_assumes_the_protos_field_numbers() -> None:
+    numbers = {
+        message: [getattr(pb, message).DESCRIPTOR.fields_by_name[name].number for name in names]
+        for message, names in FIELDS.items()
+    }
+    assert numbers == {
+        "Event": [1, 2, 3, 16, 17, 18, 22],
+        "Alloc": [1, 2, 3],
+        "Write": [1, 2, 3, 4],
+        "Free": [1, 2, 3],
+        "Read": [1],
+        "ReadEntry": [1, 2, 3, 4],
+    }
+    payloads = pb.Event.DESCRIPTOR.oneofs_by_name["payload"].fields
+    assert {f.number for f in payloads} == set(range(10, 29))  # another payload: left to protobuf
+
+
+def head_of(event: pb.Event) -> tuple[object, ...] | None:
+    """event_head's answer, its byte range replaced by the pages found there."""
+    body = event.SerializeToString()
+    head = _hot.event_head(body)
+    if head is None:
+        return None
+    *fields, start, end = head
+    return (*fields, _hot.page_list(body, 3, 1 << 20, None, start, end).tolist())
+
+
+def test_event_head_reads_the_events_every_request_makes() -> None:
+    def ev(**payload: object) -> pb.Event:
+        return pb.Event(node="décode-0", seq=7, ts_ns=-5, **payload)
+
+    assert head_of(ev(alloc=pb.Alloc(req="r", pool=3, pages=[5, 1]))) == (
+        16,
+        "décode-0",
+        7,
+        -5,
+        "r",
+        3,
+        0,
+        [5, 1],
+    )
+    assert head_of(ev(write=pb.Write(req="r", pool=1, pages=[2]))) == (17, "décode-0", 7, -5, "r", 1, 0, [2])
+    assert head_of(ev(free=pb.Free(req="", pages=[]))) == (18, "décode-0", 7, -5, "", 0, 0, [])
+    read = pb.Read(reads=[pb.ReadEntry(req="r", pool=2, pages=[4, 4], tokens=20)])
+    assert head_of(ev(read=read)) == (22, "décode-0", 7, -5, "r", 2, 20, [4, 4])
+    assert head_of(pb.Event(alloc=pb.Alloc())) == (16, "", 0, 0, "", 0, 0, [])
+    # Anything else is protobuf's to read.
+    two = pb.Read(reads=[pb.ReadEntry(req="a"), pb.ReadEntry(req="b")])
+    for other in (
+        ev(write=pb.Write(req="r", pages=[2], slots=[3])),
+        ev(read=two),
+        ev(read=pb.Read()),
+        ev(admit=pb.Admit(req="r")),
+        ev(),
+    ):
+        assert head_of(other) is None, other
+
+
+def test_event_head_leaves_unusual_bytes_to_protobuf() -> None:
+    alloc = pb.Event(node="n", seq=2, alloc=pb.Alloc(req="r", pool=1, pages=[3])).SerializeToString()
+    assert _hot.event_head(alloc) is not None
+    unknown = varint(9 << 3 | 0) + varint(5) + varint(40 << 3 | 2) + varint(2) + b"xy"
+    assert _hot.event_head(alloc + unknown)[:7] == (16, "n", 2, 0, "r", 1, 0)  # unknown fields: skipped
+    for unusual in (
+        alloc + varint(2 << 3 | 0) + varint(3),  # seq twice (protobuf: the last wins)
+        alloc + varint(16 << 3 | 2) + varint(0),  # the payload twice (protobuf: merged)
+        alloc + varint(17 << 3 | 2) + varint(0),  # a second payload
+        alloc + varint(1 << 3 | 0) + varint(1),  # node as a varint
+        alloc + varint(9 << 3 | 3),  # a group
+        alloc[:-1],  # cut short
+        pb.Event(node="n", alloc=pb.Alloc(req="r", pool=1)).SerializeToString()[:-1] + b"\xff",
+    ):
+        assert _hot.event_head(unusual) is None, unusual
+    bad_utf8 = varint(1 << 3 | 2) + varint(2) + b"\xc3\x28" + varint(16 << 3 | 2) + varint(0)
+    assert _hot.event_head(bad_utf8) is None
+    big_pool = varint(16 << 3 | 2) + varint(6) + varint(2 << 3 | 0) + varint(1 << 32)
+    assert _hot.event_head(big_pool) is None  # beyond uint32: protobuf would cut it
+
+
+def bad_event_or(apply: Callable[[], object]) -> object:
+    try:
+        return [(f.finding, f.req, f.victim_req, f.message) for f in apply()]  # type: ignore[attr-defined]
+    except BadEvent as exc:
+        return exc.kind, str(exc)
+
+
+START = [
+    pb.Event(node="n0", seq=1, pool=pb.PoolReport(pool=0, role="colocated", page_size=PAGE, num_pages=N)),
+    pb.Event(node="n0", seq=2, alloc=pb.Alloc(req="r1", pool=0, pages=[1, 2])),
+    pb.Event(node="n0", seq=3, write=pb.Write(req="r1", pool=0, pages=[1, 2])),
+    pb.Event(node="n0", seq=4, free=pb.Free(req="r1", pool=0, pages=[2])),
+]
+NEXT = [
+    pb.Event(node="n0", seq=5, alloc=pb.Alloc(req="r2", pool=0, pages=[2, 3, 60])),
+    pb.Event(node="n0", seq=5, write=pb.Write(req="r1", pool=0, pages=[1, 2])),
+    pb.Event(node="n0", seq=6, free=pb.Free(req="r1", pool=0, pages=[1, 2])),
+    pb.Event(node="n0", seq=5, read=pb.Read(reads=[pb.ReadEntry(req="r1", pool=0, pages=[1, 2], tokens=20)])),
+]
+
+
+@settings(max_examples=1500, deadline=None, derandomize=True, database=None)
+@given(
+    st.sampled_from(NEXT),
+    st.lists(st.tuples(st.integers(0, 60), st.integers(0, 255)), max_size=3),
+    st.integers(0, 3),  # bytes cut off its end
+)
+def test_any_bytes_are_judged_as_protobuf_parses_them(event: pb.Event, edits: list, cut: int) -> None:
+    # An agent's bytes, damaged anywhere: the ledger that reads them (apply_serialized) gives
+    # the findings or the error that applying protobuf's parse of them gives, or says they
+    # are no event where protobuf refuses them; both ledgers end in the same state.
+    body = bytearray(event.SerializeToString())
+    for at, value in edits:
+        if at < len(body):
+            body[at] = value
+    data = bytes(body[: len(body) - cut])
+    raw, parsed = Ledger(), Ledger()
+    for e in START:
+        raw.apply(e)
+        parsed.apply(e)
+    try:
+        want = bad_event_or(lambda: parsed.apply(pb.Event.FromString(data)))
+    except DecodeError:
+        want = None
+    got = bad_event_or(lambda: raw.apply_serialized(data))
+    if want is None:
+        assert got[0] == "malformed" and "not a kvguard.v1.Event" in got[1]
+        parsed.stats.bad["malformed"] += 1  # the raw ledger counted the bytes it refused
+    else:
+        assert got == want
+    assert snapshot.dump(raw) == snapshot.dump(parsed)
