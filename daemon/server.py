@@ -10,12 +10,14 @@ verdict.
 
 Where a batch goes: everything of the daemon runs on one asyncio event loop, in one thread
 (the gRPC streams too), so a batch never waits for another thread to be woken or for the GIL:
-the stream parses it and queues it, and the loop applies the queued batches to the ledger in
-arrival order, one step (at most APPLY_SLICE events) at a time with whatever became ready in
-between, so deliveries never wait behind a queue of batches; each command goes out as soon as
-it is ordered; the batch's rows join the next group; a store-writer process commits one group
-at a time (on another core) while the batches that arrive meanwhile make up the next (group
-commit); the loop reads each commit's report and sends its alerts and acks.
+the stream parses it (its events stay bytes: the ledger reads the common ones straight from
+them, and refuses one that is not an event alone) and queues it, and the loop applies the
+queued batches to the ledger in arrival order, one step (at most APPLY_SLICE events) at a
+time with whatever became ready in between, so deliveries never wait behind a queue of
+batches; each command goes out as soon as it is ordered; the batch's rows join the next
+group; a store-writer process commits one group at a time (on another core) while the
+batches that arrive meanwhile make up the next (group commit); the loop reads each commit's
+report and sends its alerts and acks.
 
 Invariants: an acknowledged event is durable, and an alert's cursor names a durable record;
 (node, seq) is applied and stored at most once; a store failure after the ledger moved on
@@ -99,7 +101,7 @@ class Batch:
     """One stream's batch on its way through the daemon."""
 
     node: str
-    events: Sequence[pb.Event]
+    events: Sequence[bytes]  # each event as sent: the ledger reads the common ones from their bytes
     message: bytes  # the AgentMessage as received: what the store keeps of each event
     reply: Reply  # where its ack goes (the stream's outbox)
     # How far it is applied, when that takes more than one step of the loop:
@@ -124,6 +126,15 @@ class Group:
     def add(self, part: Record | EventRun) -> None:
         self.parts.append(part)
         self.rows += part.stop - part.start if isinstance(part, EventRun) else 1
+
+
+def _seq_of(body: bytes) -> int:
+    """A refused event's sequence number, for the ack that says why (0 if its bytes are not
+    an event): parsed again on this rare path only."""
+    try:
+        return pb.Event.FromString(body).seq
+    except DecodeError:
+        return 0
 
 
 def _matches(f: svc.AlertFilter, finding: Finding) -> bool:
@@ -391,24 +402,20 @@ class Daemon:
             self.counters["events"] += ack.accepted
         return True
 
-    def _apply_event(self, node: str, event: pb.Event, ack: svc.Ack) -> Sequence[Finding] | None:
-        """One event to the ledger: its findings, or None (and why, in the ack) if it was not
-        applied."""
-        if event.node != node:
-            self.counters["identity"] += 1
-            ack.rejected.add(seq=event.seq, reason=f"event of node {event.node!r} on the stream of {node!r}")
-            return None
+    def _apply_event(self, node: str, body: bytes, ack: svc.Ack) -> Sequence[Finding] | None:
+        """One event of `node`'s stream to the ledger: its findings, or None (and why, in the
+        ack) if it was not applied (another node's event among them)."""
         try:
-            return self.ledger.apply(event)
+            return self.ledger.apply_serialized(body, node)
         except BadEvent as exc:
             self.counters[exc.kind] += 1
             if exc.kind == "repeat":
                 ack.repeats += 1
             else:
-                ack.rejected.add(seq=event.seq, reason=str(exc))
+                ack.rejected.add(seq=_seq_of(body), reason=str(exc))
         except Exception as exc:  # a bug must not take the daemon or the stream down
             self.counters["internal"] += 1
-            ack.rejected.add(seq=event.seq, reason=f"internal error applying the event: {exc!r}")
+            ack.rejected.add(seq=_seq_of(body), reason=f"internal error applying the event: {exc!r}")
             traceback.print_exc(file=sys.stderr)
         return None
 
@@ -555,7 +562,7 @@ class AgentSession:
         self.daemon.counters[f"stream_{code}"] += 1
         self.out.put_nowait(svc.DaemonMessage(error=svc.StreamError(code=code, message=message)))
 
-    def _hello(self, msg: svc.AgentMessage) -> bool:
+    def _hello(self, msg: svc.RawAgentMessage) -> bool:
         """The stream's first message names its node; False (and the reason sent) if not
         acceptable."""
         name = msg.hello.node if msg.WhichOneof("body") == "hello" else ""
@@ -590,7 +597,7 @@ class AgentSession:
                     self._fail("oversized", f"message of {len(data)} bytes (at most {MAX_MESSAGE})")
                     return
                 try:
-                    msg = svc.AgentMessage.FromString(data)
+                    msg = svc.RawAgentMessage.FromString(data)  # its events stay bytes
                 except DecodeError as exc:
                     self._fail("malformed", f"the message is not a kvguard.v1.AgentMessage: {exc}")
                     return
@@ -630,8 +637,8 @@ class AgentSession:
 
 class AgentServicer:
     """AgentService.Stream on the server's event loop. Requests arrive as bytes (AgentMessage
-    as sent): each batch is parsed once, here, and its bytes go on to the store as they
-    arrived."""
+    as sent): each batch is parsed once, here, into its events' bytes, which go on to the
+    ledger and, with the batch's bytes, to the store as they arrived."""
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon

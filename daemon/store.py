@@ -26,7 +26,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -47,6 +47,7 @@ from sqlalchemy import (
     select,
 )
 
+from kvguard.ledger import _hot
 from kvguard.ledger.findings import Finding
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -134,13 +135,19 @@ class Record(NamedTuple):
         return Record("event", event.node, event.seq, event.ts_ns, data, req, tenant, named=others)
 
     @staticmethod
-    def of_run(events: Sequence[pb.Event], bodies: Sequence[bytes]) -> Record:
+    def of_head(head: EventHead, body: bytes) -> Record:
+        """of_event() of an event known by its head and bytes."""
+        node, seq, ts_ns, req, tenant, others = head
+        return Record("event", node, seq, ts_ns, body, req, tenant, named=others)
+
+    @staticmethod
+    def of_run(heads: Sequence[EventHead], bodies: Sequence[bytes]) -> Record:
         """The row of consecutive events of one node (two or more, within RUN_SPAN_NS of the
         first, none earlier), `bodies` their bytes as received."""
-        first = events[0]
+        node, seq, ts_ns = heads[0][:3]
         data = svc.RawEventBatch(events=bodies).SerializeToString()
-        named = _run_named(events)
-        return Record("events", first.node, first.seq, first.ts_ns, data, named=named, ids=len(events))
+        named = _run_named((h[3], h[5]) for h in heads)
+        return Record("events", node, seq, ts_ns, data, named=named, ids=len(heads))
 
     @staticmethod
     def of_finding(finding: Finding) -> Record:
@@ -173,11 +180,32 @@ def _indexed(event: pb.Event) -> tuple[str, str, tuple[str, ...]]:
     return (payload.req if kind in _HAS_REQ else ""), (payload.tenant if kind in _HAS_TENANT else ""), ()
 
 
-def _run_named(events: Iterator[pb.Event] | Sequence[pb.Event]) -> tuple[str, ...]:
-    """Every request the events of a run name, each once (indexed in `named`)."""
+class EventHead(NamedTuple):
+    """What the store indexes of an event: its header and index columns."""
+
+    node: str
+    seq: int
+    ts_ns: int
+    req: str
+    tenant: str
+    others: tuple[str, ...]
+
+
+def _head(body: bytes) -> EventHead:
+    """An accepted event's head, from its bytes: the common events (alloc, write, free, a
+    one-entry read: no tenant, no other request) read straight from them, as the ledger
+    reads them; any other parsed."""
+    hot = _hot.event_head(body)
+    if hot is not None:
+        return EventHead(hot[1], hot[2], hot[3], hot[4], "", ())
+    event = pb.Event.FromString(body)
+    return EventHead(event.node, event.seq, event.ts_ns, *_indexed(event))
+
+
+def _run_named(indexed: Iterable[tuple[str, tuple[str, ...]]]) -> tuple[str, ...]:
+    """Every request a run's events name ((req, others) of each), each once (indexed in `named`)."""
     names: set[str] = set()
-    for one in events:
-        req, _, others = _indexed(one)
+    for req, others in indexed:
         names.add(req)
         names.update(others)
     names.discard("")
@@ -211,7 +239,7 @@ def named_of(kind: str, body: bytes) -> tuple[str, ...]:
     if kind == "event":
         return _indexed(pb.Event.FromString(body))[2]
     if kind == "events":
-        return _run_named(pb.Event.FromString(e) for e in _run_events(body))
+        return _run_named(_indexed(pb.Event.FromString(e))[::2] for e in _run_events(body))
     if kind == "finding":
         f = pb.Finding.FromString(body)
         return _victim_named(f.req, f.victim_req)
@@ -232,8 +260,9 @@ def rows_of(messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> li
     """The rows of a group: each EventRun as run records (its events' bytes as they arrived;
     a new run where an event's time falls outside the run's span; a lone event as an event
     record), Records as they are. `messages` are AgentMessage batches as received; each is
-    parsed once."""
-    parsed: dict[int, tuple[Sequence[bytes], Sequence[pb.Event]]] = {}
+    parsed once, its events left as bytes: only the accepted ones are read (a refused one may
+    not even be an event)."""
+    parsed: dict[int, Sequence[bytes]] = {}
     rows: list[Record] = []
     for part in parts:
         if not isinstance(part, EventRun):
@@ -241,23 +270,20 @@ def rows_of(messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> li
             continue
         found = parsed.get(part.message)
         if found is None:
-            data = messages[part.message]
-            found = parsed[part.message] = (
-                svc.RawAgentMessage.FromString(data).batch.events,
-                svc.AgentMessage.FromString(data).batch.events,
-            )
-        bodies, events = found
-        start = part.start
-        while start < part.stop:
-            t0 = events[start].ts_ns
+            found = parsed[part.message] = svc.RawAgentMessage.FromString(messages[part.message]).batch.events
+        bodies = found[part.start : part.stop]
+        heads = [_head(body) for body in bodies]
+        start, stop_at = 0, len(heads)
+        while start < stop_at:
+            t0 = heads[start].ts_ns
             stop = start + 1
-            last = min(part.stop, start + RUN_MAX)
-            while stop < last and t0 <= events[stop].ts_ns <= t0 + RUN_SPAN_NS:
+            last = min(stop_at, start + RUN_MAX)
+            while stop < last and t0 <= heads[stop].ts_ns <= t0 + RUN_SPAN_NS:
                 stop += 1
             if stop - start == 1:
-                rows.append(Record.of_event(events[start], bodies[start]))
+                rows.append(Record.of_head(heads[start], bodies[start]))
             else:
-                rows.append(Record.of_run(events[start:stop], bodies[start:stop]))
+                rows.append(Record.of_run(heads[start:stop], bodies[start:stop]))
             start = stop
     return rows
 

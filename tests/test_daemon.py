@@ -45,12 +45,15 @@ def Daemon(store: str) -> Service:
     return start_daemon(store)
 
 
+def batch_of(node: str, events: Sequence[pb.Event], reply: server.Reply) -> server.Batch:
+    """A batch as a stream hands it to the daemon: the message's bytes, its events' bytes."""
+    data = svc.AgentMessage(batch=svc.EventBatch(events=events)).SerializeToString()
+    return server.Batch(node, svc.RawAgentMessage.FromString(data).batch.events, data, reply)
+
+
 def ingest(daemon: server.Daemon, node: str, events: Sequence[pb.Event], reply: server.Reply) -> None:
     """A batch handed to the daemon's loop, as a stream hands it (from the test's thread)."""
-    batch = svc.AgentMessage(batch=svc.EventBatch(events=events))
-    daemon.loop.call_soon_threadsafe(
-        daemon.ingest, server.Batch(node, batch.batch.events, batch.SerializeToString(), reply)
-    )
+    daemon.loop.call_soon_threadsafe(daemon.ingest, batch_of(node, events, reply))
 
 
 def run_until(loop: asyncio.AbstractEventLoop, done: Callable[[], bool], timeout: float = 10) -> None:
@@ -183,6 +186,37 @@ def test_bad_events_are_refused_with_a_reason_and_the_rest_kept(daemon: Service)
         counters = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest()).counters
         assert (counters["malformed"], counters["repeat"], counters["stream_oversized"]) == (1, 1, 1)
     assert Store(daemon.store).count("event") == 2
+
+
+def test_an_event_that_is_not_one_is_refused_and_the_batch_around_it_kept(daemon: Service) -> None:
+    # The daemon reads a batch's events as the bytes they arrived as: one that is no event
+    # (or another node's) is refused with its reason, and the events around it are applied
+    # and stored; the store's writer, which reads them too, reads only the accepted ones.
+    alloc = pb.Event(node="p0", seq=2, alloc=pb.Alloc(req="r", pool=0, pages=[1]))
+    cut = pb.Event(node="p0", seq=3, free=pb.Free(req="r", pool=0, pages=[1])).SerializeToString()[:-1]
+    other = pb.Event(node="d0", seq=3, free=pb.Free(req="r", pool=0, pages=[1]))
+    free = pb.Event(node="p0", seq=3, free=pb.Free(req="r", pool=0, pages=[1]))
+    with grpc.insecure_channel(daemon.address) as channel:
+        stream = AgentStream(channel, "p0")
+        bodies = [EVENTS[0].SerializeToString(), alloc.SerializeToString(), cut, other.SerializeToString()]
+        ack = stream.send_serialized([*bodies, free.SerializeToString()])
+        assert (ack.accepted, ack.durable_seq) == (3, 3)
+        assert [(r.seq, r.reason.split(":")[0]) for r in ack.rejected] == [
+            (0, "the bytes are not a kvguard.v1.Event"),
+            (3, "event of node 'd0' on the stream of 'p0'"),
+        ]
+        counters = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest()).counters
+        assert (counters["malformed"], counters["identity"]) == (1, 1)
+        stream.close()
+    stored = Store(daemon.store)
+    try:
+        assert [(e.seq, e.WhichOneof("payload")) for e in stored.events()] == [
+            (1, "pool"),
+            (2, "alloc"),
+            (3, "free"),
+        ]
+    finally:
+        stored.close()
 
 
 def test_alerts_resume_from_a_cursor(daemon: Service) -> None:
@@ -940,8 +974,7 @@ def test_a_large_batch_is_applied_in_slices_and_acks_go_out_between_them(
         assert writer.held is not None and len(writer.held) == 1  # s1's group, held
 
         def big_then_release() -> None:  # in one step: the commit is reported mid-batch
-            message = svc.AgentMessage(batch=svc.EventBatch(events=events))
-            daemon.ingest(server.Batch("b1", message.batch.events, message.SerializeToString(), big.append))
+            daemon.ingest(batch_of("b1", events, big.append))
             writer.release()
 
         daemon.loop.call_soon_threadsafe(big_then_release)
@@ -982,9 +1015,9 @@ log.add("n1", "pool", pool=0, role="colocated", page_size=16, num_pages=64)
 log.add("n1", "alloc", req="r1", pool=0, pages=[3])
 log.add("n1", "read", reads=[{"req": "r1", "pool": 0, "pages": [3], "tokens": 16}])
 daemon = server.Daemon(Store(sys.argv[1]), ruleset=Broken())
-message = svc.AgentMessage(batch=svc.EventBatch(events=log.lines))
+data = svc.AgentMessage(batch=svc.EventBatch(events=log.lines)).SerializeToString()
 acked = []
-batch = server.Batch("n1", message.batch.events, message.SerializeToString(), acked.append)
+batch = server.Batch("n1", svc.RawAgentMessage.FromString(data).batch.events, data, acked.append)
 daemon.loop.call_soon_threadsafe(daemon.ingest, batch)
 time.sleep(20)
 print("still running; acked:", acked)
