@@ -2,7 +2,9 @@
 
 Workload: requests cycle through a pool in batches of B pages (16, 64, 256): alloc, write,
 one attention read, free; that is 4 page transitions per page per request, all correct (no
-finding), the path every event of a healthy engine takes. Printed beside each figure: the
+finding), the path every event of a healthy engine takes: applied as protobuf objects
+(`ledger`: the guard's path), as the bytes an agent sends (`bytes`: the daemon's) and from a
+capture file (`replay`). Printed beside each figure: the
 floor, a plain NumPy scatter of the same page arrays in the same Python loop, and the ratio,
 measured in the same run (these machines are shared: compare ratios, not absolute times).
 
@@ -67,6 +69,16 @@ def time_ledger(events: list[pb.Event]) -> tuple[float, int]:
     return time.perf_counter() - started, ledger.stats.page_transitions
 
 
+def time_bytes(bodies: list[bytes]) -> tuple[float, int]:
+    """The same events as an agent sends them: the daemon applies each from its bytes."""
+    ledger = Ledger()
+    started = time.perf_counter()
+    for body in bodies:
+        if ledger.apply_serialized(body):
+            raise SystemExit("benchmark workload produced a finding: the ledger is wrong")
+    return time.perf_counter() - started, ledger.stats.page_transitions
+
+
 def time_floor(arrays: list[np.ndarray], pool_pages: int) -> float:
     owner = np.zeros(pool_pages, np.int32)
     started = time.perf_counter()
@@ -107,6 +119,13 @@ def main() -> None:
         rate, floor_rate = transitions / elapsed / 1e6, transitions / floor / 1e6
         print(
             f"{batch:>5} {'ledger':8} {rate:>9.2f} {floor_rate:>15.2f} {elapsed / floor:>6.1f}x "
+            f"{elapsed / len(events) * 1e6:>9.2f}"
+        )
+        bodies = [e.SerializeToString() for e in events]
+        elapsed, transitions = min(time_bytes(bodies) for _ in range(args.repeat))
+        rate = transitions / elapsed / 1e6
+        print(
+            f"{batch:>5} {'bytes':8} {rate:>9.2f} {floor_rate:>15.2f} {elapsed / floor:>6.1f}x "
             f"{elapsed / len(events) * 1e6:>9.2f}"
         )
         with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:

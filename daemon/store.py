@@ -130,13 +130,11 @@ class Record(NamedTuple):
     @staticmethod
     def of_event(event: pb.Event, body: bytes | None = None) -> Record:
         """The row of an event; `body` is its bytes as received, when the caller has them."""
-        req, tenant, others = _indexed(event)
-        data = body if body is not None else event.SerializeToString()
-        return Record("event", event.node, event.seq, event.ts_ns, data, req, tenant, named=others)
+        return Record.of_head(_event_head(event), body if body is not None else event.SerializeToString())
 
     @staticmethod
     def of_head(head: EventHead, body: bytes) -> Record:
-        """of_event() of an event known by its head and bytes."""
+        """The row of an event known by its head and its bytes."""
         node, seq, ts_ns, req, tenant, others = head
         return Record("event", node, seq, ts_ns, body, req, tenant, named=others)
 
@@ -144,10 +142,10 @@ class Record(NamedTuple):
     def of_run(heads: Sequence[EventHead], bodies: Sequence[bytes]) -> Record:
         """The row of consecutive events of one node (two or more, within RUN_SPAN_NS of the
         first, none earlier), `bodies` their bytes as received."""
-        node, seq, ts_ns = heads[0][:3]
+        first = heads[0]
         data = svc.RawEventBatch(events=bodies).SerializeToString()
-        named = _run_named((h[3], h[5]) for h in heads)
-        return Record("events", node, seq, ts_ns, data, named=named, ids=len(heads))
+        named = _run_named(heads)
+        return Record("events", first.node, first.seq, first.ts_ns, data, named=named, ids=len(heads))
 
     @staticmethod
     def of_finding(finding: Finding) -> Record:
@@ -198,16 +196,19 @@ def _head(body: bytes) -> EventHead:
     hot = _hot.event_head(body)
     if hot is not None:
         return EventHead(hot[1], hot[2], hot[3], hot[4], "", ())
-    event = pb.Event.FromString(body)
+    return _event_head(pb.Event.FromString(body))
+
+
+def _event_head(event: pb.Event) -> EventHead:
     return EventHead(event.node, event.seq, event.ts_ns, *_indexed(event))
 
 
-def _run_named(indexed: Iterable[tuple[str, tuple[str, ...]]]) -> tuple[str, ...]:
-    """Every request a run's events name ((req, others) of each), each once (indexed in `named`)."""
+def _run_named(heads: Iterable[EventHead]) -> tuple[str, ...]:
+    """Every request the events of a run name, each once (indexed in `named`)."""
     names: set[str] = set()
-    for req, others in indexed:
-        names.add(req)
-        names.update(others)
+    for head in heads:
+        names.add(head.req)
+        names.update(head.others)
     names.discard("")
     return tuple(sorted(names))
 
@@ -239,7 +240,7 @@ def named_of(kind: str, body: bytes) -> tuple[str, ...]:
     if kind == "event":
         return _indexed(pb.Event.FromString(body))[2]
     if kind == "events":
-        return _run_named(_indexed(pb.Event.FromString(e))[::2] for e in _run_events(body))
+        return _run_named(_head(e) for e in _run_events(body))
     if kind == "finding":
         f = pb.Finding.FromString(body)
         return _victim_named(f.req, f.victim_req)
