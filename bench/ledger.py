@@ -18,6 +18,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -60,21 +62,14 @@ def page_list(event: pb.Event) -> list[int]:
     return list(getattr(event, kind).pages) if kind != "pool" else []
 
 
-def time_ledger(events: list[pb.Event]) -> tuple[float, int]:
+def time_ledger(events: list[pb.Event] | list[bytes]) -> tuple[float, int]:
+    """The events applied as objects (the guard's path) or, given as bytes, as an agent
+    sends them (the daemon's path)."""
     ledger = Ledger()
+    apply: Callable[[Any], object] = ledger.apply_serialized if isinstance(events[0], bytes) else ledger.apply
     started = time.perf_counter()
     for event in events:
-        if ledger.apply(event):
-            raise SystemExit("benchmark workload produced a finding: the ledger is wrong")
-    return time.perf_counter() - started, ledger.stats.page_transitions
-
-
-def time_bytes(bodies: list[bytes]) -> tuple[float, int]:
-    """The same events as an agent sends them: the daemon applies each from its bytes."""
-    ledger = Ledger()
-    started = time.perf_counter()
-    for body in bodies:
-        if ledger.apply_serialized(body):
+        if apply(event):
             raise SystemExit("benchmark workload produced a finding: the ledger is wrong")
     return time.perf_counter() - started, ledger.stats.page_transitions
 
@@ -122,7 +117,7 @@ def main() -> None:
             f"{elapsed / len(events) * 1e6:>9.2f}"
         )
         bodies = [e.SerializeToString() for e in events]
-        elapsed, transitions = min(time_bytes(bodies) for _ in range(args.repeat))
+        elapsed, transitions = min(time_ledger(bodies) for _ in range(args.repeat))
         rate = transitions / elapsed / 1e6
         print(
             f"{batch:>5} {'bytes':8} {rate:>9.2f} {floor_rate:>15.2f} {elapsed / floor:>6.1f}x "
