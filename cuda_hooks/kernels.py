@@ -230,7 +230,9 @@ class DeviceTags:
 
         touched, self._touched = self._touched, []
         if self._source is not host_own:
-            self.own, self.valid = cupy.asarray(host_own), cupy.asarray(host_valid)
+            # The host fields are strided views of the pool's page records: packed for the device.
+            self.own = cupy.asarray(np.ascontiguousarray(host_own))
+            self.valid = cupy.asarray(np.ascontiguousarray(host_valid))
             self._source = host_own
             return np.zeros(0, np.int64)
         if not touched:

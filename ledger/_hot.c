@@ -4,96 +4,67 @@
  * the check before attention, each one loop over the event's pages instead of several NumPy
  * calls (each costs ~0.5 us of dispatch; a loop over 64 pages costs less than one of them).
  *
- * Invariants: every page is checked against the arrays' bounds before anything changes.
+ * Invariants: every page is checked against the pool's bounds before anything changes.
  * An update first counts the pages that make the event more than the clean case (pages
  * still in use, not owned by the request); when there are some, it changes nothing unless
  * the caller says it has judged them (the ledger's findings come from Python, ledger.py,
  * reading the state as it was), then applies the one update, the same for clean and judged
- * events. Page lists must be distinct (page_list checks). The arrays are pages.PoolPages's.
+ * events. Page lists must be distinct (page_list checks). A pool's state is one Page record
+ * a page (PAGE, the NumPy dtype this module exports, is its layout; pages.PoolPages).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #define NPY_NO_DEPRECATED_API NPY_1_22_API_VERSION
 #include <numpy/arrayobject.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define NOBODY 0
+#define HOLD_KINDS 4 /* pages.HOLDERS */
 
-/* Page state is one array per field, and an event's pages are scattered over the pool: each
- * page costs a cache miss per array. Asking for every line an event will touch before the
- * first is used lets the memory system fetch them in parallel rather than one by one (~20 %
- * less time an event; bench/RESULTS.md). */
+/* A page's state, one cache line: an event's pages are scattered over the pool, so a page
+ * costs one miss however many of its fields the event touches (as separate arrays, one miss
+ * per array: 6-7 a page). pages.py documents the fields; `seen` is page_list's scratch
+ * (zero between calls), kept here so that checking a page list also brings in the lines the
+ * update that follows will touch. */
+typedef struct {
+    int32_t owner, own;
+    uint32_t use, gen;
+    int32_t writer;
+    uint32_t wgen, valid;
+    int32_t prior;
+    int64_t since;
+    uint32_t holds[HOLD_KINDS];
+    uint8_t seen;
+    uint8_t pad[7];
+} Page;
+
+_Static_assert(sizeof(Page) == 64, "a page's record is one cache line");
+
+static PyArray_Descr *page_descr; /* PAGE: Page as a NumPy dtype, built from the struct */
+
 #define PREFETCH(addr) __builtin_prefetch((addr), 1)
 
-typedef struct {
-    const void *base; /* NULL: an optional array that is absent */
-    size_t size;
-} Column;
-
-#define COLUMN(array) {(array), sizeof *(array)}
-/* Prefetch each listed column's entry of every page (pages already checked in range). */
-#define PREFETCH_PAGES(pages, count, ...)                                                          \
-    prefetch_pages((pages), (count), (const Column[]){__VA_ARGS__},                                \
-                   sizeof((const Column[]){__VA_ARGS__}) / sizeof(Column))
-
-static inline void
-prefetch_pages(const npy_intp *pages, npy_intp count, const Column *columns, size_t n)
+/* The records of a pool: a writable, C-contiguous, 1-d array of PAGE; else NULL with
+ * TypeError. *n: its length. */
+static Page *
+pool_data(PyObject *o, npy_intp *n)
 {
-    for (npy_intp i = 0; i < count; i++)
-        for (size_t c = 0; c < n; c++)
-            if (columns[c].base != NULL)
-                PREFETCH((const char *)columns[c].base + pages[i] * (npy_intp)columns[c].size);
-}
-
-/* The data of `o` if it is a writable, C-contiguous, 1-d array of `type` with at least `n`
- * entries; else NULL with TypeError naming the argument. */
-static void *
-array_data(PyObject *o, int type, npy_intp n, const char *name)
-{
-    if (!PyArray_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s: a NumPy array expected, got %.80s", name, Py_TYPE(o)->tp_name);
+    if (!PyArray_Check(o) || !PyArray_EquivTypes(PyArray_DESCR((PyArrayObject *)o), page_descr) ||
+        PyArray_NDIM((PyArrayObject *)o) != 1 || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o) ||
+        !PyArray_ISWRITEABLE((PyArrayObject *)o)) {
+        PyErr_SetString(PyExc_TypeError, "state: a writable contiguous 1-d array of PAGE records expected");
         return NULL;
     }
-    PyArrayObject *a = (PyArrayObject *)o;
-    if (!PyArray_EquivTypenums(PyArray_TYPE(a), type) || PyArray_NDIM(a) != 1 ||
-        !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISWRITEABLE(a) || PyArray_DIM(a, 0) < n) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s: a writable contiguous 1-d array of the pool's dtype with at least %zd entries "
-                     "expected",
-                     name, (Py_ssize_t)n);
-        return NULL;
-    }
-    return PyArray_DATA(a);
-}
-
-/* The pool's page count: the length of its owner array (every other array is checked
- * against it). -1 with TypeError if it is not an array. */
-static npy_intp
-pool_size(PyObject *owner)
-{
-    if (!PyArray_Check(owner)) {
-        PyErr_SetString(PyExc_TypeError, "owner: a NumPy array expected");
-        return -1;
-    }
-    return PyArray_SIZE((PyArrayObject *)owner);
-}
-
-/* The holds array: uint32, C-contiguous, (kinds, n). */
-static uint32_t *
-holds_data(PyObject *o, npy_intp n)
-{
-    if (!PyArray_Check(o) || !PyArray_EquivTypenums(PyArray_TYPE((PyArrayObject *)o), NPY_UINT32) ||
-        PyArray_NDIM((PyArrayObject *)o) != 2 || PyArray_DIM((PyArrayObject *)o, 1) != n ||
-        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o)) {
-        PyErr_SetString(PyExc_TypeError, "holds: a contiguous (kinds, pages) uint32 array expected");
-        return NULL;
-    }
+    *n = PyArray_DIM((PyArrayObject *)o, 0);
     return PyArray_DATA((PyArrayObject *)o);
 }
 
-/* An intp page array, in range [0, n): its data and length; else NULL with an exception. */
+/* An intp page array, in range [0, n): its data and length, each page's record prefetched
+ * (the misses overlap instead of being taken one after another: ~20 % less time an event);
+ * else NULL with an exception. */
 static const npy_intp *
-page_data(PyObject *o, npy_intp n, npy_intp *count)
+page_data(PyObject *o, const Page *state, npy_intp n, npy_intp *count)
 {
     if (!PyArray_Check(o) || !PyArray_EquivTypenums(PyArray_TYPE((PyArrayObject *)o), NPY_INTP) ||
         PyArray_NDIM((PyArrayObject *)o) != 1 || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o)) {
@@ -108,9 +79,34 @@ page_data(PyObject *o, npy_intp n, npy_intp *count)
                          (Py_ssize_t)n);
             return NULL;
         }
+        PREFETCH(&state[pages[i]]);
     }
     *count = len;
     return pages;
+}
+
+/* The uint32 slots of a land: C-contiguous, 1-d, one a page; else NULL with TypeError. */
+static const uint32_t *
+slots_data(PyObject *o, npy_intp count)
+{
+    if (!PyArray_Check(o) || !PyArray_EquivTypenums(PyArray_TYPE((PyArrayObject *)o), NPY_UINT32) ||
+        PyArray_NDIM((PyArrayObject *)o) != 1 || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o) ||
+        PyArray_DIM((PyArrayObject *)o, 0) != count) {
+        PyErr_Format(PyExc_TypeError, "slots: a contiguous 1-d uint32 array of %zd entries expected",
+                     (Py_ssize_t)count);
+        return NULL;
+    }
+    return PyArray_DATA((PyArrayObject *)o);
+}
+
+/* A `ts` argument: None (since is left as it is) or the time; -1 with an exception. */
+static int
+timestamp(PyObject *o, int64_t *ts)
+{
+    if (o == Py_None)
+        return 0;
+    *ts = PyLong_AsLongLong(o);
+    return *ts == -1 && PyErr_Occurred() ? -1 : 1;
 }
 
 static int
@@ -208,13 +204,14 @@ bad:
     return -1;
 }
 
-/* page_list(message, field, num_pages, seen[, start, end]) -> intp array
+/* page_list(message, field, num_pages, state[, start, end]) -> intp array
  * The page list of an event's payload, read from the payload serialized (`field`: the
  * number of its `repeated uint32 pages`), or from bytes [start, end) of `message` (where
  * event_head found the payload): protobuf's own iteration makes a Python int of every page,
  * four times slower than decoding them here.
- * IndexError(page) for a page outside [0, num_pages); with `seen` (a zeroed uint8 array of
- * num_pages, left zeroed), ValueError(page) for a page listed twice. */
+ * IndexError(page) for a page outside [0, num_pages); with `state` (the pool's records, of
+ * num_pages; their `seen` bytes zero, and left zero), ValueError(page) for a page listed
+ * twice. */
 static PyObject *
 page_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -236,9 +233,15 @@ page_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (PyErr_Occurred())
         return NULL;
-    uint8_t *seen = NULL;
-    if (args[3] != Py_None && !(seen = array_data(args[3], NPY_UINT8, n, "seen")))
-        return NULL;
+    Page *state = NULL;
+    if (args[3] != Py_None) {
+        npy_intp records;
+        if (!(state = pool_data(args[3], &records)))
+            return NULL;
+        if (records != n)
+            return PyErr_Format(PyExc_TypeError, "state: %zd records for a pool of %zd pages", (Py_ssize_t)records,
+                                (Py_ssize_t)n);
+    }
     Py_ssize_t count = scan(data, len, field, NULL);
     if (count < 0)
         return NULL;
@@ -248,10 +251,10 @@ page_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     npy_intp *pages = PyArray_DATA(out);
     scan(data, len, field, pages);
-    if (seen != NULL)
+    if (state != NULL)
         for (Py_ssize_t j = 0; j < count; j++)
             if (pages[j] < n) /* not checked yet */
-                PREFETCH(&seen[pages[j]]);
+                PREFETCH(&state[pages[j]]);
     Py_ssize_t i = 0;
     for (; i < count; i++) {
         npy_intp page = pages[i];
@@ -259,17 +262,17 @@ page_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             raise_page(PyExc_IndexError, page);
             break;
         }
-        if (seen != NULL) {
-            if (seen[page]) {
+        if (state != NULL) {
+            if (state[page].seen) {
                 raise_page(PyExc_ValueError, page);
                 break;
             }
-            seen[page] = 1;
+            state[page].seen = 1;
         }
     }
-    if (seen != NULL)
+    if (state != NULL)
         for (Py_ssize_t j = 0; j < i; j++)
-            seen[pages[j]] = 0;
+            state[pages[j]].seen = 0;
     if (i < count) {
         Py_DECREF(out);
         return NULL;
@@ -277,67 +280,53 @@ page_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return (PyObject *)out;
 }
 
-/* grant(pages, use, holds, gen, owner, own, prior, writer, since, req, ts, judged) -> busy
+/* grant(pages, state, req, ts, judged) -> busy
  * Counts the pages still in use (a live grant or a hold: handed out early). If none, or once
  * the ledger has judged them (judged true), grants every page to req: use = 1 + its holds
- * (1 for a page not in use),
- * gen + 1, owner req, own NOBODY, prior = writer, since = ts (unless since is None). Else
- * changes nothing. Returns the count. */
+ * (1 for a page not in use), gen + 1, owner req, own NOBODY, prior = writer, since = ts
+ * (unless ts is None). Else changes nothing. Returns the count. */
 static PyObject *
 grant(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (check_args(nargs, 12, "grant") < 0)
+    if (check_args(nargs, 5, "grant") < 0)
         return NULL;
-    npy_intp n = pool_size(args[4]), count;
-    if (n < 0)
+    npy_intp n, count;
+    Page *state = pool_data(args[1], &n);
+    if (state == NULL)
         return NULL;
-    uint32_t *use = array_data(args[1], NPY_UINT32, n, "use");
-    uint32_t *holds = use ? holds_data(args[2], n) : NULL;
-    uint32_t *gen = holds ? array_data(args[3], NPY_UINT32, n, "gen") : NULL;
-    int32_t *owner = gen ? array_data(args[4], NPY_INT32, n, "owner") : NULL;
-    int32_t *own = owner ? array_data(args[5], NPY_INT32, n, "own") : NULL;
-    int32_t *prior = own ? array_data(args[6], NPY_INT32, n, "prior") : NULL;
-    int32_t *writer = prior ? array_data(args[7], NPY_INT32, n, "writer") : NULL;
-    if (writer == NULL)
-        return NULL;
-    int64_t *since = NULL;
-    if (args[8] != Py_None && !(since = array_data(args[8], NPY_INT64, n, "since")))
-        return NULL;
-    long req = PyLong_AsLong(args[9]);
-    long long ts = PyLong_AsLongLong(args[10]);
-    int judged = PyObject_IsTrue(args[11]);
+    long req = PyLong_AsLong(args[2]);
+    int64_t ts = 0;
+    int timed = timestamp(args[3], &ts);
+    int judged = PyObject_IsTrue(args[4]);
     if (PyErr_Occurred())
         return NULL;
-    const npy_intp *pages = page_data(args[0], n, &count);
+    const npy_intp *pages = page_data(args[0], state, n, &count);
     if (pages == NULL)
         return NULL;
-    npy_intp kinds = PyArray_DIM((PyArrayObject *)args[2], 0);
     long busy = 0;
-    PREFETCH_PAGES(pages, count, COLUMN(use), COLUMN(gen), COLUMN(owner), COLUMN(own), COLUMN(prior),
-                   COLUMN(writer), COLUMN(since));
     for (npy_intp i = 0; i < count; i++)
-        busy += use[pages[i]] != 0;
+        busy += state[pages[i]].use != 0;
     if (busy && !judged)
         return PyLong_FromLong(busy);
     for (npy_intp i = 0; i < count; i++) {
-        npy_intp p = pages[i];
+        Page *page = &state[pages[i]];
         uint32_t users = 1;
-        if (use[p] != 0) /* only a page in use has holds: the rest never read them (cache misses) */
-            for (npy_intp k = 0; k < kinds; k++)
-                users += holds[k * n + p];
-        use[p] = users;
-        gen[p] += 1;
-        owner[p] = (int32_t)req;
-        own[p] = NOBODY;
-        prior[p] = writer[p];
-        if (since != NULL)
-            since[p] = ts;
+        if (page->use != 0) /* only a page in use has holds */
+            for (int k = 0; k < HOLD_KINDS; k++)
+                users += page->holds[k];
+        page->use = users;
+        page->gen += 1;
+        page->owner = (int32_t)req;
+        page->own = NOBODY;
+        page->prior = page->writer;
+        if (timed)
+            page->since = ts;
     }
     return PyLong_FromLong(busy);
 }
 
-/* land(pages, owner, gen, writer, wgen, valid, own, req, slots, page_size, judged) -> foreign
+/* land(pages, state, req, slots, page_size, judged) -> foreign
  * Counts the pages req does not own. If none, or once the ledger has judged them, req's KV
  * lands in every page: writer req, wgen = gen, valid = slots[i] (page_size when slots is
  * None), own req where req owns the page and NOBODY where it does not. Else changes nothing.
@@ -346,98 +335,80 @@ static PyObject *
 land(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (check_args(nargs, 11, "land") < 0)
+    if (check_args(nargs, 6, "land") < 0)
         return NULL;
-    npy_intp n = pool_size(args[1]), count;
-    if (n < 0)
+    npy_intp n, count;
+    Page *state = pool_data(args[1], &n);
+    if (state == NULL)
         return NULL;
-    int32_t *owner = array_data(args[1], NPY_INT32, n, "owner");
-    uint32_t *gen = owner ? array_data(args[2], NPY_UINT32, n, "gen") : NULL;
-    int32_t *writer = gen ? array_data(args[3], NPY_INT32, n, "writer") : NULL;
-    uint32_t *wgen = writer ? array_data(args[4], NPY_UINT32, n, "wgen") : NULL;
-    uint32_t *valid = wgen ? array_data(args[5], NPY_UINT32, n, "valid") : NULL;
-    int32_t *own = valid ? array_data(args[6], NPY_INT32, n, "own") : NULL;
-    if (own == NULL)
-        return NULL;
-    long req = PyLong_AsLong(args[7]);
-    unsigned long page_size = PyLong_AsUnsignedLong(args[9]);
-    int judged = PyObject_IsTrue(args[10]);
+    long req = PyLong_AsLong(args[2]);
+    unsigned long page_size = PyLong_AsUnsignedLong(args[4]);
+    int judged = PyObject_IsTrue(args[5]);
     if (PyErr_Occurred())
         return NULL;
-    const npy_intp *pages = page_data(args[0], n, &count);
+    const npy_intp *pages = page_data(args[0], state, n, &count);
     if (pages == NULL)
         return NULL;
     const uint32_t *slots = NULL;
-    if (args[8] != Py_None) {
-        if (!(slots = array_data(args[8], NPY_UINT32, count, "slots")))
-            return NULL;
-    }
+    if (args[3] != Py_None && !(slots = slots_data(args[3], count)))
+        return NULL;
     long foreign = 0;
-    PREFETCH_PAGES(pages, count, COLUMN(owner), COLUMN(gen), COLUMN(writer), COLUMN(wgen), COLUMN(valid),
-                   COLUMN(own));
     for (npy_intp i = 0; i < count; i++)
-        foreign += owner[pages[i]] != req;
+        foreign += state[pages[i]].owner != req;
     if (foreign && !judged)
         return PyLong_FromLong(foreign);
     for (npy_intp i = 0; i < count; i++) {
-        npy_intp p = pages[i];
-        writer[p] = (int32_t)req;
-        wgen[p] = gen[p];
-        valid[p] = slots != NULL ? slots[i] : (uint32_t)page_size;
-        own[p] = owner[p] == req ? (int32_t)req : NOBODY;
+        Page *page = &state[pages[i]];
+        page->writer = (int32_t)req;
+        page->wgen = page->gen;
+        page->valid = slots != NULL ? slots[i] : (uint32_t)page_size;
+        page->own = page->owner == req ? (int32_t)req : NOBODY;
     }
     return PyLong_FromLong(foreign);
 }
 
-/* end_grant(pages, owner, own, use, since, req, ts, judged) -> not_owned
+/* end_grant(pages, state, req, ts, judged) -> not_owned
  * Counts the pages req does not own. If none, or once the ledger has judged them, req's
- * grant of each page it owns ends: owner ~req, own NOBODY, use - 1, since = ts (unless since
- * is None); the others are left as they are. Else changes nothing. Returns the count. */
+ * grant of each page it owns ends: owner ~req, own NOBODY, use - 1, since = ts (unless ts is
+ * None); the others are left as they are. Else changes nothing. Returns the count. */
 static PyObject *
 end_grant(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (check_args(nargs, 8, "end_grant") < 0)
+    if (check_args(nargs, 5, "end_grant") < 0)
         return NULL;
-    npy_intp n = pool_size(args[1]), count;
-    if (n < 0)
+    npy_intp n, count;
+    Page *state = pool_data(args[1], &n);
+    if (state == NULL)
         return NULL;
-    int32_t *owner = array_data(args[1], NPY_INT32, n, "owner");
-    int32_t *own = owner ? array_data(args[2], NPY_INT32, n, "own") : NULL;
-    uint32_t *use = own ? array_data(args[3], NPY_UINT32, n, "use") : NULL;
-    if (use == NULL)
-        return NULL;
-    int64_t *since = NULL;
-    if (args[4] != Py_None && !(since = array_data(args[4], NPY_INT64, n, "since")))
-        return NULL;
-    long req = PyLong_AsLong(args[5]);
-    long long ts = PyLong_AsLongLong(args[6]);
-    int judged = PyObject_IsTrue(args[7]);
+    long req = PyLong_AsLong(args[2]);
+    int64_t ts = 0;
+    int timed = timestamp(args[3], &ts);
+    int judged = PyObject_IsTrue(args[4]);
     if (PyErr_Occurred())
         return NULL;
-    const npy_intp *pages = page_data(args[0], n, &count);
+    const npy_intp *pages = page_data(args[0], state, n, &count);
     if (pages == NULL)
         return NULL;
     long other = 0;
-    PREFETCH_PAGES(pages, count, COLUMN(owner), COLUMN(own), COLUMN(use), COLUMN(since));
     for (npy_intp i = 0; i < count; i++)
-        other += owner[pages[i]] != req;
+        other += state[pages[i]].owner != req;
     if (other && !judged)
         return PyLong_FromLong(other);
     for (npy_intp i = 0; i < count; i++) {
-        npy_intp p = pages[i];
-        if (owner[p] != req)
+        Page *page = &state[pages[i]];
+        if (page->owner != req)
             continue;
-        owner[p] = (int32_t)~req;
-        own[p] = NOBODY;
-        use[p] -= 1;
-        if (since != NULL)
-            since[p] = ts;
+        page->owner = (int32_t)~req;
+        page->own = NOBODY;
+        page->use -= 1;
+        if (timed)
+            page->since = ts;
     }
     return PyLong_FromLong(other);
 }
 
-/* read_clean(pages, own, valid, req, tokens, page_size) -> bool
+/* read_clean(pages, state, req, tokens, page_size) -> bool
  * Whether a context of `tokens` tokens through `pages` (exactly the pages it covers) reads
  * only req's own KV written under its current grant: every page's own tag is req and every
  * page is full, but the last, which holds at least the slots read of it. Changes nothing. */
@@ -445,35 +416,79 @@ static PyObject *
 read_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (check_args(nargs, 6, "read_clean") < 0)
+    if (check_args(nargs, 5, "read_clean") < 0)
         return NULL;
-    npy_intp n = pool_size(args[1]), count;
-    if (n < 0)
+    npy_intp n, count;
+    const Page *state = pool_data(args[1], &n);
+    if (state == NULL)
         return NULL;
-    int32_t *own = array_data(args[1], NPY_INT32, n, "own");
-    uint32_t *valid = own ? array_data(args[2], NPY_UINT32, n, "valid") : NULL;
-    if (valid == NULL)
-        return NULL;
-    long req = PyLong_AsLong(args[3]);
-    long long tokens = PyLong_AsLongLong(args[4]);
-    long long page_size = PyLong_AsLongLong(args[5]);
+    long req = PyLong_AsLong(args[2]);
+    long long tokens = PyLong_AsLongLong(args[3]);
+    long long page_size = PyLong_AsLongLong(args[4]);
     if (PyErr_Occurred())
         return NULL;
-    const npy_intp *pages = page_data(args[0], n, &count);
+    const npy_intp *pages = page_data(args[0], state, n, &count);
     if (pages == NULL)
         return NULL;
-    PREFETCH_PAGES(pages, count, COLUMN(own), COLUMN(valid));
     for (npy_intp i = 0; i < count; i++) {
-        npy_intp p = pages[i];
-        if (own[p] != req)
+        const Page *page = &state[pages[i]];
+        if (page->own != req)
             Py_RETURN_FALSE;
-        if ((long long)valid[p] < page_size &&
-            (i != count - 1 || (long long)valid[p] < tokens - (long long)(count - 1) * page_size))
+        if ((long long)page->valid < page_size &&
+            (i != count - 1 || (long long)page->valid < tokens - (long long)(count - 1) * page_size))
             Py_RETURN_FALSE;
     }
     Py_RETURN_TRUE;
 }
 
+
+/* mark_named(state, holder_req, named) -> None
+ * Sets named[r] for every request r a page's tags name: its writer, prior writer, own tag,
+ * owner (live or ended: ~owner) and the holder of each kind of hold still on it. One pass
+ * over the records (the ledger's scan before forgetting requests; per field in NumPy it
+ * read each record once a field). IndexError for a tag beyond named (a corrupt state). */
+static PyObject *
+mark_named(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (check_args(nargs, 3, "mark_named") < 0)
+        return NULL;
+    npy_intp n;
+    const Page *state = pool_data(args[0], &n);
+    if (state == NULL)
+        return NULL;
+    PyArrayObject *holders = (PyArrayObject *)args[1], *marks = (PyArrayObject *)args[2];
+    if (!PyArray_Check(args[1]) || !PyArray_EquivTypenums(PyArray_TYPE(holders), NPY_INT32) ||
+        PyArray_NDIM(holders) != 2 || PyArray_DIM(holders, 0) != HOLD_KINDS || PyArray_DIM(holders, 1) != n ||
+        !PyArray_IS_C_CONTIGUOUS(holders)) {
+        PyErr_SetString(PyExc_TypeError, "holder_req: a contiguous (kinds, pages) int32 array expected");
+        return NULL;
+    }
+    if (!PyArray_Check(args[2]) || !PyArray_EquivTypenums(PyArray_TYPE(marks), NPY_BOOL) ||
+        PyArray_NDIM(marks) != 1 || !PyArray_IS_C_CONTIGUOUS(marks) || !PyArray_ISWRITEABLE(marks)) {
+        PyErr_SetString(PyExc_TypeError, "named: a writable contiguous 1-d bool array expected");
+        return NULL;
+    }
+    const int32_t *holder = PyArray_DATA(holders);
+    npy_bool *named = PyArray_DATA(marks);
+    uint32_t limit = (uint32_t)PyArray_DIM(marks, 0);
+    for (npy_intp p = 0; p < n; p++) {
+        const Page *page = &state[p];
+        uint32_t tags[4 + HOLD_KINDS] = {(uint32_t)page->writer, (uint32_t)page->prior, (uint32_t)page->own,
+                                         (uint32_t)(page->owner >= 0 ? page->owner : ~page->owner)};
+        int count = 4;
+        for (int k = 0; k < HOLD_KINDS; k++)
+            if (page->holds[k] > 0)
+                tags[count++] = (uint32_t)holder[k * n + p];
+        for (int t = 0; t < count; t++) {
+            if (tags[t] >= limit) /* a negative tag, as uint32, too */
+                return PyErr_Format(PyExc_IndexError, "page %zd names request %d, beyond %u", (Py_ssize_t)p,
+                                    (int32_t)tags[t], limit);
+            named[tags[t]] = 1;
+        }
+    }
+    Py_RETURN_NONE;
+}
 
 /* ---------------------------------------------------------------- events read from their bytes */
 
@@ -665,6 +680,7 @@ static PyMethodDef methods[] = {
     {"land", (PyCFunction)(void (*)(void))land, METH_FASTCALL, "A request's KV lands in pages."},
     {"end_grant", (PyCFunction)(void (*)(void))end_grant, METH_FASTCALL, "A request's grant ends."},
     {"read_clean", (PyCFunction)(void (*)(void))read_clean, METH_FASTCALL, "The clean read check."},
+    {"mark_named", (PyCFunction)(void (*)(void))mark_named, METH_FASTCALL, "Requests the page tags name."},
     {"event_head", (PyCFunction)(void (*)(void))event_head, METH_FASTCALL, "A common event read from its bytes."},
     {NULL, NULL, 0, NULL},
 };
@@ -681,5 +697,25 @@ PyMODINIT_FUNC
 PyInit__hot(void)
 {
     import_array();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    /* PAGE from the struct itself: the Python side can never disagree with the layout. */
+#define OFFSET(field) ((Py_ssize_t)offsetof(Page, field))
+    PyObject *spec = Py_BuildValue(
+        "{s:[sssssssssss],s:[sssssssssss],s:[nnnnnnnnnnn],s:n}", "names", "owner", "own", "use", "gen", "writer",
+        "wgen", "valid", "prior", "since", "holds", "seen", "formats", "<i4", "<i4", "<u4", "<u4", "<i4", "<u4",
+        "<u4", "<i4", "<i8", "(4,)<u4", "u1", "offsets", OFFSET(owner), OFFSET(own),
+        OFFSET(use), OFFSET(gen), OFFSET(writer), OFFSET(wgen),
+        OFFSET(valid), OFFSET(prior), OFFSET(since), OFFSET(holds),
+        OFFSET(seen), "itemsize", (Py_ssize_t)sizeof(Page));
+#undef OFFSET
+    if (spec == NULL || !PyArray_DescrConverter(spec, &page_descr) ||
+        PyModule_AddObjectRef(m, "PAGE", (PyObject *)page_descr) < 0) {
+        Py_XDECREF(spec);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_DECREF(spec);
+    return m;
 }

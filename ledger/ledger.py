@@ -560,17 +560,17 @@ class Ledger:
         named = np.zeros(len(self.requests), bool)
         for node in self.nodes.values():
             for pool in node.pools.values():
-                pp = pool.pages
-                for tags in (pp.writer, pp.prior, pp.own, pp.holder_req[pp.holds > 0]):
-                    named[tags] = True
-                named[np.where(pp.owner >= 0, pp.owner, ~pp.owner)] = True
-        for r in self._recent.values():
-            for shared in r.shared.values():
-                named[shared.writer] = True
-        gone = set()
-        for idx, r in list(self._retired.items()):
+                pool.pages.mark_named(named)
+        shares = [s.writer for r in self._recent.values() if r.shared for s in r.shared.values()]
+        if shares:
+            named[np.concatenate(shares)] = True
+        idle = []  # retired in the order they were last named: the first newer ends the idle ones
+        for idx, r in self._retired.items():
             if r.last > idle_before:
-                break  # retired in the order they were last named: the rest are newer
+                break
+            idle.append((idx, r))
+        gone = set()
+        for idx, r in idle:
             if named[idx] or self._holds_something(r):  # a late wire report may be pending on it
                 continue
             del self._retired[idx]

@@ -1,4 +1,5 @@
-"""Per-page ownership state of one KV pool, as parallel NumPy arrays indexed by page.
+"""Per-page ownership state of one KV pool: one record a page (a cache line), each field also a
+NumPy array view indexed by page.
 
 Invariants, for every page p (`use` and `holds` count live users; `owner` is signed):
 - owner[p] >= 0: p is granted to request owner[p]; owner[p] < 0: the grant ended, and
@@ -36,8 +37,23 @@ MAX_PAGES = 1 << 24
 MAX_PAGE_SIZE = 1 << 16
 
 
+PAGE: np.dtype = _hot.PAGE  # a page's record, one cache line; its layout is _hot.c's `Page`
+COLUMNS: tuple[str, ...] = ("owner", "own", "use", "gen", "writer", "wgen", "valid", "prior", "since")
+if PAGE["holds"].shape != (len(HOLDERS),):
+    raise ImportError(f"ledger/_hot.c keeps {PAGE['holds'].shape} holds a page; HOLDERS names {len(HOLDERS)}")
+
+
+def _records(n: int) -> np.ndarray:
+    """n zeroed PAGE records starting on a cache line, so that each is exactly one."""
+    raw = np.zeros((n + 1) * PAGE.itemsize, np.uint8)
+    skip = -raw.ctypes.data % PAGE.itemsize
+    return raw[skip : skip + n * PAGE.itemsize].view(PAGE)
+
+
 class PoolPages:
-    """The page arrays of one (node, pool)."""
+    """The page state of one (node, pool): `state`, one PAGE record a page, and each field as
+    a NumPy view of it (owner, own, use, ..., `holds` as (kinds, pages)), so that NumPy code
+    indexes a field as it would an array and the C hot path touches one cache line a page."""
 
     __slots__ = (
         "gen",
@@ -50,6 +66,7 @@ class PoolPages:
         "prior",
         "seen",
         "since",
+        "state",
         "use",
         "valid",
         "wgen",
@@ -60,18 +77,14 @@ class PoolPages:
         n = num_pages
         self.num_pages = n
         self.page_size = page_size
-        self.gen = np.zeros(n, np.uint32)
-        self.owner = np.full(n, ~NOBODY, np.int32)
-        self.use = np.zeros(n, np.uint32)
-        self.holds = np.zeros((len(HOLDERS), n), np.uint32)
-        self.holder_req = np.zeros((len(HOLDERS), n), np.int32)  # per kind: who took the latest hold
-        self.writer = np.zeros(n, np.int32)
-        self.wgen = np.zeros(n, np.uint32)
-        self.valid = np.zeros(n, np.uint32)
-        self.own = np.zeros(n, np.int32)
-        self.prior = np.zeros(n, np.int32)
-        self.since = np.zeros(n, np.int64)
-        self.seen = np.zeros(n, np.uint8)  # page_list's scratch (all zero between calls): not state
+        self.state = _records(n)
+        self.state["owner"] = ~NOBODY
+        for name in COLUMNS:
+            setattr(self, name, self.state[name])
+        self.holds = self.state["holds"].T  # (kinds, pages), as NumPy code indexes it
+        self.seen = self.state["seen"]  # page_list's scratch (all zero between calls): not state
+        # Per kind: who took the latest hold. Apart: only holds and releases touch it.
+        self.holder_req = np.zeros((len(HOLDERS), n), np.int32)
 
     def page_list(
         self, message: bytes, field: int, *, distinct: bool = True, within: tuple[int, int] | None = None
@@ -80,62 +93,35 @@ class PoolPages:
         of the payload at bytes `within` [start, end) of `message`, as an intp array.
         IndexError(page) for a page outside the pool; with `distinct`, ValueError(page) for a
         page listed twice."""
-        seen = self.seen if distinct else None
+        state = self.state if distinct else None
         if within is None:
-            return _hot.page_list(message, field, self.num_pages, seen)
-        return _hot.page_list(message, field, self.num_pages, seen, *within)
+            return _hot.page_list(message, field, self.num_pages, state)
+        return _hot.page_list(message, field, self.num_pages, state, *within)
 
     def grant(self, pages: np.ndarray, req: int, ts: int | None, *, judged: bool = False) -> int:
         """Grant `pages` to req (since = ts unless ts is None): use = 1 + holds (1 where the
         page was not in use), gen + 1,
         owner req, own NOBODY, prior = writer. Returns how many pages were still in use; if
         some were and not `judged`, nothing changed."""
-        return _hot.grant(
-            pages,
-            self.use,
-            self.holds,
-            self.gen,
-            self.owner,
-            self.own,
-            self.prior,
-            self.writer,
-            None if ts is None else self.since,
-            req,
-            ts or 0,
-            judged,
-        )
+        return _hot.grant(pages, self.state, req, ts, judged)
 
     def land(self, pages: np.ndarray, req: int, slots: np.ndarray | None, *, judged: bool = False) -> int:
         """Req's KV lands in `pages`: writer req, wgen = gen, valid = slots (full pages when
         None), own req where req owns the page, NOBODY elsewhere. Returns how many pages req
         does not own; if some and not `judged`, nothing changed."""
-        return _hot.land(
-            pages,
-            self.owner,
-            self.gen,
-            self.writer,
-            self.wgen,
-            self.valid,
-            self.own,
-            req,
-            slots,
-            self.page_size,
-            judged,
-        )
+        return _hot.land(pages, self.state, req, slots, self.page_size, judged)
 
     def end_grant(self, pages: np.ndarray, req: int, ts: int | None, *, judged: bool = False) -> int:
         """Req's grant ends on each of `pages` it owns: owner ~req, own NOBODY, use - 1, since
         = ts unless ts is None. Returns how many pages req does not own; if some and not
         `judged`, nothing changed."""
-        return _hot.end_grant(
-            pages, self.owner, self.own, self.use, None if ts is None else self.since, req, ts or 0, judged
-        )
+        return _hot.end_grant(pages, self.state, req, ts, judged)
 
     def read_clean(self, pages: np.ndarray, req: int, tokens: int) -> bool:
         """Whether a context of `tokens` tokens through `pages` (exactly the pages it covers)
         reads only req's own KV written under its current grant: own == req everywhere, every
         page full but the last, which holds at least the slots read of it."""
-        return _hot.read_clean(pages, self.own, self.valid, req, tokens, self.page_size)
+        return _hot.read_clean(pages, self.state, req, tokens, self.page_size)
 
     def slots_read(self, count: int, tokens: int) -> np.ndarray:
         """Token slots read in each of `count` pages by a context of `tokens` tokens."""
@@ -148,6 +134,11 @@ class PoolPages:
         """Which of `pages` (whose owners are `owner`) req's grant left while a transfer_recv
         hold keeps them for it: a transfer already in flight may still land there."""
         return (owner == ~req) & (self.holds[HOLDER_INDEX["transfer_recv"], pages] > 0)
+
+    def mark_named(self, named: np.ndarray) -> None:
+        """Set named[r] for every request r a page's tags name (writer, prior, own, owner or
+        ended owner, holder of a hold still on the page)."""
+        _hot.mark_named(self.state, self.holder_req, named)
 
     def refs(self, pages: np.ndarray) -> np.ndarray:
         """Live grants (owner and prefix sharers) of each of `pages`."""

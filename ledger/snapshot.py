@@ -339,7 +339,7 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
                     raise SnapshotError(
                         f"pool {p['pool']} of {name}: its {array} array does not fit the pool"
                     )
-                setattr(pages, array, value)
+                getattr(pages, array)[...] = value  # into the pool's records: the fields are views of them
             pool = node.pools[p["pool"]] = Pool(name, p["pool"], _report(p["report"]), pages)
             pool.history = [(seq, ts, _report(r)) for seq, ts, r in p["history"]]
             pool.live = {idx: n for idx, n in p["live"]}

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from kvguard.ledger import _hot, snapshot
 from kvguard.ledger.ledger import BadEvent, Ledger
-from kvguard.ledger.pages import HOLDERS, NOBODY, PoolPages
+from kvguard.ledger.pages import COLUMNS, HOLDERS, NOBODY, PoolPages
+from kvguard.ledger.pages import PAGE as RECORD
 from kvguard.proto import pb
 
 N = 64  # pages in the pool
@@ -40,11 +41,7 @@ def random_pool(rng: np.random.Generator) -> PoolPages:
 
 
 def state(pp: PoolPages) -> dict[str, np.ndarray]:
-    return {
-        name: getattr(pp, name).copy()
-        for name in PoolPages.__slots__
-        if name not in ("num_pages", "page_size")
-    }
+    return {name: getattr(pp, name).copy() for name in (*COLUMNS, "holds", "holder_req", "seen")}
 
 
 def assert_same(got: PoolPages, want: dict[str, np.ndarray]) -> None:
@@ -124,6 +121,33 @@ def test_end_grant_equals_numpy(seed: int) -> None:
     if ts is not None:
         want["since"][mine] = ts
     assert_same(pp, want)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_mark_named_equals_numpy(seed: int) -> None:
+    rng = np.random.default_rng(400 + seed)
+    pp = random_pool(rng)
+    pp.holder_req[:] = rng.integers(0, 9, (len(HOLDERS), N))
+    pp.own[:] = np.where(pp.owner >= 0, pp.own, NOBODY)  # a tag, never an ended owner (NumPy would wrap)
+    want = np.zeros(12, bool)
+    for tags in (pp.writer, pp.prior, pp.own, pp.holder_req[pp.holds > 0]):
+        want[tags] = True
+    want[np.where(pp.owner >= 0, pp.owner, ~pp.owner)] = True
+    got = np.zeros(12, bool)
+    before = state(pp)
+    pp.mark_named(got)
+    assert got.tolist() == want.tolist()
+    assert_same(pp, before)
+
+
+def test_mark_named_refuses_a_tag_beyond_the_requests() -> None:
+    pp = PoolPages(N, PAGE)
+    pp.holds[HOLDERS.index("offload"), 9] = 1
+    pp.holder_req[HOLDERS.index("offload"), 9] = 40
+    with pytest.raises(IndexError, match="page 9 names request 40, beyond 12"):
+        pp.mark_named(np.zeros(12, bool))
+    with pytest.raises(TypeError, match="named: a writable contiguous 1-d bool array"):
+        pp.mark_named(np.zeros(64, np.uint8))
 
 
 def read_clean_numpy(pp: PoolPages, pages: np.ndarray, tokens: int) -> bool:
@@ -256,31 +280,41 @@ def test_bad_arrays_and_pages_are_refused_before_anything_changes() -> None:
     before = state(pp)
     with pytest.raises(IndexError, match="page 64 out of range"):
         pp.grant(np.array([1, N], np.intp), REQ, None)
+    with pytest.raises(IndexError, match="page -1 out of range"):
+        pp.end_grant(np.array([1, -1], np.intp), REQ, None, judged=True)
     with pytest.raises(TypeError, match="pages: a contiguous 1-d intp array"):
         pp.grant(np.array([1, 2], np.int32), REQ, None)
     one = np.array([1], np.intp)
-
-    def grant(**swap: np.ndarray) -> None:  # _hot.grant with one of the pool's arrays swapped
-        arrays = [
-            swap.get(n, getattr(pp, n)) for n in ("use", "holds", "gen", "owner", "own", "prior", "writer")
-        ]
-        _hot.grant(one, *arrays, None, REQ, 0, False)
-
-    with pytest.raises(TypeError, match="use: a writable contiguous 1-d array"):
-        grant(use=pp.use.astype(np.int64))
-    with pytest.raises(TypeError, match="holds: a contiguous"):
-        grant(holds=pp.holds.T)
-    with pytest.raises(TypeError, match="gen: a writable"):
-        grant(gen=pp.gen[:10])
-    with pytest.raises(TypeError, match="slots: a writable"):
-        pp.land(np.array([1, 2], np.intp), REQ, np.array([1], np.uint32))
-    frozen = pp.since.copy()
+    frozen = pp.state.copy()
     frozen.flags.writeable = False
-    with pytest.raises(TypeError, match="since: a writable"):
-        _hot.end_grant(np.array([1], np.intp), pp.owner, pp.own, pp.use, frozen, REQ, 0, True)
-    with pytest.raises(TypeError, match="takes 6 arguments"):
-        _hot.read_clean(np.array([1], np.intp), pp.own)
+    loose = np.zeros(N, [(name, RECORD[name]) for name in RECORD.names])  # the fields, packed: not PAGE
+    for wrong in (pp.owner, pp.state[::2], pp.state.reshape(2, -1), frozen, loose, pp.state.view(np.uint8)):
+        with pytest.raises(TypeError, match="state: a writable contiguous 1-d array of PAGE records"):
+            _hot.grant(one, wrong, REQ, None, False)
+    with pytest.raises(TypeError, match="state: 32 records for a pool of 64 pages"):
+        _hot.page_list(pb.Alloc(pages=[1]).SerializeToString(), 3, N, pp.state[:32])
+    with pytest.raises(TypeError, match="slots: a contiguous 1-d uint32 array of 2 entries"):
+        pp.land(np.array([1, 2], np.intp), REQ, np.array([1], np.uint32))
+    with pytest.raises(TypeError, match="slots: a contiguous 1-d uint32 array"):
+        pp.land(np.array([1, 2], np.intp), REQ, np.array([1, 2], np.int64))
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        _hot.read_clean(one, pp.state)
+    with pytest.raises(TypeError):
+        _hot.end_grant(one, pp.state, REQ, "soon", True)  # a time that is no integer
     assert_same(pp, before)
+
+
+def test_each_page_is_one_cache_line_and_the_fields_are_views_of_it() -> None:
+    pp = PoolPages(N, PAGE)
+    assert RECORD.itemsize == 64 and pp.state.ctypes.data % 64 == 0
+    pp.grant(np.array([5], np.intp), REQ, 77)
+    pp.land(np.array([5], np.intp), REQ, None)
+    record = pp.state[5]
+    assert (record["owner"], record["own"], record["use"], record["gen"]) == (REQ, REQ, 1, 1)
+    assert (record["writer"], record["valid"], record["since"]) == (REQ, PAGE, 77)
+    pp.holds[HOLDERS.index("abort"), 5] = 3  # a NumPy write through a field's view lands in the record
+    assert pp.state[5]["holds"].tolist() == [0, 0, 0, 3]
+    assert pp.owner[6] == ~NOBODY and not pp.seen.any()
 
 
 # ---------------------------------------------------------------- events read from their bytes
