@@ -15,19 +15,22 @@ transport floor is this same client code against a gRPC server, also in its own 
 acknowledges every batch at once without looking at it: what loopback gRPC, protobuf and
 this client cost without the daemon.
 
-Workload per agent (node n0..nK), built in memory before timing: a pool report, then correct
-request lifecycles, each alloc / write / one attention read / free of R pages taken from the
-agent's own pool: 4 R page transitions, no finding. The daemon's cost is per event, so the
-same page rate costs it more in small events: every run is repeated for each R of
---req-pages (default 64 and 256: a 1K- and a 4K-token context at 16 tokens a page). Sent in
-batches of --batch-events (64) events. Every --plant-every-th (4th) batch of an agent also
-carries one planted fault, on a fresh request: alloc one page, read it without writing it (a
-stale_read, which the default ruleset answers with a kill), free it. The event-to-alert
-latency runs from just before the client sends the batch holding the planted read to the
-arrival of its alert on an AlertService.Subscribe stream (filtered on stale_read) held by a
-subscriber process of its own, as a SIEM would hold it; the event-to-kill latency, to the
-arrival of the kill command on the agent's own stream (the daemon sends commands before the
-commit, alerts after it). The same stream (same batches, same plants) goes to the floor,
+Workload per agent (node n0..nK), built in memory before timing: a pool report, sent when the
+agent's stream opens, before the clock starts (an engine reports its pool when it starts, not
+amid sustained traffic; creating a pool's page records, 4 MiB for 65,536 pages, takes the
+daemon 1-4 ms, and 16 of them in the first 30 ms of a run once made the first planted faults
+its slowest alerts), then correct request lifecycles, each alloc / write / one attention read
+/ free of R pages taken from the agent's own pool: 4 R page transitions, no finding. The
+daemon's cost is per event, so the same page rate costs it more in small events: every run is
+repeated for each R of --req-pages (default 64 and 256: a 1K- and a 4K-token context at 16
+tokens a page). Sent in batches of --batch-events (64) events. Every --plant-every-th (4th)
+batch of an agent also carries one planted fault, on a fresh request: alloc one page, read it
+without writing it (a stale_read, which the default ruleset answers with a kill), free it. The
+event-to-alert latency runs from just before the client sends the batch holding the planted
+read to the arrival of its alert on an AlertService.Subscribe stream (filtered on stale_read)
+held by a subscriber process of its own, as a SIEM would hold it; the event-to-kill latency,
+to the arrival of the kill command on the agent's own stream (the daemon sends commands before
+the commit, alerts after it). The same stream (same batches, same plants) goes to the floor,
 which produces no alert. Each run is capped at --seconds; its workload is sized for the goal
 rate, so a daemon that meets the goal runs out of events first.
 
@@ -104,6 +107,7 @@ class Workload:
     """One agent's batches, built before timing."""
 
     node: str
+    setup: bytes  # the pool report, sent before the clock starts: the engine started before its traffic
     batches: list[list[pb.Event]]
     bodies: list[list[bytes]]  # each batch's events serialized, as the agent's spool keeps them
     transitions: list[int]  # page transitions per batch
@@ -127,7 +131,7 @@ class Workload:
 def build_agent(
     node: str, events: int, batch_events: int, req_pages: int, pool_pages: int, plant_every: int, seed: int
 ) -> Workload:
-    """About `events` events of node `node` (pool report first), cut into batches."""
+    """About `events` events of node `node`, after its pool report, cut into batches."""
     log = EventLog()
     pool_event = log.add(node, "pool", pool=0, role="colocated", page_size=PAGE_SIZE, num_pages=pool_pages)
     order = np.random.default_rng(seed).permutation(pool_pages).tolist()
@@ -144,9 +148,9 @@ def build_agent(
     batches: list[list[pb.Event]] = []
     transitions: list[int] = []
     planted: dict[int, str] = {}
-    current: list[pb.Event] = [pool_event]
+    current: list[pb.Event] = []
     moved = 0
-    n_events = 1
+    n_events = 0
     i = 0
     while n_events < events:
         index = len(batches)
@@ -180,7 +184,7 @@ def build_agent(
         batches.append(current)
         transitions.append(moved)
     bodies = [[e.SerializeToString() for e in batch] for batch in batches]
-    return Workload(node, batches, bodies, transitions, planted)
+    return Workload(node, pool_event.SerializeToString(), batches, bodies, transitions, planted)
 
 
 def page_count(event: pb.Event) -> int:
@@ -268,6 +272,7 @@ def stop(p: Process) -> None:
 
 @dataclass
 class Run:
+    setup: int = 0  # pool reports, one an agent, sent before the clock started
     events: int = 0
     transitions: int = 0
     elapsed: float = 0.0
@@ -458,6 +463,7 @@ def drive(
                     "kvguard-bench",
                     on_command=lambda c: killed_at.setdefault(c.kill.req, time.perf_counter()),
                 )
+                check(stream.send_serialized([w.setup]), 1)  # its engine started: the pool report
             except Exception as exc:
                 ready.abort()  # the run cannot start: release the others
                 with lock:
@@ -472,6 +478,7 @@ def drive(
             finally:
                 stream.close()
         with lock:
+            run.setup += 1
             run.events += sent[0]
             run.transitions += sent[1]
             run.planted_sent += sent[2]
@@ -484,7 +491,7 @@ def drive(
     for t in threads:
         t.start()
     with contextlib.suppress(threading.BrokenBarrierError):
-        ready.wait()  # every stream is open (hello acknowledged); the clock starts
+        ready.wait()  # every stream is open and its pool reported (acknowledged); the clock starts
     for t in threads:
         t.join()
     if ready.broken:
@@ -506,7 +513,7 @@ def fleet_check(address: str, run: Run) -> None:
     """The daemon's own count: every event stored, one finding per planted fault, no other."""
     with grpc.insecure_channel(address) as channel:
         state = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest(), timeout=30)
-    expected_events = run.events + 4  # the probe's
+    expected_events = run.events + run.setup + 4  # + the probe's
     findings = dict(state.findings)
     if state.events != expected_events:
         run.errors.append(f"daemon counts {state.events} events, the agents had {expected_events} acked")
