@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from pathlib import Path
 
@@ -574,3 +575,17 @@ def test_template_renders_decided_fields_and_escapes_values(tmp_path: Path) -> N
 def test_template_cuts_long_values() -> None:
     text = Template("{message}").render(leak(message="x" * 5000))
     assert text == "x" * 512 + "..."
+
+
+def test_the_evaluated_copy_keeps_every_fact_of_the_detector() -> None:
+    # evaluated() names every field (faster than dataclasses.replace): a field added to
+    # Finding and not copied there would be lost from every judged finding.
+    facts = {
+        "finding": "stale_read", "node": "n1", "req": "r1", "tenant": "t1", "victim_req": "r2",
+        "victim_tenant": "t2", "pool": 3, "pages": (4, 5), "seq": 6, "ts_ns": 7, "message": "m",
+        "details": {"k": "v"}, "severity": "low", "action": "log", "rule": "old", "tags": ("a",),
+    }  # fmt: skip
+    assert set(facts) == {f.name for f in dataclasses.fields(Finding)}
+    judged = {"severity": "critical", "action": "kill", "rule": "r", "message": "new", "tags": ("b",)}
+    got = Finding(**facts).evaluated(**judged)
+    assert dataclasses.asdict(got) == {**facts, **judged}
