@@ -280,6 +280,33 @@ page_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return (PyObject *)out;
 }
 
+/* The arguments of grant and end_grant: (pages, state, req, ts, judged), checked. */
+typedef struct {
+    Page *state;
+    const npy_intp *pages;
+    npy_intp count;
+    long req;
+    int64_t ts;
+    int timed; /* ts is not None: since is set */
+    int judged;
+} Update;
+
+static int
+update_args(PyObject *const *args, Py_ssize_t nargs, const char *fn, Update *u)
+{
+    npy_intp n;
+    if (check_args(nargs, 5, fn) < 0 || !(u->state = pool_data(args[1], &n)))
+        return -1;
+    u->req = PyLong_AsLong(args[2]);
+    u->ts = 0;
+    u->timed = timestamp(args[3], &u->ts);
+    u->judged = PyObject_IsTrue(args[4]);
+    if (PyErr_Occurred())
+        return -1;
+    u->pages = page_data(args[0], u->state, n, &u->count);
+    return u->pages == NULL ? -1 : 0;
+}
+
 /* grant(pages, state, req, ts, judged) -> busy
  * Counts the pages still in use (a live grant or a hold: handed out early). If none, or once
  * the ledger has judged them (judged true), grants every page to req: use = 1 + its holds
@@ -289,39 +316,27 @@ static PyObject *
 grant(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (check_args(nargs, 5, "grant") < 0)
-        return NULL;
-    npy_intp n, count;
-    Page *state = pool_data(args[1], &n);
-    if (state == NULL)
-        return NULL;
-    long req = PyLong_AsLong(args[2]);
-    int64_t ts = 0;
-    int timed = timestamp(args[3], &ts);
-    int judged = PyObject_IsTrue(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
-    const npy_intp *pages = page_data(args[0], state, n, &count);
-    if (pages == NULL)
+    Update u;
+    if (update_args(args, nargs, "grant", &u) < 0)
         return NULL;
     long busy = 0;
-    for (npy_intp i = 0; i < count; i++)
-        busy += state[pages[i]].use != 0;
-    if (busy && !judged)
+    for (npy_intp i = 0; i < u.count; i++)
+        busy += u.state[u.pages[i]].use != 0;
+    if (busy && !u.judged)
         return PyLong_FromLong(busy);
-    for (npy_intp i = 0; i < count; i++) {
-        Page *page = &state[pages[i]];
+    for (npy_intp i = 0; i < u.count; i++) {
+        Page *page = &u.state[u.pages[i]];
         uint32_t users = 1;
         if (page->use != 0) /* only a page in use has holds */
             for (int k = 0; k < HOLD_KINDS; k++)
                 users += page->holds[k];
         page->use = users;
         page->gen += 1;
-        page->owner = (int32_t)req;
+        page->owner = (int32_t)u.req;
         page->own = NOBODY;
         page->prior = page->writer;
-        if (timed)
-            page->since = ts;
+        if (u.timed)
+            page->since = u.ts;
     }
     return PyLong_FromLong(busy);
 }
@@ -375,35 +390,23 @@ static PyObject *
 end_grant(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (check_args(nargs, 5, "end_grant") < 0)
-        return NULL;
-    npy_intp n, count;
-    Page *state = pool_data(args[1], &n);
-    if (state == NULL)
-        return NULL;
-    long req = PyLong_AsLong(args[2]);
-    int64_t ts = 0;
-    int timed = timestamp(args[3], &ts);
-    int judged = PyObject_IsTrue(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
-    const npy_intp *pages = page_data(args[0], state, n, &count);
-    if (pages == NULL)
+    Update u;
+    if (update_args(args, nargs, "end_grant", &u) < 0)
         return NULL;
     long other = 0;
-    for (npy_intp i = 0; i < count; i++)
-        other += state[pages[i]].owner != req;
-    if (other && !judged)
+    for (npy_intp i = 0; i < u.count; i++)
+        other += u.state[u.pages[i]].owner != u.req;
+    if (other && !u.judged)
         return PyLong_FromLong(other);
-    for (npy_intp i = 0; i < count; i++) {
-        Page *page = &state[pages[i]];
-        if (page->owner != req)
+    for (npy_intp i = 0; i < u.count; i++) {
+        Page *page = &u.state[u.pages[i]];
+        if (page->owner != u.req)
             continue;
-        page->owner = (int32_t)~req;
+        page->owner = (int32_t)~u.req;
         page->own = NOBODY;
         page->use -= 1;
-        if (timed)
-            page->since = ts;
+        if (u.timed)
+            page->since = u.ts;
     }
     return PyLong_FromLong(other);
 }
