@@ -53,6 +53,7 @@ from kvguard.ledger.pages import (
     NOBODY,
     PoolPages,
     check_tags,
+    live_grants,
 )
 from kvguard.proto import pb
 
@@ -1284,8 +1285,7 @@ class Ledger:
         is_shared = np.zeros(len(pages), bool)
         if shared is not None:
             current, at = shared.lookup(pages, state["gen"])
-            refs = state["use"] - state["holds"].sum(axis=1, dtype=np.uint32)  # PoolPages.refs
-            is_shared = current & ~mine & (refs > 0)
+            is_shared = current & ~mine & (live_grants(state) > 0)
             if is_shared.any():
                 intact = (writer == shared.writer[at]) & (state["wgen"] == shared.wgen[at]) & (valid >= slots)
                 content_ok |= is_shared & intact

@@ -142,7 +142,13 @@ class PoolPages:
 
     def refs(self, pages: np.ndarray) -> np.ndarray:
         """Live grants (owner and prefix sharers) of each of `pages`."""
-        return self.use[pages] - self.holds[:, pages].sum(axis=0, dtype=np.uint32)
+        return live_grants(self.state[pages])
+
+
+def live_grants(records: np.ndarray) -> np.ndarray:
+    """Live grants (owner and prefix sharers) of the pages of these PAGE records: their users
+    less their holds."""
+    return records["use"] - records["holds"].sum(axis=1, dtype=np.uint32)
 
 
 def check_tags(
