@@ -46,7 +46,10 @@ send. --paced-as agent instead spreads the events evenly in time and sends every
 by then as the node agent sends its spool: when no batch waits for its ack, or ahead of the
 acks (up to its IN_FLIGHT batches) once AHEAD_MIN events are due or the oldest has waited
 AHEAD_AFTER_S; latency runs from each event's own time. That is the harder case: a send per
-few events, so the per-message cost (gRPC, one commit) dominates. --py-spy DIR records the
+few events, so the per-message cost (gRPC, one commit) dominates. Each paced run also prints
+the daemon's own share, from its FleetState: receipt of a batch to each finding's verdict
+(commands sent) and alert (durable, handed to the subscribers) and to each batch's ack; the
+rest of event-to-alert is the client, the wire and the subscriber. --py-spy DIR records the
 daemon with `py-spy record --gil` (samples of the thread holding the GIL: where its Python
 time goes).
 
@@ -281,6 +284,8 @@ class Run:
     kills: list[float] = field(default_factory=list)  # seconds, send to the kill at the agent, planted
     planted_sent: int = 0
     errors: list[str] = field(default_factory=list)
+    # The daemon's own clock, receipt of a batch to: stage -> (p50, p99, max) ms (FleetState)
+    stages: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
     @property
     def event_rate(self) -> float:
@@ -513,6 +518,7 @@ def fleet_check(address: str, run: Run) -> None:
     """The daemon's own count: every event stored, one finding per planted fault, no other."""
     with grpc.insecure_channel(address) as channel:
         state = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest(), timeout=30)
+    run.stages = {s.stage: (s.p50_ms, s.p99_ms, s.max_ms) for s in state.latencies}
     expected_events = run.events + run.setup + 4  # + the probe's
     findings = dict(state.findings)
     if state.events != expected_events:
@@ -729,6 +735,12 @@ def main() -> None:
             f"{'yes' if kept and p99 < GOAL_P99_MS else 'NO'} "
             f"({run.rate / 1e6:.3f} M/s kept up, p99 {p99:.2f} ms)"
             f"{' (the goal)' if offered == GOAL_TRANSITIONS else ''}"
+        )
+    for size, offered, batching, run in paced:
+        said = ", ".join(f"{stage} {p50:.2f}/{p99:.2f}" for stage, (p50, p99, _) in run.stages.items())
+        print(
+            f"the daemon's own time at {offered / 1e6:g} M/s ({size}-page events, {batching}), receipt "
+            f"of a batch to each step, p50/p99 ms: {said} (its whole run, the probe and pool reports too)"
         )
     runs = [r for _, _, d, f in results for r in (d, f)] + [r for *_, r in paced]
     if any(r.errors for r in runs):

@@ -6,7 +6,8 @@ one global ledger, evaluated by the ruleset and committed to the audit store wit
 and commands, and only then acknowledged. Findings fan out to alert subscribers (AlertService,
 resumable by cursor) and kill/quarantine commands go back to the agent of the node they name.
 On start the ledger is rebuilt from the store, so a restart loses nothing and changes no
-verdict.
+verdict. The daemon times its own part of each alert (receipt of the batch to the verdict,
+to the alert, to the ack) and reports it with the fleet state.
 
 Where a batch goes: everything of the daemon runs on one asyncio event loop, in one thread
 (the gRPC streams too), so a batch never waits for another thread to be woken or for the GIL:
@@ -49,6 +50,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvguard.daemon.client import MAX_MESSAGE  # the largest agent message accepted (refused above)
+from kvguard.daemon.latency import Latencies
 from kvguard.daemon.store import EventRun, Record, Store
 from kvguard.daemon.tls import Tls, peer_names
 from kvguard.daemon.writer import InlineWriter, Writer
@@ -109,6 +111,7 @@ class Batch:
     index: int = 0  # its place in its group
     done: int = 0  # events applied
     run: int = -1  # start of the run of accepted events still open
+    received: float = field(default_factory=time.perf_counter)  # for the daemon's own latencies
 
 
 @dataclass(slots=True)
@@ -119,7 +122,8 @@ class Group:
     batches: list[Batch] = field(default_factory=list)
     parts: list[Record | EventRun] = field(default_factory=list)  # EventRun.message: index in batches
     rows: int = 0  # the ids its parts take (a run of events one per event)
-    findings: list[tuple[int, Finding]] = field(default_factory=list)  # (its id, less the first, finding)
+    # (its id less the group's first, the finding, when its batch was received)
+    findings: list[tuple[int, Finding, float]] = field(default_factory=list)
     acks: list[svc.Ack] = field(default_factory=list)  # one per batch
     committed: Future[int] = field(default_factory=Future)  # its first record id, once durable
 
@@ -167,6 +171,7 @@ class Daemon:
         self.ledger, through = self._restored(store, Ledger(clock_skew_ns=clock_skew_ns))
         self.lock = threading.Lock()
         self.counters: Counter[str] = Counter()
+        self.latencies = Latencies()  # receipt of a batch to its verdicts, alerts and ack
         self.subscribers: list[Subscriber] = []
         self.outboxes: dict[str, Reply] = {}  # node -> how to send to its stream (thread-safe)
         self._outbox_lock = threading.Lock()
@@ -294,11 +299,13 @@ class Daemon:
         agent before the ack of the batch that caused them); then the next group is submitted."""
         group = self._committing.popleft()
         group.committed.set_result(first_id)
-        for row_index, finding in group.findings:
+        for row_index, finding, received in group.findings:
             self._publish(first_id + row_index, finding)
+            self.latencies.record("alert", time.perf_counter() - received)
         for batch, ack in zip(group.batches, group.acks, strict=True):
             self._durable[ack.node] = ack.durable_seq
             batch.reply(svc.DaemonMessage(ack=ack))
+            self.latencies.record("ack", time.perf_counter() - batch.received)
         self._submit()
         if self._drained is not None and not self._committing:
             self._drained.set()
@@ -390,7 +397,7 @@ class Daemon:
                 if found:
                     group.add(EventRun(m, run, i + 1))
                     run = -1
-                    self._judge(found, group)
+                    self._judge(found, group, batch.received)
             batch.done, batch.run = end, run
             if end < len(events):
                 return False
@@ -419,14 +426,15 @@ class Daemon:
             traceback.print_exc(file=sys.stderr)
         return None
 
-    def _judge(self, found: Sequence[Finding], out: Group) -> None:
-        """The ruleset's verdict on each finding of an event: its row, then its commands' rows;
-        the commands go out now, before the commit (see the module's invariants)."""
+    def _judge(self, found: Sequence[Finding], out: Group, received: float) -> None:
+        """The ruleset's verdict on each finding of an event (of a batch received at
+        `received`): its row, then its commands' rows; the commands go out now, before the
+        commit (see the module's invariants)."""
         for f in found:
             evaluated = self.ruleset.evaluate(f)
             if evaluated is None:
                 continue
-            out.findings.append((out.rows, evaluated))
+            out.findings.append((out.rows, evaluated, received))
             self.counters["findings"] += 1
             out.add(Record.of_finding(evaluated))
             for command in self._commands_for(evaluated):
@@ -434,6 +442,7 @@ class Daemon:
                 out.add(Record("command", evaluated.node, command.id, evaluated.ts_ns, body, evaluated.req))
                 self.counters["kills" if command.HasField("kill") else "quarantines"] += 1
                 self.send_command(evaluated.node, command)
+            self.latencies.record("verdict", time.perf_counter() - received)
 
     # ------------------------------------------------------------------ streams and commands
 
@@ -518,6 +527,14 @@ class Daemon:
             # What the ledger could not see or judge, and what it retired and forgot.
             for name, n in self.ledger.stats.totals().items():
                 state.counters[f"ledger_{name}"] = n
+        for took in self.latencies.summaries():
+            state.latencies.add(
+                stage=took.stage,
+                count=took.count,
+                p50_ms=took.p50_s * 1e3,
+                p99_ms=took.p99_s * 1e3,
+                max_ms=took.max_s * 1e3,
+            )
         return state
 
 

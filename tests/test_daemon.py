@@ -11,6 +11,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from itertools import pairwise
 from pathlib import Path
 
 import grpc
@@ -96,6 +97,25 @@ def test_the_daemon_stores_what_a_local_replay_finds(daemon: Service) -> None:
     assert (summary.events, summary.accepted, summary.repeats, summary.rejected) == (39, 39, 0, [])
     assert facts(stored_findings(daemon.store)) == facts(local_findings())
     assert len(local_findings()) == 11
+
+
+def test_the_daemon_reports_its_own_latency_by_stage(daemon: Service) -> None:
+    """FleetService.State says how long the daemon took from a batch's receipt to each
+    finding's verdict and alert and to each batch's ack: one sample per finding and per batch
+    (send_capture sends each run of one node's events as a batch), in a consistent order."""
+    send_capture(INCIDENT, daemon.address)
+    batches = 1 + sum(a.node != b.node for a, b in pairwise(EVENTS))
+    with grpc.insecure_channel(daemon.address) as channel:
+        state = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest())
+    took = {s.stage: s for s in state.latencies}
+    judged = state.counters["findings"]
+    assert judged == len(local_findings())
+    counts = {stage: s.count for stage, s in took.items()}
+    assert counts == {"verdict": judged, "alert": judged, "ack": batches}
+    for s in took.values():
+        assert 0 < s.p50_ms <= s.p99_ms <= s.max_ms, s
+    # The same receipt, later steps: a finding's alert (after the commit) comes after its verdict.
+    assert took["alert"].max_ms >= took["verdict"].max_ms
 
 
 def test_redelivery_and_a_killed_daemon_lose_and_double_nothing(store_url: str) -> None:

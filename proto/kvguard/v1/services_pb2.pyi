@@ -201,8 +201,22 @@ class NodeState(_message.Message):
     pools: _containers.RepeatedCompositeFieldContainer[PoolState]
     def __init__(self, node: _Optional[str] = ..., last_seq: _Optional[int] = ..., last_ts_ns: _Optional[int] = ..., connected: _Optional[bool] = ..., dropped: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ...) -> None: ...
 
+class StageLatency(_message.Message):
+    __slots__ = ("stage", "count", "p50_ms", "p99_ms", "max_ms")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    P50_MS_FIELD_NUMBER: _ClassVar[int]
+    P99_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MS_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    count: int
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    def __init__(self, stage: _Optional[str] = ..., count: _Optional[int] = ..., p50_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
+
 class FleetState(_message.Message):
-    __slots__ = ("nodes", "requests", "events", "findings", "counters")
+    __slots__ = ("nodes", "requests", "events", "findings", "counters", "latencies")
     class FindingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -222,9 +236,11 @@ class FleetState(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     FINDINGS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    LATENCIES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
     requests: int
     events: int
     findings: _containers.ScalarMap[str, int]
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    latencies: _containers.RepeatedCompositeFieldContainer[StageLatency]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., latencies: _Optional[_Iterable[_Union[StageLatency, _Mapping]]] = ...) -> None: ...
