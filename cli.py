@@ -137,9 +137,19 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     # hashing and inserts run on another core, overlapping the ledger
     writer = StoreWriter(args.store, key=key)
     skew = int(args.clock_skew_ms * 1_000_000)
-    daemon = Daemon(
-        store, ruleset, mode=args.mode, writer=writer, clock_skew_ns=skew, snapshot_every=args.snapshot_every
-    )
+    try:
+        daemon = Daemon(
+            store,
+            ruleset,
+            mode=args.mode,
+            writer=writer,
+            clock_skew_ns=skew,
+            snapshot_every=args.snapshot_every,
+        )
+    except StoreError as exc:  # its writer could not open the store: serving would lose every batch
+        writer.close()
+        print(f"kvguard daemon: {exc}", file=sys.stderr)
+        return 2
     server = serve(daemon, args.listen, tls)
     port = server.port
     print(

@@ -9,7 +9,8 @@ transaction (shared with the groups queued behind it when the writer falls behin
 commit is reported, in order and only once durable, on the daemon's event loop; if the writer
 fails or dies, that is reported instead and nothing after it commits (the daemon then stops
 and rebuilds from the store). The writer exits after committing what was submitted before
-`close()`, or when the daemon dies (its end of the pipe closes).
+`close()`, or when the daemon dies (its end of the pipe closes). It has the store open before
+the daemon serves: otherwise the first alerts after a start wait out its start-up (~0.5 s).
 """
 
 from __future__ import annotations
@@ -22,9 +23,16 @@ from multiprocessing.connection import Connection
 
 from kvguard.daemon.store import EventRun, Record, Store, StoreError, rows_of
 
+READY_TIMEOUT_S = 60.0  # for the writer process to start and open the store
+
 
 def _serve(where: str, key: bytes | None, conn: Connection) -> None:
-    store = Store(where, key)
+    try:
+        store = Store(where, key)
+    except Exception as exc:  # said to the daemon, which refuses to start
+        conn.send(("error", f"the store writer cannot open the store: {exc}"))
+        return
+    conn.send(("ready", 0))
     try:
         while True:
             try:
@@ -120,6 +128,17 @@ class StoreWriter(Writer):
         self._dead = False
 
     def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait until the writer process has the store open (it started with the daemon, which
+        rebuilt its ledger meanwhile), then read its reports on the loop."""
+        try:
+            ready = self._conn.recv() if self._conn.poll(READY_TIMEOUT_S) else None
+        except (EOFError, OSError):
+            ready = ("error", "the audit store's writer process died before it started")
+        if ready is None:
+            ready = ("error", f"the audit store's writer process did not start in {READY_TIMEOUT_S:g} s")
+        if ready[0] != "ready":
+            self._dead = True
+            raise StoreError(str(ready[1]))
         loop.add_reader(self._conn.fileno(), self._readable)
 
     def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:

@@ -25,7 +25,7 @@ from sqlalchemy import create_engine, inspect, text
 from kvguard.daemon import server
 from kvguard.daemon.client import AgentStream, DaemonRefused, send_capture
 from kvguard.daemon.process import Service, start_daemon
-from kvguard.daemon.store import MIGRATIONS, EventRun, Record, Store
+from kvguard.daemon.store import MIGRATIONS, EventRun, Record, Store, StoreError
 from kvguard.daemon.store import store_url as url_of
 from kvguard.daemon.writer import InlineWriter, StoreWriter
 from kvguard.ledger.ledger import Ledger
@@ -721,6 +721,23 @@ def test_the_store_writer_commits_what_it_was_given_and_exits_when_closed(tmp_pa
         assert [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")] == EVENTS[:5]
     finally:
         s.close()
+
+
+def test_a_writer_that_cannot_open_the_store_stops_the_daemon_from_starting(tmp_path: Path) -> None:
+    # The writer opens the store in its own process; the daemon waits for that before it
+    # serves, so a store the writer cannot open is refused at start, not at the first batch.
+    where = tmp_path / "audit.db"
+    where.write_bytes(b"this is not an SQLite database, and it is long enough to be read" * 64)
+    writer = StoreWriter(str(where))
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(StoreError, match="the store writer cannot open the store"):
+            writer.start(loop, lambda first: None, lambda exc: None)
+    finally:
+        writer.close()
+        loop.close()
+    assert writer._proc.exitcode is not None  # it ended, and nothing was written
+    assert where.read_bytes().startswith(b"this is not an SQLite database")
 
 
 def test_groups_queued_at_the_writer_keep_their_order_and_their_ids(tmp_path: Path) -> None:
