@@ -1,6 +1,7 @@
 """The daemon's own latency, by stage: how long it took from receiving a batch to each step of
-its way (a verdict, a durable alert, an ack), kept as log-spaced histograms so that the
-operator (FleetService.State, the dashboard) sees p50/p99/max without running a benchmark.
+its way (a verdict, a durable alert, the alert written to a subscriber, an ack), kept as
+log-spaced histograms so that the operator (FleetService.State, the dashboard) sees
+p50/p99/max without running a benchmark.
 
 Invariant: recording is O(log buckets) with no allocation, on the daemon's loop only; a
 quantile is the upper bound of the bucket that holds it (4 buckets an octave: within 19 %),

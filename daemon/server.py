@@ -7,7 +7,8 @@ and commands, and only then acknowledged. Findings fan out to alert subscribers 
 resumable by cursor) and kill/quarantine commands go back to the agent of the node they name.
 On start the ledger is rebuilt from the store, so a restart loses nothing and changes no
 verdict. The daemon times its own part of each alert (receipt of the batch to the verdict,
-to the alert, to the ack) and reports it with the fleet state.
+to the durable alert, to its write to each subscriber, to the ack) and reports it with the
+fleet state.
 
 Where a batch goes: everything of the daemon runs on one asyncio event loop, in one thread
 (the gRPC streams too), so a batch never waits for another thread to be woken or for the GIL:
@@ -80,16 +81,19 @@ class Subscriber:
     catches up from the store instead (it holds everything published)."""
 
     filter: svc.AlertFilter
-    live: asyncio.Queue[tuple[int, Finding]] = field(default_factory=lambda: asyncio.Queue(SUBSCRIBER_QUEUE))
+    # (record id, finding, when the daemon received the batch that raised it)
+    live: asyncio.Queue[tuple[int, Finding, float]] = field(
+        default_factory=lambda: asyncio.Queue(SUBSCRIBER_QUEUE)
+    )
     overflowed: bool = False
     dropped: int = 0
 
-    def push(self, record_id: int, finding: Finding) -> None:
+    def push(self, record_id: int, finding: Finding, received: float) -> None:
         if self.overflowed:
             self.dropped += 1
             return
         try:
-            self.live.put_nowait((record_id, finding))
+            self.live.put_nowait((record_id, finding, received))
         except asyncio.QueueFull:
             self.overflowed = True
             self.dropped += 1
@@ -300,7 +304,7 @@ class Daemon:
         group = self._committing.popleft()
         group.committed.set_result(first_id)
         for row_index, finding, received in group.findings:
-            self._publish(first_id + row_index, finding)
+            self._publish(first_id + row_index, finding, received)
             self.latencies.record("alert", time.perf_counter() - received)
         for batch, ack in zip(group.batches, group.acks, strict=True):
             self._durable[ack.node] = ack.durable_seq
@@ -481,10 +485,10 @@ class Daemon:
                 return
         outbox(svc.DaemonMessage(command=command))
 
-    def _publish(self, record_id: int, finding: Finding) -> None:
+    def _publish(self, record_id: int, finding: Finding, received: float) -> None:
         for sub in list(self.subscribers):
             if _matches(sub.filter, finding):
-                sub.push(record_id, finding)
+                sub.push(record_id, finding, received)
 
     def _commands_for(self, finding: Finding) -> list[svc.Command]:
         """In enforce mode, for the node of the finding (it holds the request and the pages):
@@ -717,10 +721,12 @@ class AlertServicer:
                     last = alert.cursor
                     yield alert
                 while not sub.overflowed:
-                    record_id, finding = await sub.live.get()
+                    record_id, finding, received = await sub.live.get()
                     if record_id > last:
                         last = record_id
                         yield svc.Alert(cursor=record_id, finding=finding.to_proto())
+                        # written to the stream: the alert has left the daemon
+                        self.daemon.latencies.record("sent", time.perf_counter() - received)
                 self.daemon.counters["subscriber_caught_up"] += 1
         finally:
             self.daemon.subscribers.remove(sub)

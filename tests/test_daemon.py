@@ -118,6 +118,31 @@ def test_the_daemon_reports_its_own_latency_by_stage(daemon: Service) -> None:
     assert took["alert"].max_ms >= took["verdict"].max_ms
 
 
+def test_the_daemon_times_each_live_alert_until_it_is_written_to_a_subscriber(daemon: Service) -> None:
+    # "sent": receipt to the alert written to a live subscriber's stream (an alert read back
+    # from the store by a subscriber catching up has no receipt to time from).
+    with grpc.insecure_channel(daemon.address) as channel:
+        stream = svc_grpc.AlertServiceStub(channel).Subscribe(svc.AlertFilter())
+        send_capture(INCIDENT, daemon.address)
+        assert len([next(stream) for _ in range(11)]) == 11  # the subscription is live from here on
+        agent = AgentStream(channel, "p9")
+        agent.send(stale_reads("p9", 3))
+        assert [next(stream).finding.req for _ in range(3)] == ["p9-r0", "p9-r1", "p9-r2"]
+        agent.close()
+        fleet = svc_grpc.FleetServiceStub(channel)
+
+        def sent() -> svc.StageLatency | None:
+            return next((s for s in fleet.State(svc.FleetRequest()).latencies if s.stage == "sent"), None)
+
+        deadline = time.monotonic() + 10
+        while (took := sent()) is None or took.count < 3:  # recorded once the write completes
+            assert time.monotonic() < deadline, took
+            time.sleep(0.02)
+        stream.cancel()
+    assert 3 <= took.count <= 14
+    assert 0 < took.p50_ms <= took.p99_ms <= took.max_ms
+
+
 def test_redelivery_and_a_killed_daemon_lose_and_double_nothing(store_url: str) -> None:
     store = store_url
     first = Daemon(store)
