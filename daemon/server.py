@@ -634,8 +634,9 @@ class AgentSession:
                 if len(events) > MAX_BATCH:
                     self._fail("malformed", f"batch of {len(events)} events (at most {MAX_BATCH})")
                     return
+                batch = Batch(self.node, events, data, self.reply)  # received: its latencies count from now
                 await self.in_flight.acquire()  # an agent that does not wait for acks waits here
-                self.daemon.ingest(Batch(self.node, events, data, self.reply))
+                self.daemon.ingest(batch)
         except (grpc.RpcError, asyncio.CancelledError):
             pass
         finally:
