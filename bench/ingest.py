@@ -48,8 +48,9 @@ acks (up to its IN_FLIGHT batches) once AHEAD_MIN events are due or the oldest h
 AHEAD_AFTER_S; latency runs from each event's own time. That is the harder case: a send per
 few events, so the per-message cost (gRPC, one commit) dominates. Each paced run also prints
 the daemon's own share, from its FleetState: receipt of a batch to each finding's verdict
-(commands sent) and alert (durable, handed to the subscribers) and to each batch's ack; the
-rest of event-to-alert is the client, the wire and the subscriber. --py-spy DIR records the
+(commands sent), alert (durable, handed to the subscribers) and sent (written to the
+subscriber's stream), and to each batch's ack; the rest of event-to-alert is the client, the
+wire and the subscriber. --py-spy DIR records the
 daemon with `py-spy record --gil` (samples of the thread holding the GIL: where its Python
 time goes).
 
