@@ -205,7 +205,11 @@ class Daemon:
         gc.freeze()
         # The daemon's loop: the gRPC server runs on it too (serve()).
         self.loop = asyncio.new_event_loop()
-        self.writer.start(self.loop, self._committed, self._store_failed)
+        try:
+            self.writer.start(self.loop, self._committed, self._store_failed)  # StoreError: no writer
+        except BaseException:
+            self.loop.close()
+            raise
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvguard-daemon", daemon=True)
         self._thread.start()
 
