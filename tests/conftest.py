@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from kvguard.daemon.store import EventRun, Record, Store
 from kvguard.daemon.writer import InlineWriter
@@ -43,8 +44,17 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     try:
         yield make_url(PG).set(database=name).render_as_string(hide_password=False)
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        # FORCE ends the sessions still in it; an autovacuum worker in it can be ended only by
+        # a role with pg_signal_backend (.ci/run grants it), and is gone in a moment anyway.
+        for attempt in range(20):
+            try:
+                with admin.connect() as conn:
+                    conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+                break
+            except DBAPIError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.25)
         admin.dispose()
 
 
