@@ -307,13 +307,14 @@ class Daemon:
         agent before the ack of the batch that caused them); then the next group is submitted."""
         group = self._committing.popleft()
         group.committed.set_result(first_id)
+        now = time.perf_counter()  # the group's alerts and acks all go out in this step
         for row_index, finding, received in group.findings:
             self._publish(first_id + row_index, finding, received)
-            self.latencies.record("alert", time.perf_counter() - received)
+            self.latencies.record("alert", now - received)
         for batch, ack in zip(group.batches, group.acks, strict=True):
             self._durable[ack.node] = ack.durable_seq
             batch.reply(svc.DaemonMessage(ack=ack))
-            self.latencies.record("ack", time.perf_counter() - batch.received)
+            self.latencies.record("ack", now - batch.received)
         self._submit()
         if self._drained is not None and not self._committing:
             self._drained.set()
