@@ -17,9 +17,10 @@ them, and refuses one that is not an event alone) and queues it, and the loop ap
 queued batches to the ledger in arrival order, one step (at most APPLY_SLICE events) at a
 time with whatever became ready in between, so deliveries never wait behind a queue of
 batches; each command goes out as soon as it is ordered; the batch's rows join the next
-group; a store-writer process commits one group at a time (on another core) while the
-batches that arrive meanwhile make up the next (group commit); the loop reads each commit's
-report and sends its alerts and acks.
+group; a store-writer process commits the groups in order (on another core) while the
+batches that arrive meanwhile make up the next (group commit: a group goes to the writer when
+the one before it is reported durable, or at once if it holds an alert); the loop reads each
+commit's report and sends its alerts and acks.
 
 Invariants: an acknowledged event is durable, and an alert's cursor names a durable record;
 (node, seq) is applied and stored at most once; a store failure after the ledger moved on
@@ -199,7 +200,7 @@ class Daemon:
         self._inbox: deque[Batch] = deque()  # received, not yet applied (the head is next)
         self._apply_due = False  # _apply_next is scheduled
         self._next = Group()  # batches applied since the last submit
-        self._committing: deque[Group] = deque()  # submitted, not yet reported durable: at most one
+        self._committing: deque[Group] = deque()  # submitted, not yet reported durable, in order
         self._drained: asyncio.Event | None = None  # close(): set once nothing is left to commit
         self._frozen = time.monotonic()
         gc.freeze()
@@ -271,7 +272,10 @@ class Daemon:
         if self._inbox:
             self._apply_due = True
             self.loop.call_soon(self._apply_next)
-        if not self._committing:
+        if not self._committing or self._next.findings:
+            # Group commit, except for alerts: their group goes to the writer now, queued
+            # behind the commit in flight, which the writer then takes up without waiting
+            # for the loop to read that commit's report first.
             self._submit()
         if time.monotonic() - self._frozen > FREEZE_EVERY_S:
             # The ledger only grows (a request object per request), and a full collection

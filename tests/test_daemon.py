@@ -640,12 +640,31 @@ def test_a_kill_ordered_while_its_node_is_away_reaches_its_next_stream(tmp_path:
         store.close()
 
 
+def clean_requests(node: str, n: int) -> list[pb.Event]:
+    """A pool report, then n requests that each write and read their own page (no finding)."""
+    log = EventLog()
+    log.add(node, "pool", pool=0, role="colocated", page_size=16, num_pages=64)
+    for i in range(n):
+        req, page = f"{node}-r{i}", [i % 64]
+        log.add(node, "alloc", req=req, pool=0, pages=page)
+        log.add(node, "write", req=req, pool=0, pages=page)
+        log.add(node, "read", reads=[{"req": req, "pool": 0, "pages": page, "tokens": 16}])
+        log.add(node, "free", req=req, pool=0, pages=page)
+    return log.lines
+
+
+def wait_for(done: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def test_batches_that_arrive_while_a_group_commits_are_committed_together_next(
     tmp_path: Path, held_writer: type[InlineWriter]
 ) -> None:
-    # Group commit: one group at a time goes to the writer; whatever the streams deliver
-    # meanwhile is applied at once (its kills go out) and committed as the next group, in
-    # one transaction, its alerts' cursors and acks following that commit.
+    # Group commit: while one group commits, whatever the streams deliver is applied at once
+    # and committed as the next group, in one transaction, when the one before is durable.
     store = Store(str(tmp_path / "audit.db"))
     writer = held_writer(store)
     daemon = server.Daemon(store, writer=writer)
@@ -653,26 +672,58 @@ def test_batches_that_arrive_while_a_group_commits_are_committed_together_next(
     try:
         for node, box in sent.items():
             assert daemon.connect(node, box.append)
-        ingest(daemon, "g1", stale_reads("g1", 1), sent["g1"].append)
-        ingest(daemon, "g2", stale_reads("g2", 2), sent["g2"].append)
-        ingest(daemon, "g3", stale_reads("g3", 3), sent["g3"].append)
-        deadline = time.monotonic() + 10
-        while sum(len(box) for box in sent.values()) < 6 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        # Every batch applied and judged (1 + 2 + 3 kills), none committed, one group out.
-        assert [[m.WhichOneof("body") for m in box] for box in sent.values()] == [
-            ["command"],
-            ["command"] * 2,
-            ["command"] * 3,
-        ]
+        for n, node in enumerate(sent, 1):
+            ingest(daemon, node, clean_requests(node, n), sent[node].append)
+        wait_for(lambda: "g3" in daemon.ledger.nodes and daemon.ledger.nodes["g3"].last_seq == 13)
+        # Every batch applied, none committed, one group out.
         assert writer.held is not None and [len(messages) for messages, _ in writer.held] == [1]
+        assert not any(sent.values())
         writer.release()
-        while any(not box or box[-1].WhichOneof("body") != "ack" for box in sent.values()):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(lambda: all(box and box[-1].WhichOneof("body") == "ack" for box in sent.values()))
         assert [len(messages) for messages in writer.committed] == [1, 2]  # g1 alone, then g2 + g3
-        assert [box[-1].ack.accepted for box in sent.values()] == [4, 7, 10]
-        assert store.count("event") == 21 and store.count("finding") == 6 and store.verify()[0]
+        assert [[m.ack.accepted for m in box] for box in sent.values()] == [[5], [9], [13]]
+        assert store.count("event") == 27 and store.verify()[0]
+    finally:
+        writer.release()
+        daemon.close()
+        store.close()
+
+
+def test_a_group_holding_an_alert_goes_to_the_writer_without_waiting_for_the_commit_before(
+    tmp_path: Path, held_writer: type[InlineWriter]
+) -> None:
+    # An alert waits for its group's commit: that group is handed to the writer as soon as
+    # its batch is applied, queued behind the commit in flight (with the batches applied
+    # before it), not when that commit is reported. Commits, acks and alert cursors keep
+    # their order.
+    store = Store(str(tmp_path / "audit.db"))
+    writer = held_writer(store)
+    daemon = server.Daemon(store, writer=writer)
+    sent: dict[str, list[svc.DaemonMessage]] = {n: [] for n in ("a1", "a2", "a3")}
+    alerts: list[tuple[int, server.Finding]] = []
+    sub = server.Subscriber(svc.AlertFilter())
+    daemon.loop.call_soon_threadsafe(daemon.subscribers.append, sub)
+    try:
+        for node, box in sent.items():
+            assert daemon.connect(node, box.append)
+        ingest(daemon, "a1", clean_requests("a1", 1), sent["a1"].append)
+        ingest(daemon, "a2", clean_requests("a2", 2), sent["a2"].append)
+        ingest(daemon, "a3", stale_reads("a3", 2), sent["a3"].append)
+        wait_for(lambda: writer.held is not None and len(writer.held) == 2)
+        assert [len(messages) for messages, _ in writer.held] == [1, 2]  # a1; a2 + a3, not waiting for a1's
+        assert [m.WhichOneof("body") for m in sent["a3"]] == ["command"] * 2  # judged, not yet durable
+        assert not sent["a1"] and not sent["a2"] and sub.live.empty()
+        writer.release()
+        wait_for(lambda: all(box and box[-1].WhichOneof("body") == "ack" for box in sent.values()))
+        assert [len(messages) for messages in writer.committed] == [1, 2]
+        assert [[m.ack.accepted for m in box if m.ack.accepted] for box in sent.values()] == [[5], [9], [7]]
+        while not sub.live.empty():
+            record_id, finding, _ = sub.live.get_nowait()
+            alerts.append((record_id, finding))
+        stored = {record_id: pb.Finding.FromString(body) for record_id, _, body in store.rows(kind="finding")}
+        assert [f.req for _, f in alerts] == ["a3-r0", "a3-r1"]
+        assert [stored[record_id].req for record_id, _ in alerts] == ["a3-r0", "a3-r1"]  # cursors name them
+        assert store.count("event") == 21 and store.verify()[0]
     finally:
         writer.release()
         daemon.close()
