@@ -14,13 +14,13 @@ Where a batch goes: everything of the daemon runs on one asyncio event loop, in 
 (the gRPC streams too), so a batch never waits for another thread to be woken or for the GIL:
 the stream parses it (its events stay bytes: the ledger reads the common ones straight from
 them, and refuses one that is not an event alone) and queues it, and the loop applies the
-queued batches to the ledger in arrival order, one step (at most APPLY_SLICE events) at a
-time with whatever became ready in between, so deliveries never wait behind a queue of
-batches; each command goes out as soon as it is ordered; the batch's rows join the next
-group; a store-writer process commits the groups in order (on another core) while the
-batches that arrive meanwhile make up the next (group commit: a group goes to the writer when
-the one before it is reported durable, or at once if it holds an alert); the loop reads each
-commit's report and sends its alerts and acks.
+queued batches to the ledger in arrival order, one step (at most APPLY_SLICE events, or
+DELIVERING_SLICE while alerts are being written out) at a time with whatever became ready in
+between, so deliveries never wait behind a queue of batches; each command goes out as soon
+as it is ordered; the batch's rows join the next group; a store-writer process commits the
+groups in order (on another core) while the batches that arrive meanwhile make up the next
+(group commit: a group goes to the writer when the one before it is reported durable, or at
+once if it holds an alert); the loop reads each commit's report and sends its alerts and acks.
 
 Invariants: an acknowledged event is durable, and an alert's cursor names a durable record;
 (node, seq) is applied and stored at most once; a store failure after the ledger moved on
@@ -73,6 +73,7 @@ BACKLOG_PAGE = 1000  # alerts read from the store at a time
 FREEZE_EVERY_S = 1.0  # how often long-lived objects leave the garbage collector's view
 SNAPSHOT_EVERY = 1 << 22  # events after which the next group is followed by a snapshot
 APPLY_SLICE = 256  # events applied in one step of the loop (~2.5 ms): the most a delivery waits behind
+DELIVERING_SLICE = 16  # ... while alerts are being written to subscribers (each write waits a turn)
 
 
 @dataclass
@@ -88,16 +89,21 @@ class Subscriber:
     )
     overflowed: bool = False
     dropped: int = 0
+    delivering: bool = False  # live alerts queued or being written (the daemon counts these streams)
 
-    def push(self, record_id: int, finding: Finding, received: float) -> None:
+    def push(self, record_id: int, finding: Finding, received: float) -> bool:
+        """Queue a live alert; True if the stream had nothing to deliver until now."""
         if self.overflowed:
             self.dropped += 1
-            return
+            return False
         try:
             self.live.put_nowait((record_id, finding, received))
         except asyncio.QueueFull:
             self.overflowed = True
             self.dropped += 1
+            return False
+        started, self.delivering = not self.delivering, True
+        return started
 
 
 Reply = Callable[[svc.DaemonMessage], None]
@@ -199,6 +205,7 @@ class Daemon:
         self._durable: dict[str, int] = {name: node.last_seq for name, node in self.ledger.nodes.items()}
         self._inbox: deque[Batch] = deque()  # received, not yet applied (the head is next)
         self._apply_due = False  # _apply_next is scheduled
+        self._delivering = 0  # subscriber streams with live alerts to write (Subscriber.delivering)
         self._next = Group()  # batches applied since the last submit
         self._committing: deque[Group] = deque()  # submitted, not yet reported durable, in order
         self._drained: asyncio.Event | None = None  # close(): set once nothing is left to commit
@@ -261,8 +268,11 @@ class Daemon:
         self._apply_due = False
         if not self._inbox:
             return  # close() applied it already
+        # Smaller steps while alerts are being written: a stream writes one alert at a time,
+        # and its next write waits for a turn of the loop, i.e. for the step before it.
+        limit = DELIVERING_SLICE if self._delivering else APPLY_SLICE
         try:
-            whole = self._apply(self._inbox[0], self._next, APPLY_SLICE)
+            whole = self._apply(self._inbox[0], self._next, limit)
         except Exception as exc:  # a bug: the ledger may have moved past what the group holds
             traceback.print_exc(file=sys.stderr)
             self._store_failed(exc)  # stop; the restart rebuilds from the store
@@ -286,6 +296,12 @@ class Daemon:
             # reference counting.
             gc.freeze()
             self._frozen = time.monotonic()
+
+    def delivered(self, sub: Subscriber) -> None:
+        """A subscriber's stream has written all its live alerts, or ended."""
+        if sub.delivering:
+            sub.delivering = False
+            self._delivering -= 1
 
     def _submit(self) -> None:
         """The batches applied so far go to the writer as one group (once the one being
@@ -496,8 +512,8 @@ class Daemon:
 
     def _publish(self, record_id: int, finding: Finding, received: float) -> None:
         for sub in list(self.subscribers):
-            if _matches(sub.filter, finding):
-                sub.push(record_id, finding, received)
+            if _matches(sub.filter, finding) and sub.push(record_id, finding, received):
+                self._delivering += 1
 
     def _commands_for(self, finding: Finding) -> list[svc.Command]:
         """In enforce mode, for the node of the finding (it holds the request and the pages):
@@ -731,6 +747,8 @@ class AlertServicer:
                     last = alert.cursor
                     yield alert
                 while not sub.overflowed:
+                    if sub.live.empty():
+                        self.daemon.delivered(sub)
                     record_id, finding, received = await sub.live.get()
                     if record_id > last:
                         last = record_id
@@ -740,6 +758,7 @@ class AlertServicer:
                 self.daemon.counters["subscriber_caught_up"] += 1
         finally:
             self.daemon.subscribers.remove(sub)
+            self.daemon.delivered(sub)
 
 
 class AuditServicer(svc_grpc.AuditServiceServicer):

@@ -578,6 +578,7 @@ def test_a_subscriber_that_falls_behind_catches_up_from_the_store(
         cursors = [a.cursor for a in seen]
         assert cursors == sorted(set(cursors))
         assert daemon.counters["subscriber_caught_up"] >= 1
+        wait_for(lambda: daemon._delivering == 0)  # not left counting a stream that ended
     finally:
         grpc_server.stop(grace=1)
         store.close()
@@ -726,6 +727,36 @@ def test_a_group_holding_an_alert_goes_to_the_writer_without_waiting_for_the_com
         assert store.count("event") == 21 and store.verify()[0]
     finally:
         writer.release()
+        daemon.close()
+        store.close()
+
+
+def test_batches_are_applied_in_small_steps_while_alerts_are_being_written(tmp_path: Path) -> None:
+    # A subscriber's stream writes one alert at a time, each write waiting for a turn of the
+    # loop: while one has alerts to write, a batch is applied DELIVERING_SLICE events a step
+    # (that write waits behind one small step), and APPLY_SLICE once every stream is written out.
+    store = Store(str(tmp_path / "audit.db"))
+    daemon = server.Daemon(store, mode="monitor")
+    sub = server.Subscriber(svc.AlertFilter())
+    applied: list[int] = []
+
+    def batch_then_look(node: str) -> None:  # in one step: a batch, then a delivery's turn
+        daemon.ingest(batch_of(node, clean_requests(node, 50), lambda msg: None))
+        daemon.loop.call_soon(lambda: applied.append(daemon.ledger.nodes[node].last_seq))
+
+    try:
+        daemon.loop.call_soon_threadsafe(daemon.subscribers.append, sub)
+        ingest(daemon, "d0", stale_reads("d0", 1), lambda msg: None)
+        wait_for(lambda: not sub.live.empty())  # an alert to write: the stream is delivering
+        daemon.loop.call_soon_threadsafe(batch_then_look, "d1")
+        wait_for(lambda: len(applied) == 1)
+        assert 0 < applied[0] <= server.DELIVERING_SLICE
+        daemon.loop.call_soon_threadsafe(daemon.delivered, sub)  # written out, as its stream says
+        daemon.loop.call_soon_threadsafe(batch_then_look, "d2")
+        wait_for(lambda: len(applied) == 2)
+        assert applied[1] == 201  # the whole batch in one step (< APPLY_SLICE events)
+        assert daemon._delivering == 0
+    finally:
         daemon.close()
         store.close()
 
