@@ -51,6 +51,7 @@ def main() -> None:
     gc.freeze()
     print(f"paced {args.paced / 1e6:g} M trans/s, 16 agents, 64-page events; this = {HERE}, other = {other}")
     p99s: dict[str, list[float]] = {side: [] for side in sides}
+    cpus: dict[str, list[dict[str, float]]] = {side: [] for side in sides}  # µs an event
     with tempfile.TemporaryDirectory(prefix="kvguard-ab-") as tmp:
         for i in range(args.rounds):
             for side, (tree, path) in sides.items():
@@ -65,14 +66,17 @@ def main() -> None:
                     continue
                 p50, p99 = (float(np.percentile(run.alerts, q)) * 1e3 for q in (50, 99))
                 p99s[side].append(p99)
+                cpus[side].append({k: v / run.events * 1e6 for k, v in run.cpu.items()})
                 stages = ", ".join(f"{s} {a:.2f}/{b:.2f}" for s, (a, b, _) in run.stages.items())
                 print(
                     f"{i} {side:5} {run.rate / 1e6:.3f} M/s kept up, alert p50 {p50:6.2f} p99 {p99:7.2f} ms; "
-                    f"daemon p50/p99 ms: {stages}",
+                    f"daemon p50/p99 ms: {stages}; CPU: {ingest.cpu_use(run)}",
                     flush=True,
                 )
     for side, values in p99s.items():
         v = np.array(values)
+        used = {k: np.median([c[k] for c in cpus[side]]) for k in cpus[side][0]} if cpus[side] else {}
+        print(f"{side:5} CPU µs an event, median: " + ", ".join(f"{k} {x:.1f}" for k, x in used.items()))
         print(
             f"{side:5} alert p99 median {np.median(v):.2f} ms, under 10 ms in {(v < 10).sum()}/{len(v)}: "
             f"{', '.join(f'{x:.1f}' for x in values)}"

@@ -50,9 +50,11 @@ few events, so the per-message cost (gRPC, one commit) dominates. Each paced run
 the daemon's own share, from its FleetState: receipt of a batch to each finding's verdict
 (commands sent), alert (durable, handed to the subscribers) and sent (written to the
 subscriber's stream), and to each batch's ack; the rest of event-to-alert is the client, the
-wire and the subscriber. --py-spy DIR records the
-daemon with `py-spy record --gil` (samples of the thread holding the GIL: where its Python
-time goes).
+wire and the subscriber; and the CPU the daemon and its store writer used while the agents
+sent (share of a core, µs an event: much steadier than a tail latency on a shared machine).
+--py-spy DIR records the daemon with `py-spy record --gil` (samples of the thread holding the
+GIL: where its Python time goes). bench/ab_ingest.py runs the paced goal run against this
+tree's daemon and another checkout's in turn.
 
 Machines are shared and noisy: compare the ratio (daemon / floor, measured side by side in
 one run), not absolute rates.
@@ -287,6 +289,8 @@ class Run:
     errors: list[str] = field(default_factory=list)
     # The daemon's own clock, receipt of a batch to: stage -> (p50, p99, max) ms (FleetState)
     stages: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    # CPU seconds (user + system) while the agents sent: the daemon's process, its store writer
+    cpu: dict[str, float] = field(default_factory=dict)
 
     @property
     def event_rate(self) -> float:
@@ -528,6 +532,21 @@ def fleet_check(address: str, run: Run) -> None:
         run.errors.append(f"daemon findings {findings}, expected {{{PLANTED!r}: {run.planted_sent + 1}}}")
 
 
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU time used so far by the daemon's process and by its children (the store writer):
+    far steadier from run to run than latency on a shared machine."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def of(p: int) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    children = [
+        int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()
+    ]
+    return {"daemon": of(pid), "writer": sum(of(c) for c in children)}
+
+
 def daemon_run(
     workloads: list[Workload],
     seconds: float,
@@ -550,7 +569,9 @@ def daemon_run(
         alerts = Alerts(address)
         try:
             probe(address, alerts)
+            before = cpu_seconds(daemon.target)
             run = drive(address, workloads, seconds, alerts, paced, as_agent)
+            run.cpu = {k: v - before[k] for k, v in cpu_seconds(daemon.target).items()}
         finally:
             alerts.close()
         fleet_check(address, run)
@@ -568,6 +589,15 @@ def floor_run(workloads: list[Workload], seconds: float, store_dir: Path, tag: s
 
 
 # ---------------------------------------------------------------------------- report
+
+
+def cpu_use(run: Run) -> str:
+    """The daemon's and its writer's CPU while the agents sent: share of a core, µs an event."""
+    return ", ".join(
+        f"{name} {seconds / run.elapsed:.0%} of a core ({seconds / run.events * 1e6:.1f} µs an event)"
+        for name, seconds in run.cpu.items()
+        if run.elapsed and run.events
+    )
 
 
 def ms(values: list[float], q: float) -> str:
@@ -741,7 +771,8 @@ def main() -> None:
         said = ", ".join(f"{stage} {p50:.2f}/{p99:.2f}" for stage, (p50, p99, _) in run.stages.items())
         print(
             f"the daemon's own time at {offered / 1e6:g} M/s ({size}-page events, {batching}), receipt "
-            f"of a batch to each step, p50/p99 ms: {said} (its whole run, the probe and pool reports too)"
+            f"of a batch to each step, p50/p99 ms: {said} (its whole run, the probe and pool reports too); "
+            f"its CPU: {cpu_use(run)}"
         )
     runs = [r for _, _, d, f in results for r in (d, f)] + [r for *_, r in paced]
     if any(r.errors for r in runs):
