@@ -78,7 +78,7 @@ def _cel_message(error: Exception) -> str:
 class Condition:
     """A compiled CEL condition. `evaluate` returns a bool or raises ConditionRuntimeError."""
 
-    __slots__ = ("_program", "source")
+    __slots__ = ("_program", "_uses", "source")
 
     def __init__(self, source: str) -> None:
         """Compile and check `source`; raise ConditionError with a readable reason if it is bad."""
@@ -100,11 +100,14 @@ class Condition:
         if problems:
             raise ConditionError("; ".join(problems))
         self._program = program
+        # The fields it reads: the runtime converts every value it is given (the page list
+        # too), ~30 µs a finding for all of them against ~4 µs for the two most rules read.
+        self._uses: tuple[str, ...] = tuple(name for name in program.variables() if name in FIELDS)
 
     def evaluate(self, fields: dict[str, Any]) -> bool:
         """Run the condition on `Finding.fields()`; raise ConditionRuntimeError on any failure."""
         try:
-            result = self._program.execute(fields)
+            result = self._program.execute({name: fields[name] for name in self._uses})
         except Exception as error:  # the CEL runtime raises many types; all mean "failed"
             raise ConditionRuntimeError(f"{type(error).__name__}: {error}") from None
         if not isinstance(result, bool):
@@ -118,7 +121,8 @@ class Condition:
         (say, a missing details key) says nothing about real findings and is ignored.
         """
         try:
-            result = self._program.execute(Finding(finding=kind).fields())
+            fields = Finding(finding=kind).fields()
+            result = self._program.execute({name: fields[name] for name in self._uses})
         except Exception:  # data-dependent; see the docstring
             return None
         if isinstance(result, bool):
