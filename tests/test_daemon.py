@@ -11,8 +11,10 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -522,16 +524,24 @@ def test_an_audit_key_others_may_read_or_too_short_is_refused(tmp_path: Path) ->
     assert missing.returncode == 1 and "No such file or directory" in missing.stderr
 
 
-def stale_reads(node: str, n: int) -> list[pb.Event]:
-    """A pool report, then n requests that each read a page they never wrote (n findings)."""
+def one_page_requests(node: str, n: int, *, written: bool) -> list[pb.Event]:
+    """A pool report, then n requests that each take a page, read it (having written it, or
+    not: a stale read, one finding each) and free it."""
     log = EventLog()
     log.add(node, "pool", pool=0, role="colocated", page_size=16, num_pages=64)
     for i in range(n):
         req, page = f"{node}-r{i}", [i % 64]
         log.add(node, "alloc", req=req, pool=0, pages=page)
+        if written:
+            log.add(node, "write", req=req, pool=0, pages=page)
         log.add(node, "read", reads=[{"req": req, "pool": 0, "pages": page, "tokens": 16}])
         log.add(node, "free", req=req, pool=0, pages=page)
     return log.lines
+
+
+def stale_reads(node: str, n: int) -> list[pb.Event]:
+    """n requests that each read a page they never wrote (n findings)."""
+    return one_page_requests(node, n, written=False)
 
 
 def test_an_agent_may_send_batches_without_waiting_for_acks(daemon: Service) -> None:
@@ -642,16 +652,8 @@ def test_a_kill_ordered_while_its_node_is_away_reaches_its_next_stream(tmp_path:
 
 
 def clean_requests(node: str, n: int) -> list[pb.Event]:
-    """A pool report, then n requests that each write and read their own page (no finding)."""
-    log = EventLog()
-    log.add(node, "pool", pool=0, role="colocated", page_size=16, num_pages=64)
-    for i in range(n):
-        req, page = f"{node}-r{i}", [i % 64]
-        log.add(node, "alloc", req=req, pool=0, pages=page)
-        log.add(node, "write", req=req, pool=0, pages=page)
-        log.add(node, "read", reads=[{"req": req, "pool": 0, "pages": page, "tokens": 16}])
-        log.add(node, "free", req=req, pool=0, pages=page)
-    return log.lines
+    """n requests that each write and read their own page (no finding)."""
+    return one_page_requests(node, n, written=True)
 
 
 def wait_for(done: Callable[[], bool], timeout: float = 10) -> None:
@@ -661,74 +663,80 @@ def wait_for(done: Callable[[], bool], timeout: float = 10) -> None:
         time.sleep(0.01)
 
 
-def test_batches_that_arrive_while_a_group_commits_are_committed_together_next(
-    tmp_path: Path, held_writer: type[InlineWriter]
-) -> None:
-    # Group commit: while one group commits, whatever the streams deliver is applied at once
-    # and committed as the next group, in one transaction, when the one before is durable.
+@dataclass
+class Held:
+    """A daemon whose store writer holds its commits until `writer.release()` (a slow disk)."""
+
+    store: Store
+    writer: Any  # conftest's HeldWriter (tests cannot import conftest)
+    daemon: server.Daemon
+
+
+@pytest.fixture
+def held(tmp_path: Path, held_writer: type[InlineWriter]) -> Iterator[Held]:
     store = Store(str(tmp_path / "audit.db"))
     writer = held_writer(store)
     daemon = server.Daemon(store, writer=writer)
-    sent: dict[str, list[svc.DaemonMessage]] = {n: [] for n in ("g1", "g2", "g3")}
     try:
-        for node, box in sent.items():
-            assert daemon.connect(node, box.append)
-        for n, node in enumerate(sent, 1):
-            ingest(daemon, node, clean_requests(node, n), sent[node].append)
-        wait_for(lambda: "g3" in daemon.ledger.nodes and daemon.ledger.nodes["g3"].last_seq == 13)
-        # Every batch applied, none committed, one group out.
-        assert writer.held is not None and [len(messages) for messages, _ in writer.held] == [1]
-        assert not any(sent.values())
-        writer.release()
-        wait_for(lambda: all(box and box[-1].WhichOneof("body") == "ack" for box in sent.values()))
-        assert [len(messages) for messages in writer.committed] == [1, 2]  # g1 alone, then g2 + g3
-        assert [[m.ack.accepted for m in box] for box in sent.values()] == [[5], [9], [13]]
-        assert store.count("event") == 27 and store.verify()[0]
+        yield Held(store, writer, daemon)
     finally:
         writer.release()
-        daemon.close()
+        daemon.close()  # done with the store before it closes
         store.close()
 
 
+def test_batches_that_arrive_while_a_group_commits_are_committed_together_next(held: Held) -> None:
+    # Group commit: while one group commits, whatever the streams deliver is applied at once
+    # and committed as the next group, in one transaction, when the one before is durable.
+    store, writer, daemon = held.store, held.writer, held.daemon
+    sent: dict[str, list[svc.DaemonMessage]] = {n: [] for n in ("g1", "g2", "g3")}
+    for node, box in sent.items():
+        assert daemon.connect(node, box.append)
+    for n, node in enumerate(sent, 1):
+        ingest(daemon, node, clean_requests(node, n), sent[node].append)
+    wait_for(lambda: "g3" in daemon.ledger.nodes and daemon.ledger.nodes["g3"].last_seq == 13)
+    # Every batch applied, none committed, one group out.
+    assert writer.held is not None and [len(messages) for messages, _ in writer.held] == [1]
+    assert not any(sent.values())
+    writer.release()
+    wait_for(lambda: all(box and box[-1].WhichOneof("body") == "ack" for box in sent.values()))
+    assert [len(messages) for messages in writer.committed] == [1, 2]  # g1 alone, then g2 + g3
+    assert [[m.ack.accepted for m in box] for box in sent.values()] == [[5], [9], [13]]
+    assert store.count("event") == 27 and store.verify()[0]
+
+
 def test_a_group_holding_an_alert_goes_to_the_writer_without_waiting_for_the_commit_before(
-    tmp_path: Path, held_writer: type[InlineWriter]
+    held: Held,
 ) -> None:
     # An alert waits for its group's commit: that group is handed to the writer as soon as
     # its batch is applied, queued behind the commit in flight (with the batches applied
     # before it), not when that commit is reported. Commits, acks and alert cursors keep
     # their order.
-    store = Store(str(tmp_path / "audit.db"))
-    writer = held_writer(store)
-    daemon = server.Daemon(store, writer=writer)
+    store, writer, daemon = held.store, held.writer, held.daemon
     sent: dict[str, list[svc.DaemonMessage]] = {n: [] for n in ("a1", "a2", "a3")}
     alerts: list[tuple[int, server.Finding]] = []
     sub = server.Subscriber(svc.AlertFilter())
     daemon.loop.call_soon_threadsafe(daemon.subscribers.append, sub)
-    try:
-        for node, box in sent.items():
-            assert daemon.connect(node, box.append)
-        ingest(daemon, "a1", clean_requests("a1", 1), sent["a1"].append)
-        ingest(daemon, "a2", clean_requests("a2", 2), sent["a2"].append)
-        ingest(daemon, "a3", stale_reads("a3", 2), sent["a3"].append)
-        wait_for(lambda: writer.held is not None and len(writer.held) == 2)
-        assert [len(messages) for messages, _ in writer.held] == [1, 2]  # a1; a2 + a3, not waiting for a1's
-        assert [m.WhichOneof("body") for m in sent["a3"]] == ["command"] * 2  # judged, not yet durable
-        assert not sent["a1"] and not sent["a2"] and sub.live.empty()
-        writer.release()
-        wait_for(lambda: all(box and box[-1].WhichOneof("body") == "ack" for box in sent.values()))
-        assert [len(messages) for messages in writer.committed] == [1, 2]
-        assert [[m.ack.accepted for m in box if m.ack.accepted] for box in sent.values()] == [[5], [9], [7]]
-        while not sub.live.empty():
-            record_id, finding, _ = sub.live.get_nowait()
-            alerts.append((record_id, finding))
-        stored = {record_id: pb.Finding.FromString(body) for record_id, _, body in store.rows(kind="finding")}
-        assert [f.req for _, f in alerts] == ["a3-r0", "a3-r1"]
-        assert [stored[record_id].req for record_id, _ in alerts] == ["a3-r0", "a3-r1"]  # cursors name them
-        assert store.count("event") == 21 and store.verify()[0]
-    finally:
-        writer.release()
-        daemon.close()
-        store.close()
+    for node, box in sent.items():
+        assert daemon.connect(node, box.append)
+    ingest(daemon, "a1", clean_requests("a1", 1), sent["a1"].append)
+    ingest(daemon, "a2", clean_requests("a2", 2), sent["a2"].append)
+    ingest(daemon, "a3", stale_reads("a3", 2), sent["a3"].append)
+    wait_for(lambda: writer.held is not None and len(writer.held) == 2)
+    assert [len(messages) for messages, _ in writer.held] == [1, 2]  # a1; a2 + a3, not waiting for a1's
+    assert [m.WhichOneof("body") for m in sent["a3"]] == ["command"] * 2  # judged, not yet durable
+    assert not sent["a1"] and not sent["a2"] and sub.live.empty()
+    writer.release()
+    wait_for(lambda: all(box and box[-1].WhichOneof("body") == "ack" for box in sent.values()))
+    assert [len(messages) for messages in writer.committed] == [1, 2]
+    assert [[m.ack.accepted for m in box if m.ack.accepted] for box in sent.values()] == [[5], [9], [7]]
+    while not sub.live.empty():
+        record_id, finding, _ = sub.live.get_nowait()
+        alerts.append((record_id, finding))
+    stored = {record_id: pb.Finding.FromString(body) for record_id, _, body in store.rows(kind="finding")}
+    assert [f.req for _, f in alerts] == ["a3-r0", "a3-r1"]
+    assert [stored[record_id].req for record_id, _ in alerts] == ["a3-r0", "a3-r1"]  # cursors name them
+    assert store.count("event") == 21 and store.verify()[0]
 
 
 def test_batches_are_applied_in_small_steps_while_alerts_are_being_written(tmp_path: Path) -> None:
@@ -761,36 +769,29 @@ def test_batches_are_applied_in_small_steps_while_alerts_are_being_written(tmp_p
         store.close()
 
 
-def test_a_kill_does_not_wait_for_the_disk(tmp_path: Path, held_writer: type[InlineWriter]) -> None:
+def test_a_kill_does_not_wait_for_the_disk(held: Held) -> None:
     # The read is a leak in progress: the kill goes out as soon as the ledger has judged it.
     # Its alert and the batch's ack wait for the commit (an alert's cursor names a durable
     # record), and the command is stored with them.
-    store = Store(str(tmp_path / "audit.db"))
-    writer = held_writer(store)
-    daemon = server.Daemon(store, writer=writer)
+    store, writer, daemon = held.store, held.writer, held.daemon
     sent: list[svc.DaemonMessage] = []
-    try:
-        assert daemon.connect("p7", sent.append)
-        events = stale_reads("p7", 1)
-        ingest(daemon, "p7", events, sent.append)
-        deadline = time.monotonic() + 10
-        while not sent and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)  # an ack sent after the kill would have arrived by now
-        assert [m.WhichOneof("body") for m in sent] == ["command"]
-        assert (sent[0].command.kill.req, sent[0].command.kill.finding) == ("p7-r0", "stale_read")
-        assert store.count() == 0  # nothing durable yet
-        writer.release()
-        while len(sent) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert [m.WhichOneof("body") for m in sent] == ["command", "ack"]
-        assert sent[1].ack.accepted == len(events)
-        commands = [svc.Command.FromString(body) for _, _, body in store.rows(kind="command")]
-        assert commands == [sent[0].command]
-    finally:
-        writer.release()
-        daemon.close()  # done with the store before it closes
-        store.close()
+    assert daemon.connect("p7", sent.append)
+    events = stale_reads("p7", 1)
+    ingest(daemon, "p7", events, sent.append)
+    deadline = time.monotonic() + 10
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # an ack sent after the kill would have arrived by now
+    assert [m.WhichOneof("body") for m in sent] == ["command"]
+    assert (sent[0].command.kill.req, sent[0].command.kill.finding) == ("p7-r0", "stale_read")
+    assert store.count() == 0  # nothing durable yet
+    writer.release()
+    while len(sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [m.WhichOneof("body") for m in sent] == ["command", "ack"]
+    assert sent[1].ack.accepted == len(events)
+    commands = [svc.Command.FromString(body) for _, _, body in store.rows(kind="command")]
+    assert commands == [sent[0].command]
 
 
 def test_a_command_reaches_an_agent_that_is_sending_nothing(tmp_path: Path) -> None:
@@ -1078,16 +1079,12 @@ def test_a_crash_replays_only_what_came_after_the_last_periodic_snapshot(store_u
     assert facts(stored_findings(store_url)) == facts(local_findings())
 
 
-def test_a_large_batch_is_applied_in_slices_and_acks_go_out_between_them(
-    tmp_path: Path, held_writer: type[InlineWriter]
-) -> None:
+def test_a_large_batch_is_applied_in_slices_and_acks_go_out_between_them(held: Held) -> None:
     # A batch larger than APPLY_SLICE is applied a slice per step of the loop: an ack that
     # became due meanwhile goes out between two slices, not after the whole batch. The large
     # batch's runs continue across slices: it is stored, judged and acknowledged as if it had
     # been applied at once, and its group waits for its last slice.
-    store = Store(str(tmp_path / "audit.db"))
-    writer = held_writer(store)
-    daemon = server.Daemon(store, writer=writer)
+    store, writer, daemon = held.store, held.writer, held.daemon
     small: list[svc.DaemonMessage] = []
     big: list[svc.DaemonMessage] = []
     applied_at_small_ack: list[int] = []
@@ -1109,34 +1106,29 @@ def test_a_large_batch_is_applied_in_slices_and_acks_go_out_between_them(
             applied_at_small_ack.append(daemon.ledger.nodes["b1"].last_seq)
         small.append(msg)
 
-    try:
-        assert daemon.connect("s1", small.append) and daemon.connect("b1", big.append)
-        ingest(daemon, "s1", stale_reads("s1", 1), on_small)
-        deadline = time.monotonic() + 10
-        while not small and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert writer.held is not None and len(writer.held) == 1  # s1's group, held
+    assert daemon.connect("s1", small.append) and daemon.connect("b1", big.append)
+    ingest(daemon, "s1", stale_reads("s1", 1), on_small)
+    deadline = time.monotonic() + 10
+    while not small and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.held is not None and len(writer.held) == 1  # s1's group, held
 
-        def big_then_release() -> None:  # in one step: the commit is reported mid-batch
-            daemon.ingest(batch_of("b1", events, big.append))
-            writer.release()
-
-        daemon.loop.call_soon_threadsafe(big_then_release)
-        while (not big or big[-1].WhichOneof("body") != "ack") and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert applied_at_small_ack and 0 < applied_at_small_ack[0] < len(events)
-        assert [m.ack.accepted for m in big if m.WhichOneof("body") == "ack"] == [len(events)]
-        assert [m.command.kill.req for m in big if m.WhichOneof("body") == "command"] == [
-            f"b1-r{i}" for i in range(120)
-        ]
-        assert [len(messages) for messages in writer.committed] == [1, 1]  # s1, then b1 whole
-        stored = [e for e in store.events() if e.node == "b1"]
-        assert stored == events
-        assert store.count("finding") == 121 and store.verify()[0]
-    finally:
+    def big_then_release() -> None:  # in one step: the commit is reported mid-batch
+        daemon.ingest(batch_of("b1", events, big.append))
         writer.release()
-        daemon.close()
-        store.close()
+
+    daemon.loop.call_soon_threadsafe(big_then_release)
+    while (not big or big[-1].WhichOneof("body") != "ack") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert applied_at_small_ack and 0 < applied_at_small_ack[0] < len(events)
+    assert [m.ack.accepted for m in big if m.WhichOneof("body") == "ack"] == [len(events)]
+    assert [m.command.kill.req for m in big if m.WhichOneof("body") == "command"] == [
+        f"b1-r{i}" for i in range(120)
+    ]
+    assert [len(messages) for messages in writer.committed] == [1, 1]  # s1, then b1 whole
+    stored = [e for e in store.events() if e.node == "b1"]
+    assert stored == events
+    assert store.count("finding") == 121 and store.verify()[0]
 
 
 def test_a_bug_while_applying_stops_the_daemon_before_anything_is_acknowledged(tmp_path: Path) -> None:
