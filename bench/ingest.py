@@ -6,14 +6,20 @@ latency from sending an event to the arrival of its alert and of its kill.
 
 The daemon runs as it is deployed, in its own process (`python -m kvguard daemon --listen
 127.0.0.1:0 --store FILE`, a fresh SQLite store per run), so its GIL is its own. The agents
-run here, one thread and one channel (one TCP connection) each, all driven by
-`kvguard.daemon.client.AgentStream.send_serialized()`, which waits for the ack of each batch
-(so a batch is durable in the store before the agent sends the next). Like the node agent,
-whose spool keeps events as the bytes it wrote, they send events serialized beforehand. The
-transport floor is this same client code against a gRPC server, also in its own process
-(`bench/ingest.py --floor-server`), that implements the same AgentService.Stream and
-acknowledges every batch at once without looking at it: what loopback gRPC, protobuf and
-this client cost without the daemon.
+run here, each with a channel (one TCP connection) and an AgentService.Stream of its own,
+and wait for the ack of each batch before the next (so a batch is durable in the store
+before the agent sends the next). By default (--client aio) they are tasks of one asyncio
+loop speaking the stream's protocol as the product's client does (hello, batches as
+RawAgentMessage bytes, acks in order, commands as they come); --client threads runs each on
+a thread of its own through `kvguard.daemon.client.AgentStream.send_serialized()`, the
+product's client, which costs the daemon's 2 cores a thread, gRPC's request-iterator thread,
+a reader thread and a channel's polling thread per agent (on a cluster the agents are on
+other machines): with it the closed-loop runs measured the client more than the daemon.
+Like the node agent, whose spool keeps events as the bytes it wrote, they send events
+serialized beforehand. The transport floor is this same client code against a gRPC server,
+also in its own process (`bench/ingest.py --floor-server`), that implements the same
+AgentService.Stream and acknowledges every batch at once without looking at it: what
+loopback gRPC, protobuf and this client cost without the daemon.
 
 Workload per agent (node n0..nK), built in memory before timing: a pool report, sent when the
 agent's stream opens, before the clock starts (an engine reports its pool when it starts, not
@@ -61,12 +67,14 @@ one run), not absolute rates.
 
     python bench/ingest.py [--agents 1,4,16] [--seconds N] [--batch-events N] [--pages N]
                            [--req-pages R,...] [--paced TRANS_PER_S,...]
-                           [--paced-as batches|agent|both] [--py-spy DIR]
+                           [--paced-as batches|agent|both] [--client aio|threads]
+                           [--py-spy DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import os
@@ -103,6 +111,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
 ]
 PLANTED = "stale_read"
+AGENTS_AS = {"aio": "tasks of one asyncio loop", "threads": "threads"}  # by --client
 
 
 # ---------------------------------------------------------------------------- workload
@@ -502,21 +511,169 @@ def drive(
         t.start()
     with contextlib.suppress(threading.BrokenBarrierError):
         ready.wait()  # every stream is open and its pool reported (acknowledged); the clock starts
+    cpu = time.process_time()
     for t in threads:
         t.join()
+    run.cpu["client"] = time.process_time() - cpu
     if ready.broken:
         raise SystemExit(f"the agents could not start: {run.errors}")
     run.elapsed = max(finished, default=started[0]) - started[0]
-    if alerts is not None:
-        wanted = list(sent_at)
-        if not alerts.wait_for(wanted, 10):
-            missing = [r for r in wanted if r not in alerts.arrived]
-            run.errors.append(f"{len(missing)} planted faults raised no alert (first: {missing[:3]})")
-        run.alerts = [alerts.arrived[r] - t for r, t in sent_at.items() if r in alerts.arrived]
-        run.kills = [killed_at[r] - t for r, t in sent_at.items() if r in killed_at]
-        if len(run.kills) != len(sent_at):
-            run.errors.append(f"{len(sent_at) - len(run.kills)} planted faults got no kill")
+    collect(run, alerts, sent_at, killed_at)
     return run
+
+
+class AioStream:
+    """One agent's AgentService.Stream on the asyncio client: the wire protocol of the
+    product's AgentStream (hello, then batches as RawAgentMessage bytes; acks in order,
+    commands as they come), without its threads."""
+
+    def __init__(self, call: Any, on_command: Any) -> None:
+        self.call = call
+        self.acks: asyncio.Queue[svc.Ack | Exception] = asyncio.Queue()
+        self._on_command = on_command
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    @classmethod
+    async def open(cls, channel: grpc.aio.Channel, node: str, on_command: Any) -> AioStream:
+        method = channel.stream_stream(
+            "/kvguard.v1.AgentService/Stream",
+            request_serializer=None,
+            response_deserializer=svc.DaemonMessage.FromString,
+        )
+        stream = cls(method(), on_command)
+        hello = svc.AgentMessage(hello=svc.Hello(node=node, agent_version="kvguard-bench"))
+        await stream.call.write(hello.SerializeToString())
+        await stream.next_ack()
+        return stream
+
+    async def _read(self) -> None:
+        end: Exception = RuntimeError("the daemon closed the stream")
+        try:
+            async for msg in self.call:
+                body = msg.WhichOneof("body")
+                if body == "ack":
+                    self.acks.put_nowait(msg.ack)
+                elif body == "command":
+                    self._on_command(msg.command)
+                elif body == "error":
+                    end = RuntimeError(f"{msg.error.code}: {msg.error.message}")
+                    break
+        except grpc.RpcError as exc:
+            end = exc
+        self.acks.put_nowait(end)
+
+    async def next_ack(self) -> svc.Ack:
+        ack = await self.acks.get()
+        if isinstance(ack, Exception):
+            self.acks.put_nowait(ack)
+            raise ack
+        return ack
+
+    async def send(self, bodies: list[bytes]) -> svc.Ack:
+        await self.call.write(svc.RawAgentMessage(batch=svc.RawEventBatch(events=bodies)).SerializeToString())
+        return await self.next_ack()
+
+    async def close(self) -> None:
+        self.call.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+            await self.reader
+
+
+def drive_aio(
+    address: str, workloads: list[Workload], seconds: float, alerts: Alerts | None, paced: float = 0.0
+) -> Run:
+    """drive()'s batches (closed loop or paced), every agent a task on one asyncio loop of this
+    thread, with a channel (one TCP connection) each. On a cluster the agents are processes on
+    other machines; here they share the daemon's 2 cores, and the threaded client (a thread,
+    gRPC's request-iterator thread, a reader thread and a channel's polling thread an agent)
+    costs ~4x the CPU of this one, taken from the daemon's cores."""
+    return asyncio.run(_drive_aio(address, workloads, seconds, alerts, paced))
+
+
+async def _drive_aio(
+    address: str, workloads: list[Workload], seconds: float, alerts: Alerts | None, paced: float
+) -> Run:
+    run = Run()
+    per_agent = paced / len(workloads)
+    sent_at: dict[str, float] = {}
+    killed_at: dict[str, float] = {}
+
+    def killed(c: svc.Command) -> None:
+        killed_at.setdefault(c.kill.req, time.perf_counter())
+
+    def check(ack: svc.Ack, sent: int) -> None:
+        if ack.accepted != sent or ack.rejected or ack.repeats:
+            rejected = [(r.seq, r.reason) for r in ack.rejected][:3]
+            raise RuntimeError(f"{ack.accepted}/{sent} accepted, {ack.repeats} repeats, rejected {rejected}")
+
+    async def agent(k: int, w: Workload, stream: AioStream, started: float) -> float:
+        deadline = started + seconds
+        due = started + (k / len(workloads) * max(w.transitions) / per_agent if paced else 0.0)
+        for i, batch in enumerate(w.batches):
+            t0 = time.perf_counter()
+            if t0 >= deadline:
+                break
+            if paced:
+                if due > t0:
+                    await asyncio.sleep(due - t0)
+                t0 = due
+                due += w.transitions[i] / per_agent
+            req = w.planted.get(i)
+            if req is not None:
+                sent_at[req] = t0
+            ack = await stream.send(w.bodies[i])
+            run.acks.append(time.perf_counter() - t0)
+            check(ack, len(batch))
+            run.events += len(batch)
+            run.transitions += w.transitions[i]
+            run.planted_sent += req is not None
+        return time.perf_counter()
+
+    channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in workloads]
+    streams: list[AioStream] = []
+    try:
+        try:
+            for channel, w in zip(channels, workloads, strict=True):
+                streams.append(await AioStream.open(channel, w.node, killed))
+                check(await streams[-1].send([w.setup]), 1)  # its engine started: the pool report
+                run.setup += 1
+        except Exception as exc:
+            raise SystemExit(f"the agents could not start: {type(exc).__name__}: {exc}") from None
+        started = time.perf_counter()
+        cpu = time.process_time()
+        ends = await asyncio.gather(
+            *(agent(k, w, s, started) for k, (w, s) in enumerate(zip(workloads, streams, strict=True))),
+            return_exceptions=True,
+        )
+        run.cpu["client"] = time.process_time() - cpu
+    finally:
+        for s in streams:
+            await s.close()
+        for channel in channels:
+            await channel.close()
+    finished = [e for e in ends if isinstance(e, float)]
+    run.errors += [
+        f"{w.node}: {type(e).__name__}: {e}"
+        for w, e in zip(workloads, ends, strict=True)
+        if isinstance(e, BaseException)
+    ]
+    run.elapsed = max(finished, default=started) - started
+    collect(run, alerts, sent_at, killed_at)
+    return run
+
+
+def collect(run: Run, alerts: Alerts | None, sent_at: dict[str, float], killed_at: dict[str, float]) -> None:
+    """Each planted fault's alert and kill latency, from when its batch was (due to be) sent."""
+    if alerts is None:
+        return
+    wanted = list(sent_at)
+    if not alerts.wait_for(wanted, 10):
+        missing = [r for r in wanted if r not in alerts.arrived]
+        run.errors.append(f"{len(missing)} planted faults raised no alert (first: {missing[:3]})")
+    run.alerts = [alerts.arrived[r] - t for r, t in sent_at.items() if r in alerts.arrived]
+    run.kills = [killed_at[r] - t for r, t in sent_at.items() if r in killed_at]
+    if len(run.kills) != len(sent_at):
+        run.errors.append(f"{len(sent_at) - len(run.kills)} planted faults got no kill")
 
 
 def fleet_check(address: str, run: Run) -> None:
@@ -555,6 +712,7 @@ def daemon_run(
     spy: Path | None,
     paced: float = 0.0,
     as_agent: bool = False,
+    client: str = "aio",
 ) -> tuple[Run, int]:
     store = store_dir / f"ingest-{tag}.db"
     cmd = [sys.executable, "-m", "kvguard", "daemon", "--listen", "127.0.0.1:0", "--store", str(store)]
@@ -570,8 +728,12 @@ def daemon_run(
         try:
             probe(address, alerts)
             before = cpu_seconds(daemon.target)
-            run = drive(address, workloads, seconds, alerts, paced, as_agent)
-            run.cpu = {k: v - before[k] for k, v in cpu_seconds(daemon.target).items()}
+            if as_agent or client == "threads":
+                run = drive(address, workloads, seconds, alerts, paced, as_agent)
+            else:
+                run = drive_aio(address, workloads, seconds, alerts, paced)
+            used = {k: v - before[k] for k, v in cpu_seconds(daemon.target).items()}
+            run.cpu = used | run.cpu
         finally:
             alerts.close()
         fleet_check(address, run)
@@ -580,10 +742,15 @@ def daemon_run(
     return run, store.stat().st_size
 
 
-def floor_run(workloads: list[Workload], seconds: float, store_dir: Path, tag: str) -> Run:
+def floor_run(
+    workloads: list[Workload], seconds: float, store_dir: Path, tag: str, client: str = "aio"
+) -> Run:
     server = start([sys.executable, __file__, "--floor-server"], store_dir / f"floor-{tag}.log")
     try:
-        return drive(f"127.0.0.1:{server.port}", workloads, seconds, None)
+        address = f"127.0.0.1:{server.port}"
+        if client == "threads":
+            return drive(address, workloads, seconds, None)
+        return drive_aio(address, workloads, seconds, None)
     finally:
         stop(server)
 
@@ -630,6 +797,13 @@ def main() -> None:
         help="paced runs send batches (engine steps) on a schedule, or events spread evenly in time as the "
         "node agent would send them (what is due at each send), or both",
     )
+    parser.add_argument(
+        "--client",
+        choices=("aio", "threads"),
+        default="aio",
+        help="the agents as tasks of one asyncio loop (default), or as threads driving the product's "
+        "AgentStream (--paced-as agent always does)",
+    )
     parser.add_argument("--store-dir", type=Path, help="where the SQLite stores go (default: a temp dir)")
     parser.add_argument("--py-spy", type=Path, metavar="DIR", help="record the daemon with py-spy into DIR")
     parser.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
@@ -641,17 +815,17 @@ def main() -> None:
     if args.subscribe:
         subscriber(args.subscribe)
         return
-    # The agents are threads here (on a cluster, processes on other machines): with Python's
-    # default 5 ms GIL switch interval an agent woken by its ack would wait for the others'
-    # turns, and that wait would be counted as the daemon's latency. The daemon runs with the
-    # same 0.5 ms.
+    # Threads here (the agents with --client threads and --paced-as agent, the subscriber's
+    # reader; on a cluster the agents are processes on other machines): with Python's default
+    # 5 ms GIL switch interval one woken by its ack would wait for the others' turns, and that
+    # wait would be counted as the daemon's latency. The daemon runs with the same 0.5 ms.
     sys.setswitchinterval(0.0005)
     counts = [int(a) for a in args.agents.split(",")]
     sizes = [int(p) for p in args.req_pages.split(",")]
     print(
         f"python {sys.version.split()[0]}, grpcio {grpc.__version__}, numpy {np.__version__}, "
         f"{os.cpu_count()} cores; daemon: `python -m kvguard daemon` in its own process, SQLite store "
-        f"(WAL, synchronous=FULL); agents: threads of this process, one channel each"
+        f"(WAL, synchronous=FULL); agents: {AGENTS_AS[args.client]} of this process, one channel each"
     )
     print(
         f"{args.batch_events}-event batches, one planted {PLANTED} per {args.plant_every} batches an agent; "
@@ -684,8 +858,10 @@ def main() -> None:
                 gc.freeze()  # the workload's objects are not scanned by the collector during timing
                 built = time.perf_counter() - built
                 tag = f"{size}-{n}-{os.getpid()}"
-                daemon, db = daemon_run(workloads, args.seconds, store_dir, tag, args.py_spy)
-                floor = floor_run(workloads, args.seconds, store_dir, tag)
+                daemon, db = daemon_run(
+                    workloads, args.seconds, store_dir, tag, args.py_spy, client=args.client
+                )
+                floor = floor_run(workloads, args.seconds, store_dir, tag, args.client)
                 ratio = daemon.rate / floor.rate if floor.rate else 0.0
                 rows.append(
                     f"{size:>5} {n:>14} {daemon.event_rate:>9.0f} {daemon.rate / 1e6:>9.3f} "
@@ -714,6 +890,7 @@ def main() -> None:
                         args.py_spy,
                         offered,
                         batching == "agent",
+                        args.client,
                     )
                     paced.append((size, offered, batching, run))
                     label = f"{n} @{offered / 1e6:g}M {batching}"
