@@ -3,8 +3,9 @@
 Workload: requests cycle through a pool in batches of B pages (16, 64, 256): alloc, write,
 one attention read, free; that is 4 page transitions per page per request, all correct (no
 finding), the path every event of a healthy engine takes: applied as protobuf objects
-(`ledger`: the guard's path), as the bytes an agent sends (`bytes`: the daemon's) and from a
-capture file (`replay`). Printed beside each figure: the
+(`ledger`: the guard's path), as the bytes an agent sends (`bytes`: one event at a time), as
+the daemon applies those bytes in batches of 64 (`runs`: runs of clean events in one C call,
+Ledger.apply_clean) and from a capture file (`replay`). Printed beside each figure: the
 floor, a plain NumPy scatter of the same page arrays in the same Python loop, and the ratio,
 measured in the same run (these machines are shared: compare ratios, not absolute times).
 
@@ -74,6 +75,23 @@ def time_ledger(events: list[pb.Event] | list[bytes]) -> tuple[float, int]:
     return time.perf_counter() - started, ledger.stats.page_transitions
 
 
+def time_runs(bodies: list[bytes], batch_events: int = 64) -> tuple[float, int]:
+    """The bytes applied as the daemon applies a batch: runs of clean events in one C call
+    each (`Ledger.apply_clean`), apply_serialized where a run stops (here: the pool report)."""
+    ledger = Ledger()
+    started = time.perf_counter()
+    for at in range(0, len(bodies), batch_events):
+        batch = bodies[at : at + batch_events]
+        i = 0
+        while i < len(batch):
+            i = ledger.apply_clean(batch, i, len(batch), "n0")
+            if i < len(batch):
+                if ledger.apply_serialized(batch[i], "n0"):
+                    raise SystemExit("benchmark workload produced a finding: the ledger is wrong")
+                i += 1
+    return time.perf_counter() - started, ledger.stats.page_transitions
+
+
 def time_floor(arrays: list[np.ndarray], pool_pages: int) -> float:
     owner = np.zeros(pool_pages, np.int32)
     started = time.perf_counter()
@@ -121,6 +139,12 @@ def main() -> None:
         rate = transitions / elapsed / 1e6
         print(
             f"{batch:>5} {'bytes':8} {rate:>9.2f} {floor_rate:>15.2f} {elapsed / floor:>6.1f}x "
+            f"{elapsed / len(events) * 1e6:>9.2f}"
+        )
+        elapsed, transitions = min(time_runs(bodies) for _ in range(args.repeat))
+        rate = transitions / elapsed / 1e6
+        print(
+            f"{batch:>5} {'runs':8} {rate:>9.2f} {floor_rate:>15.2f} {elapsed / floor:>6.1f}x "
             f"{elapsed / len(events) * 1e6:>9.2f}"
         )
         with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:

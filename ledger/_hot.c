@@ -11,6 +11,11 @@
  * reading the state as it was), then applies the one update, the same for clean and judged
  * events. Page lists must be distinct (page_list checks). A pool's state is one Page record
  * a page (PAGE, the NumPy dtype this module exports, is its layout; pages.PoolPages).
+ * apply_clean applies whole runs of a node's events here, while each is the clean common
+ * case, and stops before the first that is not (its judgment is ledger.py's): what it does
+ * to the ledger's objects is what ledger.py's handlers do to them on that path, in the same
+ * order, so that the state after either is the same to the byte (tests/test_property.py and
+ * test_hot.py compare them).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -213,6 +218,9 @@ bad:
  * num_pages; their `seen` bytes zero, and left zero), ValueError(page) for a page listed
  * twice. */
 static PyObject *
+decode_pages(const uint8_t *data, Py_ssize_t len, uint64_t field, npy_intp n, Page *state, int distinct);
+
+static PyObject *
 page_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
@@ -242,6 +250,16 @@ page_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             return PyErr_Format(PyExc_TypeError, "state: %zd records for a pool of %zd pages", (Py_ssize_t)records,
                                 (Py_ssize_t)n);
     }
+    return decode_pages(data, len, field, n, state, state != NULL);
+}
+
+/* page_list's work: the pages of varint field `field` in data[0, len) as a new intp array,
+ * each in [0, n); with `state` (the pool's records, n of them) each page's record prefetched,
+ * and with `distinct` also checked not to be listed twice (the `seen` bytes, zero before and
+ * after). NULL with IndexError(page), ValueError(page) or TypeError (not a message). */
+static PyObject *
+decode_pages(const uint8_t *data, Py_ssize_t len, uint64_t field, npy_intp n, Page *state, int distinct)
+{
     Py_ssize_t count = scan(data, len, field, NULL);
     if (count < 0)
         return NULL;
@@ -262,7 +280,7 @@ page_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             raise_page(PyExc_IndexError, page);
             break;
         }
-        if (state != NULL) {
+        if (distinct) {
             if (state[page].seen) {
                 raise_page(PyExc_ValueError, page);
                 break;
@@ -270,7 +288,7 @@ page_list(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             state[page].seen = 1;
         }
     }
-    if (state != NULL)
+    if (distinct)
         for (Py_ssize_t j = 0; j < i; j++)
             state[pages[j]].seen = 0;
     if (i < count) {
@@ -307,11 +325,105 @@ update_args(PyObject *const *args, Py_ssize_t nargs, const char *fn, Update *u)
     return u->pages == NULL ? -1 : 0;
 }
 
+/* The page updates, each in two steps: a count of the pages that make the event more than
+ * the clean case, which changes nothing, then the update itself (the same for a clean event
+ * and for one the ledger has judged). grant, land, end_grant and read_clean below, and
+ * apply_clean, are built from these: each update exists once. */
+
+/* Pages still in use (a live grant or a hold): handed out early. */
+static long
+grant_busy(const Page *state, const npy_intp *pages, npy_intp count)
+{
+    long busy = 0;
+    for (npy_intp i = 0; i < count; i++)
+        busy += state[pages[i]].use != 0;
+    return busy;
+}
+
+/* Every page granted to req: use = 1 + its holds (1 for a page not in use), gen + 1, owner
+ * req, own NOBODY, prior = writer, since = ts when timed. */
+static void
+grant_pages(Page *state, const npy_intp *pages, npy_intp count, long req, int64_t ts, int timed)
+{
+    for (npy_intp i = 0; i < count; i++) {
+        Page *page = &state[pages[i]];
+        uint32_t users = 1;
+        if (page->use != 0) /* only a page in use has holds */
+            for (int k = 0; k < HOLD_KINDS; k++)
+                users += page->holds[k];
+        page->use = users;
+        page->gen += 1;
+        page->owner = (int32_t)req;
+        page->own = NOBODY;
+        page->prior = page->writer;
+        if (timed)
+            page->since = ts;
+    }
+}
+
+/* Pages req does not own. */
+static long
+not_owned(const Page *state, const npy_intp *pages, npy_intp count, long req)
+{
+    long other = 0;
+    for (npy_intp i = 0; i < count; i++)
+        other += state[pages[i]].owner != req;
+    return other;
+}
+
+/* Req's KV lands in every page: writer req, wgen = gen, valid = slots[i] (page_size when
+ * slots is NULL), own req where req owns the page and NOBODY where it does not. */
+static void
+land_pages(Page *state, const npy_intp *pages, npy_intp count, long req, const uint32_t *slots, uint32_t page_size)
+{
+    for (npy_intp i = 0; i < count; i++) {
+        Page *page = &state[pages[i]];
+        page->writer = (int32_t)req;
+        page->wgen = page->gen;
+        page->valid = slots != NULL ? slots[i] : page_size;
+        page->own = page->owner == req ? (int32_t)req : NOBODY;
+    }
+}
+
+/* Req's grant of each page it owns ends: owner ~req, own NOBODY, use - 1, since = ts when
+ * timed; the others are left as they are. */
+static void
+end_pages(Page *state, const npy_intp *pages, npy_intp count, long req, int64_t ts, int timed)
+{
+    for (npy_intp i = 0; i < count; i++) {
+        Page *page = &state[pages[i]];
+        if (page->owner != req)
+            continue;
+        page->owner = (int32_t)~req;
+        page->own = NOBODY;
+        page->use -= 1;
+        if (timed)
+            page->since = ts;
+    }
+}
+
+/* Whether a context of `tokens` tokens through `pages` (exactly the pages it covers) reads
+ * only req's own KV written under its current grant: every page's own tag is req and every
+ * page is full, but the last, which holds at least the slots read of it. */
+static int
+read_is_clean(const Page *state, const npy_intp *pages, npy_intp count, long req, long long tokens,
+              long long page_size)
+{
+    for (npy_intp i = 0; i < count; i++) {
+        const Page *page = &state[pages[i]];
+        if (page->own != req)
+            return 0;
+        if ((long long)page->valid < page_size &&
+            (i != count - 1 || (long long)page->valid < tokens - (long long)(count - 1) * page_size))
+            return 0;
+    }
+    return 1;
+}
+
 /* grant(pages, state, req, ts, judged) -> busy
- * Counts the pages still in use (a live grant or a hold: handed out early). If none, or once
- * the ledger has judged them (judged true), grants every page to req: use = 1 + its holds
- * (1 for a page not in use), gen + 1, owner req, own NOBODY, prior = writer, since = ts
- * (unless ts is None). Else changes nothing. Returns the count. */
+ * Counts the pages still in use. If none, or once the ledger has judged them (judged true),
+ * grants every page to req (grant_pages; since = ts unless ts is None). Else changes
+ * nothing. Returns the count. */
 static PyObject *
 grant(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -319,32 +431,15 @@ grant(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Update u;
     if (update_args(args, nargs, "grant", &u) < 0)
         return NULL;
-    long busy = 0;
-    for (npy_intp i = 0; i < u.count; i++)
-        busy += u.state[u.pages[i]].use != 0;
-    if (busy && !u.judged)
-        return PyLong_FromLong(busy);
-    for (npy_intp i = 0; i < u.count; i++) {
-        Page *page = &u.state[u.pages[i]];
-        uint32_t users = 1;
-        if (page->use != 0) /* only a page in use has holds */
-            for (int k = 0; k < HOLD_KINDS; k++)
-                users += page->holds[k];
-        page->use = users;
-        page->gen += 1;
-        page->owner = (int32_t)u.req;
-        page->own = NOBODY;
-        page->prior = page->writer;
-        if (u.timed)
-            page->since = u.ts;
-    }
+    long busy = grant_busy(u.state, u.pages, u.count);
+    if (!busy || u.judged)
+        grant_pages(u.state, u.pages, u.count, u.req, u.ts, u.timed);
     return PyLong_FromLong(busy);
 }
 
 /* land(pages, state, req, slots, page_size, judged) -> foreign
  * Counts the pages req does not own. If none, or once the ledger has judged them, req's KV
- * lands in every page: writer req, wgen = gen, valid = slots[i] (page_size when slots is
- * None), own req where req owns the page and NOBODY where it does not. Else changes nothing.
+ * lands in every page (land_pages; full pages when slots is None). Else changes nothing.
  * Returns the count. */
 static PyObject *
 land(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -367,25 +462,16 @@ land(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     const uint32_t *slots = NULL;
     if (args[3] != Py_None && !(slots = slots_data(args[3], count)))
         return NULL;
-    long foreign = 0;
-    for (npy_intp i = 0; i < count; i++)
-        foreign += state[pages[i]].owner != req;
-    if (foreign && !judged)
-        return PyLong_FromLong(foreign);
-    for (npy_intp i = 0; i < count; i++) {
-        Page *page = &state[pages[i]];
-        page->writer = (int32_t)req;
-        page->wgen = page->gen;
-        page->valid = slots != NULL ? slots[i] : (uint32_t)page_size;
-        page->own = page->owner == req ? (int32_t)req : NOBODY;
-    }
+    long foreign = not_owned(state, pages, count, req);
+    if (!foreign || judged)
+        land_pages(state, pages, count, req, slots, (uint32_t)page_size);
     return PyLong_FromLong(foreign);
 }
 
 /* end_grant(pages, state, req, ts, judged) -> not_owned
  * Counts the pages req does not own. If none, or once the ledger has judged them, req's
- * grant of each page it owns ends: owner ~req, own NOBODY, use - 1, since = ts (unless ts is
- * None); the others are left as they are. Else changes nothing. Returns the count. */
+ * grant of each page it owns ends (end_pages; since = ts unless ts is None). Else changes
+ * nothing. Returns the count. */
 static PyObject *
 end_grant(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -393,28 +479,13 @@ end_grant(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Update u;
     if (update_args(args, nargs, "end_grant", &u) < 0)
         return NULL;
-    long other = 0;
-    for (npy_intp i = 0; i < u.count; i++)
-        other += u.state[u.pages[i]].owner != u.req;
-    if (other && !u.judged)
-        return PyLong_FromLong(other);
-    for (npy_intp i = 0; i < u.count; i++) {
-        Page *page = &u.state[u.pages[i]];
-        if (page->owner != u.req)
-            continue;
-        page->owner = (int32_t)~u.req;
-        page->own = NOBODY;
-        page->use -= 1;
-        if (u.timed)
-            page->since = u.ts;
-    }
+    long other = not_owned(u.state, u.pages, u.count, u.req);
+    if (!other || u.judged)
+        end_pages(u.state, u.pages, u.count, u.req, u.ts, u.timed);
     return PyLong_FromLong(other);
 }
 
-/* read_clean(pages, state, req, tokens, page_size) -> bool
- * Whether a context of `tokens` tokens through `pages` (exactly the pages it covers) reads
- * only req's own KV written under its current grant: every page's own tag is req and every
- * page is full, but the last, which holds at least the slots read of it. Changes nothing. */
+/* read_clean(pages, state, req, tokens, page_size) -> bool: read_is_clean. Changes nothing. */
 static PyObject *
 read_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -433,15 +504,7 @@ read_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     const npy_intp *pages = page_data(args[0], state, n, &count);
     if (pages == NULL)
         return NULL;
-    for (npy_intp i = 0; i < count; i++) {
-        const Page *page = &state[pages[i]];
-        if (page->own != req)
-            Py_RETURN_FALSE;
-        if ((long long)page->valid < page_size &&
-            (i != count - 1 || (long long)page->valid < tokens - (long long)(count - 1) * page_size))
-            Py_RETURN_FALSE;
-    }
-    Py_RETURN_TRUE;
+    return PyBool_FromLong(read_is_clean(state, pages, count, req, tokens, page_size));
 }
 
 
@@ -588,6 +651,67 @@ payload(Reader r, int kind, Py_ssize_t *req_start, Py_ssize_t *req_end, uint64_t
     return got;
 }
 
+/* An event of the plain shape event_head describes, located in its bytes. */
+typedef struct {
+    int kind; /* EV_ALLOC, EV_WRITE, EV_FREE or EV_READ */
+    uint64_t seq, ts, pool, tokens;
+    Py_ssize_t node_start, node_end, req_start, req_end;
+    Py_ssize_t start, end; /* the payload (of a read: its one entry), whose field 3 lists the pages */
+} Head;
+
+/* The head of an event of the plain shape (see event_head) in data[0, len): 0, or -1 for
+ * anything else. */
+static int
+parse_head(const uint8_t *data, Py_ssize_t len, Head *h)
+{
+    Reader r = {data, 0, len};
+    uint64_t number;
+    int wire, got, seen = 0;
+    memset(h, 0, sizeof(*h));
+    while ((got = next_field(&r, &number, &wire)) > 0) {
+        if (number == 1 && wire == 2 && !(seen & 1)) {
+            if (span(&r, &h->node_start, &h->node_end) < 0)
+                return -1;
+            seen |= 1;
+        } else if (number == 2 && wire == 0 && !(seen & 2)) {
+            if (varint(r.data, r.end, &r.pos, &h->seq) < 0)
+                return -1;
+            seen |= 2;
+        } else if (number == 3 && wire == 0 && !(seen & 4)) {
+            if (varint(r.data, r.end, &r.pos, &h->ts) < 0)
+                return -1;
+            seen |= 4;
+        } else if ((number == EV_ALLOC || number == EV_WRITE || number == EV_FREE || number == EV_READ) &&
+                   wire == 2 && !h->kind) {
+            if (span(&r, &h->start, &h->end) < 0)
+                return -1;
+            h->kind = (int)number;
+        } else if (number <= 3 || (number >= 10 && number <= 28)) {
+            return -1; /* a field twice, a wire type not its own, another payload */
+        } else if (skip_value(&r, wire) < 0) {
+            return -1;
+        }
+    }
+    if (got < 0 || !h->kind)
+        return -1;
+    if (h->kind == EV_READ) { /* Read: exactly one entry (field 1) */
+        Reader entries = {r.data, h->start, h->end};
+        int n = 0;
+        while ((got = next_field(&entries, &number, &wire)) > 0) {
+            if (number == 1 && wire == 2) {
+                if (n++ || span(&entries, &h->start, &h->end) < 0)
+                    return -1;
+            } else if (number == 1 || skip_value(&entries, wire) < 0) {
+                return -1;
+            }
+        }
+        if (got < 0 || n != 1)
+            return -1;
+    }
+    Reader fields = {r.data, h->start, h->end};
+    return payload(fields, h->kind, &h->req_start, &h->req_end, &h->pool, &h->tokens) < 0 ? -1 : 0;
+}
+
 static PyObject *last_node; /* the node of the last event decoded: most events repeat it */
 
 /* event_head(body) -> (kind, node, seq, ts_ns, req, pool, tokens, start, end) or None
@@ -606,75 +730,506 @@ event_head(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (!PyBytes_Check(args[0]))
         return PyErr_Format(PyExc_TypeError, "event_head: bytes expected, got %.80s", Py_TYPE(args[0])->tp_name);
-    Reader r = {(const uint8_t *)PyBytes_AS_STRING(args[0]), 0, PyBytes_GET_SIZE(args[0])};
-    uint64_t number, seq = 0, ts = 0, pool = 0, tokens = 0;
-    int wire, got, seen = 0, kind = 0;
-    Py_ssize_t node_start = 0, node_end = 0, start = 0, end = 0, req_start = 0, req_end = 0;
-    while ((got = next_field(&r, &number, &wire)) > 0) {
-        if (number == 1 && wire == 2 && !(seen & 1)) {
-            if (span(&r, &node_start, &node_end) < 0)
-                Py_RETURN_NONE;
-            seen |= 1;
-        } else if (number == 2 && wire == 0 && !(seen & 2)) {
-            if (varint(r.data, r.end, &r.pos, &seq) < 0)
-                Py_RETURN_NONE;
-            seen |= 2;
-        } else if (number == 3 && wire == 0 && !(seen & 4)) {
-            if (varint(r.data, r.end, &r.pos, &ts) < 0)
-                Py_RETURN_NONE;
-            seen |= 4;
-        } else if ((number == EV_ALLOC || number == EV_WRITE || number == EV_FREE || number == EV_READ) &&
-                   wire == 2 && !kind) {
-            if (span(&r, &start, &end) < 0)
-                Py_RETURN_NONE;
-            kind = (int)number;
-        } else if (number <= 3 || (number >= 10 && number <= 28)) {
-            Py_RETURN_NONE; /* a field twice, a wire type not its own, another payload */
-        } else if (skip_value(&r, wire) < 0) {
-            Py_RETURN_NONE;
-        }
-    }
-    if (got < 0 || !kind)
+    Head h;
+    const char *base = PyBytes_AS_STRING(args[0]);
+    if (parse_head((const uint8_t *)base, PyBytes_GET_SIZE(args[0]), &h) < 0)
         Py_RETURN_NONE;
-    if (kind == EV_READ) { /* Read: exactly one entry (field 1) */
-        Reader entries = {r.data, start, end};
-        int n = 0;
-        while ((got = next_field(&entries, &number, &wire)) > 0) {
-            if (number == 1 && wire == 2) {
-                if (n++ || span(&entries, &start, &end) < 0)
-                    Py_RETURN_NONE;
-            } else if (number == 1 || skip_value(&entries, wire) < 0) {
-                Py_RETURN_NONE;
-            }
-        }
-        if (got < 0 || n != 1)
-            Py_RETURN_NONE;
-    }
-    Reader fields = {r.data, start, end};
-    if (payload(fields, kind, &req_start, &req_end, &pool, &tokens) < 0)
-        Py_RETURN_NONE;
-    const char *base = (const char *)r.data;
     PyObject *node;
-    Py_ssize_t node_len = node_end - node_start;
+    Py_ssize_t node_len = h.node_end - h.node_start;
     if (last_node != NULL && PyUnicode_GET_LENGTH(last_node) == node_len && PyUnicode_IS_ASCII(last_node) &&
-        memcmp(PyUnicode_DATA(last_node), base + node_start, (size_t)node_len) == 0) {
+        memcmp(PyUnicode_DATA(last_node), base + h.node_start, (size_t)node_len) == 0) {
         node = Py_NewRef(last_node);
     } else {
-        node = PyUnicode_DecodeUTF8(base + node_start, node_len, NULL);
+        node = PyUnicode_DecodeUTF8(base + h.node_start, node_len, NULL);
         if (node == NULL) {
             PyErr_Clear();
             Py_RETURN_NONE;
         }
         Py_XSETREF(last_node, Py_NewRef(node));
     }
-    PyObject *req = PyUnicode_DecodeUTF8(base + req_start, req_end - req_start, NULL);
+    PyObject *req = PyUnicode_DecodeUTF8(base + h.req_start, h.req_end - h.req_start, NULL);
     if (req == NULL) {
         PyErr_Clear();
         Py_DECREF(node);
         Py_RETURN_NONE;
     }
-    return Py_BuildValue("(iNKLNKKnn)", kind, node, (unsigned long long)seq, (long long)(int64_t)ts, req,
-                         (unsigned long long)pool, (unsigned long long)tokens, start, end);
+    return Py_BuildValue("(iNKLNKKnn)", h.kind, node, (unsigned long long)h.seq, (long long)(int64_t)h.ts, req,
+                         (unsigned long long)h.pool, (unsigned long long)h.tokens, h.start, h.end);
+}
+
+/* ---------------------------------------------------------------- runs of clean events */
+
+#define PAGES_FIELD 3 /* `pages` in Alloc, Write, Free and ReadEntry (ledger.py: _HOT_PAGES) */
+
+/* Names of the ledger's attributes apply_clean reads and writes, interned at import. */
+static PyObject *s_nodes, *s_pools, *s_last_seq, *s_last_ts_ns, *s_req_index, *s_requests, *s_applied,
+    *s_next_sweep, *s_posted, *s_wire_pending, *s_stats, *s_events, *s_page_transitions, *s_missing,
+    *s_last_missing, *s_pages, *s_state, *s_num_pages, *s_page_size, *s_regions, *s_live, *s_last, *s_retired,
+    *s_bootstrap, *s_history, *s_granted_pages, *s_written_pages, *s_freed_pages, *s_reads, *s_ctx_node,
+    *s_ctx_seq, *s_ctx_ts, *s_request_fn;
+static PyObject *kind_names[4]; /* "alloc", "write", "free", "read": LedgerStats.events' keys */
+
+static int
+kind_index(int kind)
+{
+    return kind == EV_ALLOC ? 0 : kind == EV_WRITE ? 1 : kind == EV_FREE ? 2 : 3;
+}
+
+/* The pool of the events being applied (they rarely change pools within a batch). */
+typedef struct {
+    PyObject *key;   /* its id as a Python int (NULL: none yet) */
+    uint64_t id;
+    PyObject *array; /* pool.pages.state, kept alive while its records are used */
+    PyObject *live;  /* pool.live: request index -> pages it holds */
+    Page *state;
+    npy_intp num_pages;
+    long long page_size;
+    int timed; /* the pool reported its memory (regions): grants and frees record `since` */
+} PoolAt;
+
+/* What apply_clean works with: the ledger's parts (new references) and what the applied
+ * events changed, written back to the ledger once at the end. */
+typedef struct {
+    PyObject *ledger, *node_name, *ended, *node, *pools, *req_index, *requests;
+    const char *name;
+    Py_ssize_t name_len, grant_runs;
+    int wire; /* transfers wait for a probe's verdict: frees and reads are Python's */
+    PoolAt pool;
+    uint64_t last_seq;
+    int64_t last_ts;
+    long long applied, next_sweep, transitions, missing, last_missing;
+    Py_ssize_t kinds[4];
+    int order[4], n_kinds;
+} Run;
+
+static void
+pool_release(PoolAt *p)
+{
+    Py_CLEAR(p->key);
+    Py_CLEAR(p->array);
+    Py_CLEAR(p->live);
+}
+
+/* The run's pool becomes pool `id` of the node: 1, 0 if the node has no such pool, -1 with
+ * an exception. */
+static int
+pool_at(Run *c, uint64_t id)
+{
+    PoolAt *p = &c->pool;
+    if (p->key != NULL && p->id == id)
+        return 1;
+    pool_release(p);
+    PyObject *key = PyLong_FromUnsignedLongLong(id);
+    if (key == NULL)
+        return -1;
+    PyObject *pool = PyDict_GetItemWithError(c->pools, key); /* borrowed */
+    if (pool == NULL) {
+        Py_DECREF(key);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    PyObject *pages = NULL, *array = NULL, *num = NULL, *size = NULL, *regions = NULL, *live = NULL;
+    int rc = -1;
+    if ((pages = PyObject_GetAttr(pool, s_pages)) && (array = PyObject_GetAttr(pages, s_state)) &&
+        (num = PyObject_GetAttr(pages, s_num_pages)) && (size = PyObject_GetAttr(pages, s_page_size)) &&
+        (regions = PyObject_GetAttr(pool, s_regions)) && (live = PyObject_GetAttr(pool, s_live))) {
+        npy_intp records;
+        p->state = pool_data(array, &records);
+        p->num_pages = PyLong_AsSsize_t(num);
+        p->page_size = PyLong_AsLongLong(size);
+        if (p->state != NULL && !PyErr_Occurred()) {
+            if (records != p->num_pages || p->page_size <= 0 || !PyDict_Check(live)) {
+                PyErr_SetString(PyExc_TypeError, "apply_clean: a pool's records, size or live counts are not sound");
+            } else {
+                p->key = Py_NewRef(key);
+                p->id = id;
+                p->array = Py_NewRef(array);
+                p->live = Py_NewRef(live);
+                p->timed = regions != Py_None;
+                rc = 1;
+            }
+        }
+    }
+    Py_DECREF(key);
+    Py_XDECREF(pages);
+    Py_XDECREF(array);
+    Py_XDECREF(num);
+    Py_XDECREF(size);
+    Py_XDECREF(regions);
+    Py_XDECREF(live);
+    return rc;
+}
+
+/* o.name += delta (an int attribute); -1 with an exception. */
+static int
+add_to(PyObject *o, PyObject *name, long long delta)
+{
+    PyObject *value = PyObject_GetAttr(o, name);
+    if (value == NULL)
+        return -1;
+    PyObject *d = PyLong_FromLongLong(delta);
+    PyObject *sum = d ? PyNumber_Add(value, d) : NULL;
+    Py_DECREF(value);
+    Py_XDECREF(d);
+    if (sum == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(o, name, sum);
+    Py_DECREF(sum);
+    return rc;
+}
+
+/* counts[key] = counts.get(key, 0) + delta; -1 with an exception. */
+static int
+add_item(PyObject *counts, PyObject *key, long long delta)
+{
+    PyObject *value = PyDict_GetItemWithError(counts, key); /* borrowed */
+    if (value == NULL && PyErr_Occurred())
+        return -1;
+    PyObject *d = PyLong_FromLongLong(delta);
+    PyObject *sum = d == NULL ? NULL : value == NULL ? Py_NewRef(d) : PyNumber_Add(value, d);
+    Py_XDECREF(d);
+    if (sum == NULL)
+        return -1;
+    int rc = PyDict_SetItem(counts, key, sum);
+    Py_DECREF(sum);
+    return rc;
+}
+
+static int set_new(PyObject *o, PyObject *name, PyObject *value);
+
+/* One event of the run: 1 if it was the clean common case and is applied, 0 if it is not
+ * (nothing changed: it is for ledger.py), -1 with an exception. Clean: an alloc, write
+ * (whole pages), free or one-entry read of the run's node, next in its sequence, of a pool
+ * it reported, its pages valid (and distinct, but a read's), of a request the ledger knows,
+ * in use (not retired) and not ended (a free may come after the end), whose pages need no
+ * judgment (grant_busy, not_owned, read_is_clean); an alloc of a request with no bootstrap
+ * and fewer than grant_runs grants kept on that pool; no sweep due after it. Applied as
+ * ledger.py's handlers apply it, in the same order (the request's `last`, its pages, its
+ * counts), so that a snapshot after either is the same to the byte. */
+static int
+clean_event(Run *c, PyObject *body)
+{
+    Head h;
+    if (!PyBytes_Check(body))
+        return 0;
+    const uint8_t *data = (const uint8_t *)PyBytes_AS_STRING(body);
+    if (parse_head(data, PyBytes_GET_SIZE(body), &h) < 0 || h.node_end - h.node_start != c->name_len ||
+        memcmp(data + h.node_start, c->name, (size_t)c->name_len) != 0 || h.seq == 0 || h.seq <= c->last_seq ||
+        c->applied + 1 == c->next_sweep || h.req_end == h.req_start ||
+        ((h.kind == EV_FREE || h.kind == EV_READ) && c->wire))
+        return 0;
+    int found = pool_at(c, h.pool);
+    if (found <= 0)
+        return found;
+    PoolAt *p = &c->pool;
+    PyObject *array = decode_pages(data + h.start, h.end - h.start, PAGES_FIELD, p->num_pages, p->state,
+                                   h.kind != EV_READ); /* a block table may name a page twice */
+    if (array == NULL) {
+        PyErr_Clear(); /* out of range, listed twice, malformed: ledger.py words the error */
+        return 0;
+    }
+    const npy_intp *pages = PyArray_DATA((PyArrayObject *)array);
+    npy_intp count = PyArray_DIM((PyArrayObject *)array, 0);
+    int rc = 0;
+    PyObject *req = NULL, *r = NULL, *history = NULL, *key = NULL, *grants = NULL;
+    if (h.kind == EV_READ) { /* the pages the context covers (a block table may be longer) */
+        uint64_t need = h.tokens / (uint64_t)p->page_size + (h.tokens % (uint64_t)p->page_size != 0);
+        if (need > (uint64_t)count)
+            goto out;
+        count = (npy_intp)need;
+    }
+    req = PyUnicode_DecodeUTF8((const char *)data + h.req_start, h.req_end - h.req_start, NULL);
+    if (req == NULL) {
+        PyErr_Clear();
+        goto out;
+    }
+    PyObject *idx = PyDict_GetItemWithError(c->req_index, req); /* borrowed; NULL: a new request */
+    if (idx == NULL && !PyErr_Occurred() && h.kind == EV_ALLOC) {
+        /* A request's first event is its first grant: ledger.py makes the request (one place
+         * does), as its alloc handler would at this point, whatever the event turns out to be. */
+        PyObject *made = NULL;
+        if (set_new(c->ledger, s_applied, PyLong_FromLongLong(c->applied)) == 0) /* it reads the count */
+            made = PyObject_CallMethodObjArgs(c->ledger, s_request_fn, req, kind_names[0], NULL);
+        Py_XDECREF(made);
+        idx = made ? PyDict_GetItemWithError(c->req_index, req) : NULL;
+        if (idx == NULL && !PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "apply_clean: Ledger._request made no request");
+    }
+    if (idx == NULL) {
+        rc = PyErr_Occurred() ? -1 : 0;
+        goto out;
+    }
+    Py_ssize_t at = PyLong_AsSsize_t(idx);
+    if (at == -1 && PyErr_Occurred()) {
+        rc = -1;
+        goto out;
+    }
+    if (at <= NOBODY || at >= PyList_GET_SIZE(c->requests) || PyList_GET_ITEM(c->requests, at) == Py_None)
+        goto out;
+    r = Py_NewRef(PyList_GET_ITEM(c->requests, at));
+    PyObject *flag = PyObject_GetAttr(r, s_retired);
+    int retired = flag ? PyObject_IsTrue(flag) : -1;
+    Py_XDECREF(flag);
+    if (retired != 0) {
+        rc = retired < 0 ? -1 : 0;
+        goto out;
+    }
+    if (h.kind != EV_FREE) {
+        PyObject *state = PyObject_GetAttr(r, s_state);
+        int ended = state ? PySequence_Contains(c->ended, state) : -1;
+        Py_XDECREF(state);
+        if (ended != 0) {
+            rc = ended < 0 ? -1 : 0;
+            goto out;
+        }
+    }
+    switch (h.kind) {
+    case EV_ALLOC: {
+        PyObject *bootstrap = PyObject_GetAttr(r, s_bootstrap);
+        if (bootstrap == NULL) {
+            rc = -1;
+            goto out;
+        }
+        int plain = bootstrap == Py_None;
+        Py_DECREF(bootstrap);
+        if (!plain || !(history = PyObject_GetAttr(r, s_history)) || !PyDict_Check(history) ||
+            !(key = PyTuple_Pack(2, c->node_name, p->key))) {
+            rc = PyErr_Occurred() ? -1 : 0;
+            goto out;
+        }
+        grants = PyDict_GetItemWithError(history, key);
+        if (grants == NULL && PyErr_Occurred()) {
+            rc = -1;
+            goto out;
+        }
+        Py_XINCREF(grants);
+        if ((grants != NULL && (!PyList_Check(grants) || PyList_GET_SIZE(grants) >= c->grant_runs)) ||
+            grant_busy(p->state, pages, count))
+            goto out;
+        break;
+    }
+    case EV_WRITE:
+        if (not_owned(p->state, pages, count, (long)at))
+            goto out;
+        break;
+    case EV_FREE:
+        if (not_owned(p->state, pages, count, (long)at))
+            goto out;
+        if (count && PyDict_GetItemWithError(p->live, idx) == NULL) { /* ledger.py's to handle */
+            rc = PyErr_Occurred() ? -1 : 0;
+            goto out;
+        }
+        break;
+    default:
+        if (!read_is_clean(p->state, pages, count, (long)at, (long long)h.tokens, p->page_size))
+            goto out;
+    }
+    /* Clean: applied from here on. */
+    rc = -1;
+    PyObject *applied = PyLong_FromLongLong(c->applied);
+    int set = applied ? PyObject_SetAttr(r, s_last, applied) : -1;
+    Py_XDECREF(applied);
+    if (set < 0)
+        goto out;
+    switch (h.kind) {
+    case EV_ALLOC:
+        grant_pages(p->state, pages, count, (long)at, (int64_t)h.ts, p->timed);
+        if (grants != NULL) {
+            if (PyList_Append(grants, array) < 0)
+                goto out;
+        } else {
+            PyObject *one = PyList_New(1);
+            if (one == NULL)
+                goto out;
+            PyList_SET_ITEM(one, 0, Py_NewRef(array));
+            set = PyDict_SetItem(history, key, one);
+            Py_DECREF(one);
+            if (set < 0)
+                goto out;
+        }
+        if (add_item(p->live, idx, count) < 0 || add_to(r, s_granted_pages, count) < 0)
+            goto out;
+        break;
+    case EV_WRITE:
+        land_pages(p->state, pages, count, (long)at, NULL, (uint32_t)p->page_size);
+        if (add_to(r, s_written_pages, count) < 0)
+            goto out;
+        break;
+    case EV_FREE:
+        end_pages(p->state, pages, count, (long)at, (int64_t)h.ts, p->timed);
+        if ((count && add_item(p->live, idx, -(long long)count) < 0) || add_to(r, s_freed_pages, count) < 0)
+            goto out;
+        break;
+    default:
+        if (add_to(r, s_reads, 1) < 0)
+            goto out;
+    }
+    int k = kind_index(h.kind);
+    if (!c->kinds[k]++)
+        c->order[c->n_kinds++] = k;
+    c->transitions += count;
+    c->last_missing = (long long)(h.seq - c->last_seq - 1);
+    c->missing += c->last_missing;
+    c->last_seq = h.seq;
+    c->last_ts = (int64_t)h.ts;
+    c->applied += 1;
+    rc = 1;
+out:
+    Py_DECREF(array);
+    Py_XDECREF(req);
+    Py_XDECREF(r);
+    Py_XDECREF(history);
+    Py_XDECREF(key);
+    Py_XDECREF(grants);
+    return rc;
+}
+
+/* o.name = value (a new reference, consumed); -1 with an exception. */
+static int
+set_new(PyObject *o, PyObject *name, PyObject *value)
+{
+    if (value == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(o, name, value);
+    Py_DECREF(value);
+    return rc;
+}
+
+/* What the applied events did to the node, the ledger's counts and its stats, as their
+ * _event_begin and _event_end would have left them. */
+static int
+write_back(Run *c)
+{
+    if (c->n_kinds == 0)
+        return 0;
+    PyObject *stats = PyObject_GetAttr(c->ledger, s_stats);
+    PyObject *events = stats ? PyObject_GetAttr(stats, s_events) : NULL;
+    int rc = -1;
+    if (events == NULL || set_new(c->node, s_last_seq, PyLong_FromUnsignedLongLong(c->last_seq)) < 0 ||
+        set_new(c->node, s_last_ts_ns, PyLong_FromLongLong(c->last_ts)) < 0 ||
+        set_new(c->ledger, s_applied, PyLong_FromLongLong(c->applied)) < 0 ||
+        set_new(c->ledger, s_last_missing, PyLong_FromLongLong(c->last_missing)) < 0 ||
+        add_to(stats, s_page_transitions, c->transitions) < 0 || add_to(stats, s_missing, c->missing) < 0 ||
+        PyObject_SetAttr(c->ledger, s_ctx_node, c->node_name) < 0 ||
+        set_new(c->ledger, s_ctx_seq, PyLong_FromUnsignedLongLong(c->last_seq)) < 0 ||
+        set_new(c->ledger, s_ctx_ts, PyLong_FromLongLong(c->last_ts)) < 0)
+        goto out;
+    for (int j = 0; j < c->n_kinds; j++) { /* a Counter: keys in the order the kinds first came */
+        int k = c->order[j];
+        PyObject *now = PyObject_GetItem(events, kind_names[k]);
+        PyObject *d = now ? PyLong_FromSsize_t(c->kinds[k]) : NULL;
+        PyObject *sum = d ? PyNumber_Add(now, d) : NULL;
+        Py_XDECREF(now);
+        Py_XDECREF(d);
+        int set = sum ? PyObject_SetItem(events, kind_names[k], sum) : -1;
+        Py_XDECREF(sum);
+        if (set < 0)
+            goto out;
+    }
+    rc = 0;
+out:
+    Py_XDECREF(stats);
+    Py_XDECREF(events);
+    return rc;
+}
+
+/* apply_clean(ledger, bodies, start, stop, node, ended, grant_runs) -> int
+ * Applies bodies[start:stop] (serialized events of `node`'s stream) to the ledger, in
+ * order, for as long as each is the clean common case (clean_event), exactly as
+ * Ledger.apply_serialized(body, node) would; returns the index of the first it did not
+ * apply (stop when it applied them all), which the caller then gives to apply_serialized
+ * (a finding, an error, a new request, anything less common). `ended`: the request states
+ * that end one (ledger.ENDED); grant_runs: ledger.GRANT_RUNS. Nothing applies while a
+ * probe's posted writes wait for this node's events (their verdict is Python's). */
+static PyObject *
+apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (check_args(nargs, 7, "apply_clean") < 0)
+        return NULL;
+    Run c;
+    memset(&c, 0, sizeof(c));
+    c.ledger = args[0];
+    c.node_name = args[4];
+    c.ended = args[5];
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]), stop = PyLong_AsSsize_t(args[3]);
+    c.grant_runs = PyLong_AsSsize_t(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!PyUnicode_Check(c.node_name))
+        return PyErr_Format(PyExc_TypeError, "apply_clean: node must be str, not %.80s",
+                            Py_TYPE(c.node_name)->tp_name);
+    if (!(c.name = PyUnicode_AsUTF8AndSize(c.node_name, &c.name_len)))
+        return NULL;
+    Py_ssize_t i = start;
+    PyObject *result = NULL, *nodes = NULL, *posted = NULL, *wire = NULL, *value = NULL;
+    if (!(nodes = PyObject_GetAttr(c.ledger, s_nodes)) || !PyDict_Check(nodes))
+        goto done;
+    c.node = PyDict_GetItemWithError(nodes, c.node_name);
+    if (c.node == NULL) { /* its first event: ledger.py makes the node */
+        if (!PyErr_Occurred())
+            result = PyLong_FromSsize_t(start);
+        goto done;
+    }
+    Py_INCREF(c.node);
+    int waiting = (posted = PyObject_GetAttr(c.ledger, s_posted)) ? PySequence_Contains(posted, c.node_name) : -1;
+    if (waiting != 0) {
+        if (waiting > 0)
+            result = PyLong_FromSsize_t(start);
+        goto done;
+    }
+    if (!(wire = PyObject_GetAttr(c.ledger, s_wire_pending)) || (c.wire = PyObject_IsTrue(wire)) < 0 ||
+        !(c.pools = PyObject_GetAttr(c.node, s_pools)) || !(c.req_index = PyObject_GetAttr(c.ledger, s_req_index)) ||
+        !(c.requests = PyObject_GetAttr(c.ledger, s_requests)))
+        goto done;
+    if (!PyDict_Check(c.pools) || !PyDict_Check(c.req_index) || !PyList_Check(c.requests)) {
+        PyErr_SetString(PyExc_TypeError, "apply_clean: not a Ledger");
+        goto done;
+    }
+    if (!(value = PyObject_GetAttr(c.node, s_last_seq)) || ((c.last_seq = PyLong_AsUnsignedLongLong(value)),
+                                                           PyErr_Occurred()))
+        goto done;
+    Py_CLEAR(value);
+    if (!(value = PyObject_GetAttr(c.ledger, s_applied)) || ((c.applied = PyLong_AsLongLong(value)), PyErr_Occurred()))
+        goto done;
+    Py_CLEAR(value);
+    if (!(value = PyObject_GetAttr(c.ledger, s_next_sweep)) ||
+        ((c.next_sweep = PyLong_AsLongLong(value)), PyErr_Occurred()))
+        goto done;
+    Py_CLEAR(value);
+    int failed = 0;
+    for (; i < stop; i++) {
+        PyObject *body = PySequence_GetItem(args[1], i);
+        int applied = body ? clean_event(&c, body) : -1;
+        Py_XDECREF(body);
+        if (applied <= 0) {
+            failed = applied < 0;
+            break;
+        }
+    }
+    /* What was applied is written back even when an event failed (a bug, or out of memory),
+     * so the ledger stays whole; that error is then raised. */
+    PyObject *type, *error, *trace;
+    PyErr_Fetch(&type, &error, &trace);
+    if (write_back(&c) < 0) {
+        Py_XDECREF(type);
+        Py_XDECREF(error);
+        Py_XDECREF(trace);
+        goto done;
+    }
+    PyErr_Restore(type, error, trace);
+    if (!failed)
+        result = PyLong_FromSsize_t(i);
+done:
+    Py_XDECREF(nodes);
+    Py_XDECREF(posted);
+    Py_XDECREF(wire);
+    Py_XDECREF(value);
+    Py_XDECREF(c.node);
+    Py_XDECREF(c.pools);
+    Py_XDECREF(c.req_index);
+    Py_XDECREF(c.requests);
+    pool_release(&c.pool);
+    return result;
 }
 
 static PyMethodDef methods[] = {
@@ -685,6 +1240,7 @@ static PyMethodDef methods[] = {
     {"read_clean", (PyCFunction)(void (*)(void))read_clean, METH_FASTCALL, "The clean read check."},
     {"mark_named", (PyCFunction)(void (*)(void))mark_named, METH_FASTCALL, "Requests the page tags name."},
     {"event_head", (PyCFunction)(void (*)(void))event_head, METH_FASTCALL, "A common event read from its bytes."},
+    {"apply_clean", (PyCFunction)(void (*)(void))apply_clean, METH_FASTCALL, "A run of clean common events applied."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -703,6 +1259,26 @@ PyInit__hot(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    struct {
+        PyObject **name;
+        const char *text;
+    } names[] = {
+        {&s_nodes, "nodes"}, {&s_pools, "pools"}, {&s_last_seq, "last_seq"}, {&s_last_ts_ns, "last_ts_ns"},
+        {&s_req_index, "_req_index"}, {&s_requests, "requests"}, {&s_applied, "_applied"},
+        {&s_next_sweep, "_next_sweep"}, {&s_posted, "_posted"}, {&s_wire_pending, "_wire_pending"},
+        {&s_stats, "stats"}, {&s_events, "events"}, {&s_page_transitions, "page_transitions"},
+        {&s_missing, "missing"}, {&s_last_missing, "last_missing"}, {&s_pages, "pages"}, {&s_state, "state"},
+        {&s_num_pages, "num_pages"}, {&s_page_size, "page_size"}, {&s_regions, "regions"}, {&s_live, "live"},
+        {&s_last, "last"}, {&s_retired, "retired"}, {&s_bootstrap, "bootstrap"}, {&s_history, "history"},
+        {&s_granted_pages, "granted_pages"}, {&s_written_pages, "written_pages"}, {&s_freed_pages, "freed_pages"},
+        {&s_reads, "reads"}, {&s_ctx_node, "_node"}, {&s_ctx_seq, "_seq"}, {&s_ctx_ts, "_ts"}, {&s_request_fn, "_request"},
+        {&kind_names[0], "alloc"}, {&kind_names[1], "write"}, {&kind_names[2], "free"}, {&kind_names[3], "read"},
+    };
+    for (size_t j = 0; j < sizeof(names) / sizeof(names[0]); j++)
+        if (!(*names[j].name = PyUnicode_InternFromString(names[j].text))) {
+            Py_DECREF(m);
+            return NULL;
+        }
     /* PAGE from the struct itself: the Python side can never disagree with the layout. */
 #define OFFSET(field) ((Py_ssize_t)offsetof(Page, field))
     PyObject *spec = Py_BuildValue(

@@ -7,8 +7,10 @@ same for an event as an agent sent it, reading the common ones straight from the
 (_hot.c) into the same handlers. An event's page list is applied as one C loop (the
 updates every request makes) or a few vectorised NumPy operations (pages.py, _hot.c); apply
 returns the findings it caused: findings are always made here, from the state as the event
-found it. Findings carry facts only; the
-ruleset gives them severity and action.
+found it. The daemon applies a batch with `apply_clean` first: the runs of clean common
+events (no finding, no error) entirely in C, stopping before any event that needs more,
+which then comes here. Findings carry facts only; the ruleset gives them severity and
+action.
 
 Invariants kept here:
 - per node, events are applied in sequence order; a repeated sequence number is refused
@@ -423,6 +425,17 @@ class Ledger:
             pages, tokens = self._pages_read(pool, pages, tokens)
             self._apply_read(at, [(self._request(req, "read"), pool, pages, tokens)])
         return self._event_end(at, kind)
+
+    def apply_clean(self, bodies: Sequence[bytes], start: int, stop: int, node: str) -> int:
+        """apply_serialized(body, node) of bodies[start], bodies[start + 1], ... for as long as
+        each is the clean common case (an alloc, write, free or read of `node`, of a request in
+        use, that needs no judgment: no finding, no error, nothing created), all in C
+        (`_hot.apply_clean`, ~1 µs an event against ~5 for the same in Python); returns the
+        index of the first one it did not apply (`stop` when it applied them all), which is
+        apply_serialized's. The ledger ends as applying them one by one leaves it, to the byte
+        (a property test): the C side does what _event_begin, the four handlers' clean path and
+        _event_end do, on the attributes they use."""
+        return _hot.apply_clean(self, bodies, start, stop, node, ENDED, GRANT_RUNS)
 
     def _parse(self, body: bytes) -> pb.Event:
         try:

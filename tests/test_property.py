@@ -1223,16 +1223,36 @@ def outcome(apply: Callable[[], Iterable[Finding]]) -> list[str] | tuple[str, st
         return exc.kind, str(exc)
 
 
+def in_runs(ledger: Ledger, bodies: list[bytes], node: str) -> list[list[str] | tuple[str, str]]:
+    """One batch of a node's stream as the daemon applies it: the clean common events in C
+    (apply_clean), as many as come in a row, the next one through apply_serialized."""
+    outcomes: list[list[str] | tuple[str, str]] = []
+    i = 0
+    while i < len(bodies):
+        clean = ledger.apply_clean(bodies, i, len(bodies), node)
+        outcomes += [[] for _ in range(clean - i)]  # no finding, no error
+        if clean < len(bodies):
+            outcomes.append(outcome(lambda b=bodies[clean]: ledger.apply_serialized(b, node)))
+        i = clean + 1
+    return outcomes
+
+
 @SETTINGS
-@given(spec=lifecycles(), mutation=st.sampled_from(["none", *sorted(MUTATIONS)]), pick=st.integers(0, 2**16))
+@given(
+    spec=lifecycles(),
+    mutation=st.sampled_from(["none", *sorted(MUTATIONS)]),
+    pick=st.integers(0, 2**16),
+    cuts=st.integers(0, 2**16),
+)
 def test_events_applied_from_their_bytes_are_judged_as_parsed_ones(
-    spec: Spec, mutation: str, pick: int
+    spec: Spec, mutation: str, pick: int, cuts: int
 ) -> None:
-    # The daemon applies each event as it arrived (apply_serialized: the common events read
-    # from their bytes in C, the rest parsed); the guard, replay and a rebuild apply parsed
-    # events. Over any lifecycle, correct or with a planted bug (requests retired after 3
-    # events and forgotten after 12): the same findings or errors, event by event, and the
-    # same state, byte for byte.
+    # The daemon applies each event as it arrived: runs of the clean common events in C
+    # (apply_clean), the others from their bytes (apply_serialized: the common events read in
+    # C, the rest parsed); the guard, replay and a rebuild apply parsed events. Over any
+    # lifecycle, correct or with a planted bug (requests retired after 3 events and forgotten
+    # after 12), cut into batches of one node's events at random points: the same findings
+    # or errors, event by event, and the same state, byte for byte.
     life = Lifecycle(Engine(spec).run(), spec.page_size)
     planted = MUTATIONS[mutation](life, pick) if mutation != "none" else None
     log = EventLog()
@@ -1242,6 +1262,25 @@ def test_events_applied_from_their_bytes_are_judged_as_parsed_ones(
         want = outcome(lambda e=e: parsed.apply(e))
         assert outcome(lambda e=e: raw.apply_serialized(e.SerializeToString(), e.node)) == want
     assert snapshot.dump(raw) == snapshot.dump(parsed)
+    # In runs: with requests retired after 3 events a sweep is due after every event, which
+    # apply_clean leaves to Python; after 40 (a sweep every 10) and never, it applies runs.
+    for retire, forget in ((3, 12), (40, 160), (0, 0)):
+        parsed, runs = (
+            Ledger(retire_idle=retire, forget_idle=forget),
+            Ledger(retire_idle=retire, forget_idle=forget),
+        )
+        wanted = [outcome(lambda e=e, p=parsed: p.apply(e)) for e in stream]
+        cut = random.Random(cuts)
+        got: list[list[str] | tuple[str, str]] = []
+        start = 0
+        while start < len(stream):
+            stop = start + 1
+            while stop < len(stream) and stream[stop].node == stream[start].node and cut.random() < 0.9:
+                stop += 1
+            got += in_runs(runs, [e.SerializeToString() for e in stream[start:stop]], stream[start].node)
+            start = stop
+        assert got == wanted
+        assert snapshot.dump(runs) == snapshot.dump(parsed)
 
 
 # ---------------------------------------------------------------------------------------- a gap it found
