@@ -151,6 +151,48 @@ varint(const uint8_t *data, Py_ssize_t end, Py_ssize_t *pos, uint64_t *value)
     return -1;
 }
 
+/* Skips the rest of group `number` (its start read): fields up to its end-group tag, groups
+ * within it too (at most 64 deep); -1 if the bytes end first or another group ends. */
+static int
+skip_group(const uint8_t *data, Py_ssize_t len, Py_ssize_t *pos, uint64_t number, int depth)
+{
+    uint64_t key, value;
+    if (depth >= 64)
+        return -1;
+    while (*pos < len) {
+        if (varint(data, len, pos, &key) < 0)
+            return -1;
+        switch (key & 7) {
+        case 0:
+            if (varint(data, len, pos, &value) < 0)
+                return -1;
+            break;
+        case 1:
+            *pos += 8;
+            break;
+        case 2:
+            if (varint(data, len, pos, &value) < 0 || value > (uint64_t)(len - *pos))
+                return -1;
+            *pos += (Py_ssize_t)value;
+            break;
+        case 3:
+            if (skip_group(data, len, pos, key >> 3, depth + 1) < 0)
+                return -1;
+            break;
+        case 4:
+            return (key >> 3) == number ? 0 : -1;
+        case 5:
+            *pos += 4;
+            break;
+        default:
+            return -1;
+        }
+        if (*pos > len)
+            return -1;
+    }
+    return -1;
+}
+
 /* The values of varint field `field` (packed or not) in a serialized message: counted when
  * out is NULL, else stored in out. -1 with TypeError when the bytes are not a message. */
 static Py_ssize_t
@@ -193,6 +235,10 @@ scan(const uint8_t *data, Py_ssize_t len, uint64_t field, npy_intp *out)
             } else {
                 pos += (Py_ssize_t)size;
             }
+            break;
+        case 3: /* a group: protobuf keeps one it does not know (any field number, ours too) */
+            if (skip_group(data, len, &pos, key >> 3, 0) < 0)
+                goto bad;
             break;
         case 5:
             pos += 4;

@@ -459,3 +459,107 @@ def test_any_bytes_are_judged_as_protobuf_parses_them(event: pb.Event, edits: li
     else:
         assert got == want
     assert snapshot.dump(raw) == snapshot.dump(parsed)
+    # The daemon's way with a node's stream (apply_clean, then apply_serialized where it
+    # stops): as apply_serialized alone.
+    alone, runs = Ledger(), Ledger()
+    for e in START:
+        alone.apply(e)
+        runs.apply(e)
+    want = bad_event_or(lambda: alone.apply_serialized(data, "n0"))
+    if runs.apply_clean([data], 0, 1, "n0") == 0:
+        assert bad_event_or(lambda: runs.apply_serialized(data, "n0")) == want
+    else:
+        assert want == []
+    assert snapshot.dump(runs) == snapshot.dump(alone)
+
+
+def apply_in_runs(ledger: Ledger, events: list[pb.Event], node: str) -> tuple[list[int], list[object]]:
+    """The daemon's way with a batch: apply_clean over the rest, apply_serialized where it
+    stops. Where it stopped, and each event's findings or error."""
+    bodies = [e.SerializeToString() for e in events]
+    stops: list[int] = []
+    outcomes: list[object] = []
+    i = 0
+    while i < len(bodies):
+        clean = ledger.apply_clean(bodies, i, len(bodies), node)
+        outcomes += [[] for _ in range(clean - i)]
+        if clean < len(bodies):
+            stops.append(clean)
+            outcomes.append(bad_event_or(lambda b=bodies[clean]: ledger.apply_serialized(b, node)))
+        i = clean + 1
+    return stops, outcomes
+
+
+def ev(seq: int, kind: str, node: str = "n0", **fields: object) -> pb.Event:
+    if kind == "read":
+        return pb.Event(node=node, seq=seq, read=pb.Read(reads=[pb.ReadEntry(**fields)]))  # type: ignore[arg-type]
+    return pb.Event(node=node, seq=seq, **{kind: getattr(pb, kind.capitalize())(**fields)})  # type: ignore[arg-type]
+
+
+# Each needs judgment or is less common: apply_clean stops there, changing nothing for it.
+NOT_CLEAN = {
+    "early release (one page still granted)": ev(8, "alloc", req="r4", pool=0, pages=[1]),
+    "free of a page not its own": ev(8, "free", req="r3", pool=0, pages=[12]),
+    "write into a page not its own": ev(8, "write", req="r3", pool=0, pages=[10, 12]),
+    "stale read": ev(8, "read", req="r1", pool=0, pages=[1, 10], tokens=20),
+    "read of a page never granted": ev(8, "read", req="r3", pool=0, pages=[10, 12], tokens=20),
+    "read of an unknown request": ev(8, "read", req="r9", pool=0, pages=[10], tokens=5),
+    "write of an unknown request": ev(8, "write", req="r9", pool=0, pages=[20]),
+    "read of more pages than listed": ev(8, "read", req="r3", pool=0, pages=[10], tokens=40),
+    "a page out of range": ev(8, "alloc", req="r5", pool=0, pages=[N]),
+    "a page listed twice": ev(8, "alloc", req="r5", pool=0, pages=[20, 20]),
+    "an unknown pool": ev(8, "alloc", req="r5", pool=3, pages=[20]),
+    "a repeated sequence number": ev(7, "alloc", req="r5", pool=0, pages=[20]),
+    "another node's event": ev(8, "alloc", node="n1", req="r5", pool=0, pages=[20]),
+    "another payload": pb.Event(node="n0", seq=8, abort=pb.Abort(req="r3")),
+}
+# Cases of two: the request has ended (rejected_progress is Python's to report).
+AFTER_ABORT = {
+    f"{kind} after an abort": [pb.Event(node="n0", seq=8, abort=pb.Abort(req="r3")), event]
+    for kind, event in (
+        ("alloc", ev(9, "alloc", req="r3", pool=0, pages=[30])),
+        ("write", ev(9, "write", req="r3", pool=0, pages=[10])),
+        ("read", ev(9, "read", req="r3", pool=0, pages=[10, 11], tokens=20)),
+    )
+}
+
+
+@pytest.mark.parametrize("case", [*NOT_CLEAN, *AFTER_ABORT])
+def test_apply_clean_stops_where_judgment_begins(case: str) -> None:
+    # A batch: a clean run (a new request granted, written and read, all in C), the event of
+    # the case, then clean events again (a gap in the sequence numbers too). Applied the
+    # daemon's way it stops at that event only, and ends with the findings, errors and state
+    # of the same events applied one by one (apply_serialized on the node's stream).
+    batch = [
+        ev(5, "alloc", req="r3", pool=0, pages=[10, 11]),
+        ev(6, "write", req="r3", pool=0, pages=[10, 11]),
+        ev(7, "read", req="r3", pool=0, pages=[10, 11], tokens=20),
+        *AFTER_ABORT.get(case, [NOT_CLEAN.get(case)]),
+        ev(10, "free", req="r3", pool=0, pages=[10, 11]),  # a free may follow the end
+        ev(11, "alloc", req="r6", pool=0, pages=[40]),
+    ]
+    runs, parsed = Ledger(), Ledger()
+    for e in START:
+        runs.apply(e)
+        parsed.apply(e)
+    stops, outcomes = apply_in_runs(runs, batch, "n0")
+    assert stops == [3, 4] if case in AFTER_ABORT else [3]
+    assert outcomes == [
+        bad_event_or(lambda e=e: parsed.apply_serialized(e.SerializeToString(), "n0")) for e in batch
+    ]
+    assert snapshot.dump(runs) == snapshot.dump(parsed)
+    assert runs.stats.events == parsed.stats.events and runs.stats.missing == parsed.stats.missing
+
+
+def test_apply_clean_leaves_a_sweep_and_probes_waiting_to_python() -> None:
+    # A sweep due after an event, and a node whose events a probe's posted writes wait for:
+    # apply_clean applies nothing there (their work is the ledger's Python).
+    ledger = Ledger(retire_idle=8)
+    for e in START:
+        ledger.apply(e)
+    bodies = [ev(5 + k, "alloc", req=f"s{k}", pool=0, pages=[20 + k]).SerializeToString() for k in range(4)]
+    due = ledger._next_sweep - ledger._applied  # events until the sweep
+    assert 0 < due <= 2
+    assert ledger.apply_clean(bodies, 0, 4, "n0") == due - 1
+    ledger._posted["n0"] = []
+    assert ledger.apply_clean(bodies, due - 1, 4, "n0") == due - 1
