@@ -372,6 +372,32 @@ def probe(address: str, alerts: Alerts) -> None:
         raise SystemExit("the probe's planted stale_read raised no alert within 30 s")
 
 
+def batch_times(
+    k: int, agents: int, w: Workload, per_agent: float, started: float, deadline: float
+) -> Iterator[tuple[int, float, float]]:
+    """Agent k's batches in turn, until the deadline: each one's index, how long to wait
+    before sending it, and when its latencies count from. Paced (per_agent page transitions
+    per second): when it is due, the agents starting spread over one batch interval, not all
+    at once. Closed loop (per_agent 0): now, i.e. when the last one was acknowledged."""
+    due = started + (k / agents * max(w.transitions) / per_agent if per_agent else 0.0)
+    for i in range(len(w.batches)):
+        now = time.perf_counter()
+        if now >= deadline:
+            return
+        if not per_agent:
+            yield i, 0.0, now
+            continue
+        yield i, max(0.0, due - now), due
+        due += w.transitions[i] / per_agent
+
+
+def check_ack(ack: svc.Ack, sent: int) -> None:
+    """The ack of a batch of `sent` events: every one accepted, or say what was not."""
+    if ack.accepted != sent or ack.rejected or ack.repeats:
+        rejected = [(r.seq, r.reason) for r in ack.rejected][:3]
+        raise RuntimeError(f"{ack.accepted}/{sent} accepted, {ack.repeats} repeats, rejected {rejected}")
+
+
 def drive(
     address: str,
     workloads: list[Workload],
@@ -404,24 +430,16 @@ def drive(
     def in_batches(k: int, w: Workload, stream: AgentStream, deadline: float) -> Sent:
         acks: list[float] = []
         events = transitions = planted = 0
-        # paced agents start spread over one batch interval, not all at once
-        due = started[0] + (k / len(workloads) * max(w.transitions) / per_agent if paced else 0.0)
-        for i, batch in enumerate(w.batches):
-            t0 = time.perf_counter()
-            if t0 >= deadline:
-                break
-            if paced:
-                if due > t0:
-                    time.sleep(due - t0)
-                t0 = due
-                due += w.transitions[i] / per_agent
+        for i, wait, t0 in batch_times(k, len(workloads), w, per_agent, started[0], deadline):
+            if wait:
+                time.sleep(wait)
             req = w.planted.get(i)
             if req is not None:
                 sent_at[req] = t0
             ack = stream.send_serialized(w.bodies[i])
             acks.append(time.perf_counter() - t0)
-            check(ack, len(batch))
-            events += len(batch)
+            check_ack(ack, len(w.batches[i]))
+            events += len(w.batches[i])
             transitions += w.transitions[i]
             planted += req is not None
         return events, transitions, planted, acks
@@ -446,7 +464,7 @@ def drive(
                 if ack is not None:
                     a, b = in_flight.popleft()
                     acks.append(time.perf_counter() - float(due[a]))
-                    check(ack, b - a)
+                    check_ack(ack, b - a)
                     events += b - a
                     transitions += int(moved[a:b].sum())
                 continue
@@ -465,11 +483,6 @@ def drive(
             i = j
         return events, transitions, planted, acks
 
-    def check(ack: svc.Ack, sent: int) -> None:
-        if ack.accepted != sent or ack.rejected or ack.repeats:
-            rejected = [(r.seq, r.reason) for r in ack.rejected][:3]
-            raise RuntimeError(f"{ack.accepted}/{sent} accepted, {ack.repeats} repeats, rejected {rejected}")
-
     def agent(k: int, w: Workload) -> None:
         sent: Sent = (0, 0, 0, [])
         errors: list[str] = []
@@ -482,7 +495,7 @@ def drive(
                     "kvguard-bench",
                     on_command=lambda c: killed_at.setdefault(c.kill.req, time.perf_counter()),
                 )
-                check(stream.send_serialized([w.setup]), 1)  # its engine started: the pool report
+                check_ack(stream.send_serialized([w.setup]), 1)  # its engine started: the pool report
             except Exception as exc:
                 ready.abort()  # the run cannot start: release the others
                 with lock:
@@ -601,30 +614,17 @@ async def _drive_aio(
     def killed(c: svc.Command) -> None:
         killed_at.setdefault(c.kill.req, time.perf_counter())
 
-    def check(ack: svc.Ack, sent: int) -> None:
-        if ack.accepted != sent or ack.rejected or ack.repeats:
-            rejected = [(r.seq, r.reason) for r in ack.rejected][:3]
-            raise RuntimeError(f"{ack.accepted}/{sent} accepted, {ack.repeats} repeats, rejected {rejected}")
-
     async def agent(k: int, w: Workload, stream: AioStream, started: float) -> float:
-        deadline = started + seconds
-        due = started + (k / len(workloads) * max(w.transitions) / per_agent if paced else 0.0)
-        for i, batch in enumerate(w.batches):
-            t0 = time.perf_counter()
-            if t0 >= deadline:
-                break
-            if paced:
-                if due > t0:
-                    await asyncio.sleep(due - t0)
-                t0 = due
-                due += w.transitions[i] / per_agent
+        for i, wait, t0 in batch_times(k, len(workloads), w, per_agent, started, started + seconds):
+            if wait:
+                await asyncio.sleep(wait)
             req = w.planted.get(i)
             if req is not None:
                 sent_at[req] = t0
             ack = await stream.send(w.bodies[i])
             run.acks.append(time.perf_counter() - t0)
-            check(ack, len(batch))
-            run.events += len(batch)
+            check_ack(ack, len(w.batches[i]))
+            run.events += len(w.batches[i])
             run.transitions += w.transitions[i]
             run.planted_sent += req is not None
         return time.perf_counter()
@@ -635,7 +635,7 @@ async def _drive_aio(
         try:
             for channel, w in zip(channels, workloads, strict=True):
                 streams.append(await AioStream.open(channel, w.node, killed))
-                check(await streams[-1].send([w.setup]), 1)  # its engine started: the pool report
+                check_ack(await streams[-1].send([w.setup]), 1)  # its engine started: the pool report
                 run.setup += 1
         except Exception as exc:
             raise SystemExit(f"the agents could not start: {type(exc).__name__}: {exc}") from None
