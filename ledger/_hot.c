@@ -1159,18 +1159,13 @@ write_back(Run *c)
         set_new(c->ledger, s_ctx_seq, PyLong_FromUnsignedLongLong(c->last_seq)) < 0 ||
         set_new(c->ledger, s_ctx_ts, PyLong_FromLongLong(c->last_ts)) < 0)
         goto out;
-    for (int j = 0; j < c->n_kinds; j++) { /* a Counter: keys in the order the kinds first came */
-        int k = c->order[j];
-        PyObject *now = PyObject_GetItem(events, kind_names[k]);
-        PyObject *d = now ? PyLong_FromSsize_t(c->kinds[k]) : NULL;
-        PyObject *sum = d ? PyNumber_Add(now, d) : NULL;
-        Py_XDECREF(now);
-        Py_XDECREF(d);
-        int set = sum ? PyObject_SetItem(events, kind_names[k], sum) : -1;
-        Py_XDECREF(sum);
-        if (set < 0)
-            goto out;
+    if (!PyDict_Check(events)) {
+        PyErr_SetString(PyExc_TypeError, "apply_clean: stats.events is not a Counter");
+        goto out;
     }
+    for (int j = 0; j < c->n_kinds; j++) /* a Counter: keys in the order the kinds first came */
+        if (add_item(events, kind_names[c->order[j]], c->kinds[c->order[j]]) < 0)
+            goto out;
     rc = 0;
 out:
     Py_XDECREF(stats);
