@@ -905,6 +905,17 @@ pool_at(Run *c, uint64_t id)
     return rc;
 }
 
+/* o.name = value (a new reference, consumed); -1 with an exception. */
+static int
+set_new(PyObject *o, PyObject *name, PyObject *value)
+{
+    if (value == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(o, name, value);
+    Py_DECREF(value);
+    return rc;
+}
+
 /* o.name += delta (an int attribute); -1 with an exception. */
 static int
 add_to(PyObject *o, PyObject *name, long long delta)
@@ -916,11 +927,7 @@ add_to(PyObject *o, PyObject *name, long long delta)
     PyObject *sum = d ? PyNumber_Add(value, d) : NULL;
     Py_DECREF(value);
     Py_XDECREF(d);
-    if (sum == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(o, name, sum);
-    Py_DECREF(sum);
-    return rc;
+    return set_new(o, name, sum);
 }
 
 /* counts[key] = counts.get(key, 0) + delta; -1 with an exception. */
@@ -939,8 +946,6 @@ add_item(PyObject *counts, PyObject *key, long long delta)
     Py_DECREF(sum);
     return rc;
 }
-
-static int set_new(PyObject *o, PyObject *name, PyObject *value);
 
 /* One event of the run: 1 if it was the clean common case and is applied, 0 if it is not
  * (nothing changed: it is for ledger.py), -1 with an exception. Clean: an alloc, write
@@ -1071,10 +1076,7 @@ clean_event(Run *c, PyObject *body)
     }
     /* Clean: applied from here on. */
     rc = -1;
-    PyObject *applied = PyLong_FromLongLong(c->applied);
-    int set = applied ? PyObject_SetAttr(r, s_last, applied) : -1;
-    Py_XDECREF(applied);
-    if (set < 0)
+    if (set_new(r, s_last, PyLong_FromLongLong(c->applied)) < 0)
         goto out;
     switch (h.kind) {
     case EV_ALLOC:
@@ -1087,7 +1089,7 @@ clean_event(Run *c, PyObject *body)
             if (one == NULL)
                 goto out;
             PyList_SET_ITEM(one, 0, Py_NewRef(array));
-            set = PyDict_SetItem(history, key, one);
+            int set = PyDict_SetItem(history, key, one);
             Py_DECREF(one);
             if (set < 0)
                 goto out;
@@ -1126,17 +1128,6 @@ out:
     Py_XDECREF(history);
     Py_XDECREF(key);
     Py_XDECREF(grants);
-    return rc;
-}
-
-/* o.name = value (a new reference, consumed); -1 with an exception. */
-static int
-set_new(PyObject *o, PyObject *name, PyObject *value)
-{
-    if (value == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(o, name, value);
-    Py_DECREF(value);
     return rc;
 }
 
