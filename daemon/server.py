@@ -119,7 +119,7 @@ class Batch:
     reply: Reply  # where its ack goes (the stream's outbox)
     # How far it is applied, when that takes more than one step of the loop:
     ack: svc.Ack | None = None  # set at its first event
-    index: int = 0  # its place in its group
+    index: int = -1  # its message's place in the group being filled (-1: not in it yet)
     done: int = 0  # events applied
     run: int = -1  # start of the run of accepted events still open
     received: float = field(default_factory=time.perf_counter)  # for the daemon's own latencies
@@ -127,15 +127,16 @@ class Batch:
 
 @dataclass(slots=True)
 class Group:
-    """Batches applied to the ledger and committed together: what they produced, to commit
-    and then release."""
+    """Events applied to the ledger and committed together: what they produced, to commit
+    and then release. A group may end in the middle of a batch (an alert's group goes to the
+    writer at once); the batch's ack goes with the group that holds its last event."""
 
-    batches: list[Batch] = field(default_factory=list)
-    parts: list[Record | EventRun] = field(default_factory=list)  # EventRun.message: index in batches
+    messages: list[bytes] = field(default_factory=list)  # of the batches with events in it
+    parts: list[Record | EventRun] = field(default_factory=list)  # EventRun.message: index in messages
     rows: int = 0  # the ids its parts take (a run of events one per event)
     # (its id less the group's first, the finding, when its batch was received)
     findings: list[tuple[int, Finding, float]] = field(default_factory=list)
-    acks: list[svc.Ack] = field(default_factory=list)  # one per batch
+    ended: list[Batch] = field(default_factory=list)  # batches whose last event it holds: their acks
     committed: Future[int] = field(default_factory=Future)  # its first record id, once durable
 
     def add(self, part: Record | EventRun) -> None:
@@ -206,7 +207,7 @@ class Daemon:
         self._inbox: deque[Batch] = deque()  # received, not yet applied (the head is next)
         self._apply_due = False  # _apply_next is scheduled
         self._delivering = 0  # subscriber streams with live alerts to write (Subscriber.delivering)
-        self._next = Group()  # batches applied since the last submit
+        self._next = Group()  # events applied since the last submit
         self._committing: deque[Group] = deque()  # submitted, not yet reported durable, in order
         self._drained: asyncio.Event | None = None  # close(): set once nothing is left to commit
         self._frozen = time.monotonic()
@@ -304,15 +305,18 @@ class Daemon:
             self._delivering -= 1
 
     def _submit(self) -> None:
-        """The batches applied so far go to the writer as one group (once the one being
-        applied is whole: its rows so far are in it)."""
-        if self._inbox and self._inbox[0].ack is not None:
-            return
+        """Everything applied so far goes to the writer as one group: a batch applied in part
+        has its events so far in it, and the rest in a later one."""
         group, self._next = self._next, Group()
-        if not group.batches:
+        if not group.messages:
             return
+        if self._inbox and self._inbox[0].index >= 0:  # applied in part: close its run here
+            batch = self._inbox[0]
+            if batch.run >= 0:
+                group.add(EventRun(batch.index, batch.run, batch.done))
+            batch.index = batch.run = -1
         self._committing.append(group)
-        self.writer.submit([b.message for b in group.batches], group.parts)
+        self.writer.submit(group.messages, group.parts)
         if (
             self.snapshot_every
             and group.rows
@@ -331,7 +335,9 @@ class Daemon:
         for row_index, finding, received in group.findings:
             self._publish(first_id + row_index, finding, received)
             self.latencies.record("alert", now - received)
-        for batch, ack in zip(group.batches, group.acks, strict=True):
+        for batch in group.ended:
+            ack = batch.ack
+            assert ack is not None
             self._durable[ack.node] = ack.durable_seq
             batch.reply(svc.DaemonMessage(ack=ack))
             self.latencies.record("ack", now - batch.received)
@@ -404,12 +410,15 @@ class Daemon:
         return self._durable.get(node, 0)
 
     def _apply(self, batch: Batch, group: Group, limit: int) -> bool:
-        """Apply up to `limit` more events of a batch to the ledger, into `group`; True once the
-        batch is whole. Its accepted events become runs of rows, each finding (and the kill
-        it orders) a row right after the event that raised it."""
+        """Apply up to `limit` more events of a batch to the ledger, into `group`, stopping
+        after an event that raised an alert (its group goes to the writer now, not after the
+        rest of the batch); True once the batch is whole. Its accepted events become runs of
+        rows, each finding (and the kill it orders) a row right after the event that raised it."""
         if batch.ack is None:
-            batch.ack, batch.index = svc.Ack(node=batch.node), len(group.batches)
-            group.batches.append(batch)
+            batch.ack = svc.Ack(node=batch.node)
+        if batch.index < 0:  # its first events in this group
+            batch.index = len(group.messages)
+            group.messages.append(batch.message)
         node, ack, m, run, events = batch.node, batch.ack, batch.index, batch.run, batch.events
         end = min(len(events), batch.done + limit)
         i, accepted = batch.done, 0
@@ -439,6 +448,8 @@ class Daemon:
                     group.add(EventRun(m, run, i + 1))
                     run = -1
                     self._judge(found, group, batch.received)
+                    if group.findings:
+                        end = i + 1
                 i += 1
             ack.accepted += accepted
             batch.done, batch.run = end, run
@@ -448,7 +459,7 @@ class Daemon:
                 group.add(EventRun(m, run, len(events)))
             known = self.ledger.nodes.get(node)
             ack.durable_seq = known.last_seq if known else 0
-            group.acks.append(ack)
+            group.ended.append(batch)
             self.counters["events"] += ack.accepted
         return True
 

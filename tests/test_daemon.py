@@ -709,9 +709,10 @@ def test_a_group_holding_an_alert_goes_to_the_writer_without_waiting_for_the_com
     held: Held,
 ) -> None:
     # An alert waits for its group's commit: that group is handed to the writer as soon as
-    # its batch is applied, queued behind the commit in flight (with the batches applied
-    # before it), not when that commit is reported. Commits, acks and alert cursors keep
-    # their order.
+    # the event that raised it is judged, queued behind the commit in flight (with what was
+    # applied before it), not when that commit is reported nor once the rest of its batch is
+    # applied. A batch cut so goes on in the next group and is acknowledged once, after its
+    # last event is durable. Commits, acks and alert cursors keep their order.
     store, writer, daemon = held.store, held.writer, held.daemon
     sent: dict[str, list[svc.DaemonMessage]] = {n: [] for n in ("a1", "a2", "a3")}
     alerts: list[tuple[int, server.Finding]] = []
@@ -722,13 +723,19 @@ def test_a_group_holding_an_alert_goes_to_the_writer_without_waiting_for_the_com
     ingest(daemon, "a1", clean_requests("a1", 1), sent["a1"].append)
     ingest(daemon, "a2", clean_requests("a2", 2), sent["a2"].append)
     ingest(daemon, "a3", stale_reads("a3", 2), sent["a3"].append)
-    wait_for(lambda: writer.held is not None and len(writer.held) == 2)
-    assert [len(messages) for messages, _ in writer.held] == [1, 2]  # a1; a2 + a3, not waiting for a1's
+    wait_for(lambda: writer.held is not None and len(writer.held) == 3)
+    # a1; a2 + a3 through its first alert, not waiting for a1's commit; a3 through its second
+    assert [len(messages) for messages, _ in writer.held] == [1, 2, 1]
+    assert [[(p.start, p.stop) for p in parts if isinstance(p, EventRun)] for _, parts in writer.held] == [
+        [(0, 5)],
+        [(0, 9), (0, 3)],
+        [(3, 6)],
+    ]
     assert [m.WhichOneof("body") for m in sent["a3"]] == ["command"] * 2  # judged, not yet durable
     assert not sent["a1"] and not sent["a2"] and sub.live.empty()
     writer.release()
     wait_for(lambda: all(box and box[-1].WhichOneof("body") == "ack" for box in sent.values()))
-    assert [len(messages) for messages in writer.committed] == [1, 2]
+    assert [len(messages) for messages in writer.committed] == [1, 2, 1, 1]  # + the rest of a3
     assert [[m.ack.accepted for m in box if m.ack.accepted] for box in sent.values()] == [[5], [9], [7]]
     while not sub.live.empty():
         record_id, finding, _ = sub.live.get_nowait()
@@ -737,6 +744,29 @@ def test_a_group_holding_an_alert_goes_to_the_writer_without_waiting_for_the_com
     assert [f.req for _, f in alerts] == ["a3-r0", "a3-r1"]
     assert [stored[record_id].req for record_id, _ in alerts] == ["a3-r0", "a3-r1"]  # cursors name them
     assert store.count("event") == 21 and store.verify()[0]
+
+
+def test_a_batch_applied_in_steps_is_committed_in_pieces_and_acknowledged_once(held: Held) -> None:
+    # A batch larger than a step is applied over several; a group that goes to the writer
+    # meanwhile takes the events applied so far, and the rest follow in the next. The ack
+    # waits for the last piece, and says the whole batch.
+    store, writer, daemon = held.store, held.writer, held.daemon
+    sent: list[svc.DaemonMessage] = []
+    assert daemon.connect("big", sent.append)
+    events = clean_requests("big", 150)
+    assert len(events) > 2 * server.APPLY_SLICE
+    ingest(daemon, "big", events, sent.append)
+    wait_for(lambda: "big" in daemon.ledger.nodes and daemon.ledger.nodes["big"].last_seq == events[-1].seq)
+    assert writer.held is not None
+    assert [[(p.start, p.stop) for p in parts] for _, parts in writer.held] == [[(0, server.APPLY_SLICE)]]
+    assert not sent  # nothing durable yet; and the batch is not whole in what is submitted
+    writer.release()
+    wait_for(lambda: bool(sent))
+    assert [len(messages) for messages in writer.committed] == [1, 1]  # the first step, then the rest
+    assert [m.WhichOneof("body") for m in sent] == ["ack"]
+    assert sent[0].ack.accepted == len(events) and sent[0].ack.durable_seq == events[-1].seq
+    assert store.count("event") == len(events) and store.verify()[0]
+    assert [e.seq for e in store.events()] == [e.seq for e in events]
 
 
 def test_batches_are_applied_in_small_steps_while_alerts_are_being_written(tmp_path: Path) -> None:
