@@ -70,7 +70,8 @@ def main() -> None:
                 stages = ", ".join(f"{s} {a:.2f}/{b:.2f}" for s, (a, b, _) in run.stages.items())
                 print(
                     f"{i} {side:5} {run.rate / 1e6:.3f} M/s kept up, alert p50 {p50:6.2f} p99 {p99:7.2f} ms; "
-                    f"daemon p50/p99 ms: {stages}; CPU: {ingest.cpu_use(run)}",
+                    f"daemon p50/p99 ms: {stages}; CPU: {ingest.cpu_use(run)}; "
+                    f"machine: {ingest.machine_use(run)}",
                     flush=True,
                 )
     for side, values in p99s.items():

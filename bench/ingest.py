@@ -57,7 +57,9 @@ the daemon's own share, from its FleetState: receipt of a batch to each finding'
 (commands sent), alert (durable, handed to the subscribers) and sent (written to the
 subscriber's stream), and to each batch's ack; the rest of event-to-alert is the client, the
 wire and the subscriber; and the CPU the daemon and its store writer used while the agents
-sent (share of a core, µs an event: much steadier than a tail latency on a shared machine).
+sent (share of a core, µs an event: much steadier than a tail latency on a shared machine),
+and the machine's CPU time stolen by the hypervisor and idle meanwhile (with other guests busy
+on these cores a tail latency measures them: one tree's p99 ranged 12-390 ms within an hour).
 --py-spy DIR records the daemon with `py-spy record --gil` (samples of the thread holding the
 GIL: where its Python time goes). bench/ab_ingest.py runs the paced goal run against this
 tree's daemon and another checkout's in turn.
@@ -300,6 +302,9 @@ class Run:
     stages: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     # CPU seconds (user + system) while the agents sent: the daemon's process, its store writer
     cpu: dict[str, float] = field(default_factory=dict)
+    # The machine meanwhile, share of all its CPU time: stolen by the hypervisor (other guests
+    # running on these cores), idle. A tail latency means little without them on a shared host.
+    machine: dict[str, float] = field(default_factory=dict)
 
     @property
     def event_rate(self) -> float:
@@ -704,6 +709,20 @@ def cpu_seconds(pid: int) -> dict[str, float]:
     return {"daemon": of(pid), "writer": sum(of(c) for c in children)}
 
 
+def machine_ticks() -> dict[str, int]:
+    """The machine's CPU time so far by kind (/proc/stat, clock ticks, all CPUs)."""
+    kinds = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    return dict(zip(kinds, map(int, fields), strict=False))
+
+
+def machine_share(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """Stolen and idle shares of the machine's CPU time between two machine_ticks()."""
+    spent = {k: after[k] - before[k] for k in before}
+    total = sum(spent.values())
+    return {k: spent[k] / total for k in ("steal", "idle")} if total else {}
+
+
 def daemon_run(
     workloads: list[Workload],
     seconds: float,
@@ -727,13 +746,14 @@ def daemon_run(
         alerts = Alerts(address)
         try:
             probe(address, alerts)
-            before = cpu_seconds(daemon.target)
+            before, ticks = cpu_seconds(daemon.target), machine_ticks()
             if as_agent or client == "threads":
                 run = drive(address, workloads, seconds, alerts, paced, as_agent)
             else:
                 run = drive_aio(address, workloads, seconds, alerts, paced)
             used = {k: v - before[k] for k, v in cpu_seconds(daemon.target).items()}
             run.cpu = used | run.cpu
+            run.machine = machine_share(ticks, machine_ticks())
         finally:
             alerts.close()
         fleet_check(address, run)
@@ -765,6 +785,11 @@ def cpu_use(run: Run) -> str:
         for name, seconds in run.cpu.items()
         if run.elapsed and run.events
     )
+
+
+def machine_use(run: Run) -> str:
+    """The machine's stolen and idle CPU time while the agents sent."""
+    return ", ".join(f"{share:.1%} {kind}" for kind, share in run.machine.items())
 
 
 def ms(values: list[float], q: float) -> str:
@@ -949,7 +974,7 @@ def main() -> None:
         print(
             f"the daemon's own time at {offered / 1e6:g} M/s ({size}-page events, {batching}), receipt "
             f"of a batch to each step, p50/p99 ms: {said} (its whole run, the probe and pool reports too); "
-            f"its CPU: {cpu_use(run)}"
+            f"its CPU: {cpu_use(run)}; the machine's CPU time meanwhile: {machine_use(run)}"
         )
     runs = [r for _, _, d, f in results for r in (d, f)] + [r for *_, r in paced]
     if any(r.errors for r in runs):

@@ -209,6 +209,7 @@ class Daemon:
         self._delivering = 0  # subscriber streams with live alerts to write (Subscriber.delivering)
         self._next = Group()  # events applied since the last submit
         self._committing: deque[Group] = deque()  # submitted, not yet reported durable, in order
+        self._alerting = 0  # groups in _committing that hold an alert
         self._drained: asyncio.Event | None = None  # close(): set once nothing is left to commit
         self._frozen = time.monotonic()
         gc.freeze()
@@ -305,17 +306,20 @@ class Daemon:
             self._delivering -= 1
 
     def _submit(self) -> None:
-        """Everything applied so far goes to the writer as one group: a batch applied in part
-        has its events so far in it, and the rest in a later one."""
-        group, self._next = self._next, Group()
-        if not group.messages:
+        """Everything applied so far goes to the writer as one group. A batch applied in part
+        goes with its events so far only for an alert's sake (the rest in a later group): its
+        ack waits for its last event anyway, and each piece sends the writer its whole message."""
+        group = self._next
+        partial = self._inbox[0] if self._inbox and self._inbox[0].index >= 0 else None
+        if not group.messages or (partial is not None and not group.findings):
             return
-        if self._inbox and self._inbox[0].index >= 0:  # applied in part: close its run here
-            batch = self._inbox[0]
-            if batch.run >= 0:
-                group.add(EventRun(batch.index, batch.run, batch.done))
-            batch.index = batch.run = -1
+        self._next = Group()
+        if partial is not None:  # its run so far ends here
+            if partial.run >= 0:
+                group.add(EventRun(partial.index, partial.run, partial.done))
+            partial.index = partial.run = -1
         self._committing.append(group)
+        self._alerting += bool(group.findings)
         self.writer.submit(group.messages, group.parts)
         if (
             self.snapshot_every
@@ -331,6 +335,7 @@ class Daemon:
         agent before the ack of the batch that caused them); then the next group is submitted."""
         group = self._committing.popleft()
         group.committed.set_result(first_id)
+        self._alerting -= bool(group.findings)
         now = time.perf_counter()  # the group's alerts and acks all go out in this step
         for row_index, finding, received in group.findings:
             self._publish(first_id + row_index, finding, received)
@@ -410,10 +415,12 @@ class Daemon:
         return self._durable.get(node, 0)
 
     def _apply(self, batch: Batch, group: Group, limit: int) -> bool:
-        """Apply up to `limit` more events of a batch to the ledger, into `group`, stopping
-        after an event that raised an alert (its group goes to the writer now, not after the
-        rest of the batch); True once the batch is whole. Its accepted events become runs of
-        rows, each finding (and the kill it orders) a row right after the event that raised it."""
+        """Apply up to `limit` more events of a batch to the ledger, into `group`; True once the
+        batch is whole. Its accepted events become runs of rows, each finding (and the kill it
+        orders) a row right after the event that raised it. The step ends after an event that
+        raised an alert, so that its group goes to the writer now, not after the rest of the
+        batch; unless an alert's group is committing already: then the step goes on (a storm
+        of findings in a large batch would otherwise send the writer that batch per finding)."""
         if batch.ack is None:
             batch.ack = svc.Ack(node=batch.node)
         if batch.index < 0:  # its first events in this group
@@ -448,7 +455,7 @@ class Daemon:
                     group.add(EventRun(m, run, i + 1))
                     run = -1
                     self._judge(found, group, batch.received)
-                    if group.findings:
+                    if group.findings and not self._alerting:
                         end = i + 1
                 i += 1
             ack.accepted += accepted

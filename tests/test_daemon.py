@@ -724,18 +724,19 @@ def test_a_group_holding_an_alert_goes_to_the_writer_without_waiting_for_the_com
     ingest(daemon, "a2", clean_requests("a2", 2), sent["a2"].append)
     ingest(daemon, "a3", stale_reads("a3", 2), sent["a3"].append)
     wait_for(lambda: writer.held is not None and len(writer.held) == 3)
-    # a1; a2 + a3 through its first alert, not waiting for a1's commit; a3 through its second
+    # a1; a2 + a3 through its first alert, not waiting for a1's commit; then the rest of a3
+    # (its second alert does not end the step: the first one's group is committing)
     assert [len(messages) for messages, _ in writer.held] == [1, 2, 1]
     assert [[(p.start, p.stop) for p in parts if isinstance(p, EventRun)] for _, parts in writer.held] == [
         [(0, 5)],
         [(0, 9), (0, 3)],
-        [(3, 6)],
+        [(3, 6), (6, 7)],
     ]
     assert [m.WhichOneof("body") for m in sent["a3"]] == ["command"] * 2  # judged, not yet durable
     assert not sent["a1"] and not sent["a2"] and sub.live.empty()
     writer.release()
     wait_for(lambda: all(box and box[-1].WhichOneof("body") == "ack" for box in sent.values()))
-    assert [len(messages) for messages in writer.committed] == [1, 2, 1, 1]  # + the rest of a3
+    assert [len(messages) for messages in writer.committed] == [1, 2, 1]
     assert [[m.ack.accepted for m in box if m.ack.accepted] for box in sent.values()] == [[5], [9], [7]]
     while not sub.live.empty():
         record_id, finding, _ = sub.live.get_nowait()
@@ -746,26 +747,39 @@ def test_a_group_holding_an_alert_goes_to_the_writer_without_waiting_for_the_com
     assert store.count("event") == 21 and store.verify()[0]
 
 
-def test_a_batch_applied_in_steps_is_committed_in_pieces_and_acknowledged_once(held: Held) -> None:
-    # A batch larger than a step is applied over several; a group that goes to the writer
-    # meanwhile takes the events applied so far, and the rest follow in the next. The ack
-    # waits for the last piece, and says the whole batch.
+def test_an_alert_late_in_a_large_batch_is_committed_before_the_rest_of_it(held: Held) -> None:
+    # A batch larger than a step is applied over several, and its group waits for the last
+    # (its ack does) unless an alert is raised in it: then the events applied so far go to
+    # the writer at once, and the rest follow in the next group. One ack says the whole batch.
     store, writer, daemon = held.store, held.writer, held.daemon
     sent: list[svc.DaemonMessage] = []
     assert daemon.connect("big", sent.append)
-    events = clean_requests("big", 150)
-    assert len(events) > 2 * server.APPLY_SLICE
+    log = EventLog()
+    log.add("big", "pool", pool=0, role="colocated", page_size=16, num_pages=64)
+    for i in range(160):  # clean requests, and half way (after a step) one that reads a stale page
+        req, page = f"big-r{i}", [i % 64]
+        log.add("big", "alloc", req=req, pool=0, pages=page)
+        if i != 80:
+            log.add("big", "write", req=req, pool=0, pages=page)
+        else:
+            alert_at = len(log.lines)
+        log.add("big", "read", reads=[{"req": req, "pool": 0, "pages": page, "tokens": 16}])
+        log.add("big", "free", req=req, pool=0, pages=page)
+    events = log.lines
+    assert server.APPLY_SLICE < alert_at < len(events) - server.APPLY_SLICE
     ingest(daemon, "big", events, sent.append)
     wait_for(lambda: "big" in daemon.ledger.nodes and daemon.ledger.nodes["big"].last_seq == events[-1].seq)
     assert writer.held is not None
-    assert [[(p.start, p.stop) for p in parts] for _, parts in writer.held] == [[(0, server.APPLY_SLICE)]]
-    assert not sent  # nothing durable yet; and the batch is not whole in what is submitted
+    assert [[(p.start, p.stop) for p in parts if isinstance(p, EventRun)] for _, parts in writer.held] == [
+        [(0, alert_at + 1)]
+    ]
+    assert [m.WhichOneof("body") for m in sent] == ["command"]  # the kill; no ack: nothing is durable
     writer.release()
-    wait_for(lambda: bool(sent))
-    assert [len(messages) for messages in writer.committed] == [1, 1]  # the first step, then the rest
-    assert [m.WhichOneof("body") for m in sent] == ["ack"]
-    assert sent[0].ack.accepted == len(events) and sent[0].ack.durable_seq == events[-1].seq
-    assert store.count("event") == len(events) and store.verify()[0]
+    wait_for(lambda: bool(sent) and sent[-1].WhichOneof("body") == "ack")
+    assert [len(messages) for messages in writer.committed] == [1, 1]  # through the alert, then the rest
+    assert [m.WhichOneof("body") for m in sent] == ["command", "ack"]
+    assert sent[1].ack.accepted == len(events) and sent[1].ack.durable_seq == events[-1].seq
+    assert store.count("event") == len(events) and store.count("finding") == 1 and store.verify()[0]
     assert [e.seq for e in store.events()] == [e.seq for e in events]
 
 
@@ -1113,7 +1127,9 @@ def test_a_large_batch_is_applied_in_slices_and_acks_go_out_between_them(held: H
     # A batch larger than APPLY_SLICE is applied a slice per step of the loop: an ack that
     # became due meanwhile goes out between two slices, not after the whole batch. The large
     # batch's runs continue across slices: it is stored, judged and acknowledged as if it had
-    # been applied at once, and its group waits for its last slice.
+    # been applied at once. Its slices that raised alerts go to the writer as they are applied
+    # (no step ends at an alert here: one is always committing); the clean rest waits for its
+    # last slice.
     store, writer, daemon = held.store, held.writer, held.daemon
     small: list[svc.DaemonMessage] = []
     big: list[svc.DaemonMessage] = []
@@ -1155,7 +1171,8 @@ def test_a_large_batch_is_applied_in_slices_and_acks_go_out_between_them(held: H
     assert [m.command.kill.req for m in big if m.WhichOneof("body") == "command"] == [
         f"b1-r{i}" for i in range(120)
     ]
-    assert [len(messages) for messages in writer.committed] == [1, 1]  # s1, then b1 whole
+    # s1 through its alert; the rest of s1 and b1's first slice; its second (alerts); the rest
+    assert [len(messages) for messages in writer.committed] == [1, 2, 1, 1]
     stored = [e for e in store.events() if e.node == "b1"]
     assert stored == events
     assert store.count("finding") == 121 and store.verify()[0]
