@@ -20,7 +20,8 @@ between, so deliveries never wait behind a queue of batches; each command goes o
 as it is ordered; the batch's rows join the next group; a store-writer process commits the
 groups in order (on another core) while the batches that arrive meanwhile make up the next
 (group commit: a group goes to the writer when the one before it is reported durable, or at
-once if it holds an alert); the loop reads each commit's report and sends its alerts and acks.
+once if it holds an alert, even in the middle of a batch: the step ends at the alert's event);
+the loop reads each commit's report and sends its alerts and acks.
 
 Invariants: an acknowledged event is durable, and an alert's cursor names a durable record;
 (node, seq) is applied and stored at most once; a store failure after the ledger moved on
