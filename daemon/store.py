@@ -615,6 +615,25 @@ class Store:
                     if record_id + i > after:
                         yield pb.Event.FromString(data)
 
+    def event_bodies(self, after: int = 0) -> Iterator[tuple[str, Sequence[bytes]]]:
+        """The stored events after id `after`, in the order they were applied, as their bytes:
+        (node, its events) per record, a run's together (to rebuild the ledger from bytes, as
+        the daemon applies them; events() parses each)."""
+        c = records.c
+        with self.engine.connect() as conn:
+            result = conn.execution_options(stream_results=True, yield_per=2000).execute(
+                select(c.id, c.kind, c.node, c.body)
+                .where(c.kind.in_(("event", "events")) & (c.id >= _holding(conn, after + 1)))
+                .order_by(c.id)
+            )
+            for record_id, kind, node, body in result:
+                if kind == "event":
+                    if record_id > after:
+                        yield node, (body,)
+                    continue
+                bodies = _run_events(body)
+                yield node, bodies[max(0, after + 1 - record_id) :]
+
     def rows(
         self,
         *,

@@ -438,6 +438,18 @@ class Ledger:
         use, in the same order."""
         return _hot.apply_clean(self, bodies, start, stop, node, ENDED, GRANT_RUNS)
 
+    def replay(self, bodies: Sequence[bytes], node: str) -> None:
+        """Apply events of `node` that were accepted before, in order (the store's, when the
+        daemon restarts): as the daemon applied them, the clean runs in C and the rest one at a
+        time. Their findings were stored when they were first made; none is returned. A
+        BadEvent here means the store does not hold what was applied."""
+        at, stop = 0, len(bodies)
+        while at < stop:
+            at = self.apply_clean(bodies, at, stop, node)
+            if at < stop:
+                self.apply_serialized(bodies[at], node)
+                at += 1
+
     def _parse(self, body: bytes) -> pb.Event:
         try:
             return pb.Event.FromString(body)

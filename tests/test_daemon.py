@@ -30,6 +30,7 @@ from kvguard.daemon.process import Service, start_daemon
 from kvguard.daemon.store import MIGRATIONS, EventRun, Record, Store, StoreError
 from kvguard.daemon.store import store_url as url_of
 from kvguard.daemon.writer import InlineWriter, StoreWriter
+from kvguard.ledger import snapshot
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
@@ -1089,6 +1090,33 @@ def test_a_restart_loads_the_snapshot_and_replays_only_what_came_after(
         said = second.stop()
     assert ("replaying the whole store" in said) == (snapshot_is != "sound")
     assert facts(stored_findings(store_url)) == facts(local_findings())
+
+
+def test_a_restarted_daemon_rebuilds_the_ledger_it_had_to_the_byte(tmp_path: Path) -> None:
+    # The rebuild applies the stored events' bytes as the daemon applied them when they came
+    # (clean runs in C, the rest one at a time, here runs cut at findings): the same state.
+    store = Store(str(tmp_path / "audit.db"))
+    daemon = server.Daemon(store, snapshot_every=0)
+    batches = [
+        ("c1", clean_requests("c1", 40)),
+        ("s1", stale_reads("s1", 5)),
+        ("c2", clean_requests("c2", 3)),
+    ]
+    try:
+        for node, events in batches:
+            ingest(daemon, node, events, lambda msg: None)
+        wait_for(lambda: daemon.counters["events"] == sum(len(e) for _, e in batches))
+        daemon.close()
+        before = snapshot.dump(daemon.ledger)
+        assert daemon.counters["findings"] == 5
+        again = server.Daemon(store, snapshot_every=0)
+        try:
+            assert again.counters["rebuilt_events"] == sum(len(e) for _, e in batches)
+            assert snapshot.dump(again.ledger) == before
+        finally:
+            again.close()
+    finally:
+        store.close()
 
 
 def test_a_crash_replays_only_what_came_after_the_last_periodic_snapshot(store_url: str) -> None:

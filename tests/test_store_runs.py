@@ -112,6 +112,10 @@ def test_runs_read_back_exactly_as_one_record_an_event(store_url: str, tmp_path:
             assert runs.count(kind) == plain.count(kind)
         for after in (0, 1, 5, total // 3, total - 1, total):
             assert list(runs.events(after)) == list(plain.events(after))
+            expected = [(e.node, e) for e in plain.events(after)]
+            for store in (runs, plain):  # the bytes the daemon rebuilds from, each event's node with it
+                found = store.event_bodies(after)
+                assert [(node, pb.Event.FromString(b)) for node, run in found for b in run] == expected
         rng = random.Random(3)
         times = sorted(e.ts_ns for e in plain.events())
         for _ in range(300):
