@@ -272,20 +272,43 @@ def rows_of(messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> li
         found = parsed.get(part.message)
         if found is None:
             found = parsed[part.message] = svc.RawAgentMessage.FromString(messages[part.message]).batch.events
-        bodies = found[part.start : part.stop]
-        heads = [_head(body) for body in bodies]
-        start, stop_at = 0, len(heads)
-        while start < stop_at:
-            t0 = heads[start].ts_ns
-            stop = start + 1
-            last = min(stop_at, start + RUN_MAX)
-            while stop < last and t0 <= heads[stop].ts_ns <= t0 + RUN_SPAN_NS:
-                stop += 1
-            if stop - start == 1:
-                rows.append(Record.of_head(heads[start], bodies[start]))
-            else:
-                rows.append(Record.of_run(heads[start:stop], bodies[start:stop]))
-            start = stop
+        rows += run_rows(found[part.start : part.stop])
+    return rows
+
+
+def run_rows(bodies: Sequence[bytes]) -> list[Record]:
+    """The rows of consecutive accepted events of one node, given as their bytes: the common
+    events (alloc, write, free, a one-entry read) split in C (`_hot.split_runs`, ~10x faster
+    than reading each head here), any other shape through _parsed_run_rows, the same rows."""
+    split = _hot.split_runs(bodies, RUN_SPAN_NS, RUN_MAX)
+    if split is None:
+        return _parsed_run_rows(bodies)
+    rows = []
+    for start, stop, node, seq, ts_ns, req, names in split:
+        if stop - start == 1:
+            rows.append(Record("event", node, seq, ts_ns, bodies[start], req))
+        else:
+            data = svc.RawEventBatch(events=bodies[start:stop]).SerializeToString()
+            rows.append(Record("events", node, seq, ts_ns, data, named=names, ids=stop - start))
+    return rows
+
+
+def _parsed_run_rows(bodies: Sequence[bytes]) -> list[Record]:
+    """run_rows from each event's head (`_head`: in C where it can, else protobuf's parse)."""
+    rows: list[Record] = []
+    heads = [_head(body) for body in bodies]
+    start, stop_at = 0, len(heads)
+    while start < stop_at:
+        t0 = heads[start].ts_ns
+        stop = start + 1
+        last = min(stop_at, start + RUN_MAX)
+        while stop < last and t0 <= heads[stop].ts_ns <= t0 + RUN_SPAN_NS:
+            stop += 1
+        if stop - start == 1:
+            rows.append(Record.of_head(heads[start], bodies[start]))
+        else:
+            rows.append(Record.of_run(heads[start:stop], bodies[start:stop]))
+        start = stop
     return rows
 
 

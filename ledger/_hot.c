@@ -803,6 +803,116 @@ event_head(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                          (unsigned long long)h.pool, (unsigned long long)h.tokens, h.start, h.end);
 }
 
+/* split_runs(bodies, span_ns, run_max) -> [(start, stop, node, seq, ts_ns, req, named), ...] or None
+ * The audit store's rows for consecutive accepted events of one node (daemon/store.py rows_of,
+ * which this does in C for the events of the plain shape event_head reads): each row takes the
+ * events from its first on while their time lies within span_ns after the first's (none
+ * earlier), at most run_max. A row of one event carries its request (`req`, `named` empty); a
+ * longer one the distinct requests its events name, sorted (`named`, `req` ""); node, seq and
+ * ts_ns are its first event's. None if any event is not of that shape: the caller then reads
+ * them all with protobuf. */
+static PyObject *
+split_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (check_args(nargs, 3, "split_runs") < 0)
+        return NULL;
+    long long span_ns = PyLong_AsLongLong(args[1]);
+    Py_ssize_t run_max = PyLong_AsSsize_t(args[2]);
+    if ((span_ns == -1 || run_max == -1) && PyErr_Occurred())
+        return NULL;
+    if (span_ns < 0 || run_max < 1)
+        return PyErr_Format(PyExc_ValueError, "split_runs: span_ns %lld and run_max %zd", span_ns, run_max);
+    PyObject *seq = PySequence_Fast(args[0], "split_runs: a sequence of bytes expected");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *rows = NULL, *names = NULL;
+    Head *heads = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(Head));
+    if (heads == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "split_runs: bytes expected, got %.80s", Py_TYPE(items[i])->tp_name);
+            goto done;
+        }
+        if (parse_head((const uint8_t *)PyBytes_AS_STRING(items[i]), PyBytes_GET_SIZE(items[i]), &heads[i]) < 0)
+            goto plain; /* not the plain shape: protobuf reads them */
+    }
+    rows = PyList_New(0);
+    if (rows == NULL)
+        goto done;
+    for (Py_ssize_t start = 0; start < n;) {
+        int64_t t0 = (int64_t)heads[start].ts;
+        Py_ssize_t stop = start + 1, last = n - start > run_max ? start + run_max : n;
+        while (stop < last) {
+            int64_t t = (int64_t)heads[stop].ts;
+            if (t < t0 || (uint64_t)t - (uint64_t)t0 > (uint64_t)span_ns)
+                break;
+            stop++;
+        }
+        const char *first = PyBytes_AS_STRING(items[start]);
+        const Head *h = &heads[start];
+        PyObject *node = PyUnicode_DecodeUTF8(first + h->node_start, h->node_end - h->node_start, NULL);
+        PyObject *req = NULL, *named = NULL;
+        if (stop - start == 1) {
+            req = PyUnicode_DecodeUTF8(first + h->req_start, h->req_end - h->req_start, NULL);
+            named = PyTuple_New(0);
+        } else {
+            req = PyUnicode_FromStringAndSize("", 0);
+            names = PySet_New(NULL);
+            const char *prev = NULL;
+            Py_ssize_t prev_len = -1;
+            for (Py_ssize_t k = start; names != NULL && k < stop; k++) {
+                const char *name = PyBytes_AS_STRING(items[k]) + heads[k].req_start;
+                Py_ssize_t len = heads[k].req_end - heads[k].req_start;
+                if (len == 0 || (len == prev_len && memcmp(name, prev, (size_t)len) == 0))
+                    continue; /* no request, or the one before (a request's events come together) */
+                PyObject *one = PyUnicode_DecodeUTF8(name, len, NULL);
+                if (one == NULL || PySet_Add(names, one) < 0)
+                    Py_CLEAR(names);
+                Py_XDECREF(one);
+                prev = name;
+                prev_len = len;
+            }
+            if (names != NULL) {
+                PyObject *sorted = PySequence_List(names);
+                if (sorted != NULL && PyList_Sort(sorted) == 0)
+                    named = PyList_AsTuple(sorted);
+                Py_XDECREF(sorted);
+            }
+            Py_CLEAR(names);
+        }
+        PyObject *row = NULL;
+        if (node != NULL && req != NULL && named != NULL)
+            row = Py_BuildValue("(nnOKLOO)", start, stop, node, (unsigned long long)h->seq, (long long)t0, req, named);
+        Py_XDECREF(node);
+        Py_XDECREF(req);
+        Py_XDECREF(named);
+        if (row == NULL || PyList_Append(rows, row) < 0) {
+            Py_XDECREF(row);
+            if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError))
+                goto plain; /* protobuf says what such bytes are */
+            Py_CLEAR(rows);
+            goto done;
+        }
+        Py_DECREF(row);
+        start = stop;
+    }
+    goto done;
+plain:
+    PyErr_Clear();
+    Py_CLEAR(rows);
+    rows = Py_NewRef(Py_None);
+done:
+    PyMem_Free(heads);
+    Py_DECREF(seq);
+    return rows;
+}
+
 /* ---------------------------------------------------------------- runs of clean events */
 
 #define PAGES_FIELD 3 /* `pages` in Alloc, Write, Free and ReadEntry (ledger.py: _HOT_PAGES) */
@@ -1273,6 +1383,7 @@ static PyMethodDef methods[] = {
     {"mark_named", (PyCFunction)(void (*)(void))mark_named, METH_FASTCALL, "Requests the page tags name."},
     {"event_head", (PyCFunction)(void (*)(void))event_head, METH_FASTCALL, "A common event read from its bytes."},
     {"apply_clean", (PyCFunction)(void (*)(void))apply_clean, METH_FASTCALL, "A run of clean common events applied."},
+    {"split_runs", (PyCFunction)(void (*)(void))split_runs, METH_FASTCALL, "The store's rows of accepted events."},
     {NULL, NULL, 0, NULL},
 };
 

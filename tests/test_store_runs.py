@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from kvguard.daemon.store import RUN_SPAN_NS, EventRun, Record, Store, StoreError, rows_of
+from kvguard.daemon import store as store_module
+from kvguard.daemon.store import RUN_MAX, RUN_SPAN_NS, EventRun, Record, Store, StoreError, rows_of
 from kvguard.daemon.store import store_url as url_of
+from kvguard.ledger import _hot
 from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -207,3 +209,58 @@ def test_a_snapshot_is_taken_only_where_a_record_ends(store_url: str, tmp_path: 
             runs.save_snapshot(b"state", end - 1)
     finally:
         runs.close()
+
+
+def common_events(rng: random.Random, n: int) -> list[pb.Event]:
+    """n events of the shapes the store splits in C (alloc, write, free, a one-entry read),
+    requests repeating and some named in UTF-8 beyond ASCII; times mostly step 1 µs, now and
+    then jump past a run's span, to its very edge, or back."""
+    now = [10**15]
+
+    def clock() -> int:
+        roll = rng.random()
+        step = (
+            3 * RUN_SPAN_NS // 2
+            if roll < 0.04
+            else RUN_SPAN_NS
+            if roll < 0.06
+            else -5_000
+            if roll < 0.1
+            else 1_000
+        )
+        now[0] += step
+        return now[0]
+
+    log = EventLog(clock=clock)
+    names = [f"n0-r{i}" for i in range(6)] + ["n0-ré", "n0-請求"]
+    for _ in range(n):
+        req = rng.choice(names)
+        kind = rng.choice(["alloc", "write", "read", "free"])
+        if kind == "read":
+            log.add("n0", kind, reads=[{"req": req, "pool": 0, "pages": [2, 3], "tokens": 16}])
+        else:
+            log.add("n0", kind, req=req, pool=0, pages=[3])
+    return log.lines
+
+
+def test_common_events_split_in_c_into_the_rows_read_event_by_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The writer splits a run of accepted events into rows in C when every event is of the
+    # common shapes; the rows are exactly those read event by event from each head (and
+    # any other shape among them sends the whole run that way).
+    rng = random.Random(11)
+    for run_max in (RUN_MAX, 5):
+        monkeypatch.setattr(store_module, "RUN_MAX", run_max)
+        for n in [1, 2, 3, *(rng.randint(1, 80) for _ in range(150))]:
+            bodies = [e.SerializeToString() for e in common_events(rng, n)]
+            split = _hot.split_runs(bodies, RUN_SPAN_NS, run_max)
+            assert split is not None and split[-1][1] == n
+            assert store_module.run_rows(bodies) == store_module._parsed_run_rows(bodies)
+            other = EventLog().add("n0", "admit", req="n0-r1", tenant="acme").SerializeToString()
+            mixed = [*bodies[: n // 2], other, *bodies[n // 2 :]]
+            assert _hot.split_runs(mixed, RUN_SPAN_NS, run_max) is None
+            assert store_module.run_rows(mixed) == store_module._parsed_run_rows(mixed)
+    assert _hot.split_runs([], RUN_SPAN_NS, RUN_MAX) == []
+    with pytest.raises(TypeError, match="bytes expected"):
+        _hot.split_runs(["not bytes"], RUN_SPAN_NS, RUN_MAX)
+    with pytest.raises(ValueError, match="run_max 0"):
+        _hot.split_runs([], RUN_SPAN_NS, 0)
