@@ -639,15 +639,24 @@ class DecodeWorker(Worker):
     # -- the decode loop: one batch step at a time over every running request
 
     def _decode_loop(self) -> None:
+        pause = self.config.decode_step_ms / 1000
+        idle = True
         while True:
             with self.lock:
                 batch = [r for r in self.requests.values() if r.state == "running"]
                 if not batch:
                     self.wake.wait(0.5)
+                    idle = True
                     continue
-                self._step(batch)
-            if self.config.decode_step_ms:
-                time.sleep(self.config.decode_step_ms / 1000)
+                if not (idle and pause):
+                    self._step(batch)
+            # With slow steps staged, a request admitted to an idle loop waits for the next step
+            # boundary as it would behind a running batch, not less: the window in which a
+            # verdict from afar can still stop its first attention does not depend on whether
+            # the request before it had finished.
+            idle = False
+            if pause:
+                time.sleep(pause)
 
     def _step(self, batch: list[DecodeRequest]) -> None:
         ps = self.config.page_size
