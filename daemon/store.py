@@ -620,28 +620,15 @@ class Store:
             return total - int(others)
 
     def events(self, after: int = 0) -> Iterator[pb.Event]:
-        """The stored events after id `after`, in the order they were applied (to rebuild
-        the ledger)."""
-        c = records.c
-        with self.engine.connect() as conn:
-            result = conn.execution_options(stream_results=True, yield_per=2000).execute(
-                select(c.id, c.kind, c.body)
-                .where(c.kind.in_(("event", "events")) & (c.id >= _holding(conn, after + 1)))
-                .order_by(c.id)
-            )
-            for record_id, kind, body in result:
-                if kind == "event":
-                    if record_id > after:
-                        yield pb.Event.FromString(body)
-                    continue
-                for i, data in enumerate(_run_events(body)):
-                    if record_id + i > after:
-                        yield pb.Event.FromString(data)
+        """The stored events after id `after`, in the order they were applied, parsed."""
+        for _, bodies in self.event_bodies(after):
+            for body in bodies:
+                yield pb.Event.FromString(body)
 
     def event_bodies(self, after: int = 0) -> Iterator[tuple[str, Sequence[bytes]]]:
         """The stored events after id `after`, in the order they were applied, as their bytes:
-        (node, its events) per record, a run's together (to rebuild the ledger from bytes, as
-        the daemon applies them; events() parses each)."""
+        (node, its events) per record, a run's together (the daemon rebuilds its ledger from
+        them at start, applying them as it applied them live)."""
         c = records.c
         with self.engine.connect() as conn:
             result = conn.execution_options(stream_results=True, yield_per=2000).execute(
