@@ -554,6 +554,76 @@ read_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 
+/* read_victims(pages, state, req, tokens, page_size) -> (stale, stale_victims, foreign, foreign_victims)
+ * The judgment of a read that read_clean refused, for a reader given no prefix pages in the
+ * pool (ledger._read_slow's path when it has no share there; with one it stays in NumPy).
+ * Page i is read in full but the last, of which tokens - (count - 1) * page_size slots are.
+ * A page the reader owns is stale unless its own tag is the reader's and it holds the slots
+ * read; its victim is the prior writer where the reader wrote fewer slots than it read, else
+ * the writer. A page it does not own is foreign; its victim is the writer, or the owner
+ * (live; an ended grant names nobody) of a page never written. A victim that is the reader
+ * is NOBODY. Returns the pages (intp) and victims (int32) of each kind, in read order.
+ * Changes nothing. */
+static PyObject *
+read_victims(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (check_args(nargs, 5, "read_victims") < 0)
+        return NULL;
+    npy_intp n, count;
+    const Page *state = pool_data(args[1], &n);
+    if (state == NULL)
+        return NULL;
+    long req = PyLong_AsLong(args[2]);
+    long long tokens = PyLong_AsLongLong(args[3]);
+    long long page_size = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    const npy_intp *pages = page_data(args[0], state, n, &count);
+    if (pages == NULL)
+        return NULL;
+    npy_intp kinds[2] = {0, 0}; /* stale, foreign */
+    for (npy_intp i = 0; i < count; i++) {
+        const Page *page = &state[pages[i]];
+        long long slots = i == count - 1 ? tokens - (long long)(count - 1) * page_size : page_size;
+        if (page->owner != req)
+            kinds[1]++;
+        else if (page->own != req || (long long)page->valid < slots)
+            kinds[0]++;
+    }
+    PyObject *arrays[4] = {NULL, NULL, NULL, NULL};
+    for (int k = 0; k < 4; k++) {
+        npy_intp len = kinds[k / 2];
+        arrays[k] = PyArray_SimpleNew(1, &len, k % 2 ? NPY_INT32 : NPY_INTP);
+        if (arrays[k] == NULL) {
+            for (int j = 0; j < k; j++)
+                Py_DECREF(arrays[j]);
+            return NULL;
+        }
+    }
+    npy_intp *out_pages[2] = {PyArray_DATA((PyArrayObject *)arrays[0]), PyArray_DATA((PyArrayObject *)arrays[2])};
+    int32_t *out_victims[2] = {PyArray_DATA((PyArrayObject *)arrays[1]), PyArray_DATA((PyArrayObject *)arrays[3])};
+    npy_intp at[2] = {0, 0};
+    for (npy_intp i = 0; i < count; i++) {
+        const Page *page = &state[pages[i]];
+        long long slots = i == count - 1 ? tokens - (long long)(count - 1) * page_size : page_size;
+        int32_t victim;
+        int k;
+        if (page->owner != req) {
+            k = 1;
+            victim = page->writer != NOBODY ? page->writer : (page->owner > NOBODY ? page->owner : NOBODY);
+        } else if (page->own != req || (long long)page->valid < slots) {
+            k = 0;
+            victim = page->own == req ? page->prior : page->writer; /* own == req: it wrote too few slots */
+        } else {
+            continue;
+        }
+        out_pages[k][at[k]] = pages[i];
+        out_victims[k][at[k]++] = victim == req ? NOBODY : victim;
+    }
+    return Py_BuildValue("(NNNN)", arrays[0], arrays[1], arrays[2], arrays[3]);
+}
+
 /* mark_named(state, holder_req, named) -> None
  * Sets named[r] for every request r a page's tags name: its writer, prior writer, own tag,
  * owner (live or ended: ~owner) and the holder of each kind of hold still on it. One pass
@@ -1380,6 +1450,7 @@ static PyMethodDef methods[] = {
     {"land", (PyCFunction)(void (*)(void))land, METH_FASTCALL, "A request's KV lands in pages."},
     {"end_grant", (PyCFunction)(void (*)(void))end_grant, METH_FASTCALL, "A request's grant ends."},
     {"read_clean", (PyCFunction)(void (*)(void))read_clean, METH_FASTCALL, "The clean read check."},
+    {"read_victims", (PyCFunction)(void (*)(void))read_victims, METH_FASTCALL, "A refused read judged."},
     {"mark_named", (PyCFunction)(void (*)(void))mark_named, METH_FASTCALL, "Requests the page tags name."},
     {"event_head", (PyCFunction)(void (*)(void))event_head, METH_FASTCALL, "A common event read from its bytes."},
     {"apply_clean", (PyCFunction)(void (*)(void))apply_clean, METH_FASTCALL, "A run of clean common events applied."},

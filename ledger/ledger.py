@@ -696,7 +696,7 @@ class Ledger:
                 victim_req=self._name(victim),
                 victim_tenant=self._tenant(victim),
                 pool=pool.pool if pool else None,
-                pages=tuple(int(p) for p in pages) if pages is not None else (),
+                pages=tuple(pages.tolist()) if pages is not None else (),
                 seq=self._seq,
                 ts_ns=self._ts,
                 message=message,
@@ -725,14 +725,14 @@ class Ledger:
         details: dict[str, Any] | None = None,
     ) -> None:
         """One finding per distinct victim among `pages` (victims[i] is pages[i]'s victim)."""
-        one = len(victims) and (victims == victims[0]).all()  # the common case: np.unique costs ~20 us
-        for victim in victims[:1] if one else np.unique(victims):
-            sel = pages if one else pages[victims == victim]
+        distinct = sorted(set(victims.tolist()))  # usually one (np.unique costs ~20 µs)
+        for victim in distinct:
+            sel = pages if len(distinct) == 1 else pages[victims == victim]
             self._report(
                 kind,
-                text(int(victim)) + f" (pool {pool.pool} on {pool.node}, {len(sel)} page(s))",
+                text(victim) + f" (pool {pool.pool} on {pool.node}, {len(sel)} page(s))",
                 req=r,
-                victim=int(victim),
+                victim=victim,
                 pool=pool,
                 pages=sel,
                 details=details,
@@ -1299,54 +1299,41 @@ class Ledger:
         pp = pool.pages
         self.stats.page_transitions += n
         if not pp.read_clean(pages, r.idx, tokens):
-            self._read_slow(r, pool, pages, pp.slots_read(n, tokens))
+            self._read_slow(r, pool, pages, tokens)
 
-    def _read_slow(self, r: Request, pool: Pool, pages: np.ndarray, slots: np.ndarray) -> None:
+    def _read_slow(self, r: Request, pool: Pool, pages: np.ndarray, tokens: int) -> None:
+        """The findings of a read that is not clean at once: its stale pages (granted to the
+        reader, or given to it as prefix, without the KV it may read there) and its foreign
+        ones (neither), each with the request whose data was there (the victim)."""
         key = (pool.node, pool.pool)
-        state = pool.pages.state[pages]  # the pages' records, gathered once
-        owner, writer, valid, own = state["owner"], state["writer"], state["valid"], state["own"]
-        mine = owner == r.idx
-        content_ok = (own == r.idx) & (valid >= slots)
         shared = r.shared.get(key)
-        is_shared = np.zeros(len(pages), bool)
-        if shared is not None:
-            current, at = shared.lookup(pages, state["gen"])
-            is_shared = current & ~mine & (live_grants(state) > 0)
-            if is_shared.any():
-                intact = (writer == shared.writer[at]) & (state["wgen"] == shared.wgen[at]) & (valid >= slots)
-                content_ok |= is_shared & intact
-        granted = mine | is_shared
-        stale = granted & ~content_ok
-        if stale.any():
-            # Whose KV was read: the page's writer, or, for slots beyond what the reader
-            # wrote itself, whoever's data was in the page when it was handed out.
-            own_short = (own == r.idx) & (valid < slots)
-            victims = np.where(own_short, state["prior"], writer)[stale]
-            victims = np.where(victims == r.idx, NOBODY, victims)
+        if shared is None:  # the common case, in one C pass over the pages (~100 µs less a finding)
+            stale, stale_victims, foreign, foreign_victims = pool.pages.read_victims(pages, r.idx, tokens)
+        else:
+            stale, stale_victims, foreign, foreign_victims = self._shared_read_victims(
+                r, pool, pages, pool.pages.slots_read(len(pages), tokens), shared
+            )
+        if len(stale):
             self._by_victim(
                 "stale_read",
                 r,
                 pool,
-                pages[stale],
-                victims,
+                stale,
+                stale_victims,
                 lambda v: (
                     f"{r.id} attended to KV it did not write under its grant"
                     + (f": it holds {self._name(v)}'s data" if v else " (unwritten or its own stale data)")
                 ),
             )
-        foreign = ~granted
-        if foreign.any():
-            sel = pages[foreign]
-            had = r.ever_granted(key, sel)
-            victims = np.where(writer[foreign] != NOBODY, writer[foreign], np.maximum(owner[foreign], NOBODY))
-            victims = np.where(victims == r.idx, NOBODY, victims)
+        if len(foreign):
+            had = r.ever_granted(key, foreign)
             if had.any():
                 self._by_victim(
                     "use_after_free",
                     r,
                     pool,
-                    sel[had],
-                    victims[had],
+                    foreign[had],
+                    foreign_victims[had],
                     lambda v: (
                         f"{r.id} attended to pages after its grant on them ended"
                         + (f"; they hold {self._name(v)}'s data" if v else "")
@@ -1357,13 +1344,44 @@ class Ledger:
                     "foreign_read",
                     r,
                     pool,
-                    sel[~had],
-                    victims[~had],
+                    foreign[~had],
+                    foreign_victims[~had],
                     lambda v: (
                         f"{r.id} attended to pages never granted to it"
                         + (f"; they hold {self._name(v)}'s data" if v else "")
                     ),
                 )
+
+    def _shared_read_victims(
+        self, r: Request, pool: Pool, pages: np.ndarray, slots: np.ndarray, shared: Shared
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """read_victims (pages.py) for a reader given prefix pages in the pool: a page shared
+        with it (current, still granted to someone) is granted to it too, and its content is
+        sound while it is the KV that was shared, as far as the slots read."""
+        state = pool.pages.state[pages]  # the pages' records, gathered once
+        owner, writer, valid, own = state["owner"], state["writer"], state["valid"], state["own"]
+        mine = owner == r.idx
+        content_ok = (own == r.idx) & (valid >= slots)
+        current, at = shared.lookup(pages, state["gen"])
+        is_shared = current & ~mine & (live_grants(state) > 0)
+        if is_shared.any():
+            intact = (writer == shared.writer[at]) & (state["wgen"] == shared.wgen[at]) & (valid >= slots)
+            content_ok |= is_shared & intact
+        granted = mine | is_shared
+        stale = granted & ~content_ok
+        # Whose KV was read: the page's writer, or, for slots beyond what the reader wrote
+        # itself, whoever's data was in the page when it was handed out.
+        own_short = (own == r.idx) & (valid < slots)
+        stale_victims = np.where(own_short, state["prior"], writer)[stale]
+        foreign = ~granted
+        written = writer[foreign]
+        foreign_victims = np.where(written != NOBODY, written, np.maximum(owner[foreign], NOBODY))
+        return (
+            pages[stale],
+            np.where(stale_victims == r.idx, NOBODY, stale_victims),
+            pages[foreign],
+            np.where(foreign_victims == r.idx, NOBODY, foreign_victims),
+        )
 
     # ------------------------------------------------------------------ transfers
 

@@ -123,6 +123,15 @@ class PoolPages:
         page full but the last, which holds at least the slots read of it."""
         return _hot.read_clean(pages, self.state, req, tokens, self.page_size)
 
+    def read_victims(
+        self, pages: np.ndarray, req: int, tokens: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For a read that read_clean refused, by a reader given no prefix pages here: its
+        stale pages (req's grant, without req's KV in the slots read) and foreign ones (not
+        req's grant), each with its victim (NOBODY where that is req itself or nobody):
+        (stale, stale_victims, foreign, foreign_victims)."""
+        return _hot.read_victims(pages, self.state, req, tokens, self.page_size)
+
     def slots_read(self, count: int, tokens: int) -> np.ndarray:
         """Token slots read in each of `count` pages by a context of `tokens` tokens."""
         slots = np.full(count, self.page_size, np.uint32)

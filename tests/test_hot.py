@@ -5,6 +5,7 @@ until it is judged, and every input is checked (bounds, repeats, types, bytes)."
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvguard.ledger import _hot, snapshot
-from kvguard.ledger.ledger import BadEvent, Ledger
+from kvguard.ledger.ledger import BadEvent, Ledger, Shared
 from kvguard.ledger.pages import COLUMNS, HOLDERS, NOBODY, PoolPages
 from kvguard.ledger.pages import PAGE as RECORD
 from kvguard.proto import pb
@@ -175,6 +176,34 @@ def test_read_clean_equals_the_slot_check(seed: int) -> None:
     assert_same(pp, before)
 
 
+@pytest.mark.parametrize("seed", range(60))
+def test_read_victims_equals_the_numpy_judgment(seed: int) -> None:
+    """A refused read's stale and foreign pages and their victims, in C, against the NumPy
+    statements the ledger runs for a reader with prefix pages in the pool, given a share
+    that covers none of the pages read now (a page shared once and re-granted since, or
+    another page): the same pages, victims and order."""
+    rng = np.random.default_rng(500 + seed)
+    pp = random_pool(rng)
+    pages = rng.choice(N, rng.integers(1, 9), replace=False).astype(np.intp)
+    tokens = int(rng.integers((len(pages) - 1) * PAGE + 1, len(pages) * PAGE + 1))
+    before = state(pp)
+    got = pp.read_victims(pages, REQ, tokens)
+    other = np.setdiff1d(np.arange(N), pages)[:2]
+    was = np.sort(np.concatenate([pages[:1], other])).astype(np.intp)
+    stale_gen = pp.gen[was] + np.where(np.isin(was, pages), 1, 0).astype(np.uint32)  # re-granted since
+    share = Shared(was, stale_gen, pp.writer[was].copy(), pp.wgen[was].copy())
+    reader, pool = SimpleNamespace(idx=REQ), SimpleNamespace(pages=pp)
+    slots = pp.slots_read(len(pages), tokens)
+    want = Ledger._shared_read_victims(Ledger(), reader, pool, pages, slots, share)
+    for name, g, w in zip(("stale", "stale victims", "foreign", "foreign victims"), got, want, strict=True):
+        assert g.dtype == (np.intp if "victims" not in name else np.int32), name
+        assert g.tolist() == w.tolist(), name
+    mine, sound = pp.owner[pages] == REQ, (pp.own[pages] == REQ) & (pp.valid[pages] >= slots)
+    assert got[0].tolist() == pages[mine & ~sound].tolist() and got[2].tolist() == pages[~mine].tolist()
+    assert REQ not in got[1].tolist() + got[3].tolist()  # the reader is nobody's victim
+    assert_same(pp, before)
+
+
 PAYLOADS = [
     pb.Alloc(req="r", pool=1, pages=[5, 0, 63, 9]),
     pb.Write(req="r", pool=1, pages=[3, 4], slots=[16, 2]),
@@ -299,6 +328,10 @@ def test_bad_arrays_and_pages_are_refused_before_anything_changes() -> None:
         pp.land(np.array([1, 2], np.intp), REQ, np.array([1, 2], np.int64))
     with pytest.raises(TypeError, match="takes 5 arguments"):
         _hot.read_clean(one, pp.state)
+    with pytest.raises(TypeError, match="read_victims\\(\\) takes 5 arguments"):
+        _hot.read_victims(one, pp.state, REQ)
+    with pytest.raises(IndexError, match="page 64 out of range"):
+        pp.read_victims(np.array([N], np.intp), REQ, PAGE)
     with pytest.raises(TypeError):
         _hot.end_grant(one, pp.state, REQ, "soon", True)  # a time that is no integer
     assert_same(pp, before)
