@@ -531,28 +531,63 @@ end_grant(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(other);
 }
 
+/* The arguments of read_clean and read_victims: (pages, state, req, tokens, page_size), checked. */
+typedef struct {
+    const Page *state;
+    const npy_intp *pages;
+    npy_intp count;
+    long req;
+    long long tokens, page_size;
+} Read;
+
+static int
+read_args(PyObject *const *args, Py_ssize_t nargs, const char *fn, Read *r)
+{
+    npy_intp n;
+    if (check_args(nargs, 5, fn) < 0 || !(r->state = pool_data(args[1], &n)))
+        return -1;
+    r->req = PyLong_AsLong(args[2]);
+    r->tokens = PyLong_AsLongLong(args[3]);
+    r->page_size = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred())
+        return -1;
+    r->pages = page_data(args[0], r->state, n, &r->count);
+    return r->pages == NULL ? -1 : 0;
+}
+
 /* read_clean(pages, state, req, tokens, page_size) -> bool: read_is_clean. Changes nothing. */
 static PyObject *
 read_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (check_args(nargs, 5, "read_clean") < 0)
+    Read r;
+    if (read_args(args, nargs, "read_clean", &r) < 0)
         return NULL;
-    npy_intp n, count;
-    const Page *state = pool_data(args[1], &n);
-    if (state == NULL)
-        return NULL;
-    long req = PyLong_AsLong(args[2]);
-    long long tokens = PyLong_AsLongLong(args[3]);
-    long long page_size = PyLong_AsLongLong(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
-    const npy_intp *pages = page_data(args[0], state, n, &count);
-    if (pages == NULL)
-        return NULL;
-    return PyBool_FromLong(read_is_clean(state, pages, count, req, tokens, page_size));
+    return PyBool_FromLong(read_is_clean(r.state, r.pages, r.count, r.req, r.tokens, r.page_size));
 }
 
+/* Page i of a refused read (see read_victims): STALE, FOREIGN or SOUND, and its victim. */
+enum { SOUND = -1, STALE = 0, FOREIGN = 1 };
+
+static inline int
+read_kind(const Read *r, npy_intp i, int32_t *victim)
+{
+    const Page *page = &r->state[r->pages[i]];
+    long long slots = i == r->count - 1 ? r->tokens - (long long)(r->count - 1) * r->page_size : r->page_size;
+    int kind;
+    if (page->owner != r->req) {
+        kind = FOREIGN;
+        *victim = page->writer != NOBODY ? page->writer : (page->owner > NOBODY ? page->owner : NOBODY);
+    } else if (page->own != r->req || (long long)page->valid < slots) {
+        kind = STALE;
+        *victim = page->own == r->req ? page->prior : page->writer; /* own == req: it wrote too few slots */
+    } else {
+        return SOUND;
+    }
+    if (*victim == r->req)
+        *victim = NOBODY;
+    return kind;
+}
 
 /* read_victims(pages, state, req, tokens, page_size) -> (stale, stale_victims, foreign, foreign_victims)
  * The judgment of a read that read_clean refused, for a reader given no prefix pages in the
@@ -568,35 +603,22 @@ static PyObject *
 read_victims(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (check_args(nargs, 5, "read_victims") < 0)
+    Read r;
+    if (read_args(args, nargs, "read_victims", &r) < 0)
         return NULL;
-    npy_intp n, count;
-    const Page *state = pool_data(args[1], &n);
-    if (state == NULL)
-        return NULL;
-    long req = PyLong_AsLong(args[2]);
-    long long tokens = PyLong_AsLongLong(args[3]);
-    long long page_size = PyLong_AsLongLong(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
-    const npy_intp *pages = page_data(args[0], state, n, &count);
-    if (pages == NULL)
-        return NULL;
-    npy_intp kinds[2] = {0, 0}; /* stale, foreign */
-    for (npy_intp i = 0; i < count; i++) {
-        const Page *page = &state[pages[i]];
-        long long slots = i == count - 1 ? tokens - (long long)(count - 1) * page_size : page_size;
-        if (page->owner != req)
-            kinds[1]++;
-        else if (page->own != req || (long long)page->valid < slots)
-            kinds[0]++;
+    npy_intp found[2] = {0, 0}; /* STALE, FOREIGN */
+    int32_t victim;
+    for (npy_intp i = 0; i < r.count; i++) {
+        int kind = read_kind(&r, i, &victim);
+        if (kind != SOUND)
+            found[kind]++;
     }
-    PyObject *arrays[4] = {NULL, NULL, NULL, NULL};
-    for (int k = 0; k < 4; k++) {
-        npy_intp len = kinds[k / 2];
-        arrays[k] = PyArray_SimpleNew(1, &len, k % 2 ? NPY_INT32 : NPY_INTP);
-        if (arrays[k] == NULL) {
-            for (int j = 0; j < k; j++)
+    PyObject *arrays[4] = {NULL, NULL, NULL, NULL}; /* stale, their victims, foreign, theirs */
+    for (int a = 0; a < 4; a++) {
+        npy_intp len = found[a / 2];
+        arrays[a] = PyArray_SimpleNew(1, &len, a % 2 ? NPY_INT32 : NPY_INTP);
+        if (arrays[a] == NULL) {
+            for (int j = 0; j < a; j++)
                 Py_DECREF(arrays[j]);
             return NULL;
         }
@@ -604,22 +626,12 @@ read_victims(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     npy_intp *out_pages[2] = {PyArray_DATA((PyArrayObject *)arrays[0]), PyArray_DATA((PyArrayObject *)arrays[2])};
     int32_t *out_victims[2] = {PyArray_DATA((PyArrayObject *)arrays[1]), PyArray_DATA((PyArrayObject *)arrays[3])};
     npy_intp at[2] = {0, 0};
-    for (npy_intp i = 0; i < count; i++) {
-        const Page *page = &state[pages[i]];
-        long long slots = i == count - 1 ? tokens - (long long)(count - 1) * page_size : page_size;
-        int32_t victim;
-        int k;
-        if (page->owner != req) {
-            k = 1;
-            victim = page->writer != NOBODY ? page->writer : (page->owner > NOBODY ? page->owner : NOBODY);
-        } else if (page->own != req || (long long)page->valid < slots) {
-            k = 0;
-            victim = page->own == req ? page->prior : page->writer; /* own == req: it wrote too few slots */
-        } else {
+    for (npy_intp i = 0; i < r.count; i++) {
+        int kind = read_kind(&r, i, &victim);
+        if (kind == SOUND)
             continue;
-        }
-        out_pages[k][at[k]] = pages[i];
-        out_victims[k][at[k]++] = victim == req ? NOBODY : victim;
+        out_pages[kind][at[kind]] = r.pages[i];
+        out_victims[kind][at[kind]++] = victim;
     }
     return Py_BuildValue("(NNNN)", arrays[0], arrays[1], arrays[2], arrays[3]);
 }
