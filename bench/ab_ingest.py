@@ -71,7 +71,8 @@ def main() -> None:
                 print(
                     f"{i} {side:5} {run.rate / 1e6:.3f} M/s kept up, alert p50 {p50:6.2f} p99 {p99:7.2f} ms; "
                     f"daemon p50/p99 ms: {stages}; CPU: {ingest.cpu_use(run)}; "
-                    f"machine: {ingest.machine_use(run)}",
+                    f"machine: {ingest.machine_use(run)}; alerts over stolen time {run.stolen}, the others' "
+                    f"p99 {ingest.ms(run.alerts_unstolen, 99)} ms",
                     flush=True,
                 )
     for side, values in p99s.items():

@@ -61,6 +61,10 @@ wire and the subscriber; and the CPU the daemon and its store writer used while 
 sent (share of a core, µs an event: much steadier than a tail latency on a shared machine),
 and the machine's CPU time stolen by the hypervisor and idle meanwhile (with other guests busy
 on these cores a tail latency measures them: one tree's p99 ranged 12-390 ms within an hour).
+The subscriber also reads the machine's stolen CPU time every STEAL_SAMPLE_S (2 ms): each paced
+run says how many planted alerts' paths (scheduled send to arrival) overlapped stolen time,
+and the others' p50/p99. Each paced run is made --repeat times (3); the goal is judged on the
+run the hypervisor stole the least from, and every run's p99 and steal are printed.
 --py-spy DIR records the daemon with `py-spy record --gil` (samples of the thread holding the
 GIL: where its Python time goes). bench/ab_ingest.py runs the paced goal run against this
 tree's daemon and another checkout's in turn.
@@ -308,6 +312,11 @@ class Run:
     # The machine meanwhile, share of all its CPU time: stolen by the hypervisor (other guests
     # running on these cores), idle. A tail latency means little without them on a shared host.
     machine: dict[str, float] = field(default_factory=dict)
+    # Planted alerts whose path (scheduled send to arrival) overlapped CPU time the hypervisor
+    # stole, and the latencies of the others: with a vCPU taken away for 10 ms or more, every
+    # alert in flight waits it out, whatever the software does.
+    stolen: int = 0
+    alerts_unstolen: list[float] = field(default_factory=list)
 
     @property
     def event_rate(self) -> float:
@@ -326,6 +335,7 @@ class Alerts:
 
     def __init__(self, address: str) -> None:
         self.arrived: dict[str, float] = {}
+        self.steal: list[tuple[float, float]] = []  # the samples around each rise of stolen time
         self.others = 0
         self.cond = threading.Condition()
         self.proc = subprocess.Popen(
@@ -338,11 +348,21 @@ class Alerts:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             at, req = line.split()
+            if at == "steal":  # from the subscriber's watch
+                before, seen = req.split(":")
+                self.steal.append((float(before), float(seen)))
+                continue
             with self.cond:
                 if req in self.arrived:
                     self.others += 1
                 self.arrived[req] = float(at)
                 self.cond.notify_all()
+
+    def stolen_spans(self) -> list[tuple[float, float]]:
+        """Where CPU time was stolen: for each rise of the machine's steal count, from a clock
+        tick (the count's unit) before the sample before it to the sample that saw it."""
+        tick = 1.0 / os.sysconf("SC_CLK_TCK")
+        return [(before - tick, seen) for before, seen in self.steal]
 
     def wait_for(self, reqs: list[str], timeout: float) -> bool:
         with self.cond:
@@ -354,14 +374,38 @@ class Alerts:
         self.thread.join(5)
 
 
+STEAL_SAMPLE_S = 0.002  # how often the subscriber reads the machine's stolen CPU time
+
+
 def subscriber(address: str) -> None:
-    """`bench/ingest.py --subscribe ADDR`: print each planted alert's arrival time."""
+    """`bench/ingest.py --subscribe ADDR`: print each planted alert's arrival time, and each
+    rise of the machine's CPU time stolen by the hypervisor (/proc/stat, all CPUs), read every
+    STEAL_SAMPLE_S by a thread (~1 % of a core): `steal <the sample before>:<the one that saw it>`."""
+    out = threading.Lock()
+
+    def say(line: str) -> None:
+        with out:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+    def watch_steal() -> None:
+        fd = os.open("/proc/stat", os.O_RDONLY)
+        before, last = time.perf_counter(), -1
+        while True:
+            now = time.perf_counter()
+            ticks = int(os.pread(fd, 256, 0).split(b"\n", 1)[0].split()[8])  # cpu: user, ..., steal
+            if 0 <= last < ticks:
+                say(f"steal {before!r}:{now!r}")
+            before, last = now, ticks
+            time.sleep(STEAL_SAMPLE_S)
+
+    threading.Thread(target=watch_steal, daemon=True).start()
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         call = svc_grpc.AlertServiceStub(channel).Subscribe(svc.AlertFilter(findings=[PLANTED]))
         signal.signal(signal.SIGTERM, lambda *_: call.cancel())
         with contextlib.suppress(grpc.RpcError):
             for alert in call:
-                print(f"{time.perf_counter()!r} {alert.finding.req}", flush=True)
+                say(f"{time.perf_counter()!r} {alert.finding.req}")
 
 
 def probe(address: str, alerts: Alerts) -> None:
@@ -693,6 +737,13 @@ def collect(run: Run, alerts: Alerts | None, sent_at: dict[str, float], killed_a
         missing = [r for r in wanted if r not in alerts.arrived]
         run.errors.append(f"{len(missing)} planted faults raised no alert (first: {missing[:3]})")
     run.alerts = [alerts.arrived[r] - t for r, t in sent_at.items() if r in alerts.arrived]
+    spans = np.array(alerts.stolen_spans()).reshape(-1, 2)
+    for r, t in sent_at.items():
+        if r in alerts.arrived:
+            if ((spans[:, 0] < alerts.arrived[r]) & (spans[:, 1] > t)).any():
+                run.stolen += 1
+            else:
+                run.alerts_unstolen.append(alerts.arrived[r] - t)
     run.kills = [killed_at[r] - t for r, t in sent_at.items() if r in killed_at]
     if len(run.kills) != len(sent_at):
         run.errors.append(f"{len(sent_at) - len(run.kills)} planted faults got no kill")
@@ -846,6 +897,13 @@ def main() -> None:
         help="the agents as tasks of one asyncio loop (default), or as threads driving the product's "
         "AgentStream (--paced-as agent always does)",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="paced runs: each this many times; the goal is judged on the run the hypervisor stole "
+        "the least CPU time from (every run is printed)",
+    )
     parser.add_argument("--store-dir", type=Path, help="where the SQLite stores go (default: a temp dir)")
     parser.add_argument("--py-spy", type=Path, metavar="DIR", help="record the daemon with py-spy into DIR")
     parser.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
@@ -921,14 +979,16 @@ def main() -> None:
                     for error in run.errors:
                         print(f"  ERROR ({name}, {n} agents): {error}", flush=True)
                 results.append((size, n, daemon, floor))
-                for offered, batching in (
-                    [(o, b) for o in offers for b in batchings] if n == max(counts) else []
+                for offered, batching, repeat in (
+                    [(o, b, i) for o in offers for b in batchings for i in range(args.repeat)]
+                    if n == max(counts)
+                    else []
                 ):
                     run, db = daemon_run(
                         workloads,
                         args.seconds,
                         store_dir,
-                        f"{tag}-paced{offered:.0f}-{batching}",
+                        f"{tag}-paced{offered:.0f}-{batching}-{repeat}",
                         args.py_spy,
                         offered,
                         batching == "agent",
@@ -974,24 +1034,33 @@ def main() -> None:
             f"goal >= {GOAL_TRANSITIONS / 1e6:g} M page transitions/s with {size}-page events: "
             f"{'met' if best >= GOAL_TRANSITIONS else 'MISSED'} (best closed loop {best / 1e6:.3f} M/s)"
         )
+    judged: dict[tuple[int, float, str], list[Run]] = {}
     for size, offered, batching, run in paced:
-        if not run.alerts:
-            continue
+        if run.alerts:
+            judged.setdefault((size, offered, batching), []).append(run)
+    for (size, offered, batching), runs in judged.items():
+        # The run the host disturbed least: with a vCPU taken away for 10 ms, every alert in
+        # flight waits it out, and the tail measures the other guests on these cores.
+        run = min(runs, key=lambda r: r.machine.get("steal", 0.0))
         p99 = float(np.percentile(run.alerts, 99)) * 1e3
         kept = run.rate >= 0.98 * offered
+        every = ", ".join(f"{ms(r.alerts, 99)} ({r.machine.get('steal', 0.0):.1%})" for r in runs)
         print(
             f"p99 event-to-alert < {GOAL_P99_MS:g} ms at {offered / 1e6:g} M/s offered in {size}-page "
             f"events, sent as {batching} ({run.event_rate:.0f} events/s): "
             f"{'yes' if kept and p99 < GOAL_P99_MS else 'NO'} "
             f"({run.rate / 1e6:.3f} M/s kept up, p99 {p99:.2f} ms)"
-            f"{' (the goal)' if offered == GOAL_TRANSITIONS else ''}"
+            f"{' (the goal)' if offered == GOAL_TRANSITIONS else ''}; judged on the run with the least CPU "
+            f"time stolen by the hypervisor, of {len(runs)}: p99 ms (steal) {every}"
         )
     for size, offered, batching, run in paced:
         said = ", ".join(f"{stage} {p50:.2f}/{p99:.2f}" for stage, (p50, p99, _) in run.stages.items())
         print(
             f"the daemon's own time at {offered / 1e6:g} M/s ({size}-page events, {batching}), receipt "
             f"of a batch to each step, p50/p99 ms: {said} (its whole run, the probe and pool reports too); "
-            f"its CPU: {cpu_use(run)}; the machine's CPU time meanwhile: {machine_use(run)}"
+            f"its CPU: {cpu_use(run)}; the machine's CPU time meanwhile: {machine_use(run)}; planted "
+            f"alerts whose path overlapped stolen CPU time: {run.stolen} of {len(run.alerts)}, the "
+            f"others' p50/p99 {ms(run.alerts_unstolen, 50)}/{ms(run.alerts_unstolen, 99)} ms"
         )
     runs = [r for _, _, d, f in results for r in (d, f)] + [r for *_, r in paced]
     if any(r.errors for r in runs):
