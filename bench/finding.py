@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -41,18 +42,9 @@ NO_SHARE = Shared(np.zeros(0, np.intp), np.zeros(0, np.uint32), np.zeros(0, np.i
 
 def numpy_victims(pp: pages_module.PoolPages, pages: np.ndarray, req: int, tokens: int) -> Any:
     """read_victims by the ledger's NumPy statements (its path for a reader with a share)."""
-    reader, pool = _Reader(req), _Pool(pp)
-    return Ledger._shared_read_victims(None, reader, pool, pages, pp.slots_read(len(pages), tokens), NO_SHARE)  # type: ignore[arg-type]
-
-
-class _Reader:
-    def __init__(self, idx: int) -> None:
-        self.idx = idx
-
-
-class _Pool:
-    def __init__(self, pp: pages_module.PoolPages) -> None:
-        self.pages = pp
+    reader, pool = SimpleNamespace(idx=req), SimpleNamespace(pages=pp)
+    slots = pp.slots_read(len(pages), tokens)
+    return Ledger._shared_read_victims(None, reader, pool, pages, slots, NO_SHARE)  # type: ignore[arg-type]
 
 
 def main() -> None:
