@@ -43,8 +43,7 @@ NO_SHARE = Shared(np.zeros(0, np.intp), np.zeros(0, np.uint32), np.zeros(0, np.i
 def numpy_victims(pp: pages_module.PoolPages, pages: np.ndarray, req: int, tokens: int) -> Any:
     """read_victims by the ledger's NumPy statements (its path for a reader with a share)."""
     reader, pool = SimpleNamespace(idx=req), SimpleNamespace(pages=pp)
-    slots = pp.slots_read(len(pages), tokens)
-    return Ledger._shared_read_victims(None, reader, pool, pages, slots, NO_SHARE)  # type: ignore[arg-type]
+    return Ledger._shared_read_victims(None, reader, pool, pages, tokens, NO_SHARE)  # type: ignore[arg-type]
 
 
 def main() -> None:

@@ -1311,7 +1311,7 @@ class Ledger:
             stale, stale_victims, foreign, foreign_victims = pool.pages.read_victims(pages, r.idx, tokens)
         else:
             stale, stale_victims, foreign, foreign_victims = self._shared_read_victims(
-                r, pool, pages, pool.pages.slots_read(len(pages), tokens), shared
+                r, pool, pages, tokens, shared
             )
         if len(stale):
             self._by_victim(
@@ -1353,11 +1353,12 @@ class Ledger:
                 )
 
     def _shared_read_victims(
-        self, r: Request, pool: Pool, pages: np.ndarray, slots: np.ndarray, shared: Shared
+        self, r: Request, pool: Pool, pages: np.ndarray, tokens: int, shared: Shared
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """read_victims (pages.py) for a reader given prefix pages in the pool: a page shared
         with it (current, still granted to someone) is granted to it too, and its content is
         sound while it is the KV that was shared, as far as the slots read."""
+        slots = pool.pages.slots_read(len(pages), tokens)
         state = pool.pages.state[pages]  # the pages' records, gathered once
         owner, writer, valid, own = state["owner"], state["writer"], state["valid"], state["own"]
         mine = owner == r.idx

@@ -194,7 +194,7 @@ def test_read_victims_equals_the_numpy_judgment(seed: int) -> None:
     share = Shared(was, stale_gen, pp.writer[was].copy(), pp.wgen[was].copy())
     reader, pool = SimpleNamespace(idx=REQ), SimpleNamespace(pages=pp)
     slots = pp.slots_read(len(pages), tokens)
-    want = Ledger._shared_read_victims(Ledger(), reader, pool, pages, slots, share)
+    want = Ledger._shared_read_victims(Ledger(), reader, pool, pages, tokens, share)
     for name, g, w in zip(("stale", "stale victims", "foreign", "foreign victims"), got, want, strict=True):
         assert g.dtype == (np.intp if "victims" not in name else np.int32), name
         assert g.tolist() == w.tolist(), name
