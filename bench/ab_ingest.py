@@ -46,7 +46,10 @@ def main() -> None:
     sys.setswitchinterval(0.0005)  # as bench/ingest.py: the agents are threads of this process
     sides = {"this": (HERE, ""), "other": (other, str(other.parent))}
     total = int(ingest.GOAL_TRANSITIONS * args.seconds * 1.25 / 64)
-    workloads = [ingest.build_agent(f"n{k}", total // 16, 64, 64, 1 << 16, 4, k) for k in range(16)]
+    workloads = [
+        ingest.build_agent(f"n{k}", total // 16, 64, 64, 1 << 16, 4, k, ingest.first_plant(k, 4, False))
+        for k in range(16)
+    ]
     gc.collect()
     gc.freeze()
     print(f"paced {args.paced / 1e6:g} M trans/s, 16 agents, 64-page events; this = {HERE}, other = {other}")
