@@ -92,12 +92,14 @@ seal = Table(
     Column("tag", LargeBinary(32), nullable=False),
 )
 MIN_KEY_BYTES = 32
-# The requests a record names beyond its `req` column (migration 0006): derived, outside the chain.
+# The requests a record names beyond its `req` column (migration 0006): derived, outside the
+# chain; one B-tree by request (0007: WITHOUT ROWID in SQLite), as the queries read it.
 named = Table(
     "named",
     metadata,
-    Column("record_id", BigInteger(), nullable=False),
-    Column("req", String(256), nullable=False),
+    Column("req", String(256), primary_key=True),
+    Column("record_id", BigInteger(), primary_key=True, autoincrement=False),
+    sqlite_with_rowid=False,
 )
 
 

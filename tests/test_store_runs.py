@@ -9,10 +9,22 @@ import random
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.exc import OperationalError
 
 from kvguard.daemon import store as store_module
-from kvguard.daemon.store import RUN_MAX, RUN_SPAN_NS, EventRun, Record, Store, StoreError, rows_of
+from kvguard.daemon.store import (
+    MIGRATIONS,
+    RUN_MAX,
+    RUN_SPAN_NS,
+    EventRun,
+    Record,
+    Store,
+    StoreError,
+    rows_of,
+)
 from kvguard.daemon.store import store_url as url_of
 from kvguard.ledger import _hot
 from kvguard.proto import pb
@@ -154,6 +166,50 @@ def first_run(store_url: str) -> tuple[int, bytes, list[str]]:
         named = db.execute(text("SELECT req FROM named WHERE record_id = :i"), {"i": run_id}).scalars().all()
     engine.dispose()
     return run_id, bytes(body), list(named)
+
+
+def named_rows(store_url: str) -> list[tuple[str, int]]:
+    engine = create_engine(url_of(store_url))
+    with engine.connect() as db:
+        rows = db.execute(text("SELECT req, record_id FROM named ORDER BY req, record_id")).all()
+    engine.dispose()
+    return [(str(req), int(record_id)) for req, record_id in rows]
+
+
+def test_the_named_index_keeps_its_rows_across_migration_0007(store_url: str, tmp_path: Path) -> None:
+    """0007 keeps the index as one B-tree by request (its primary key; WITHOUT ROWID in
+    SQLite): taken back to 0006 and forward again, it lists the same rows, and every query
+    by request reads the same records."""
+    runs, plain = stores(tmp_path, store_url, seed=13)
+    plain.close()
+    rows = named_rows(store_url)
+    assert len(rows) > 50
+    answers = {req: list(runs.rows(req=req)) for req in sorted({req for req, _ in rows})}
+    total = runs.count()
+    runs.close()
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    engine = create_engine(url_of(store_url))
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, "0006")
+    assert {i["name"] for i in inspect(engine).get_indexes("named")} == {"named_req"}
+    assert not inspect(engine).get_pk_constraint("named")["constrained_columns"]
+    engine.dispose()
+    assert named_rows(store_url) == rows
+    upgraded = Store(store_url)
+    try:
+        engine = create_engine(url_of(store_url))
+        assert inspect(engine).get_pk_constraint("named")["constrained_columns"] == ["req", "record_id"]
+        if "://" not in store_url:  # SQLite: a path
+            with engine.connect() as db, pytest.raises(OperationalError, match="rowid"):
+                db.execute(text("SELECT rowid FROM named"))
+        engine.dispose()
+        assert named_rows(store_url) == rows
+        assert {req: list(upgraded.rows(req=req)) for req in answers} == answers
+        assert upgraded.verify() == (True, total, "")
+    finally:
+        upgraded.close()
 
 
 @pytest.mark.parametrize("edit", ["an event in its body", "a request it names", "the whole run"])
