@@ -47,7 +47,7 @@ def main() -> None:
     sides = {"this": (HERE, ""), "other": (other, str(other.parent))}
     total = int(ingest.GOAL_TRANSITIONS * args.seconds * 1.25 / 64)
     workloads = [
-        ingest.build_agent(f"n{k}", total // 16, 64, 64, 1 << 16, 4, k, ingest.first_plant(k, 4, False))
+        ingest.build_agent(f"n{k}", total // 16, 64, 64, 1 << 16, 4, k, ingest.first_plant(k, 4, False), True)
         for k in range(16)
     ]
     gc.collect()

@@ -87,6 +87,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import random
 import select
 import selectors
 import shlex
@@ -163,10 +164,15 @@ def build_agent(
     plant_every: int,
     seed: int,
     first_plant: int | None = None,
+    random_names: bool = False,
 ) -> Workload:
     """About `events` events of node `node`, after its pool report, cut into batches; a planted
-    fault in batch `first_plant` (default plant_every - 1) and every plant_every-th after it."""
+    fault in batch `first_plant` (default plant_every - 1) and every plant_every-th after it.
+    Requests are named `{node}-r{i}` in turn, or with random_names as engines name them
+    (`cmpl-` and 16 random hex digits, as the testbed's router; SGLang and vLLM use UUIDs),
+    which the store's index of request names cannot insert side by side."""
     first_plant = plant_every - 1 if first_plant is None else first_plant
+    names = random.Random(seed)
     log = EventLog()
     pool_event = log.add(node, "pool", pool=0, role="colocated", page_size=PAGE_SIZE, num_pages=pool_pages)
     order = np.random.default_rng(seed).permutation(pool_pages).tolist()
@@ -201,7 +207,7 @@ def build_agent(
             planted[index] = req
             moved += 3
             n_events += 3
-        req = f"{node}-r{i}"
+        req = f"cmpl-{names.getrandbits(64):016x}" if random_names else f"{node}-r{i}"
         i += 1
         pages = take(req_pages)
         current += [
@@ -898,6 +904,13 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=1 << 16, help="pages in each agent's pool")
     parser.add_argument("--plant-every", type=int, default=4, help="a planted fault per N batches")
     parser.add_argument(
+        "--req-names",
+        choices=("random", "sequential"),
+        default="random",
+        help="request names: random hex as engines make them (default), or {node}-r{i} in turn, which the "
+        "store indexes side by side (~25%% less of the writer's CPU)",
+    )
+    parser.add_argument(
         "--plant-lockstep",
         action="store_true",
         help="every agent plants in the same batches (alerts in rounds), not staggered across the agents",
@@ -958,6 +971,7 @@ def main() -> None:
     print(
         f"{args.batch_events}-event batches, one planted {PLANTED} per {args.plant_every} batches an agent "
         f"({'in lockstep' if args.plant_lockstep else 'staggered across the agents'}); "
+        f"requests named {'at random' if args.req_names == 'random' else 'in turn'}; "
         f"each run capped at {args.seconds:g} s"
     )
     header = (
@@ -989,6 +1003,7 @@ def main() -> None:
                         args.plant_every,
                         k,
                         first_plant(k, args.plant_every, args.plant_lockstep),
+                        args.req_names == "random",
                     )
                     for k in range(n)
                 ]

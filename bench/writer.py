@@ -34,11 +34,17 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=3000, help="groups committed per layout")
     parser.add_argument("--batch-events", type=int, default=64, help="events per batch (one batch a group)")
     parser.add_argument("--req-pages", type=int, default=64, help="pages per request")
+    parser.add_argument(
+        "--req-names", choices=("random", "sequential"), default="random", help="as bench/ingest.py's"
+    )
     args = parser.parse_args()
     agents = 16
     per_agent = args.groups * args.batch_events // agents + args.batch_events
+    named_at_random = args.req_names == "random"
     workloads = [
-        ingest.build_agent(f"n{k}", per_agent, args.batch_events, args.req_pages, 1 << 16, 4, k)
+        ingest.build_agent(
+            f"n{k}", per_agent, args.batch_events, args.req_pages, 1 << 16, 4, k, None, named_at_random
+        )
         for k in range(agents)
     ]
     groups: list[bytes] = []
@@ -78,7 +84,8 @@ def main() -> None:
             for store in stores.values():
                 store.close()
     print(
-        f"{len(groups)} groups of {args.batch_events} events ({args.req_pages}-page requests), "
+        f"{len(groups)} groups of {args.batch_events} events ({args.req_pages}-page requests, named "
+        f"{'at random' if args.req_names == 'random' else 'in turn'}), "
         f"{events} events per layout; CPU µs per event"
     )
     print(f"{'layout':>20} {'rows':>8} {'build':>7} {'append':>7} {'total':>7} {'store MB':>9}")
