@@ -6,9 +6,7 @@ EventBatch of --batch-events events as received (the ingest benchmark's workload
 lifecycles of alloc / write / read / free, a planted stale read now and then), committed one
 group a transaction, on a fresh SQLite store each (WAL, synchronous=FULL, as the daemon
 writes it). Each layout's time is split into building the rows (parsing the batch, index
-columns; for runs also the request index), appending them (hash chain, insert, commit) and
-merging the requests they name into the store's index (which the writer does after the
-commit, while no group waits).
+columns; for runs also the request index) and appending them (hash chain, insert, commit).
 CPU time of this thread (time.thread_time), so the numbers are the writer's cost, not the
 machine's load; the layouts alternate group by group so drift hits both alike.
 
@@ -62,7 +60,7 @@ def main() -> None:
         return rows_of([message], [EventRun(0, 0, len(svc.RawAgentMessage.FromString(message).batch.events))])
 
     layouts = {"one record an event": one_a_record, "runs": runs}
-    cpu = {name: [0.0, 0.0, 0.0] for name in layouts}  # building rows, appending them, merging their names
+    cpu = {name: [0.0, 0.0] for name in layouts}  # building rows, appending them
     rows_written = dict.fromkeys(layouts, 0)
     events = 0
     with tempfile.TemporaryDirectory(prefix="kvguard-bench-writer-") as tmp:
@@ -75,11 +73,8 @@ def main() -> None:
                     t1 = time.thread_time()
                     stores[name].append(rows)
                     t2 = time.thread_time()
-                    stores[name].merge_names()  # what the writer does after it, while idle
-                    t3 = time.thread_time()
                     cpu[name][0] += t1 - t0
                     cpu[name][1] += t2 - t1
-                    cpu[name][2] += t3 - t2
                     rows_written[name] += len(rows)
                 events += sum(r.ids for r in rows)
             for store in stores.values():
@@ -93,14 +88,14 @@ def main() -> None:
         f"{'at random' if args.req_names == 'random' else 'in turn'}), "
         f"{events} events per layout; CPU µs per event"
     )
-    print(f"{'layout':>20} {'rows':>8} {'build':>7} {'append':>7} {'merge':>7} {'total':>7} {'store MB':>9}")
+    print(f"{'layout':>20} {'rows':>8} {'build':>7} {'append':>7} {'total':>7} {'store MB':>9}")
     totals = {}
     for name in layouts:
-        build, append, merge = (1e6 * t / events for t in cpu[name])
-        totals[name] = build + append + merge
+        build, append = (1e6 * t / events for t in cpu[name])
+        totals[name] = build + append
         print(
-            f"{name:>20} {rows_written[name]:>8} {build:>7.2f} {append:>7.2f} {merge:>7.2f} "
-            f"{totals[name]:>7.2f} {sizes[name] / 1e6:>9.1f}"
+            f"{name:>20} {rows_written[name]:>8} {build:>7.2f} {append:>7.2f} {build + append:>7.2f} "
+            f"{sizes[name] / 1e6:>9.1f}"
         )
     ratio = totals["one record an event"] / totals["runs"]
     print(f"runs: {ratio:.2f}x less writer CPU per event")

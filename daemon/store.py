@@ -8,10 +8,7 @@ so `verify()` proves that nothing was altered, removed or reordered; one store h
 (the daemon), which owns the chain. The consecutive events a batch delivered are stored as
 one record (kind `events`, a run): its body is the events' bytes as an EventBatch, its id the
 first event's, and it takes one id per event; every request they name is indexed (`named`),
-and their times lie within RUN_SPAN_NS of its `ts_ns`. The index of named requests is derived,
-outside the chain, and kept behind it: the writer merges a record's names after the commit
-that appends it, while it has nothing else to commit (`merge_names`); `named_until` says how
-far it is complete, and a query by request reads the records past it whole. Reads expand runs, so every reader
+and their times lie within RUN_SPAN_NS of its `ts_ns`. Reads expand runs, so every reader
 sees one (id, "event", bytes) per event, as if each were a record of its own: storing a batch
 of 64 events costs one row and one hash instead of 64 (the writer's cost is per row).
 A plain hash chain can be recomputed by whoever can write the database; a store sealed with
@@ -104,10 +101,6 @@ named = Table(
     Column("record_id", BigInteger(), primary_key=True, autoincrement=False),
     sqlite_with_rowid=False,
 )
-# Where the index of named requests stands (migration 0008): the records before this id have
-# their names in `named`, those from it on none yet (the writer merges them while idle).
-named_until = Table("named_until", metadata, Column("record_id", BigInteger(), nullable=False))
-MERGE_ADVANCE_IDS = 4096  # with no names to merge, named_until moves only this far behind
 
 
 RUN_SPAN_NS = 1_000_000_000  # a run's events lie in [ts_ns, ts_ns + this]: time filters stay indexed
@@ -488,12 +481,7 @@ class Store:
         mark = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
         names = ("id", *_COLUMNS, "body", "prev_hash", "hash")
         self._insert = f"INSERT INTO records ({', '.join(names)}) VALUES ({', '.join([mark] * len(names))})"
-        self._insert_named = f"INSERT INTO named (req, record_id) VALUES ({mark}, {mark})"
-        self._set_named_until = f"UPDATE named_until SET record_id = {mark}"
-        # (record id, request) of the records appended and not yet in `named`, in record order,
-        # and the id from which they start (named_until); None until this Store first writes.
-        self._unmerged: list[tuple[int, str]] | None = None
-        self._named_until = 0
+        self._insert_named = f"INSERT INTO named (record_id, req) VALUES ({mark}, {mark})"
         with self.engine.connect() as conn:
             last = _ending(conn, None)
         self._next_id, self._last_hash = (last[0] + 1, last[1]) if last else (1, GENESIS)
@@ -583,10 +571,11 @@ class Store:
                 if others:
                     also += [(record_id, other) for other in others]
                 record_id += ids
-            unmerged = self.unmerged_names()
             try:
                 cursor = self._raw.cursor()
                 cursor.executemany(self._insert, values)
+                if also:
+                    cursor.executemany(self._insert_named, also)
                 cursor.close()
                 self._raw.commit()
             except Exception as exc:  # any failure means: not durable
@@ -594,7 +583,6 @@ class Store:
                     self._raw.rollback()
                 raise StoreError(f"audit store {self.url}: commit failed: {exc}") from exc
             self._next_id, self._last_hash = record_id, prev
-            unmerged += also
         if self._checkpoints is not None:
             self._checkpoints.set()
         elif self.url.startswith("sqlite"):
@@ -602,67 +590,6 @@ class Store:
             name = "kvguard-store-checkpoint"
             threading.Thread(target=self._checkpoint_loop, name=name, daemon=True).start()
         return [v[0] for v in values]
-
-    @property
-    def unmerged(self) -> int:
-        """How many names of appended records wait to be merged into the index."""
-        return len(self._unmerged or ())
-
-    def unmerged_names(self) -> list[tuple[int, str]]:
-        """(record id, request) of the appended records' names not yet in the index, oldest
-        first. Derived from the bodies of the records past named_until the first time (what a
-        writer that stopped before merging them left); then kept as records are appended."""
-        if self._unmerged is None:
-            c = records.c
-            with self.engine.connect() as conn:
-                self._named_until = int(conn.execute(select(named_until.c.record_id)).scalar_one())
-                found = conn.execute(
-                    select(c.id, c.kind, c.body).where(c.id >= self._named_until).order_by(c.id)
-                )
-                self._unmerged = [(i, req) for i, kind, body in found for req in named_of(kind, body)]
-        return self._unmerged
-
-    def merge_names(self, most: int = 0) -> bool:
-        """Merge the names of appended records into the index, the oldest first: `most` of
-        them (whole records; 0: all), sorted as the index keeps them, in one transaction that
-        also moves named_until past them. It does not wait for the disk: the index is derived
-        and named_until moves with it, so after a crash what it lost is derived again.
-        True if names are left to merge. StoreError if it did not commit."""
-        with self._lock:
-            unmerged = self.unmerged_names()
-            cut = len(unmerged) if not most or most >= len(unmerged) else most
-            while 0 < cut < len(unmerged) and unmerged[cut][0] == unmerged[cut - 1][0]:
-                cut += 1  # a record's names go in together
-            until = unmerged[cut][0] if cut < len(unmerged) else self._next_id
-            if not cut and (
-                until == self._named_until or (most and until - self._named_until < MERGE_ADVANCE_IDS)
-            ):
-                return False
-            sqlite = self.url.startswith("sqlite")
-            cursor = self._raw.cursor()
-            try:
-                if sqlite:
-                    cursor.execute("PRAGMA synchronous=OFF")
-                else:
-                    cursor.execute("SET LOCAL synchronous_commit TO OFF")
-                if cut:
-                    cursor.executemany(self._insert_named, sorted((req, i) for i, req in unmerged[:cut]))
-                cursor.execute(self._set_named_until, (until,))
-                self._raw.commit()
-            except Exception as exc:
-                with contextlib.suppress(Exception):
-                    self._raw.rollback()
-                raise StoreError(
-                    f"audit store {self.url}: merging the index of named requests failed: {exc}"
-                ) from exc
-            finally:
-                if sqlite:
-                    with contextlib.suppress(Exception):
-                        cursor.execute("PRAGMA synchronous=FULL")
-                cursor.close()
-            del unmerged[:cut]
-            self._named_until = until
-            return bool(unmerged)
 
     def _checkpoint_loop(self) -> None:
         assert self._checkpoints is not None
@@ -738,11 +665,15 @@ class Store:
         c = records.c
         # Runs are selected by what may match (their first id and time, every request they
         # name), and their events filtered one by one below.
-        query = select(c.id, c.kind, c.ts_ns, c.body, c.req).order_by(c.id)
+        query = select(c.id, c.kind, c.ts_ns, c.body).order_by(c.id)
         if kind:
             query = query.where(c.kind.in_(("event", "events")) if kind == "event" else c.kind == kind)
         if tenant:
             query = query.where((c.tenant == tenant) | (c.victim_tenant == tenant) | (c.kind == "events"))
+        if req:  # its own request, or one it names beyond it (a read launch's batch, a victim, a run)
+            query = query.where(
+                (c.req == req) | c.id.in_(select(named.c.record_id).where(named.c.req == req))
+            )
         if node:
             query = query.where(c.node == node)
         if finding:
@@ -756,24 +687,11 @@ class Store:
         with self.engine.connect() as conn:
             if after:
                 query = query.where(c.id >= _holding(conn, after + 1))
-            unindexed = 1 << 63
-            queries = [query]
-            if req:  # its own request, or one it names beyond it (a read launch's batch, a victim, a run)
-                # The index stands behind the chain: the records past it are read whole, in a
-                # query of their own (in one OR with the others, SQLite scans every record).
-                unindexed = int(conn.execute(select(named_until.c.record_id)).scalar_one())
-                mentions = (c.req == req) | c.id.in_(select(named.c.record_id).where(named.c.req == req))
-                queries = [query.where(mentions & (c.id < unindexed)), query.where(c.id >= unindexed)]
-            found = (
-                row
-                for part in queries
-                for row in conn.execution_options(stream_results=True, yield_per=2000).execute(part)
-            )
-            for record_id, record_kind, ts_ns, body, own_req in found:
+            for record_id, record_kind, ts_ns, body in conn.execution_options(
+                stream_results=True, yield_per=2000
+            ).execute(query):
                 if record_kind != "events":
                     if record_id <= after or ts_ns < since_ns:
-                        continue
-                    if record_id >= unindexed and own_req != req and req not in named_of(record_kind, body):
                         continue
                     yield record_id, record_kind, body
                     left -= 1
@@ -843,8 +761,7 @@ class Store:
         proven only with its audit key; a key given for a store that is not sealed proves
         nothing either (the seal may have been removed along with a rewrite). The index of
         named requests, outside the chain, is checked against the bodies it derives from (a
-        row removed from it would hide a read launch from a request's timeline) as far as
-        named_until says it is complete, and must hold nothing past that."""
+        row removed from it would hide a read launch from a request's timeline)."""
         if self._given and not self._seals:
             return (
                 False,
@@ -866,7 +783,6 @@ class Store:
                 )
             )
             pending = next(index, None)
-            unindexed = int(side.execute(select(named_until.c.record_id)).scalar_one())
             for row in result:
                 v = row._mapping
                 if v["id"] != expected_id:
@@ -889,8 +805,7 @@ class Store:
                 while pending is not None and pending[0] <= v["id"]:
                     indexed.append((pending[0], pending[1]))
                     pending = next(index, None)
-                names = named_of(v["kind"], v["body"]) if v["id"] < unindexed else ()
-                if sorted(indexed) != [(v["id"], req) for req in names]:
+                if sorted(indexed) != [(v["id"], req) for req in named_of(v["kind"], v["body"])]:
                     return False, n, f"record {v['id']}: the index of the requests it names was altered"
                 ids = _ids(v["kind"], v["body"])
                 if v["kind"] == "events" and ids < 2:
@@ -898,14 +813,9 @@ class Store:
                 prev, expected_id, n = v["hash"], expected_id + ids, n + ids
         if pending is not None:
             return False, n, f"the index of named requests lists record {pending[0]}, past the last record"
-        if unindexed > expected_id:
-            return False, n, f"the index of named requests stands at record {unindexed}, past the last record"
         return True, n, ""
 
     def close(self) -> None:
-        if self._unmerged and not self._closed:
-            with contextlib.suppress(StoreError):  # if not, the next writer derives them again
-                self.merge_names()
         self._closed = True
         if self._checkpoints is not None:
             self._checkpoints.set()

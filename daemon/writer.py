@@ -24,16 +24,11 @@ from multiprocessing.connection import Connection
 from kvguard.daemon.store import EventRun, Record, Store, StoreError, rows_of
 
 READY_TIMEOUT_S = 60.0  # for the writer process to start and open the store
-# While no group waits, the index of named requests catches up this many names a merge (with
-# names at random, a leaf each: ~1-2 ms, the most a group that arrives then waits for it).
-MERGE_NAMES = 128
-UNMERGED_MOST = 1 << 16  # names left unmerged at most: past this, merged even while groups wait
 
 
 def _serve(where: str, key: bytes | None, conn: Connection) -> None:
     try:
         store = Store(where, key)
-        store.unmerged_names()  # those the last writer left: derived now, not in the first commit
     except Exception as exc:  # said to the daemon, which refuses to start
         conn.send(("error", f"the store writer cannot open the store: {exc}"))
         return
@@ -41,8 +36,6 @@ def _serve(where: str, key: bytes | None, conn: Connection) -> None:
     try:
         while True:
             try:
-                while not conn.poll() and store.merge_names(MERGE_NAMES):
-                    pass
                 groups = [conn.recv()]
                 # Groups that queued up while the last commit ran are committed together: one
                 # transaction and one fsync for all of them, so a backlog drains faster.
@@ -56,8 +49,6 @@ def _serve(where: str, key: bytes | None, conn: Connection) -> None:
             rows = [rows_of(messages, parts) for messages, parts in groups]
             try:
                 ids = store.append([row for group in rows for row in group])
-                while store.unmerged > UNMERGED_MOST:  # never idle: the index keeps up all the same
-                    store.merge_names(MERGE_NAMES)
             except StoreError as exc:
                 conn.send(("error", str(exc)))
                 return
@@ -114,7 +105,6 @@ class InlineWriter(Writer):
         assert self._loop is not None, "start() first"
         try:
             ids = self.store.append(rows_of(messages, parts))
-            self.store.merge_names()
         except StoreError as exc:
             self._loop.call_soon_threadsafe(self._failed, exc)
             return

@@ -5,7 +5,6 @@ as the records it replaces."""
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -177,23 +176,17 @@ def named_rows(store_url: str) -> list[tuple[str, int]]:
     return [(str(req), int(record_id)) for req, record_id in rows]
 
 
-def test_the_named_index_keeps_its_rows_across_migrations_0007_and_0008(
-    store_url: str, tmp_path: Path
-) -> None:
+def test_the_named_index_keeps_its_rows_across_migration_0007(store_url: str, tmp_path: Path) -> None:
     """0007 keeps the index as one B-tree by request (its primary key; WITHOUT ROWID in
-    SQLite), 0008 behind the chain. A store whose writer died before merging all its names,
-    taken back to 0006, lists every record's names as one that never left any (0008's
-    downgrade derives them); forward again, every query by request reads the same records."""
-    append_and_die(store_url, seed=13, merges=2)
-    reference = Store(str(tmp_path / "reference.db"))
-    append_runs(reference, 13)
-    reference.close()  # merges all it appended
-    rows = named_rows(str(tmp_path / "reference.db"))
-    assert len(rows) > 50 and len(named_rows(store_url)) < len(rows)
-    store = Store(store_url)
-    total = store.count()
-    answers = {req: list(store.rows(req=req)) for req in sorted({req for req, _ in rows})}
-    store.close()
+    SQLite): taken back to 0006 and forward again, it lists the same rows, and every query
+    by request reads the same records."""
+    runs, plain = stores(tmp_path, store_url, seed=13)
+    plain.close()
+    rows = named_rows(store_url)
+    assert len(rows) > 50
+    answers = {req: list(runs.rows(req=req)) for req in sorted({req for req, _ in rows})}
+    total = runs.count()
+    runs.close()
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     engine = create_engine(url_of(store_url))
@@ -202,7 +195,6 @@ def test_the_named_index_keeps_its_rows_across_migrations_0007_and_0008(
         command.downgrade(config, "0006")
     assert {i["name"] for i in inspect(engine).get_indexes("named")} == {"named_req"}
     assert not inspect(engine).get_pk_constraint("named")["constrained_columns"]
-    assert "named_until" not in inspect(engine).get_table_names()
     engine.dispose()
     assert named_rows(store_url) == rows
     upgraded = Store(store_url)
@@ -214,146 +206,16 @@ def test_the_named_index_keeps_its_rows_across_migrations_0007_and_0008(
                 db.execute(text("SELECT rowid FROM named"))
         engine.dispose()
         assert named_rows(store_url) == rows
-        assert upgraded.unmerged_names() == []  # 0008 starts past the last record: all of it indexed
         assert {req: list(upgraded.rows(req=req)) for req in answers} == answers
         assert upgraded.verify() == (True, total, "")
     finally:
         upgraded.close()
 
 
-def index_stands_at(store_url: str) -> int:
-    engine = create_engine(url_of(store_url))
-    with engine.connect() as db:
-        stands = int(db.execute(text("SELECT record_id FROM named_until")).scalar_one())
-    engine.dispose()
-    return stands
-
-
-def append_runs(store: Store, seed: int) -> None:
-    messages, groups, _ = workload(seed)
-    for parts in groups:
-        store.append(rows_of(messages, parts))
-
-
-def append_and_die(store_url: str, seed: int, merges: int) -> None:
-    """A writer process appends the workload in runs, merges `merges` times a few names, and
-    dies without merging the rest (as a writer killed mid-stream)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            store = Store(store_url)
-            append_runs(store, seed)
-            for _ in range(merges):
-                store.merge_names(25)
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-
-
-def requests_named(store: Store) -> list[str]:
-    """Every request the store's events name."""
-    found = set()
-    for event in store.events():
-        own, _, others = store_module._indexed(event)
-        found |= {own, *others} - {""}
-    return sorted(found)
-
-
-def test_queries_by_request_read_past_the_index_until_it_catches_up(store_url: str, tmp_path: Path) -> None:
-    """The writer merges a record's names into the index after the commit that appends it,
-    while idle (merge_names). Wherever the index stands, a query by request reads what it
-    reads from a store indexed to the end, and verify holds."""
-    runs, plain = stores(tmp_path, store_url, seed=17)
-    try:
-        plain.merge_names()
-        total = plain.count()
-        requests = requests_named(plain)
-        expected = {req: list(plain.rows(req=req)) for req in requests}
-        assert sum(map(len, expected.values())) > 200
-        assert index_stands_at(store_url) == 1  # nothing merged: the whole store lies past it
-        assert {req: list(runs.rows(req=req)) for req in requests} == expected
-        merges = 0
-        while runs.merge_names(25):
-            merges += 1
-            assert 1 < index_stands_at(store_url) <= total
-            sample = requests[merges % 5 :: 5]
-            assert {req: list(runs.rows(req=req)) for req in sample} == {req: expected[req] for req in sample}
-            assert runs.verify() == (True, total, "")
-        assert merges > 3 and runs.unmerged == 0
-        assert index_stands_at(store_url) == total + 1
-        assert {req: list(runs.rows(req=req)) for req in requests} == expected
-        assert runs.verify() == (True, total, "")
-    finally:
-        runs.close()
-        plain.close()
-
-
-def test_names_a_writer_left_unmerged_are_merged_by_the_next(store_url: str, tmp_path: Path) -> None:
-    """A writer killed before merging leaves names past the index; queries read them from the
-    bodies meanwhile, and the next writer derives them and merges them: the index ends as
-    that of a writer never stopped."""
-    append_and_die(store_url, seed=19, merges=3)
-    _, _, flat = workload(19)
-    plain, reference = Store(str(tmp_path / "plain.db")), Store(str(tmp_path / "reference.db"))
-    for rows in flat:
-        plain.append(rows)
-    plain.merge_names()
-    append_runs(reference, 19)
-    reference.close()
-    stands = index_stands_at(store_url)
-    survivor = Store(store_url)
-    try:
-        total = plain.count()
-        assert 1 < stands <= total  # some merged, not all
-        expected = {req: list(plain.rows(req=req)) for req in requests_named(plain)}
-        assert {req: list(survivor.rows(req=req)) for req in expected} == expected
-        assert survivor.verify() == (True, total, "")
-        assert survivor.unmerged_names() and survivor.unmerged_names()[0][0] >= stands
-        assert not survivor.merge_names()
-        assert index_stands_at(store_url) == total + 1
-        assert named_rows(store_url) == named_rows(str(tmp_path / "reference.db"))
-        assert {req: list(survivor.rows(req=req)) for req in expected} == expected
-        assert survivor.verify() == (True, total, "")
-    finally:
-        survivor.close()
-        plain.close()
-
-
-@pytest.mark.parametrize("move", ["ahead of its names", "behind its names", "past the last record"])
-def test_verify_holds_the_index_to_where_it_stands(store_url: str, move: str) -> None:
-    """named_until says how far the index is complete: moved ahead of the names merged, a
-    query by request would miss records; moved behind them, or past the last record, it no
-    longer says where the index stands. verify finds each."""
-    append_and_die(store_url, seed=23, merges=0 if move == "ahead of its names" else 1000)
-    engine = create_engine(url_of(store_url))
-    with engine.connect() as db:
-        last = int(db.execute(text("SELECT max(id) FROM records")).scalar_one())
-    stands = index_stands_at(store_url)
-    assert stands == 1 if move == "ahead of its names" else stands > last
-    to, why = {
-        "ahead of its names": (last + 1, "the index of the requests it names was altered"),
-        "behind its names": (last // 2, "the index of the requests it names was altered"),
-        "past the last record": (last + 100_000, "the index of named requests stands at record"),
-    }[move]
-    with engine.begin() as db:
-        db.execute(text("UPDATE named_until SET record_id = :to"), {"to": to})
-    engine.dispose()
-    edited = Store(store_url)
-    try:
-        ok, _, message = edited.verify()
-        assert not ok and why in message, message
-    finally:
-        edited.close()  # it appended nothing, so it merges nothing: the edit stands
-
-
 @pytest.mark.parametrize("edit", ["an event in its body", "a request it names", "the whole run"])
 def test_a_run_is_as_tamper_evident_as_its_events(store_url: str, tmp_path: Path, edit: str) -> None:
     runs, plain = stores(tmp_path, store_url, seed=11)
     plain.close()
-    runs.merge_names()
     run_id, body, named = first_run(store_url)
     assert named
     events = list(svc.RawEventBatch.FromString(body).events)
