@@ -26,7 +26,9 @@ agent's stream opens, before the clock starts (an engine reports its pool when i
 amid sustained traffic; creating a pool's page records, 4 MiB for 65,536 pages, takes the
 daemon 1-4 ms, and 16 of them in the first 30 ms of a run once made the first planted faults
 its slowest alerts), then correct request lifecycles, each alloc / write / one attention read
-/ free of R pages taken from the agent's own pool: 4 R page transitions, no finding. The
+/ free of R pages taken from the agent's own pool: 4 R page transitions, no finding; the
+requests named at random as engines name them (--req-names sequential: n0-r0, n0-r1, ...,
+which the store indexes side by side, cheaper for its writer). The
 daemon's cost is per event, so the same page rate costs it more in small events: every run is
 repeated for each R of --req-pages (default 64 and 256: a 1K- and a 4K-token context at 16
 tokens a page). Sent in batches of --batch-events (64) events. Every --plant-every-th (4th)
