@@ -51,6 +51,11 @@ _LEN = struct.Struct(">I")
 AGENT = "kvguard-agent"  # how the agent names itself to the daemon
 WITNESS = "ebpf"  # a node's witness reports as node/ebpf: its own sequence, beside the guard's
 SHIM = "shim"  # and its engine's LD_PRELOAD shim as node/shim
+# A shim's records come on a socket of their own, read by another thread than its engine's
+# guard: one may be read before the guard's hello (waited for this long) or after the guard
+# has gone (its node kept this long; far shorter than the kernel takes to reuse a PID).
+SHIM_GUARD_WAIT_S = 5.0
+DEPARTED_KEEP_S = 10.0
 IN_FLIGHT = 4  # batches a node's stream sends ahead of their acks (the daemon takes 8)
 # A batch goes ahead of an ack once AHEAD_MIN events wait, or the oldest has waited
 # AHEAD_AFTER_S: a stalled commit (a slow disk) then holds no event, so no kill, for longer
@@ -218,9 +223,11 @@ class NodeAgent:
         self.spools: dict[str, Spool] = {}
         self.sources: dict[str, Source] = {}
         self.engines: dict[int, str] = {}  # engine process -> the node its guard speaks for
+        self._departed: dict[int, tuple[str, float]] = {}  # engines whose guard went: (node, when)
         self._shim_dropped: dict[int, int] = {}
         self.guards: dict[str, socket.socket] = {}
         self.lock = threading.Lock()
+        self._engines_changed = threading.Condition(self.lock)
         self.stopping = threading.Event()
         self.counters: dict[str, int] = {
             "events": 0,
@@ -297,6 +304,8 @@ class NodeAgent:
             with self.lock:
                 self.guards[node] = conn
                 self.engines[pid] = node
+                self._departed.pop(pid, None)
+                self._engines_changed.notify_all()
             spool = self._spool(node)
             self.witness.watch(pid, node)
             while True:
@@ -329,6 +338,9 @@ class NodeAgent:
                 if current:
                     del self.guards[node]
                     self.engines.pop(pid, None)
+                    now = time.monotonic()
+                    self._departed = {p: g for p, g in self._departed.items() if now - g[1] < DEPARTED_KEEP_S}
+                    self._departed[pid] = (node, now)
             if current:
                 self.witness.unwatch(pid)
             conn.close()
@@ -336,8 +348,7 @@ class NodeAgent:
     def _shim_record(self, pid: int, record: ShimRecord) -> None:
         """A transfer's CUDA copies as the engine's shim counted them: a wire event of the
         engine's node's shim source. The node is the one whose guard runs in that process."""
-        with self.lock:
-            node = self.engines.get(pid)
+        node = self._engine_node(pid)
         if node is None:
             self._shim_refused(pid, f"no guard of process {pid} is connected, so its node is unknown")
             return
@@ -357,6 +368,21 @@ class NodeAgent:
         if record.dropped > self._shim_dropped.get(pid, 0):  # in-band, like any other loss
             self._shim_dropped[pid] = record.dropped
             source.emit(heartbeat=pb.Heartbeat(agent_version=AGENT, dropped=record.dropped))
+
+    def _engine_node(self, pid: int) -> str | None:
+        """The node whose guard runs in process `pid`: waiting up to SHIM_GUARD_WAIT_S for the
+        guard's hello, or the node of a guard gone less than DEPARTED_KEEP_S ago."""
+        deadline = time.monotonic() + SHIM_GUARD_WAIT_S
+        with self._engines_changed:
+            while True:
+                node = self.engines.get(pid)
+                gone = self._departed.get(pid)
+                if node is None and gone is not None and time.monotonic() - gone[1] < DEPARTED_KEEP_S:
+                    node = gone[0]
+                left = deadline - time.monotonic()
+                if node is not None or left <= 0 or self.stopping.is_set():
+                    return node
+                self._engines_changed.wait(min(left, 0.5))
 
     def _shim_refused(self, pid: int, reason: str) -> None:
         self.counters["shim_refused"] += 1

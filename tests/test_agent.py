@@ -296,3 +296,53 @@ def test_the_agent_sends_on_while_a_batch_commits(tmp_path: Path, held_writer: t
         writer.release()
         daemon.close()
         store.close()
+
+
+def shim_record(xfer: str, device_bytes: int) -> bytes:
+    """A shim's record as the LD_PRELOAD library sends it: one d2h copy of `device_bytes`."""
+    by_kind = [0, 0, device_bytes, 0, 0, 0, 0, 0]  # h2h, h2d, d2h, d2d, default, unused
+    return struct.pack("=IHHIi128s8QQQQQ", 0x5347564B, 1, 0, 0, 0, xfer.encode(), *by_kind, 1, 0, 0, 0)
+
+
+def test_a_shim_record_is_kept_read_before_its_guards_hello_or_after_it_has_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An engine's shim reports on a socket of its own, read by another thread than its guard's,
+    # so the agent may read a record before the guard's hello or after the guard has gone (an
+    # engine that ends a transfer and exits: a CI flake once). Both keep the engine's node;
+    # a process that never had a guard is refused once the wait is over.
+    monkeypatch.setattr(agent_module, "SHIM_GUARD_WAIT_S", 3.0)
+    store = str(tmp_path / "audit.db")
+    daemon, address = start_daemon(store)
+    agent = NodeAgent(tmp_path / "agent.sock", address, tmp_path / "spool")
+    threading.Thread(target=agent.serve, daemon=True).start()
+    shim = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # this process plays the engine
+    try:
+        assert wait_for(lambda: (tmp_path / "agent.sock.shim").exists())
+        shim.connect(str(tmp_path / "agent.sock.shim"))
+        shim.send(shim_record("p0-x1", 4096))  # before the guard has said hello
+        time.sleep(0.5)
+        assert agent.counters["shim_records"] == agent.counters["shim_refused"] == 0  # waiting
+        guard = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # the guard, as AgentSink speaks
+        guard.connect(str(tmp_path / "agent.sock"))
+        send_frame(guard, svc.AgentMessage(hello=svc.Hello(node="p0", agent_version="guard")))
+        assert wait_for(lambda: agent.counters["shim_records"] == 1)
+        guard.close()
+        assert wait_for(lambda: not agent.engines)  # the guard has gone
+        shim.send(shim_record("p0-x2", 8192))
+        assert wait_for(lambda: agent.counters["shim_records"] == 2)
+        monkeypatch.setattr(agent_module, "SHIM_GUARD_WAIT_S", 0.2)
+        monkeypatch.setattr(agent_module, "DEPARTED_KEEP_S", 0.0)  # long gone now
+        shim.send(shim_record("p0-x3", 1))
+        assert wait_for(lambda: agent.counters["shim_refused"] == 1)
+        assert agent.counters["shim_records"] == 2
+
+        def wires() -> list[tuple[str, int]]:
+            return [(e.wire.xfer, e.wire.bytes) for e in stored(store) if e.node == "p0/shim"]
+
+        assert wait_for(lambda: len(wires()) == 2)
+        assert wires() == [("p0-x1", 4096), ("p0-x2", 8192)]
+    finally:
+        shim.close()
+        agent.stop()
+        daemon.stop()
