@@ -197,8 +197,8 @@ def build_agent(
     i = 0
     while n_events < events:
         index = len(batches)
-        due = index >= first_plant and (index - first_plant) % plant_every == 0
-        if plant_every and due and index not in planted:
+        due = plant_every and index >= first_plant and (index - first_plant) % plant_every == 0
+        if due and index not in planted:
             req = f"{node}-planted{index}"
             page = take(1)
             current += [
@@ -239,7 +239,7 @@ def first_plant(k: int, plant_every: int, lockstep: bool) -> int:
     run (at the goal rate every ~8 ms instead of 16 in 33 ms of every 131), so the latency is
     sampled across the whole run, not in a quarter of it, and alerts do not queue behind their
     own round."""
-    return plant_every - 1 + (0 if lockstep else k % plant_every)
+    return plant_every - 1 + (0 if lockstep or not plant_every else k % plant_every)
 
 
 def page_count(event: pb.Event) -> int:
