@@ -412,13 +412,18 @@ def store_url(where: str) -> str:
     return where if "://" in where else f"sqlite:///{Path(where).resolve()}"
 
 
-def migrate(engine: Engine) -> None:
-    """Bring the schema to the newest revision (Alembic)."""
+def migrations(conn: Any) -> Config:
+    """Alembic's configuration of the store's migrations, run on `conn` (in its transaction)."""
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["connection"] = conn
+    return config
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the schema to the newest revision (Alembic)."""
     with engine.begin() as conn:
-        config.attributes["connection"] = conn
-        command.upgrade(config, "head")
+        command.upgrade(migrations(conn), "head")
 
 
 class StoreError(RuntimeError):

@@ -19,7 +19,6 @@ from typing import Any
 import grpc
 import pytest
 from alembic import command
-from alembic.config import Config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from sqlalchemy import create_engine, inspect, text
@@ -27,7 +26,7 @@ from sqlalchemy import create_engine, inspect, text
 from kvguard.daemon import server
 from kvguard.daemon.client import AgentStream, DaemonRefused, send_capture
 from kvguard.daemon.process import Service, start_daemon
-from kvguard.daemon.store import MIGRATIONS, EventRun, Record, Store, StoreError
+from kvguard.daemon.store import EventRun, Record, Store, StoreError, migrations
 from kvguard.daemon.store import store_url as url_of
 from kvguard.daemon.writer import InlineWriter, StoreWriter
 from kvguard.ledger import snapshot
@@ -175,11 +174,8 @@ def test_a_store_of_an_earlier_schema_is_upgraded_in_place(store_url: str) -> No
     s = Store(store_url)
     s.append([Record.of_event(e) for e in EVENTS])
     s.close()
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
     with create_engine(url_of(store_url)).begin() as conn:
-        config.attributes["connection"] = conn
-        command.downgrade(config, "0001")
+        command.downgrade(migrations(conn), "0001")
     assert {"records_event_node_seq", "records_tenant"} <= indexes(store_url)
     s = Store(store_url)
     try:

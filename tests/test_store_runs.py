@@ -10,19 +10,18 @@ from pathlib import Path
 
 import pytest
 from alembic import command
-from alembic.config import Config
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import OperationalError
 
 from kvguard.daemon import store as store_module
 from kvguard.daemon.store import (
-    MIGRATIONS,
     RUN_MAX,
     RUN_SPAN_NS,
     EventRun,
     Record,
     Store,
     StoreError,
+    migrations,
     rows_of,
 )
 from kvguard.daemon.store import store_url as url_of
@@ -187,12 +186,9 @@ def test_the_named_index_keeps_its_rows_across_migration_0007(store_url: str, tm
     answers = {req: list(runs.rows(req=req)) for req in sorted({req for req, _ in rows})}
     total = runs.count()
     runs.close()
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
     engine = create_engine(url_of(store_url))
     with engine.begin() as conn:
-        config.attributes["connection"] = conn
-        command.downgrade(config, "0006")
+        command.downgrade(migrations(conn), "0006")
     assert {i["name"] for i in inspect(engine).get_indexes("named")} == {"named_req"}
     assert not inspect(engine).get_pk_constraint("named")["constrained_columns"]
     engine.dispose()
