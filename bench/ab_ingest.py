@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--paced", type=float, default=ingest.GOAL_TRANSITIONS)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--cpu-latency-us", default="", metavar="US", help="both daemons' --cpu-latency-us (default: none)"
+    )
     args = parser.parse_args()
     other = args.other.resolve()
     if other.name != "kvguard" or not (other / "daemon" / "server.py").exists():
@@ -52,7 +55,10 @@ def main() -> None:
     ]
     gc.collect()
     gc.freeze()
-    print(f"paced {args.paced / 1e6:g} M trans/s, 16 agents, 64-page events; this = {HERE}, other = {other}")
+    print(
+        f"paced {args.paced / 1e6:g} M trans/s, 16 agents, 64-page events, "
+        f"{ingest.woken(args.cpu_latency_us)}; this = {HERE}, other = {other}"
+    )
     p99s: dict[str, list[float]] = {side: [] for side in sides}
     cpus: dict[str, list[dict[str, float]]] = {side: [] for side in sides}  # µs an event
     with tempfile.TemporaryDirectory(prefix="kvguard-ab-") as tmp:
@@ -60,7 +66,15 @@ def main() -> None:
             for side, (tree, path) in sides.items():
                 os.environ["PYTHONPATH"] = path  # the daemon's process imports kvguard from there
                 os.chdir(tree)
-                run, _ = ingest.daemon_run(workloads, args.seconds, Path(tmp), f"{side}{i}", None, args.paced)
+                run, _ = ingest.daemon_run(
+                    workloads,
+                    args.seconds,
+                    Path(tmp),
+                    f"{side}{i}",
+                    None,
+                    args.paced,
+                    wake=args.cpu_latency_us,
+                )
                 for f in Path(tmp).iterdir():
                     if f.is_file():  # the run's store and logs: each run starts empty
                         f.unlink()

@@ -68,7 +68,10 @@ on these cores a tail latency measures them: one tree's p99 ranged 12-390 ms wit
 The subscriber also reads the machine's stolen CPU time every STEAL_SAMPLE_S (2 ms): each paced
 run says how many planted alerts' paths (scheduled send to arrival) overlapped stolen time,
 and the others' p50/p99. Each paced run is made --repeat times (3); the goal is judged on the
-run the hypervisor stole the least from, and every run's p99 and steal are printed.
+run the hypervisor stole the least from, and every run's p99 and steal are printed. Paced runs
+are made with the daemon's --cpu-latency-us off (the machine's own idle policy) and 0 (idle
+CPUs poll: on this VM an idle vCPU halts to the host, and its wake-up waits for the host,
+which the guest counts as stolen time), in turn, each judged on its own (--cpu-latency-us).
 --py-spy DIR records the daemon with `py-spy record --gil` (samples of the thread holding the
 GIL: where its Python time goes). bench/ab_ingest.py runs the paced goal run against this
 tree's daemon and another checkout's in turn.
@@ -79,6 +82,7 @@ one run), not absolute rates.
     python bench/ingest.py [--agents 1,4,16] [--seconds N] [--batch-events N] [--pages N]
                            [--req-pages R,...] [--paced TRANS_PER_S,...]
                            [--paced-as batches|agent|both] [--client aio|threads]
+                           [--cpu-latency-us US|off,...]
                            [--py-spy DIR]
 """
 
@@ -831,9 +835,13 @@ def daemon_run(
     paced: float = 0.0,
     as_agent: bool = False,
     client: str = "aio",
+    wake: str = "",
 ) -> tuple[Run, int]:
+    """One run against a fresh daemon; `wake`: its --cpu-latency-us ("": none given)."""
     store = store_dir / f"ingest-{tag}.db"
     cmd = [sys.executable, "-m", "kvguard", "daemon", "--listen", "127.0.0.1:0", "--store", str(store)]
+    if wake:
+        cmd += ["--cpu-latency-us", wake]
     if spy is not None:
         py_spy = Path(sys.executable).with_name("py-spy")
         spy.mkdir(parents=True, exist_ok=True)
@@ -891,6 +899,11 @@ def machine_use(run: Run) -> str:
     return ", ".join(f"{share:.1%} {kind}" for kind, share in run.machine.items())
 
 
+def woken(wake: str) -> str:
+    """How the paced run's daemon let idle CPUs sleep (its --cpu-latency-us)."""
+    return f"daemon --cpu-latency-us {wake}" if wake else "the machine's idle policy"
+
+
 def ms(values: list[float], q: float) -> str:
     return f"{np.percentile(values, q) * 1e3:.2f}" if values else "-"
 
@@ -941,6 +954,13 @@ def main() -> None:
         "AgentStream (--paced-as agent always does)",
     )
     parser.add_argument(
+        "--cpu-latency-us",
+        default="off,0",
+        metavar="US|off,...",
+        help="paced runs: the daemon's --cpu-latency-us, each in turn (off: none given, the machine's own "
+        "idle policy; 0: idle CPUs poll). Default both, side by side; each judged on its own",
+    )
+    parser.add_argument(
         "--repeat",
         type=int,
         default=3,
@@ -977,14 +997,15 @@ def main() -> None:
         f"each run capped at {args.seconds:g} s"
     )
     header = (
-        f"{'pages':>5} {'agents':>14} {'events/s':>9} {'Mtrans/s':>9} {'floor Mtrans/s':>14} {'ratio':>6} "
+        f"{'pages':>5} {'agents':>17} {'events/s':>9} {'Mtrans/s':>9} {'floor Mtrans/s':>14} {'ratio':>6} "
         f"{'alert p50 ms':>12} {'alert p99 ms':>12} {'alerts':>6} {'kill p50 ms':>11} {'kill p99 ms':>11} "
         f"{'ack p50 ms':>10} {'ack p99 ms':>10} "
         f"{'floor ack p50':>13} {'store MB':>8}"
     )
     rows: list[str] = []
     results: list[tuple[int, int, Run, Run]] = []  # (pages per request, agents, daemon, floor)
-    paced: list[tuple[int, float, str, Run]] = []  # (pages per request, offered, batching, run)
+    paced: list[tuple[int, float, str, str, Run]] = []  # (pages per request, offered, batching, wake, run)
+    wakes = ["" if w == "off" else w for w in args.cpu_latency_us.split(",")]
     batchings = {"batches": ["batches"], "agent": ["agent"], "both": ["batches", "agent"]}[args.paced_as]
     offers = [float(x) for x in args.paced.split(",") if float(x) > 0]
     with tempfile.TemporaryDirectory(prefix="kvguard-bench-") as tmp:
@@ -1019,7 +1040,7 @@ def main() -> None:
                 floor = floor_run(workloads, args.seconds, store_dir, tag, args.client)
                 ratio = daemon.rate / floor.rate if floor.rate else 0.0
                 rows.append(
-                    f"{size:>5} {n:>14} {daemon.event_rate:>9.0f} {daemon.rate / 1e6:>9.3f} "
+                    f"{size:>5} {n:>17} {daemon.event_rate:>9.0f} {daemon.rate / 1e6:>9.3f} "
                     f"{floor.rate / 1e6:>14.3f} {ratio:>6.3f} {ms(daemon.alerts, 50):>12} "
                     f"{ms(daemon.alerts, 99):>12} {len(daemon.alerts):>6} {ms(daemon.kills, 50):>11} "
                     f"{ms(daemon.kills, 99):>11} {ms(daemon.acks, 50):>10} "
@@ -1034,8 +1055,14 @@ def main() -> None:
                     for error in run.errors:
                         print(f"  ERROR ({name}, {n} agents): {error}", flush=True)
                 results.append((size, n, daemon, floor))
-                for offered, batching, repeat in (
-                    [(o, b, i) for o in offers for b in batchings for i in range(args.repeat)]
+                for offered, batching, repeat, wake in (
+                    [
+                        (o, b, i, w)
+                        for o in offers
+                        for b in batchings
+                        for i in range(args.repeat)
+                        for w in wakes
+                    ]
                     if n == max(counts)
                     else []
                 ):
@@ -1043,24 +1070,25 @@ def main() -> None:
                         workloads,
                         args.seconds,
                         store_dir,
-                        f"{tag}-paced{offered:.0f}-{batching}-{repeat}",
+                        f"{tag}-paced{offered:.0f}-{batching}-{repeat}-wake{wake or 'off'}",
                         args.py_spy,
                         offered,
                         batching == "agent",
                         args.client,
+                        wake,
                     )
-                    paced.append((size, offered, batching, run))
-                    label = f"{n} @{offered / 1e6:g}M {batching}"
+                    paced.append((size, offered, batching, wake, run))
+                    label = f"{n} @{offered / 1e6:g}M {batching}{f' w{wake}' if wake else ''}"
                     rows.append(
-                        f"{size:>5} {label:>14} {run.event_rate:>9.0f} "
+                        f"{size:>5} {label:>17} {run.event_rate:>9.0f} "
                         f"{run.rate / 1e6:>9.3f} {'-':>14} {'-':>6} {ms(run.alerts, 50):>12} "
                         f"{ms(run.alerts, 99):>12} {len(run.alerts):>6} {ms(run.kills, 50):>11} "
                         f"{ms(run.kills, 99):>11} {ms(run.acks, 50):>10} "
                         f"{ms(run.acks, 99):>10} {'-':>13} {db / 1e6:>8.1f}"
                     )
                     print(
-                        f"  {n} agents paced at {offered / 1e6:g} M trans/s ({batching}): daemon "
-                        f"{run.events} events in {run.elapsed:.1f} s",
+                        f"  {n} agents paced at {offered / 1e6:g} M trans/s ({batching}, {woken(wake)}): "
+                        f"daemon {run.events} events in {run.elapsed:.1f} s",
                         flush=True,
                     )
                     for error in run.errors:
@@ -1089,11 +1117,11 @@ def main() -> None:
             f"goal >= {GOAL_TRANSITIONS / 1e6:g} M page transitions/s with {size}-page events: "
             f"{'met' if best >= GOAL_TRANSITIONS else 'MISSED'} (best closed loop {best / 1e6:.3f} M/s)"
         )
-    judged: dict[tuple[int, float, str], list[Run]] = {}
-    for size, offered, batching, run in paced:
+    judged: dict[tuple[int, float, str, str], list[Run]] = {}
+    for size, offered, batching, wake, run in paced:
         if run.alerts:
-            judged.setdefault((size, offered, batching), []).append(run)
-    for (size, offered, batching), runs in judged.items():
+            judged.setdefault((size, offered, batching, wake), []).append(run)
+    for (size, offered, batching, wake), runs in judged.items():
         # The run the host disturbed least: with a vCPU taken away for 10 ms, every alert in
         # flight waits it out, and the tail measures the other guests on these cores.
         run = min(runs, key=lambda r: r.machine.get("steal", 0.0))
@@ -1102,17 +1130,18 @@ def main() -> None:
         every = ", ".join(f"{ms(r.alerts, 99)} ({r.machine.get('steal', 0.0):.1%})" for r in runs)
         print(
             f"p99 event-to-alert < {GOAL_P99_MS:g} ms at {offered / 1e6:g} M/s offered in {size}-page "
-            f"events, sent as {batching} ({run.event_rate:.0f} events/s): "
+            f"events, sent as {batching}, {woken(wake)} ({run.event_rate:.0f} events/s): "
             f"{'yes' if kept and p99 < GOAL_P99_MS else 'NO'} "
             f"({run.rate / 1e6:.3f} M/s kept up, p99 {p99:.2f} ms)"
             f"{' (the goal)' if offered == GOAL_TRANSITIONS else ''}; judged on the run with the least CPU "
             f"time stolen by the hypervisor, of {len(runs)}: p99 ms (steal) {every}"
         )
-    for size, offered, batching, run in paced:
+    for size, offered, batching, wake, run in paced:
         said = ", ".join(f"{stage} {p50:.2f}/{p99:.2f}" for stage, (p50, p99, _) in run.stages.items())
         print(
-            f"the daemon's own time at {offered / 1e6:g} M/s ({size}-page events, {batching}), receipt "
-            f"of a batch to each step, p50/p99 ms: {said} (its whole run, the probe and pool reports too); "
+            f"the daemon's own time at {offered / 1e6:g} M/s ({size}-page events, {batching}, "
+            f"{woken(wake)}), receipt of a batch to each step, p50/p99 ms: {said} (its whole run, the probe "
+            f"and pool reports too); "
             f"its CPU: {cpu_use(run)}; the machine's CPU time meanwhile: {machine_use(run)}; planted "
             f"alerts whose path overlapped stolen CPU time: {run.stolen} of {len(run.alerts)}, the "
             f"others' p50/p99 {ms(run.alerts_unstolen, 50)}/{ms(run.alerts_unstolen, 99)} ms"
