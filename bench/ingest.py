@@ -955,10 +955,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--cpu-latency-us",
-        default="off,0",
         metavar="US|off,...",
         help="paced runs: the daemon's --cpu-latency-us, each in turn (off: none given, the machine's own "
-        "idle policy; 0: idle CPUs poll). Default both, side by side; each judged on its own",
+        "idle policy; 0: idle CPUs poll). Default off,0 side by side, each judged on its own (off alone "
+        "where this user may not write /dev/cpu_dma_latency)",
     )
     parser.add_argument(
         "--repeat",
@@ -978,6 +978,11 @@ def main() -> None:
     if args.subscribe:
         subscriber(args.subscribe)
         return
+    if args.cpu_latency_us is None:
+        args.cpu_latency_us = "off,0" if os.access("/dev/cpu_dma_latency", os.W_OK) else "off"
+    wakes = ["" if w == "off" else w for w in args.cpu_latency_us.split(",")]
+    if not all(w == "" or w.isdigit() for w in wakes):
+        parser.error(f"--cpu-latency-us {args.cpu_latency_us}: each is off or a whole number of µs")
     # Threads here (the agents with --client threads and --paced-as agent, the subscriber's
     # reader; on a cluster the agents are processes on other machines): with Python's default
     # 5 ms GIL switch interval one woken by its ack would wait for the others' turns, and that
@@ -1005,7 +1010,6 @@ def main() -> None:
     rows: list[str] = []
     results: list[tuple[int, int, Run, Run]] = []  # (pages per request, agents, daemon, floor)
     paced: list[tuple[int, float, str, str, Run]] = []  # (pages per request, offered, batching, wake, run)
-    wakes = ["" if w == "off" else w for w in args.cpu_latency_us.split(",")]
     batchings = {"batches": ["batches"], "agent": ["agent"], "both": ["batches", "agent"]}[args.paced_as]
     offers = [float(x) for x in args.paced.split(",") if float(x) > 0]
     with tempfile.TemporaryDirectory(prefix="kvguard-bench-") as tmp:
