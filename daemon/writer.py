@@ -58,6 +58,8 @@ def _serve(where: str, key: bytes | None, conn: Connection) -> None:
                 first += sum(row.ids for row in group)
             if stop:
                 return
+            if not conn.poll():  # nothing waits to be committed: a moment for the WAL's upkeep
+                store.restart_wal()
     finally:
         store.close()
 
