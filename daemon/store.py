@@ -609,7 +609,7 @@ class Store:
         connection between commits, lets the next commit start the WAL over (unless a reader
         still reads old frames: then at a later call)."""
         now = time.monotonic()
-        if not self._checkpoints or now < self._restart_due:
+        if self._checkpoints is None or now < self._restart_due:  # not SQLite, or nothing written yet
             return False
         self._restart_due = now + WAL_RESTART_S
         with self._lock:
