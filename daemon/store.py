@@ -450,6 +450,14 @@ def _ending(conn: Any, through: int | None) -> tuple[int, bytes] | None:
     return (row[0] + _ids(row[1], row[2]) - 1, row[3]) if row else None
 
 
+def _checkpoint(conn: Any) -> None:
+    """Copy what is committed in the WAL into the database file, as far as no reader still
+    needs the frames (SQLite's PASSIVE checkpoint: it never waits for a reader or the writer)."""
+    cursor = conn.cursor()
+    cursor.execute("PRAGMA wal_checkpoint(PASSIVE)")
+    cursor.close()
+
+
 class Store:
     def __init__(self, where: str, *keys: bytes | None) -> None:
         """The store at `where`, with the audit keys given (None: none), each matched to the
@@ -613,9 +621,7 @@ class Store:
             return False
         self._restart_due = now + WAL_RESTART_S
         with self._lock:
-            cursor = self._raw.cursor()
-            cursor.execute("PRAGMA wal_checkpoint(PASSIVE)")  # BUSY while the thread's runs: later
-            cursor.close()
+            _checkpoint(self._raw)  # BUSY while the thread's runs: then at a later call
         return True
 
     def _checkpoint_loop(self) -> None:
@@ -627,9 +633,7 @@ class Store:
                 self._checkpoints.clear()
                 if self._closed:
                     return
-                cursor = conn.cursor()
-                cursor.execute("PRAGMA wal_checkpoint(PASSIVE)")  # never waits for the writer
-                cursor.close()
+                _checkpoint(conn)
                 time.sleep(0.05)  # at most 20 a second, each copying everything committed since
         finally:
             conn.close()
