@@ -321,7 +321,8 @@ def test_common_events_split_in_c_into_the_rows_read_event_by_event(monkeypatch:
 def wal_restarts(wal: Path) -> int:
     """The WAL header's checkpoint sequence number: SQLite adds one each time it starts the
     WAL over."""
-    return int.from_bytes(wal.read_bytes()[12:16], "big")
+    with wal.open("rb") as f:
+        return int.from_bytes(f.read(16)[12:16], "big")
 
 
 def test_the_wal_starts_over_under_a_steady_stream_of_commits(
