@@ -213,7 +213,7 @@ class NodeAgent:
         tls: Tls | None = None,
         witness: bool = False,
         witness_uprobes: bool = False,
-        witness_buffer_pages: int = 256,
+        witness_buffer_pages: int = 1024,
     ) -> None:
         self.socket_path = Path(socket_path)
         self.daemon = daemon
@@ -292,6 +292,7 @@ class NodeAgent:
     def _guard(self, conn: socket.socket) -> None:
         node = ""
         pid = 0
+        watched = False
         try:
             hello = svc.AgentMessage.FromString(recv_frame(conn))
             node = hello.hello.node
@@ -301,13 +302,17 @@ class NodeAgent:
                 raise ValueError(f"node {node!r}: names with '/' are the agent's own probes'")
             # The guard runs inside the engine: the socket's peer is the engine process.
             pid = peer_pid(conn)
+            spool = self._spool(node)
+            self.witness.watch(pid, node)
+            watched = True
+            # The welcome tells the engine that its connections are followed from now on. It
+            # goes before the guard is registered: no relayed command can share the socket yet.
+            send_frame(conn, svc.DaemonMessage(ack=svc.Ack(node=node)))
             with self.lock:
                 self.guards[node] = conn
                 self.engines[pid] = node
                 self._departed.pop(pid, None)
                 self._engines_changed.notify_all()
-            spool = self._spool(node)
-            self.witness.watch(pid, node)
             while True:
                 msg = svc.AgentMessage.FromString(recv_frame(conn))
                 if msg.WhichOneof("body") != "batch":
@@ -341,7 +346,10 @@ class NodeAgent:
                     now = time.monotonic()
                     self._departed = {p: g for p, g in self._departed.items() if now - g[1] < DEPARTED_KEEP_S}
                     self._departed[pid] = (node, now)
-            if current:
+                # A guard that went before it was registered lets go of its process too,
+                # unless another guard of that process holds it.
+                release = current or (watched and pid not in self.engines)
+            if release:
                 self.witness.unwatch(pid)
             conn.close()
 

@@ -8,6 +8,7 @@ that `kvguard replay` reads.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import threading
@@ -103,10 +104,24 @@ class CaptureSink(_QueuedSink):
         self._file.close()
 
 
+def _hang_up(sock: socket.socket) -> None:
+    """Shut the connection down, then close it: a bare close() leaves it open while the
+    command reader is blocked on it (the agent would never see the guard go)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
 class AgentSink(_QueuedSink):
     """Sends a guard's events to the node agent over its Unix socket, from a background thread;
     commands the agent relays (kill a request) go to `on_command`. While the agent is away the
-    events wait in the bounded queue; only what overflows it is dropped, and counted."""
+    events wait in the bounded queue; only what overflows it is dropped, and counted.
+
+    The sink connects as soon as it is made, and `ready` is set once the agent has answered
+    the hello (an `ack` naming the node): from then on the agent watches this process, so its
+    eBPF witness follows every connection the engine opens. A connection opened before that
+    cannot be followed (its message boundaries are unknown): an engine waits for `wait_ready`
+    before it opens its transfer connections (the testbed's workers do)."""
 
     def __init__(
         self,
@@ -121,36 +136,53 @@ class AgentSink(_QueuedSink):
         self.node = node
         self.sent = 0
         self.connected = threading.Event()
+        self.ready = threading.Event()
         self._on_command = on_command
         self._pending: list[pb.Event] = []
+        self._closing = threading.Event()  # close() began: the first connection stops trying
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"kvguard-agent-sink-{node}", daemon=True)
         self._thread.start()
 
-    def _connect(self) -> socket.socket:
-        while not self._closed:
+    def _connect(self, first: bool = False) -> socket.socket:
+        """A connection that has said hello. The first (made at once, with nothing to send
+        yet) gives up when close() begins; later ones, which carry pending events, only once
+        the sink is closed."""
+        while not self._closed and not (first and self._closing.is_set()):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.connect(self.socket_path)
                 send_frame(sock, svc.AgentMessage(hello=svc.Hello(node=self.node, agent_version="guard")))
-                threading.Thread(target=self._read_commands, args=(sock,), daemon=True).start()
-                self.connected.set()
-                return sock
             except OSError:
+                sock.close()
                 time.sleep(0.2)
+                continue
+            threading.Thread(target=self._read_commands, args=(sock,), daemon=True).start()
+            self.connected.set()
+            return sock
         raise ConnectionError("sink closed")
 
     def _read_commands(self, sock: socket.socket) -> None:
         try:
             while True:
                 msg = svc.DaemonMessage.FromString(recv_frame(sock))
-                if msg.WhichOneof("body") == "command" and self._on_command is not None:
+                body = msg.WhichOneof("body")
+                if body == "ack" and msg.ack.node == self.node:
+                    self.ready.set()
+                elif body == "command" and self._on_command is not None:
                     self._on_command(msg.command)
         except (OSError, ConnectionError, ValueError):
+            self.ready.clear()
             self.connected.clear()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the agent has taken this guard's hello (and watches its process)."""
+        return self.ready.wait(timeout)
 
     def _run(self) -> None:
         sock: socket.socket | None = None
+        with contextlib.suppress(ConnectionError):
+            sock = self._connect(first=True)
         while True:
             if not self._pending:
                 item = self._queue.get()
@@ -175,14 +207,14 @@ class AgentSink(_QueuedSink):
                     self._pending = []
                 except (OSError, ConnectionError):
                     if sock is not None:
-                        sock.close()
+                        _hang_up(sock)
                     sock = None
                     if self._closed:
                         return
                     time.sleep(0.2)
             if stop:
                 if sock is not None:
-                    sock.close()
+                    _hang_up(sock)
                 return
 
     @property
@@ -199,6 +231,9 @@ class AgentSink(_QueuedSink):
         return not self._pending
 
     def close(self) -> None:
+        self._closing.set()
         self._queue.put(None)
         self._thread.join(timeout=5)
         self._closed = True
+        self.ready.clear()
+        self.connected.clear()

@@ -43,6 +43,7 @@ from kvguard.testbed.models import EchoModel
 
 _OK = Verdict()
 PLACEHOLDER = ord("?")  # the 1-token prompt a rejected request is swapped for (the incident)
+AGENT_WAIT_S = 10.0  # a worker with an agent socket waits this long for the agent to watch it
 CHUNKED_PAGES = 3  # prompts of more pages are prefilled in chunks (where half_written_page strikes)
 
 
@@ -186,6 +187,15 @@ class Worker:
     # ------------------------------------------------------------------ serving
 
     def serve(self, ready: Callable[[dict[str, Any]], None]) -> None:
+        sink = self.guard.sink if self.guard is not None else None
+        if isinstance(sink, AgentSink) and not sink.wait_ready(AGENT_WAIT_S):
+            # Serve all the same (the guard's own checks hold); the agent's witness misses
+            # the connections opened until it takes the guard's hello.
+            print(
+                f"kvguard testbed: {self.config.node}: the agent at {sink.socket_path} did not take "
+                f"the guard's hello within {AGENT_WAIT_S:g} s; serving, not yet witnessed",
+                file=sys.stderr,
+            )
         control = socket.create_server(("127.0.0.1", 0))
         ports = {"control": control.getsockname()[1], **self.extra_ports()}
         ready(ports)

@@ -4,6 +4,7 @@ and the daemon's kill reaches the guard that owns the request."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
@@ -155,6 +156,51 @@ def test_an_unreachable_agent_never_blocks_the_engine(tmp_path: Path) -> None:
     # queue is full; the next one that gets through carries the total).
     assert guard.ledger.nodes["d0"].dropped == before
     threading.Thread(target=sink.close, daemon=True).start()  # close() waits for a connection
+
+
+class WatchLog:
+    """Stands in for the eBPF witness (tests/test_witness.py runs the real one): which
+    processes the agent watches, under which node."""
+
+    available = True
+    unlabelled_posts = 0
+
+    def __init__(self) -> None:
+        self.watched: dict[int, str] = {}
+
+    def watch(self, pid: int, name: str) -> None:
+        self.watched[pid] = name
+
+    def unwatch(self, pid: int) -> None:
+        self.watched.pop(pid, None)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_agent_welcomes_a_guard_only_once_it_watches_the_engine(tmp_path: Path) -> None:
+    # An engine must not open a transfer connection before the agent's witness watches it (a
+    # connection opened before cannot be followed): the agent answers the hello when it does.
+    sink = AgentSink(tmp_path / "agent.sock", "d0")  # nothing sent: the sink connects at once
+    assert not sink.wait_ready(0.3)  # no agent yet
+    agent = NodeAgent(tmp_path / "agent.sock", "127.0.0.1:1", tmp_path / "spool")
+    watch_log = agent.witness = WatchLog()
+    threading.Thread(target=agent.serve, daemon=True).start()
+    try:
+        assert sink.wait_ready(20)
+        assert watch_log.watched == {os.getpid(): "d0"}  # watched before the welcome, as promised
+        sink.close()  # the guard goes: its process is no longer watched
+        assert wait_for(lambda: watch_log.watched == {})
+        assert not sink.ready.is_set()
+    finally:
+        agent.stop()
+
+
+def test_a_sink_that_never_found_its_agent_closes_at_once(tmp_path: Path) -> None:
+    sink = AgentSink(tmp_path / "nobody.sock", "d0")
+    started = time.monotonic()
+    sink.close()
+    assert time.monotonic() - started < 2 and not sink.ready.is_set()
 
 
 def test_batches_stay_under_the_daemons_message_limit(
