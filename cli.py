@@ -556,10 +556,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--witness-buffer-pages",
         type=power_of_two,
-        default=256,
+        default=1024,
         metavar="N",
-        help="the witness's kernel buffer per CPU, in pages (a power of two; default 256): what it holds "
-        "while the agent is busy; events beyond it are lost, counted and reported as NODE/ebpf's dropped",
+        help="the witness's kernel ring buffer, shared by all CPUs, in pages (a power of two; default 1024): "
+        "what it holds while the agent is busy; events beyond it are lost, counted and reported as "
+        "NODE/ebpf's dropped",
     )
     tls_arguments(p)
     p.set_defaults(func=cmd_agent)

@@ -1,13 +1,18 @@
 // kvguard wire witness: what watched processes write to their TCP connections, and what their
 // threads copy with the CUDA runtime and driver while they name a transfer, seen from the
 // kernel, with no change to the process. Compiled by bcc (cuda_hooks/witness.py), which passes
-// HEAD (bytes of each write captured for the user-side decoder) as -DHEAD=...
+// HEAD (bytes of each write captured for the user-side decoder), MAX_RUNS and RING_PAGES (the
+// size of the connection events' ring buffer) as -D...
 //
 // Invariants: only processes in `watched` are reported, and of their file descriptors only
 // those that connect()ed to, or were accept()ed from, an IPv4/IPv6 peer; every such write
 // is one event (its length as the kernel returned it, and its first HEAD bytes), every
 // connect, accept and close of such a descriptor is one event, in the order the process
-// made them. A CUDA copy call counts once, under the transfer its thread named last
+// made them: one ring buffer shared by all CPUs keeps that order (per-CPU perf buffers do
+// not: a thread that moved to another CPU between its connect and its first write had them
+// read the other way round). An event with no room is dropped and counted in `drops`, and the
+// next event carries the count, so the reader knows where in the order the loss fell.
+// A CUDA copy call counts once, under the transfer its thread named last
 // (kvguard_xfer_begin ... kvguard_xfer_end), by the outermost probed function (the runtime's
 // cudaMemcpy calls the driver's copy: that inner call is not counted again), in `bytes` when
 // it returned success and in `failed_bytes` otherwise (a transfer with no copy call is no
@@ -33,6 +38,7 @@ struct event {
     u32 fd;
     u32 captured;  // bytes of head filled
     s64 bytes;     // what the write returned (negative: an error)
+    u64 drops;     // events dropped before this one (all ring buffers): a rise means a gap here
     u8 head[HEAD];
 };
 
@@ -42,7 +48,21 @@ BPF_HASH(connecting, u64, u32);        // tid -> fd of a connect() to an inet ad
 BPF_HASH(accepting, u64, u64);         // tid -> user address of the peer address an accept4() fills
 BPF_HASH(writing, u64, struct pending);
 BPF_PERCPU_ARRAY(scratch, struct event, 1);
-BPF_PERF_OUTPUT(events);
+BPF_ARRAY(drops, u64, 1);  // events no ring buffer had room for, in all
+BPF_RINGBUF_OUTPUT(events, RING_PAGES);
+
+static __always_inline u64 drops_so_far(void) {
+    int zero = 0;
+    u64 *n = drops.lookup(&zero);
+    return n ? *n : 0;
+}
+
+static __always_inline void dropped(long failed) {
+    int zero = 0;
+    u64 *n = drops.lookup(&zero);
+    if (failed && n)
+        lock_xadd(n, 1);
+}
 
 static __always_inline u64 conn_key(u32 tgid, u32 fd) { return ((u64)tgid << 32) | fd; }
 
@@ -61,7 +81,8 @@ static __always_inline void announce(void *ctx, u32 kind, u32 pid, u32 fd) {
     e->fd = fd;
     e->captured = 0;
     e->bytes = 0;
-    events.perf_submit(ctx, e, offsetof(struct event, head));
+    e->drops = drops_so_far();
+    dropped(events.ringbuf_output(e, offsetof(struct event, head), 0));
 }
 
 static __always_inline void enter_write(u32 fd, u64 buf, u32 iov) {
@@ -91,6 +112,7 @@ static __always_inline void exit_write(void *ctx, s64 ret) {
     e->fd = p->fd;
     e->bytes = ret;
     e->captured = 0;
+    e->drops = drops_so_far();
     u64 src = p->buf;
     u64 avail = ret > 0 ? ret : 0;
     if (p->iov && avail) {
@@ -110,7 +132,7 @@ static __always_inline void exit_write(void *ctx, s64 ret) {
         if (bpf_probe_read_user(e->head, n, (void *)src) == 0)
             e->captured = n;
     }
-    events.perf_submit(ctx, e, sizeof(*e));
+    dropped(events.ringbuf_output(e, sizeof(*e), 0));
     writing.delete(&id);
 }
 
@@ -262,7 +284,7 @@ BPF_HASH(labels, u64, struct label);  // tid -> the transfer it named, and its c
 BPF_HASH(copying, u64, struct copy);  // tid -> the copy call in progress
 BPF_PERCPU_ARRAY(label_scratch, struct label, 1);
 BPF_PERCPU_ARRAY(copy_scratch, struct copy_event, 1);
-BPF_PERF_OUTPUT(copies);
+BPF_RINGBUF_OUTPUT(copies, 16);
 
 int xfer_begin(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
@@ -308,7 +330,7 @@ int xfer_end(struct pt_regs *ctx) {
             e->run_addr[i] = l->run_addr[i];
             e->run_len[i] = l->run_len[i];
         }
-        copies.perf_submit(ctx, e, sizeof(*e));
+        dropped(copies.ringbuf_output(e, sizeof(*e), 0));
     }
     labels.delete(&id);
     return 0;
@@ -415,7 +437,7 @@ static __always_inline void add_run(struct label *l, u64 addr, u64 len) {
     }
 }
 
-BPF_PERF_OUTPUT(providers);
+BPF_RINGBUF_OUTPUT(providers, 1);
 BPF_HASH(posting, u64, struct post);  // tid -> the post in progress
 BPF_PERCPU_ARRAY(unlabelled, u64, 1);  // posts of watched processes outside any named transfer
 
@@ -427,7 +449,7 @@ static __always_inline int tell_post_send(struct pt_regs *ctx, u64 context) {
     if (bpf_probe_read_user(&fn, sizeof(fn), (void *)(context + POST_SEND_OFFSET)) != 0 || !fn)
         return 0;
     struct provider_event e = {.kind = KIND_COPIES + 1, .pid = id >> 32, .address = fn};
-    providers.perf_submit(ctx, &e, sizeof(e));
+    dropped(providers.ringbuf_output(&e, sizeof(e), 0));
     return 0;
 }
 

@@ -7,11 +7,13 @@ through the contexts and queue pairs that pass through libibverbs).
 
 `open_witness()` returns a `BpfWitness` (bcc, root, kernel headers) or, when BPF cannot be
 used, a `NullWitness` that says why, once, and watches nothing: the agent runs on without
-it. Invariants: a watched process is never slowed beyond the probes' own cost (a perf
-buffer between kernel and user side; what overflows is lost and counted, never waited
-for); a TCP report reaches `on_report` only for a transfer whose bytes were followed from
-its header to its end (cuda_hooks/tcp_stream.py), a copy or RDMA report only for a named
-transfer that made at least one such call; loss is reported through `on_lost`.
+it. Invariants: a watched process is never slowed beyond the probes' own cost (ring buffers
+between kernel and user side; what overflows is lost and counted, never waited for); the
+connection events are read in the order the process made them (one ring buffer for all CPUs),
+and a loss is known at its place in that order; a TCP report reaches `on_report` only for a
+transfer whose bytes were followed from its header to its end (cuda_hooks/tcp_stream.py), a
+copy or RDMA report only for a named transfer that made at least one such call; loss is
+reported through `on_lost`.
 """
 
 from __future__ import annotations
@@ -133,8 +135,15 @@ def _tracing_ready(roots: tuple[str, ...] = TRACING) -> str:
     return f"no syscall tracepoints under {' or '.join(roots)} (tracefs is not mounted and could not be)"
 
 
+RING_PAGES = 1024  # the connection events' ring buffer, shared by all CPUs (4 MiB: ~7,500 writes)
+
+
 def open_witness(
-    on_report: ReportSink, on_lost: LossSink | None = None, *, uprobes: bool = True, buffer_pages: int = 256
+    on_report: ReportSink,
+    on_lost: LossSink | None = None,
+    *,
+    uprobes: bool = True,
+    buffer_pages: int = RING_PAGES,
 ) -> BpfWitness | NullWitness:
     """The witness, or a NullWitness naming what is missing (never an exception). `uprobes`:
     also probe the CUDA copy calls and RDMA posts (a uprobe traps every call of a watched
@@ -148,7 +157,7 @@ def open_witness(
     missing = _tracing_ready()
     if missing:
         return NullWitness(missing)
-    failed = _compiles_apart(PROGRAM)
+    failed = _compiles_apart(PROGRAM, buffer_pages)
     if failed:
         return NullWitness(f"the eBPF witness could not be compiled: {failed}")
     try:
@@ -163,28 +172,31 @@ def open_witness(
         return NullWitness(f"the eBPF witness could not be loaded: {text}{hint}")
 
 
-def compile_program(bcc: Any, program: Path) -> Any:
+def compile_program(bcc: Any, program: Path, ring_pages: int = RING_PAGES) -> Any:
     """The witness's BPF program, compiled and loaded (bcc.BPF)."""
-    return bcc.BPF(src_file=str(program).encode(), cflags=[f"-DHEAD={HEAD}", f"-DMAX_RUNS={RUNS_KEPT}"])
+    if ring_pages < 1 or ring_pages & (ring_pages - 1):
+        raise ValueError(f"ring buffer pages {ring_pages}: not a power of two")
+    flags = [f"-DHEAD={HEAD}", f"-DMAX_RUNS={RUNS_KEPT}", f"-DRING_PAGES={ring_pages}"]
+    return bcc.BPF(src_file=str(program).encode(), cflags=flags)
 
 
-_COMPILED: set[bytes] = set()  # programs already compiled in a child by this process
+_COMPILED: set[tuple[bytes, int]] = set()  # programs already compiled in a child by this process
 
 
-def _compiles_apart(program: Path) -> str:
+def _compiles_apart(program: Path, ring_pages: int) -> str:
     """Empty when `program` compiles and loads in a child process, else why not. An error
     in the back end of bcc's LLVM (another distribution's LLVM may meet one) ends the process
     that hits it, with no exception to catch: the agent must not be that process."""
-    source = program.read_bytes()
-    if source in _COMPILED:
+    key = (program.read_bytes(), ring_pages)
+    if key in _COMPILED:
         return ""
     code = (
         "import sys; from pathlib import Path; from kvguard.cuda_hooks import witness; "
-        "witness.compile_program(witness.load_bcc(), Path(sys.argv[1]))"
+        "witness.compile_program(witness.load_bcc(), Path(sys.argv[1]), int(sys.argv[2]))"
     )
     try:
         done = subprocess.run(
-            [sys.executable, "-c", code, str(program)],
+            [sys.executable, "-c", code, str(program), str(ring_pages)],
             capture_output=True,
             text=True,
             timeout=300,
@@ -195,7 +207,7 @@ def _compiles_apart(program: Path) -> str:
     if done.returncode != 0:
         said = [line.strip() for line in done.stderr.splitlines() if line.strip()]
         return " ".join(said[-3:])[-300:] or f"the compiler's process exited with {done.returncode}"
-    _COMPILED.add(source)
+    _COMPILED.add(key)
     return ""
 
 
@@ -212,11 +224,11 @@ class BpfWitness:
         on_lost: LossSink | None = None,
         *,
         uprobes: bool = True,
-        buffer_pages: int = 256,  # per CPU, for the writes: what a slow reader may fall behind by
+        buffer_pages: int = RING_PAGES,  # the writes' ring buffer: what a slow reader may fall behind by
     ) -> None:
         self._uprobes = UPROBES if uprobes else {}
         self._bcc = bcc
-        self._bpf = compile_program(bcc, PROGRAM)
+        self._bpf = compile_program(bcc, PROGRAM, buffer_pages)
         self._on_report = on_report
         self._on_lost = on_lost
         self._names: dict[int, str] = {}
@@ -226,10 +238,10 @@ class BpfWitness:
         self.reports = 0
         self.missing_symbols = 0
         # The tables are looked up by name each time, never kept: bcc's cleanup() must drop
-        # the last reference to its perf buffer while the map is still open.
-        self._bpf[b"events"].open_perf_buffer(self._event, page_cnt=buffer_pages, lost_cb=self._lost)
-        self._bpf[b"copies"].open_perf_buffer(self._copies, page_cnt=16, lost_cb=self._lost)
-        self._bpf[b"providers"].open_perf_buffer(self._provider, page_cnt=4, lost_cb=self._lost)
+        # the ring buffer's last reference while the map is still open.
+        self._bpf[b"events"].open_ring_buffer(self._event)
+        self._bpf[b"copies"].open_ring_buffer(self._copies)
+        self._bpf[b"providers"].open_ring_buffer(self._provider)
         self._seen: dict[int, set[str]] = {}  # pid -> the mapped files already looked at
         self._live: dict[int, set[tuple[str, int, str, str]]] = {}  # pid -> (library, address, probes)
         self._stop = threading.Event()
@@ -347,7 +359,10 @@ class BpfWitness:
     def _poll(self) -> None:
         rescan = time.monotonic() + RESCAN_S
         while not self._stop.is_set():
-            self._bpf.perf_buffer_poll(timeout=100)
+            self._bpf.ring_buffer_poll(timeout=100)
+            # Drops of the copy and provider buffers, and of the last connection events, are
+            # seen here; a drop between connection events was seen at its place (_event).
+            self._lost(int(self._bpf[b"drops"][ctypes.c_int(0)].value))
             if time.monotonic() > rescan:
                 for pid in list(self._seen):
                     self._attach(pid)
@@ -376,6 +391,7 @@ class BpfWitness:
 
     def _event(self, cpu: int, data: Any, size: int) -> None:
         e = self._bpf[b"events"].event(data)
+        self._lost(e.drops)  # events before this one were dropped: no connection is certain now
         with self._lock:
             name = self._names.get(e.pid)
             if name is None:
@@ -390,8 +406,12 @@ class BpfWitness:
             self.reports += 1
             self._on_report(name, report)
 
-    def _lost(self, count: int) -> None:
-        self.lost_events += count
+    def _lost(self, total: int) -> None:
+        """`total` events have been dropped so far: if that is more than before, no followed
+        connection's position is certain any more."""
+        if total <= self.lost_events:
+            return
+        self.lost_events = total
         with self._lock:
             self._streams.lose_all()
         if self._on_lost is not None:

@@ -220,6 +220,67 @@ def test_the_witness_sees_what_another_process_sends(bpf_ready: None, kv_server:
     assert witness.lost_events == 0 and witness.lost_connections == 0
 
 
+MIGRANT = r"""
+import os, socket, sys
+from kvguard.testbed import wire
+one, other = sorted(os.sched_getaffinity(0))[:2]
+server = socket.create_server(("127.0.0.1", 0))
+print("ready", flush=True); sys.stdin.readline()
+
+def transfer(xfer, here, there):
+    # connect and the message's header on one CPU, its payload on another, the close back
+    os.sched_setaffinity(0, {here})
+    s = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    body = wire.json.dumps({"op": "kv", "req": "r", "xfer": xfer}).encode()
+    s.sendall(wire.HEADER.pack(len(body), 1000) + body)
+    os.sched_setaffinity(0, {there})
+    s.sendall(b"k" * 1000)
+    os.sched_setaffinity(0, {here})
+    s.close()
+    conn.close()
+
+transfer("gate", one, one)
+for i in range(int(sys.argv[1])):
+    transfer(f"x{i}", *((one, other) if i % 2 else (other, one)))
+print("sent", flush=True); sys.stdin.readline()
+"""
+
+
+def test_a_thread_that_changes_cpu_mid_transfer_is_followed_in_its_order(bpf_ready: None) -> None:
+    # The kernel runs a thread's syscalls on whichever CPU it is on; what each CPU saw must be
+    # read in the order the thread made the calls. The reader is held on the first transfer
+    # until all the others are made, so that their events wait in the kernel together (as when
+    # the agent is busy): read per CPU, connects came after writes and closes before payloads.
+    if len(os.sched_getaffinity(0)) < 2:
+        if os.environ.get("KVGUARD_REQUIRE_BPF"):
+            pytest.fail("this test needs two CPUs")
+        pytest.skip("one CPU: a thread cannot change CPU")
+    reports: list[WireReport] = []
+    made = threading.Event()
+
+    def report(name: str, r: WireReport) -> None:
+        reports.append(r)
+        if r.xfer == "gate":
+            made.wait(30)  # the reader waits here; the kernel keeps the events
+
+    witness = open_witness(report, uprobes=False)
+    assert isinstance(witness, BpfWitness)
+    try:
+        with watched(witness, MIGRANT, "40") as engine:
+            assert hear(engine) == "sent"
+            made.set()
+            wait_for(lambda: len(reports) >= 41, "the transfers' reports")
+            time.sleep(0.3)  # and nothing more
+    finally:
+        made.set()
+        witness.close()
+    assert [(r.xfer, r.bytes, r.complete) for r in reports] == [
+        (x, 1000, True) for x in ["gate", *(f"x{i}" for i in range(40))]
+    ]
+    assert witness.lost_events == 0 and witness.lost_connections == 0
+
+
 def run_short_transfer(tmp_path: Path, *agent_args: str) -> tuple[list[pb.Finding], list[pb.Event]]:
     """The testbed with its short-transfer fault: prefill sends half the pages and reports all
     of them sent; decode runs without a guard, so the engine's own account of what arrived
@@ -266,6 +327,53 @@ def test_the_short_transfer_is_caught_by_the_witness_alone(bpf_ready: None, tmp_
     assert mismatch.details["what"] == "wire_bytes" and mismatch.details["xfer"] == seen.wire.xfer
     assert carried == seen.wire.bytes and 0 < carried == claimed // 2  # half the pages left the node
     assert mismatch.tenant == "acme" and "ebpf:tcp" in mismatch.message
+
+
+QUICK_ENGINE = r"""
+import socket, sys
+from kvguard.agents.sink import AgentSink
+from kvguard.testbed import wire
+guard = AgentSink(sys.argv[1], "quick-0")  # the engine's guard, with nothing to say yet
+assert guard.wait_ready(30), "the agent never took the guard's hello"
+server = socket.create_server(("127.0.0.1", 0))
+with socket.create_connection(server.getsockname()) as s:  # at once: no time for the agent to catch up
+    conn, _ = server.accept()
+    wire.send(s, {"op": "kv", "req": "r1", "xfer": "quick-x1"}, b"k" * 8192)
+print("sent", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_connection_opened_as_soon_as_the_agent_welcomes_the_guard_is_witnessed(
+    bpf_ready: None, tmp_path: Path
+) -> None:
+    # The agent answers a guard's hello only once its witness watches the engine, so an engine
+    # that waits for the answer has every transfer connection followed from its first byte.
+    store = str(tmp_path / "audit.db")
+    daemon = start_daemon(store)
+    sock = str(tmp_path / "agent.sock")
+    agent = start_agent(sock, daemon.address, str(tmp_path / "spool"), "--witness")
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    engine = subprocess.Popen([sys.executable, "-c", QUICK_ENGINE, sock], **pipes)
+    wires: list[pb.Event] = []
+
+    def witnessed() -> bool:
+        s = Store(store)
+        events = [pb.Event.FromString(b) for _, _, b in s.rows(kind="event")]
+        s.close()
+        wires[:] = [e for e in events if e.HasField("wire")]
+        return bool(wires)
+
+    try:
+        assert hear(engine) == "sent"
+        wait_for(witnessed, "the transfer's wire event", seconds=20)
+    finally:
+        say(engine, "")
+        engine.wait(timeout=10)
+        agent.stop()
+        daemon.stop()
+    ((node, xfer, carried, complete),) = [(e.node, e.wire.xfer, e.wire.bytes, e.wire.complete) for e in wires]
+    assert (node, xfer, carried, complete) == ("quick-0/ebpf", "quick-x1", 8192, True)
 
 
 def test_without_the_witness_nobody_sees_it(tmp_path: Path) -> None:
@@ -560,10 +668,8 @@ def aborted_and_regranted(report: WireReport, base: int) -> list[Finding]:
 UNLABELLED_ENGINE = r"""
 import ctypes, sys, time
 from kvguard.agents.sink import AgentSink
-from kvguard.proto import pb
 guard = AgentSink(sys.argv[2], "rdma-0")  # its guard: the agent watches this process
-guard.put(pb.Event(node="rdma-0", seq=1, heartbeat=pb.Heartbeat(agent_version="guard")))
-guard.flush()
+assert guard.wait_ready(30)
 transfer = ctypes.CDLL(sys.argv[1])
 print("ready", flush=True)
 while True:  # a transfer engine's own thread: connects (a new queue pair) and posts, unnamed
@@ -683,10 +789,8 @@ GUARDED_FLOOD = (
     r"""
 import sys
 from kvguard.agents.sink import AgentSink
-from kvguard.proto import pb
 guard = AgentSink(sys.argv[1], "flood-0")  # the engine's guard: the agent watches this process
-guard.put(pb.Event(node="flood-0", seq=1, heartbeat=pb.Heartbeat(agent_version="guard")))
-guard.flush()
+assert guard.wait_ready(30)
 """
     + FLOOD
 )
@@ -710,9 +814,7 @@ def test_the_agent_reports_what_its_witness_lost_to_the_daemon(bpf_ready: None, 
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
     engine = subprocess.Popen([sys.executable, "-c", GUARDED_FLOOD, sock], **pipes)
     try:
-        assert hear(engine) == "ready"
-        # The guard's first event is relayed after the agent began watching its process.
-        wait_for(lambda: "flood-0" in nodes(), "the guard's event at the daemon", seconds=20)
+        assert hear(engine) == "ready"  # and watched: the agent has welcomed its guard
         say(engine, "go")
         assert hear(engine) == "sent"
         wait_for(lambda: nodes().get("flood-0/ebpf", svc.NodeState()).dropped > 0, "the loss", seconds=20)
