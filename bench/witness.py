@@ -7,19 +7,25 @@ on, side by side in one run.
    one, returning at once) inside a named transfer; the witness's uprobe and uretprobe fire
    on each call. A stand-in, because with no GPU the real runtime only returns an error; its
    per-call figure is the probes' own cost, which a real copy (microseconds) hides.
+3. Order under load: a process whose thread changes CPU between its connect, its writes and
+   its close, N times, while busy loops keep every CPU loaded (so the reader lags and events
+   of several CPUs wait together): how many transfers the witness followed to a right report.
 
-    python bench/witness.py [--messages N] [--calls N] [--rounds R]      (as root, with bcc)
+    python bench/witness.py [--messages N] [--calls N] [--rounds R] [--moving N]   (as root, with bcc)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+from kvguard.cuda_hooks.tcp_stream import WireReport
 from kvguard.cuda_hooks.witness import NullWitness, open_witness
 
 SENDER = r"""
@@ -76,6 +82,54 @@ int main(int argc, char **argv) {
 """
 
 
+MOVING = r"""
+import os, socket, sys
+from kvguard.testbed import wire
+one, other = sorted(os.sched_getaffinity(0))[:2]
+server = socket.create_server(("127.0.0.1", 0))
+print("ready", flush=True); sys.stdin.readline()
+for i in range(int(sys.argv[1])):
+    here, there = (one, other) if i % 2 else (other, one)
+    os.sched_setaffinity(0, {here})
+    s = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    body = wire.json.dumps({"op": "kv", "req": "r", "xfer": f"x{i}"}).encode()
+    s.sendall(wire.HEADER.pack(len(body), 1000) + body)
+    os.sched_setaffinity(0, {there})
+    s.sendall(b"k" * 1000)
+    os.sched_setaffinity(0, {here})
+    s.close()
+    conn.close()
+print("sent", flush=True); sys.stdin.readline()
+"""
+
+
+def moving(n: int) -> str:
+    """Transfers whose thread changes CPU mid-way, with every CPU loaded: what was followed."""
+    reports: list[WireReport] = []
+    witness = open_witness(lambda name, r: reports.append(r), uprobes=False)
+    load = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(os.cpu_count() or 1)]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MOVING, str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        witness.watch(proc.pid, "bench")
+        proc.stdin.write(b"\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == b"sent"
+        time.sleep(1)  # the reader catches up
+    finally:
+        for p in load:
+            p.kill()
+        proc.kill()
+        witness.close()
+    right = sum(r.bytes == 1000 and r.complete for r in reports)
+    lost = getattr(witness, "lost_connections", 0)
+    return f"{right} of {n} followed to a right report, {len(reports) - right} wrong, {lost} connections lost"
+
+
 def timed(args: list[str], watched: bool) -> float:
     """Microseconds per operation that the program reports, watched by a fresh witness or not."""
     witness = open_witness(lambda name, r: None) if watched else NullWitness("off")
@@ -107,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--calls", type=int, default=200_000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--moving", type=int, default=2000, help="transfers of the order test (0: none)")
     args = parser.parse_args(argv)
     probe = open_witness(lambda name, r: None)
     probe.close()
@@ -131,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         caller = [str(out / "caller"), str(args.calls), str(labels)]
         compare("cudaMemcpy in a named transfer (µs)", caller, args.rounds, "µs")
         compare("cudaMemcpy, no transfer named (µs)", [*caller, "plain"], args.rounds, "µs")
+    if args.moving and len(os.sched_getaffinity(0)) > 1:
+        print(f"order under load, threads changing CPU: {moving(args.moving)}")
     return 0
 
 
