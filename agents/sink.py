@@ -43,13 +43,20 @@ class NullSink:
         pass
 
 
+class _Redial:
+    """Queued by the command reader when the agent goes: not an event, a wake-up to dial."""
+
+
+_REDIAL = _Redial()
+
+
 class _QueuedSink:
     """The engine's side of a sink: a bounded queue that never waits; what overflows it is
     counted in `dropped`. A background thread of the subclass drains `_queue` (None: stop)."""
 
     def __init__(self, capacity: int) -> None:
         self.dropped = 0
-        self._queue: queue.Queue[pb.Event | None] = queue.Queue(capacity)
+        self._queue: queue.Queue[pb.Event | _Redial | None] = queue.Queue(capacity)
 
     def put(self, event: pb.Event) -> bool:
         try:
@@ -83,7 +90,7 @@ class CaptureSink(_QueuedSink):
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            events = [e for e in batch if e is not None]
+            events = [e for e in batch if isinstance(e, pb.Event)]
             if events:
                 self._file.write("".join(event_to_json(e) + "\n" for e in events))
                 self._file.flush()
@@ -121,7 +128,9 @@ class AgentSink(_QueuedSink):
     the hello (an `ack` naming the node): from then on the agent watches this process, so its
     eBPF witness follows every connection the engine opens. A connection opened before that
     cannot be followed (its message boundaries are unknown): an engine waits for `wait_ready`
-    before it opens its transfer connections (the testbed's workers do)."""
+    before it opens its transfer connections (the testbed's workers do). When the agent goes
+    (a restart), the sink dials again at once, not at the engine's next event, so the new
+    agent watches the engine before its next transfer if it can."""
 
     def __init__(
         self,
@@ -139,6 +148,7 @@ class AgentSink(_QueuedSink):
         self.ready = threading.Event()
         self._on_command = on_command
         self._pending: list[pb.Event] = []
+        self._sock: socket.socket | None = None  # the connection the command reader follows
         self._closing = threading.Event()  # close() began: the first connection stops trying
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"kvguard-agent-sink-{node}", daemon=True)
@@ -157,6 +167,7 @@ class AgentSink(_QueuedSink):
                 sock.close()
                 time.sleep(0.2)
                 continue
+            self._sock = sock
             threading.Thread(target=self._read_commands, args=(sock,), daemon=True).start()
             self.connected.set()
             return sock
@@ -172,8 +183,11 @@ class AgentSink(_QueuedSink):
                 elif body == "command" and self._on_command is not None:
                     self._on_command(msg.command)
         except (OSError, ConnectionError, ValueError):
-            self.ready.clear()
-            self.connected.clear()
+            if sock is self._sock:  # the agent went, not a connection the sink had left already
+                self.ready.clear()
+                self.connected.clear()
+                with contextlib.suppress(queue.Full):
+                    self._queue.put_nowait(_REDIAL)  # wake the sender to dial again
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the agent has taken this guard's hello (and watches its process)."""
@@ -192,10 +206,17 @@ class AgentSink(_QueuedSink):
                         batch.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
-                self._pending = [e for e in batch if e is not None]
-                stop = len(self._pending) != len(batch)
+                self._pending = [e for e in batch if isinstance(e, pb.Event)]
+                stop = any(e is None for e in batch)
                 for _ in batch:
                     self._queue.task_done()
+                if any(e is _REDIAL for e in batch) and not stop and not self.connected.is_set():
+                    if sock is not None:
+                        _hang_up(sock)
+                    sock = None
+                    if not self._pending:  # else the sends below dial
+                        with contextlib.suppress(ConnectionError):
+                            sock = self._connect(first=True)
             else:
                 stop = False
             while self._pending:

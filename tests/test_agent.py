@@ -196,6 +196,23 @@ def test_the_agent_welcomes_a_guard_only_once_it_watches_the_engine(tmp_path: Pa
         agent.stop()
 
 
+def test_a_guard_is_watched_again_as_soon_as_a_new_agent_serves(tmp_path: Path) -> None:
+    # The agent restarts (an upgrade, a crash): the new one must watch the engine before its
+    # next transfer, so the sink dials again at once, not at the engine's next event.
+    sink = AgentSink(tmp_path / "agent.sock", "d0")
+    try:
+        for _ in range(2):
+            agent = start_agent(tmp_path, "127.0.0.1:1")  # no daemon needed: nothing is sent
+            try:
+                assert sink.wait_ready(20)  # no event was put: the sink came by itself
+            finally:
+                agent.kill()  # a crash: its sockets close with it
+            assert wait_for(lambda: not sink.ready.is_set())
+        assert sink.sent == 0
+    finally:
+        sink.close()
+
+
 def test_a_sink_that_never_found_its_agent_closes_at_once(tmp_path: Path) -> None:
     sink = AgentSink(tmp_path / "nobody.sock", "d0")
     started = time.monotonic()
