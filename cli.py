@@ -157,6 +157,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
             writer=writer,
             clock_skew_ns=skew,
             snapshot_every=args.snapshot_every,
+            store_reserve=args.store_reserve,
         )
     except StoreError as exc:  # its writer could not open the store: serving would lose every batch
         writer.close()
@@ -434,7 +435,7 @@ def _number(text: str, parse: type[int] | type[float], what: str) -> Any:
 
 
 def power_of_two(text: str) -> int:
-    """An argparse type: a positive power of two (what a perf buffer's size must be)."""
+    """An argparse type: a positive power of two (what a BPF ring buffer's size must be)."""
     n = _number(text, int, "a whole number")
     if n < 1 or n & (n - 1):
         raise argparse.ArgumentTypeError(f"{n} is not a power of two (1, 2, 4, ... pages)")
@@ -457,6 +458,17 @@ def microseconds(text: str) -> int:
     if not 0 <= us <= MAX_US:
         raise argparse.ArgumentTypeError(f"{us} µs is not between 0 and {MAX_US}")
     return us
+
+
+def byte_count(text: str) -> int:
+    """An argparse type: bytes, whole, with an optional K, M, G or T (powers of 1024)."""
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    body = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = scale.get(body[-1:], 1)
+    n = _number(body[:-1] if unit > 1 else body, float, "a size in bytes (e.g. 256M, 2G)")
+    if not 0 <= n * unit < 1 << 60:
+        raise argparse.ArgumentTypeError(f"{text} is not a size from 0 up")
+    return int(n * unit)
 
 
 def events_count(text: str) -> int:
@@ -527,6 +539,15 @@ def build_parser() -> argparse.ArgumentParser:
         "PM QoS, /dev/cpu_dma_latency: root). 0: idle CPUs poll instead of sleeping, which cuts the alert "
         "latency's tail on VMs whose idle vCPUs halt to the host, at the price of cores that always look "
         "busy (default: the machine's own idle policy)",
+    )
+    p.add_argument(
+        "--store-reserve",
+        type=byte_count,
+        default="256M",  # daemon/room.py RESERVE
+        metavar="SIZE",
+        help="take no more events while the store's file system has less than this free (agents keep "
+        "them spooled and resend them once there is room), rather than fail a commit on a full disk; "
+        "0: never (default 256M; SQLite only: a PostgreSQL server's disk is not seen from here)",
     )
     tls_arguments(p)
     p.set_defaults(func=cmd_daemon)

@@ -54,6 +54,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvguard.daemon.client import MAX_MESSAGE  # the largest agent message accepted (refused above)
 from kvguard.daemon.latency import Latencies
+from kvguard.daemon.room import RESERVE, StoreRoom
 from kvguard.daemon.store import EventRun, Record, Store
 from kvguard.daemon.tls import Tls, peer_names
 from kvguard.daemon.writer import InlineWriter, Writer
@@ -175,6 +176,7 @@ class Daemon:
         writer: Writer | None = None,
         clock_skew_ns: int = CLOCK_SKEW_NS,
         snapshot_every: int = SNAPSHOT_EVERY,
+        store_reserve: int = RESERVE,
     ) -> None:
         if mode not in ("monitor", "enforce"):
             raise ValueError(f"daemon mode {mode!r} is not monitor or enforce")
@@ -223,6 +225,10 @@ class Daemon:
             raise
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvguard-daemon", daemon=True)
         self._thread.start()
+        # Whether there is room for more: measured before anything is taken, then every second.
+        self.room = StoreRoom(
+            store.space, store.engine.url.render_as_string(hide_password=True), store_reserve
+        )
 
     def _restored(self, store: Store, fresh: Ledger) -> tuple[Ledger, int]:
         """The ledger of the store's latest snapshot, if it is sound and was taken with this
@@ -372,6 +378,7 @@ class Daemon:
         saving = self._snapshotting
         if saving is not None:
             saving.join(timeout=120)  # a forked snapshot being stored finishes first
+        self.room.close()
 
     def _fork_snapshot(self, group: Group) -> None:
         """Snapshot the ledger as it is after the group just submitted (whose rows end at the
@@ -589,6 +596,7 @@ class Daemon:
             # What the ledger could not see or judge, and what it retired and forgot.
             for name, n in self.ledger.stats.totals().items():
                 state.counters[f"ledger_{name}"] = n
+        state.store.CopyFrom(self.room.state())
         for took in self.latencies.summaries():
             state.latencies.add(
                 stage=took.stage,
@@ -691,6 +699,9 @@ class AgentSession:
                 events = msg.batch.events
                 if len(events) > MAX_BATCH:
                     self._fail("malformed", f"batch of {len(events)} events (at most {MAX_BATCH})")
+                    return
+                if self.daemon.room.refusing:  # the agent keeps the batch and sends it again later
+                    self._fail("store_full", self.daemon.room.refusing)
                     return
                 batch = Batch(self.node, events, data, self.reply)  # received: its latencies count from now
                 await self.in_flight.acquire()  # an agent that does not wait for acks waits here

@@ -45,6 +45,7 @@ from sqlalchemy import (
     event,
     func,
     select,
+    text,
 )
 
 from kvguard.ledger import _hot
@@ -637,6 +638,20 @@ class Store:
                 time.sleep(0.05)  # at most 20 a second, each copying everything committed since
         finally:
             conn.close()
+
+    def space(self) -> tuple[int, int | None]:
+        """(bytes the store takes, bytes free to it where it lies; None where that cannot be
+        seen from here: a PostgreSQL server's disk)."""
+        if self.engine.url.get_backend_name() == "sqlite":
+            path = Path(self.engine.url.database or "")
+            used = 0
+            for part in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+                with contextlib.suppress(FileNotFoundError):
+                    used += part.stat().st_size
+            room = os.statvfs(path.parent)
+            return used, room.f_bavail * room.f_frsize
+        with self.engine.connect() as conn:
+            return int(conn.execute(text("SELECT pg_database_size(current_database())")).scalar_one()), None
 
     def count(self, kind: str | None = None) -> int:
         """How many events, findings or commands (`kind`), or all of them (None)."""

@@ -215,8 +215,26 @@ class StageLatency(_message.Message):
     max_ms: float
     def __init__(self, stage: _Optional[str] = ..., count: _Optional[int] = ..., p50_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...
 
+class StoreRoom(_message.Message):
+    __slots__ = ("used_bytes", "free_known", "free_bytes", "reserve_bytes", "growth_bytes_per_s", "full_in_s", "refusing")
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GROWTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    FULL_IN_S_FIELD_NUMBER: _ClassVar[int]
+    REFUSING_FIELD_NUMBER: _ClassVar[int]
+    used_bytes: int
+    free_known: bool
+    free_bytes: int
+    reserve_bytes: int
+    growth_bytes_per_s: float
+    full_in_s: float
+    refusing: str
+    def __init__(self, used_bytes: _Optional[int] = ..., free_known: _Optional[bool] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., growth_bytes_per_s: _Optional[float] = ..., full_in_s: _Optional[float] = ..., refusing: _Optional[str] = ...) -> None: ...
+
 class FleetState(_message.Message):
-    __slots__ = ("nodes", "requests", "events", "findings", "counters", "latencies")
+    __slots__ = ("nodes", "requests", "events", "findings", "counters", "latencies", "store")
     class FindingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -237,10 +255,12 @@ class FleetState(_message.Message):
     FINDINGS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     LATENCIES_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
     requests: int
     events: int
     findings: _containers.ScalarMap[str, int]
     counters: _containers.ScalarMap[str, int]
     latencies: _containers.RepeatedCompositeFieldContainer[StageLatency]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., latencies: _Optional[_Iterable[_Union[StageLatency, _Mapping]]] = ...) -> None: ...
+    store: StoreRoom
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., latencies: _Optional[_Iterable[_Union[StageLatency, _Mapping]]] = ..., store: _Optional[_Union[StoreRoom, _Mapping]] = ...) -> None: ...
