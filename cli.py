@@ -626,6 +626,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvguard.daemon.audit import add_parsers as add_audit_queries
 
     add_audit_queries(audit)
+    from kvguard.daemon.fleet import add_parser as add_fleet
+
+    add_fleet(sub)
 
     rules = sub.add_parser("rules", help="check or test a ruleset").add_subparsers(
         dest="rules_command", required=True

@@ -6,8 +6,10 @@ small tmpfs that the test fills (root, as CI runs)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,6 +46,12 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "--lazy", str(where)], check=False)
 
 
+def test_kvguard_fleet_names_a_daemon_it_cannot_reach() -> None:
+    shown = kvguard_fleet("127.0.0.1:1", "--timeout", "2")
+    assert shown.returncode == 2 and shown.stdout == ""
+    assert shown.stderr.startswith("kvguard fleet: daemon 127.0.0.1:1: UNAVAILABLE")
+
+
 def fleet(address: str) -> svc.FleetState:
     with grpc.insecure_channel(address) as channel:
         return svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest(), timeout=10)
@@ -67,6 +75,16 @@ def wait_for(condition: Callable[[], object], what: str, seconds: float = 30) ->
     while not condition():
         assert time.monotonic() < deadline, f"{what} did not happen in {seconds} s"
         time.sleep(0.1)
+
+
+def kvguard_fleet(address: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvguard", "fleet", "--daemon", address, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def traffic(guard: Guard, start: int, n: int) -> None:
@@ -109,11 +127,19 @@ def test_under_its_reserve_the_daemon_takes_no_events_until_there_is_room(
         assert sink.flush()
         wait_for(lambda: fleet(daemon.address).counters["stream_store_full"] > 0, "a refused batch")
         assert len(stored_seqs(store)) == before
+        shown = kvguard_fleet(daemon.address)  # what an operator runs: it says so, and exits 1
+        assert shown.returncode == 1 and f"REFUSING EVENTS: {refusing}" in shown.stdout
 
         ballast.unlink()  # room again: the spooled events come in, each once
         wait_for(lambda: len(stored_seqs(store)) == guard._seq, "the spooled events stored")
         assert stored_seqs(store) == list(range(1, guard._seq + 1))
         assert fleet(daemon.address).store.refusing == ""
+        shown = kvguard_fleet(daemon.address)
+        assert shown.returncode == 0 and "REFUSING" not in shown.stdout
+        (row,) = [line.split() for line in shown.stdout.splitlines() if line.startswith("d0 ")]
+        assert row[:4] == ["d0", str(guard._seq), "yes", "0"] and row[4:] == ["0:decode", "0/64"]
+        as_json = json.loads(kvguard_fleet(daemon.address, "-o", "json").stdout)
+        assert int(as_json["store"]["used_bytes"]) > 0 and as_json["store"]["reserve_bytes"] == str(24 * MiB)
     finally:
         sink.close()
         agent.stop()
