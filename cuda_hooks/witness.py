@@ -339,7 +339,7 @@ class BpfWitness:
             if pid in self._live:
                 self._live[pid].add(key)
 
-    def _provider(self, cpu: int, data: Any, size: int) -> None:
+    def _provider(self, ctx: Any, data: Any, size: int) -> None:
         """A provider's post_send at `address` in process `pid`: probe it there."""
         e = self._bpf[b"providers"].event(data)
         place = mapped(e.pid, e.address)
@@ -368,7 +368,7 @@ class BpfWitness:
                     self._attach(pid)
                 rescan = time.monotonic() + RESCAN_S
 
-    def _copies(self, cpu: int, data: Any, size: int) -> None:
+    def _copies(self, ctx: Any, data: Any, size: int) -> None:
         e = self._bpf[b"copies"].event(data)
         with self._lock:
             name = self._names.get(e.pid)
@@ -389,7 +389,7 @@ class BpfWitness:
             self.reports += 1
             self._on_report(name, report)
 
-    def _event(self, cpu: int, data: Any, size: int) -> None:
+    def _event(self, ctx: Any, data: Any, size: int) -> None:
         e = self._bpf[b"events"].event(data)
         self._lost(e.drops)  # events before this one were dropped: no connection is certain now
         with self._lock:

@@ -46,6 +46,7 @@ class StoreRoom:
         self._samples: deque[tuple[float, int]] = deque()
         self._state = svc.StoreRoom(reserve_bytes=reserve)
         self._warned = False
+        self._unmeasured = False  # the last check failed (said once, not every second)
         self._stop = threading.Event()
         self.check()  # the first measure before the daemon takes anything
         self._thread = threading.Thread(target=self._run, name="kvguard-store-room", daemon=True)
@@ -60,10 +61,13 @@ class StoreRoom:
         try:
             used, free = self._measure()
         except Exception as exc:  # a store that cannot be measured is not refused for it
-            print(
-                f"kvguard daemon: the store's room could not be measured: {exc}", file=sys.stderr, flush=True
-            )
+            if not self._unmeasured:
+                print(
+                    f"kvguard daemon: the store's room cannot be measured: {exc}", file=sys.stderr, flush=True
+                )
+            self._unmeasured = True
             return
+        self._unmeasured = False
         now = time.monotonic()
         self._samples.append((now, used))
         while now - self._samples[0][0] > GROWTH_WINDOW_S:
