@@ -10,8 +10,10 @@ STAMP := $(VENV)/.installed-stamp
 SHIM := cuda_hooks/shim/libkvguard_shim.so
 LABEL := cuda_hooks/shim/libkvguard_label.so
 
-# setup.py builds the ledger's C extension (ledger/_hot.c) into the tree (pip install -e).
-$(STAMP): pyproject.toml setup.py ledger/_hot.c
+# setup.py builds the C extensions (proto/_wire.c, ledger/_pages.c, daemon/_rows.c) into the
+# tree (pip install -e).
+EXTENSIONS := proto/wire.h proto/_wire.c ledger/_pages.c daemon/_rows.c
+$(STAMP): pyproject.toml setup.py $(EXTENSIONS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $@
@@ -19,14 +21,15 @@ $(STAMP): pyproject.toml setup.py ledger/_hot.c
 demo: $(STAMP)
 	$(BIN)/kvguard demo
 
-# The rule fixtures (`kvguard rules test`) run inside pytest (tests/test_fixtures.py, test_cli.py).
-test: $(STAMP) shim
-	$(BIN)/ruff check .
+# The rule fixtures (`kvguard rules test`) run inside pytest (tests/ruleset/).
+test: lint shim
 	$(BIN)/python -m pytest
 
+# Style, formatting, and the layers of the parts (import-linter contracts in pyproject.toml).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 # The LD_PRELOAD shim that counts an engine's CUDA copies (cuda_hooks/shim/kvguard_shim.c), and
 # the transfer-naming library whose calls the eBPF witness probes (kvguard_label.c).
@@ -46,4 +49,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(SHIM) $(LABEL) ledger/_hot*.so build
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(SHIM) $(LABEL) proto/_wire*.so ledger/_pages*.so daemon/_rows*.so build

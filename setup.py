@@ -1,15 +1,24 @@
-"""The one thing pyproject.toml cannot say: the ledger's C extension needs NumPy's headers."""
+"""The one thing pyproject.toml cannot say: the C extensions, one per job, each needing NumPy's
+headers and the wire format's reader (proto/wire.h)."""
 
 import numpy
 from setuptools import Extension, setup
 
+
+def extension(name: str, source: str) -> Extension:
+    return Extension(
+        name,
+        [source],
+        include_dirs=[numpy.get_include(), "proto"],
+        depends=["proto/wire.h"],
+        extra_compile_args=["-Wall", "-Wextra"],
+    )
+
+
 setup(
     ext_modules=[
-        Extension(
-            "kvguard.ledger._hot",
-            ["ledger/_hot.c"],
-            include_dirs=[numpy.get_include()],
-            extra_compile_args=["-Wall", "-Wextra"],
-        )
+        extension("kvguard.proto._wire", "proto/_wire.c"),  # events read from and written to bytes
+        extension("kvguard.ledger._pages", "ledger/_pages.c"),  # the ledger's loops over pages
+        extension("kvguard.daemon._rows", "daemon/_rows.c"),  # the audit store's rows of a batch
     ]
 )

@@ -1,9 +1,10 @@
 """`kvguard agent`: the node agent between the in-engine guards of a host and the daemon.
 
-Guards connect to a Unix socket (agents.local) and stream their events; the agent writes
-them to a spool on disk before anything else, forwards them to the daemon over one gRPC
-stream per node, and forgets them only when the daemon acknowledges them as durable.
-Commands from the daemon (kill a request) go to the guard that owns the node.
+Guards connect to a Unix socket (proto/local.py) and stream their events; the agent reads
+each frame's event heads once (proto/wire.py: whose they are, their numbers), writes the
+events' bytes to a spool on disk (spool.py) before anything else, forwards them as they are to
+the daemon over one gRPC stream per node, and forgets them only when the daemon acknowledges
+them as durable. Commands from the daemon (kill a request) go to the guard that owns the node.
 
 Invariants: an event a guard handed over survives a crash of the agent or the daemon (it
 is in the spool until acknowledged, and resent after a reconnect or a restart; the daemon
@@ -15,21 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
-import os
 import socket
-import struct
 import sys
 import threading
 import time
 from collections import deque
 from pathlib import Path
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvguard.agents.local import PEER_CLOSED, listening, peer_pid, recv_frame, send_frame
 from kvguard.agents.probes import (
     PoolFacts,
     fetch_json,
@@ -38,16 +35,17 @@ from kvguard.agents.probes import (
     parse_sglang_log,
     parse_vllm_log,
 )
+from kvguard.agents.spool import Source, Spool
+from kvguard.agents.upstream import AgentStream, DaemonRefused
 from kvguard.cuda_hooks.shim import PROBE as SHIM_PROBE
 from kvguard.cuda_hooks.shim import ShimListener, ShimRecord
 from kvguard.cuda_hooks.tcp_stream import WireReport
 from kvguard.cuda_hooks.witness import NullWitness, Witness, open_witness, wire_event
-from kvguard.daemon.client import MAX_BATCH_BYTES, MAX_MESSAGE, AgentStream, DaemonRefused
-from kvguard.daemon.tls import Tls, channel
-from kvguard.proto import pb
+from kvguard.proto import pb, wire
+from kvguard.proto.channel import MAX_BATCH_BYTES, MAX_MESSAGE, Tls, channel
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.local import PEER_CLOSED, listening, peer_pid, recv_frame, send_frame
 
-_LEN = struct.Struct(">I")
 AGENT = "kvguard-agent"  # how the agent names itself to the daemon
 WITNESS = "ebpf"  # a node's witness reports as node/ebpf: its own sequence, beside the guard's
 SHIM = "shim"  # and its engine's LD_PRELOAD shim as node/shim
@@ -57,150 +55,6 @@ SHIM = "shim"  # and its engine's LD_PRELOAD shim as node/shim
 SHIM_GUARD_WAIT_S = 5.0
 DEPARTED_KEEP_S = 10.0
 IN_FLIGHT = 4  # batches a node's stream sends ahead of their acks (the daemon takes 8)
-# A batch goes ahead of an ack once AHEAD_MIN events wait, or the oldest has waited
-# AHEAD_AFTER_S: a stalled commit (a slow disk) then holds no event, so no kill, for longer
-# than that, while under load sends stay as large as with one batch in flight (a message per
-# few events costs the daemon more than it saves: `bench/ingest.py --paced-as agent` at 2 M
-# page transitions/s gave alert p99 ~100 ms sending at once and ~70-110 ms with a 5 ms wait,
-# against ~40 with one batch in flight and with these values).
-AHEAD_MIN = 64
-AHEAD_AFTER_S = 0.05
-
-
-class Spool:
-    """A node's unacknowledged events: in memory, and in an append-only file for restarts."""
-
-    def __init__(self, directory: Path, node: str) -> None:
-        self.path = directory / f"{quote(node, safe='')}.spool"  # a probe's source is node/probe
-        self.pending: deque[pb.Event] = deque()
-        self.bodies: deque[bytes] = deque()  # each pending event serialized: sent and spooled as is
-        self.arrived: deque[float] = deque()  # when each pending event reached the spool (monotonic)
-        self.cond = threading.Condition()
-        self._woken = False  # wake() was called since the last take()
-        self._trimmed = 0
-        if self.path.exists():
-            data = self.path.read_bytes()
-            offset = 0
-            while offset + _LEN.size <= len(data):
-                (n,) = _LEN.unpack_from(data, offset)
-                if offset + _LEN.size + n > len(data):
-                    break  # a torn last write: that event never reached the spool whole
-                body = data[offset + _LEN.size : offset + _LEN.size + n]
-                self.pending.append(pb.Event.FromString(body))
-                self.bodies.append(body)
-                self.arrived.append(0.0)  # from before a restart: long waiting
-                offset += _LEN.size + n
-        self._file = self.path.open("ab")
-
-    def append(self, events: list[pb.Event]) -> None:
-        if not events:
-            return
-        bodies = [e.SerializeToString() for e in events]
-        blob = b"".join(_LEN.pack(len(b)) + b for b in bodies)
-        with self.cond:
-            self._file.write(blob)
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self.pending.extend(events)
-            self.bodies.extend(bodies)
-            self.arrived.extend([time.monotonic()] * len(bodies))
-            self.cond.notify_all()
-
-    def take(
-        self, limit: int, max_bytes: int, timeout: float, after: int = 0, ahead: bool = False
-    ) -> tuple[list[pb.Event], list[bytes]]:
-        """The oldest unacknowledged events numbered after `after` (those up to it are sent
-        and not yet acknowledged) and their bytes, at most `limit` of them and `max_bytes` of
-        bytes (but always the first), waiting up to `timeout` for one or for wake(). `ahead`
-        (they would go ahead of an ack): only once AHEAD_MIN events wait or the oldest of
-        them has waited AHEAD_AFTER_S; else none."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                skip = self._sent(after)
-                waiting = len(self.pending) - skip
-                now = time.monotonic()
-                due = waiting and (not ahead or waiting >= AHEAD_MIN)
-                if waiting and not due:  # going ahead of an ack: a few may wait a little
-                    old = self.arrived[skip] + AHEAD_AFTER_S
-                    due = now >= old
-                    wait = min(deadline, old) - now
-                else:
-                    wait = deadline - now
-                if due or self._woken or wait <= 0:
-                    break
-                self.cond.wait(wait)
-            self._woken = False
-            if not due:
-                return [], []
-            n = total = 0
-            for body in itertools.islice(self.bodies, skip, None):
-                if n == limit or (n and total + len(body) > max_bytes):
-                    break
-                n, total = n + 1, total + len(body)
-            return (
-                list(itertools.islice(self.pending, skip, skip + n)),
-                list(itertools.islice(self.bodies, skip, skip + n)),
-            )
-
-    def _sent(self, after: int) -> int:
-        """How many pending events are numbered up to `after` (a prefix: numbers increase)."""
-        n = 0
-        for event in self.pending:
-            if event.seq > after:
-                break
-            n += 1
-        return n
-
-    def wake(self) -> None:
-        """End a take() that is waiting (an ack came: the sender has work besides sending)."""
-        with self.cond:
-            self._woken = True
-            self.cond.notify_all()
-
-    def ack(self, durable_seq: int, rejected: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-        with self.cond:
-            while self.pending and (self.pending[0].seq <= durable_seq or self.pending[0].seq in rejected):
-                self.pending.popleft()
-                self.bodies.popleft()
-                self.arrived.popleft()
-                self._trimmed += 1
-            if not self.pending:
-                self._file.truncate(0)
-                self._file.seek(0)
-                self._trimmed = 0
-            elif self._trimmed > 50_000:  # rewrite the file with what is still unacknowledged
-                tmp = self.path.with_suffix(".tmp")
-                tmp.write_bytes(b"".join(_LEN.pack(len(b)) + b for b in self.bodies))
-                os.replace(tmp, self.path)
-                self._file.close()
-                self._file = self.path.open("ab")
-                self._trimmed = 0
-
-    def close(self) -> None:
-        self._file.close()
-
-
-class Source:
-    """Events the agent itself originates under one name (an unguarded engine's node, or a
-    witness's `node/probe`), numbered from 1 without gaps across the agent's restarts (the
-    last number is kept in the spool directory)."""
-
-    def __init__(self, spool: Spool, directory: Path, name: str) -> None:
-        self.name = name
-        self.spool = spool
-        self._path = directory / f"{quote(name, safe='')}.seq"
-        self._seq = int(self._path.read_text()) if self._path.exists() else 0
-        self._lock = threading.Lock()
-
-    def emit(self, **payload: object) -> None:
-        """Spool one event with this payload (one keyword: the payload's name)."""
-        with self._lock:
-            self._seq += 1
-            # The number is kept before the event is spooled: a crash in between leaves a gap
-            # (reported), never a number used twice (which the daemon would refuse as a repeat).
-            self._path.write_text(str(self._seq))
-            self.spool.append([pb.Event(node=self.name, seq=self._seq, ts_ns=time.time_ns(), **payload)])
 
 
 class NodeAgent:
@@ -314,19 +168,19 @@ class NodeAgent:
                 self._departed.pop(pid, None)
                 self._engines_changed.notify_all()
             while True:
-                msg = svc.AgentMessage.FromString(recv_frame(conn))
-                if msg.WhichOneof("body") != "batch":
+                try:
+                    batch = wire.decode_batch(recv_frame(conn))  # the events' heads, read once
+                except wire.NotABatch:
                     continue
-                events = [e for e in msg.batch.events if e.node == node]
-                foreign = len(msg.batch.events) - len(events)
+                mine, foreign = batch.of_node(node)
                 if foreign:  # a guard speaks for its own node only
                     self.counters["rejected"] += foreign
                     print(
                         f"kvguard agent: the guard of {node} sent {foreign} event(s) of other nodes; refused",
                         file=sys.stderr,
                     )
-                spool.append(events)
-                self.counters["events"] += len(events)
+                spool.append([batch.event(i) for i in mine], batch.seqs(mine))
+                self.counters["events"] += len(mine)
         except (DecodeError, ValueError, ConnectionError) as exc:
             # A misbehaving peer on the local socket: say who and why, count it, drop it.
             # (ConnectionError also covers a guard that simply went away: not counted.)
@@ -424,15 +278,16 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ spool -> daemon
 
-    def _acknowledged(self, node: str, spool: Spool, batch: list[pb.Event], ack: svc.Ack | None) -> None:
-        """The daemon settled a whole batch (stored it, had it, or refused it for good)."""
+    def _acknowledged(self, node: str, spool: Spool, batch: list[int], ack: svc.Ack | None) -> None:
+        """The daemon settled a whole batch (its sequence numbers: stored it, had it, or
+        refused it for good)."""
         assert ack is not None
         rejected = {r.seq for r in ack.rejected}
         for r in ack.rejected:
             print(f"kvguard agent: the daemon refused {node} seq {r.seq}: {r.reason}", file=sys.stderr)
         self.counters["rejected"] += len(rejected)
         self.counters["acked"] += ack.accepted + ack.repeats
-        spool.ack(max(ack.durable_seq, batch[-1].seq), rejected)
+        spool.ack(max(ack.durable_seq, batch[-1]), rejected)
 
     def _upstream(self, node: str, spool: Spool) -> None:
         """The node's spool to the daemon: up to IN_FLIGHT batches sent ahead of their acks
@@ -448,7 +303,7 @@ class NodeAgent:
                 stream = AgentStream(self._channel, node, AGENT, on_command=relay, on_ack=spool.wake)
                 spool.ack(stream.durable_seq)
                 delay = 0.1
-                in_flight: deque[list[pb.Event]] = deque()  # sent, not acknowledged, oldest first
+                in_flight: deque[list[int]] = deque()  # sent, not acknowledged, oldest first: their seqs
                 while not self.stopping.is_set():
                     full = len(in_flight) >= IN_FLIGHT
                     ack = stream.next_ack(timeout=0.2 if full else 0) if in_flight else None
@@ -457,7 +312,7 @@ class NodeAgent:
                         continue
                     if full:
                         continue
-                    after = in_flight[-1][-1].seq if in_flight else 0
+                    after = in_flight[-1][-1] if in_flight else 0
                     batch, bodies = spool.take(self.batch, MAX_BATCH_BYTES, 0.2, after, bool(in_flight))
                     if not batch:
                         continue
@@ -467,12 +322,12 @@ class NodeAgent:
                             continue
                         # The daemon would refuse the message, and the agent resend it, forever.
                         print(
-                            f"kvguard agent: {node} seq {batch[0].seq} is {len(bodies[0])} bytes, over "
+                            f"kvguard agent: {node} seq {batch[0]} is {len(bodies[0])} bytes, over "
                             f"the daemon's {MAX_MESSAGE}; dropped",
                             file=sys.stderr,
                         )
                         self.counters["oversized"] += 1
-                        spool.ack(0, {batch[0].seq})
+                        spool.ack(0, {batch[0]})
                         continue
                     stream.post(bodies)
                     in_flight.append(batch)

@@ -18,7 +18,7 @@ export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$out/device.txt"
 SECONDS=0
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py tests/test_testbed_faults.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/cuda_hooks/test_kernels.py tests/testbed/test_testbed_faults.py \
     2>&1 | tee "$out/gpu-tests.log"
 echo "gpu tests: ${SECONDS} s" | tee -a "$out/device.txt"
 SECONDS=0

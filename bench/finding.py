@@ -33,8 +33,10 @@ import ingest  # the ingest benchmark's workload
 
 from kvguard.daemon.server import Daemon
 from kvguard.daemon.store import Record
+from kvguard.ledger import Ledger
 from kvguard.ledger import pages as pages_module
-from kvguard.ledger.ledger import Ledger, Shared
+from kvguard.ledger.access import Shared, shared_read_victims
+from kvguard.proto import wire
 from kvguard.ruleset import load_ruleset
 
 NO_SHARE = Shared(np.zeros(0, np.intp), np.zeros(0, np.uint32), np.zeros(0, np.int32), np.zeros(0, np.uint32))
@@ -43,7 +45,7 @@ NO_SHARE = Shared(np.zeros(0, np.intp), np.zeros(0, np.uint32), np.zeros(0, np.i
 def numpy_victims(pp: pages_module.PoolPages, pages: np.ndarray, req: int, tokens: int) -> Any:
     """read_victims by the ledger's NumPy statements (its path for a reader with a share)."""
     reader, pool = SimpleNamespace(idx=req), SimpleNamespace(pages=pp)
-    return Ledger._shared_read_victims(None, reader, pool, pages, tokens, NO_SHARE)  # type: ignore[arg-type]
+    return shared_read_victims(reader, pool, pages, tokens, NO_SHARE)  # type: ignore[arg-type]
 
 
 def main() -> None:
@@ -66,9 +68,10 @@ def main() -> None:
         for name in order:
             ledger = ledgers[name]
             pages_module.PoolPages.read_victims = in_c if name == "C" else numpy_victims  # type: ignore[method-assign]
+            batch = wire.batch_of(bodies)  # as the daemon reads a batch: its heads once
             i, stop = 0, len(bodies)
             while i < stop:
-                i = ledger.apply_clean(bodies, i, stop, "n0")
+                i = ledger.apply_clean(batch, i, stop, "n0")
                 if i == stop:
                     break
                 t0 = time.perf_counter()

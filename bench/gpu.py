@@ -33,6 +33,7 @@ import torch
 
 from kvguard.agents.guard import Guard
 from kvguard.cuda_hooks import kernels
+from kvguard.ledger.pages import check_tags
 from kvguard.ruleset import load_ruleset
 
 
@@ -114,7 +115,7 @@ def tag_check_vs_attention(args: argparse.Namespace, device: str) -> None:
     else:
 
         def kernel_path() -> object:
-            return kernels.tag_check(pages.own, pages.valid, tables, lens, readers, ps)
+            return check_tags(pages.own, pages.valid, tables, lens, readers, ps)
 
         kernel_path_before = kernel_path
 

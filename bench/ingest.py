@@ -11,7 +11,7 @@ and wait for the ack of each batch before the next (so a batch is durable in the
 before the agent sends the next). By default (--client aio) they are tasks of one asyncio
 loop speaking the stream's protocol as the product's client does (hello, batches as
 RawAgentMessage bytes, acks in order, commands as they come); --client threads runs each on
-a thread of its own through `kvguard.daemon.client.AgentStream.send_serialized()`, the
+a thread of its own through `kvguard.agents.upstream.AgentStream.send_serialized()`, the
 product's client, which costs the daemon's 2 cores a thread, gRPC's request-iterator thread,
 a reader thread and a channel's polling thread per agent (on a cluster the agents are on
 other machines): with it the closed-loop runs measured the client more than the daemon.
@@ -114,9 +114,10 @@ import grpc
 import numpy as np
 
 from kvguard.agents.agent import AHEAD_AFTER_S, AHEAD_MIN, IN_FLIGHT
-from kvguard.daemon.client import MAX_MESSAGE, AgentStream
+from kvguard.agents.upstream import AgentStream
 from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
+from kvguard.proto.channel import MAX_MESSAGE
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 

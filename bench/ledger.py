@@ -3,9 +3,10 @@
 Workload: requests cycle through a pool in batches of B pages (16, 64, 256): alloc, write,
 one attention read, free; that is 4 page transitions per page per request, all correct (no
 finding), the path every event of a healthy engine takes: applied as protobuf objects
-(`ledger`: the guard's path), as the bytes an agent sends (`bytes`: one event at a time), as
-the daemon applies those bytes in batches of 64 (`runs`: runs of clean events in one C call,
-Ledger.apply_clean) and from a capture file (`replay`). Printed beside each figure: the
+(`ledger`), as the bytes a guard writes or an agent sends (`bytes`: one event at a time, its
+node known), as the daemon takes those bytes in batches of 64 (`runs`: the batch's heads read
+once, then runs of clean events in one C call, Ledger.apply_clean) and from a capture file
+(`replay`). Printed beside each figure: the
 floor, a plain NumPy scatter of the same page arrays in the same Python loop, and the ratio,
 measured in the same run (these machines are shared: compare ratios, not absolute times).
 
@@ -19,16 +20,15 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from kvguard.ledger.ledger import Ledger
-from kvguard.proto import pb
+from kvguard.ledger import Ledger
+from kvguard.proto import pb, wire
 from kvguard.proto.capture import event_to_json
-from kvguard.replay import replay
 from kvguard.ruleset import load_ruleset
+from kvguard.ruleset.replay import replay
 
 
 def workload(batch: int, transitions: int, pool_pages: int) -> list[pb.Event]:
@@ -67,7 +67,12 @@ def time_ledger(events: list[pb.Event] | list[bytes]) -> tuple[float, int]:
     """The events applied as objects (the guard's path) or, given as bytes, as an agent
     sends them (the daemon's path)."""
     ledger = Ledger()
-    apply: Callable[[Any], object] = ledger.apply_serialized if isinstance(events[0], bytes) else ledger.apply
+    if isinstance(events[0], bytes):  # as a guard or the daemon applies one event's bytes: its node known
+
+        def apply(body: Any) -> object:
+            return ledger.apply_serialized(body, "n0")
+    else:
+        apply = ledger.apply
     started = time.perf_counter()
     for event in events:
         if apply(event):
@@ -79,14 +84,15 @@ def time_runs(bodies: list[bytes], batch_events: int = 64) -> tuple[float, int]:
     """The bytes applied as the daemon applies a batch: runs of clean events in one C call
     each (`Ledger.apply_clean`), apply_serialized where a run stops (here: the pool report)."""
     ledger = Ledger()
+    frames = [wire.frame(bodies[at : at + batch_events]) for at in range(0, len(bodies), batch_events)]
     started = time.perf_counter()
-    for at in range(0, len(bodies), batch_events):
-        batch = bodies[at : at + batch_events]
+    for frame in frames:  # as the daemon takes a batch: its heads read once on receipt, then applied
+        batch = wire.decode_batch(frame)
         i = 0
         while i < len(batch):
             i = ledger.apply_clean(batch, i, len(batch), "n0")
             if i < len(batch):
-                if ledger.apply_serialized(batch[i], "n0"):
+                if ledger.apply_serialized(batch.event(i), "n0"):
                     raise SystemExit("benchmark workload produced a finding: the ledger is wrong")
                 i += 1
     return time.perf_counter() - started, ledger.stats.page_transitions

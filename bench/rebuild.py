@@ -1,5 +1,5 @@
 """A restart's rebuild of the ledger from the audit store: the stored events applied as bytes
-(`Store.event_bodies` + `Ledger.replay`: clean runs in C, the rest one at a time, as the
+(`Store.event_batches` + `Ledger.replay`: clean runs in C, the rest one at a time, as the
 daemon applies them live) beside parsed one at a time (`Store.events` + `Ledger.apply`, the
 daemon's rebuild before), side by side in one process on one store, and the state each
 leaves checked equal to the byte.
@@ -28,7 +28,7 @@ from kvguard.daemon.server import SNAPSHOT_EVERY
 from kvguard.daemon.store import EventRun, Store, rows_of
 from kvguard.ledger import snapshot
 from kvguard.ledger.ledger import Ledger
-from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto import wire
 
 
 def main() -> None:
@@ -49,9 +49,9 @@ def main() -> None:
         try:
             live = Ledger()
             for node, bodies in batches:
-                live.replay(bodies, node)  # the state the daemon had when it stopped
-                message = svc.RawAgentMessage(batch=svc.RawEventBatch(events=bodies)).SerializeToString()
-                store.append(rows_of([message], [EventRun(0, 0, len(bodies))]))
+                batch = wire.batch_of(bodies)
+                live.replay(batch, node)  # the state the daemon had when it stopped
+                store.append(rows_of([batch], [EventRun(0, 0, len(bodies))]))
             events = store.count("event")
             want = snapshot.dump(live)
             for _ in range(args.repeat):
@@ -61,8 +61,8 @@ def main() -> None:
                     parsed.apply(event)
                 t1 = time.perf_counter()
                 raw = Ledger()
-                for node, bodies in store.event_bodies():
-                    raw.replay(bodies, node)
+                for node, batch, skip in store.event_batches():
+                    raw.replay(batch, node, skip)
                 t2 = time.perf_counter()
                 times["parsed"].append(t1 - t0)
                 times["bytes"].append(t2 - t1)
@@ -73,7 +73,7 @@ def main() -> None:
     best = {way: min(ts) for way, ts in times.items()}
     print(f"{events} stored events (64-page requests), best of {args.repeat}; the same state each way")
     print(f"{'rebuild':>32} {'s':>7} {'µs/event':>9} {'events/s':>10} {'4 M events':>11}")
-    names = {"parsed": "events() + apply, one at a time", "bytes": "event_bodies() + replay"}
+    names = {"parsed": "events() + apply, one at a time", "bytes": "event_batches() + replay"}
     for way, seconds in best.items():
         per = seconds / events
         whole = per * SNAPSHOT_EVERY

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ingest  # the ingest benchmark's workload
 
 from kvguard.daemon.store import EventRun, Record, Store, rows_of
+from kvguard.proto import wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 
@@ -50,14 +51,15 @@ def main() -> None:
     groups: list[bytes] = []
     for batches in zip(*[w.bodies for w in workloads], strict=False):
         for bodies in batches:  # interleaved nodes, as the daemon receives them
-            groups.append(svc.RawAgentMessage(batch=svc.RawEventBatch(events=bodies)).SerializeToString())
+            groups.append(wire.frame(bodies))
     groups = groups[: args.groups]
 
     def one_a_record(message: bytes) -> list[Record]:
         return [Record.of_event(e) for e in svc.AgentMessage.FromString(message).batch.events]
 
     def runs(message: bytes) -> list[Record]:
-        return rows_of([message], [EventRun(0, 0, len(svc.RawAgentMessage.FromString(message).batch.events))])
+        batch = wire.decode_batch(message)  # as the daemon reads it on receipt
+        return rows_of([batch], [EventRun(0, 0, len(batch))])
 
     layouts = {"one record an event": one_a_record, "runs": runs}
     cpu = {name: [0.0, 0.0] for name in layouts}  # building rows, appending them

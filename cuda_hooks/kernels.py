@@ -1,11 +1,12 @@
 """The guard's two checks at GPU speed, and their CPU twins: bit-identical on the same input
-(tests/vectors/kernels.json holds inputs and results that both must reproduce).
+(tests/cuda_hooks/vectors/kernels.json holds inputs and results that both must reproduce).
 
 - Page-tag check (`tag_check`): before an attention launch, for each request of the batch,
   whether every slot it reads holds its own KV, written under its current grant. The tags
-  are the ledger's (ledger/pages.py): `own[p]` is the request whose own KV page p holds
-  (0: none) and `valid[p]` the slots written; a request may attend to page p for `need`
-  slots iff `own[p] == its index` and `valid[p] >= need`. One launch per decode step.
+  are the ledger's: `own[p]` is the request whose own KV page p holds (0: none) and
+  `valid[p]` the slots written; a request may attend to page p for `need` slots iff
+  `own[p] == its index` and `valid[p] >= need`. One launch per decode step. Its CPU twin is
+  the ledger's own check (ledger/pages.py check_tags).
 - Page checksums (`page_checksums`): one 64-bit checksum per page, read in place from the
   pool through the page list (no gather copy): the stream of a page is, for each layer, its
   K block then its V block, as little-endian 32-bit words w_i, and
@@ -13,7 +14,7 @@
   definition's reasons).
 
 Arrays on a CUDA device (CuPy arrays, or torch CUDA tensors, taken without a copy) run the
-CuPy raw kernels below; NumPy arrays and CPU tensors run the NumPy/PyTorch code. `DeviceTags`
+CuPy raw kernels below; the checksums of CPU tensors run the PyTorch code. `DeviceTags`
 keeps a device copy of one pool's tags in step with the ledger: the tags of the pages written
 since the last check travel with the next check and are applied by its launch.
 """
@@ -24,8 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from kvguard.ledger.pages import check_tags
 
 CHECKSUM_MULTIPLIER = 0x9E3779B1
 _CHUNK_PAGES = 256  # CPU checksums: pages per chunk (bounds the int64 scratch memory)
@@ -156,12 +155,6 @@ def tag_check(own: Any, valid: Any, tables: Any, lens: Any, readers: Any, page_s
     tables[b], entries beyond the context ignored) holds its own KV (own == readers[b],
     valid >= the slots read), or it reads nothing. A table too short for its context, a page
     out of range, or no reader (0) is False. Device arrays in, device bools out."""
-    if on_device(tables):
-        return _tag_check_gpu(own, valid, tables, lens, readers, page_size)
-    return check_tags(own, valid, tables, lens, readers, page_size)
-
-
-def _tag_check_gpu(own: Any, valid: Any, tables: Any, lens: Any, readers: Any, page_size: int) -> Any:
     import cupy
 
     clean = cupy.empty(len(readers), dtype=cupy.uint8)

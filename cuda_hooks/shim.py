@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvguard.agents.local import listening, peer_pid
+from kvguard.proto.local import listening, peer_pid
 
 LIBRARY = Path(__file__).with_name("shim") / "libkvguard_shim.so"
 LABELS = Path(__file__).with_name("shim") / "libkvguard_label.so"  # the same two calls, for the eBPF witness

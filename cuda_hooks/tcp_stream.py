@@ -1,27 +1,23 @@
 """Decodes what a process wrote to its TCP connections, as the eBPF witness saw it, into the
 KV transfers they carried. Pure: (length, first bytes) of each write in, reports out.
 
-The framing is the testbed's (testbed/wire.py): a header (JSON length, payload length), a
-JSON object, the payload. A transfer is a message whose JSON has `"op": "kv"` and names its
-`xfer`; its payload is the KV. Invariants: every payload byte of a transfer counts once,
-toward the transfer its header named; a transfer is reported when its payload ends or its
-connection closes (`complete`: the probe saw its end); a connection whose bytes cannot be
-followed (a header outside the captured head, events lost) is marked lost and reports
-nothing more until it is opened again: never a guess.
+The framing is kvguard's KV transfer framing (proto/transfer.py): a header (JSON length,
+payload length), a JSON object, the payload; a transfer is a message whose JSON names it.
+Invariants: every payload byte of a transfer counts once, toward the transfer its header
+named; a transfer is reported when its payload ends or its connection closes (`complete`:
+the probe saw its end); a connection whose bytes cannot be followed (a header outside the
+captured head, events lost) is marked lost and reports nothing more until it is opened
+again: never a guess.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
 
-from kvguard.testbed.wire import HEADER, MAX_JSON, MAX_PAYLOAD
+from kvguard.proto.transfer import HEADER, MAX_JSON, MAX_PAYLOAD, transfer_of
 
 PROBE = "ebpf:tcp"
 JSON_KEPT = 4096  # bytes of a message's JSON kept to find its xfer (the head of each write is captured)
-_KV = re.compile(rb'"op"\s*:\s*"kv"')
-_XFER = re.compile(rb'"xfer"\s*:\s*"([^"\\]{1,256})"')
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,19 +44,6 @@ class WireReport:
     complete: bool  # the transfer's payload ended, or its connection closed
     probe: str = PROBE
     remote: RemoteWrites | None = None  # RDMA probes: where its writes landed
-
-
-def transfer_of(head: bytes) -> str:
-    """The xfer a message's JSON names if it is a KV transfer, else "" (from as much of the
-    JSON as was captured)."""
-    try:
-        obj = json.loads(head)
-    except ValueError:  # truncated: what the captured part says
-        xfer = _XFER.search(head)
-        return xfer.group(1).decode() if xfer and _KV.search(head) else ""
-    if isinstance(obj, dict) and obj.get("op") == "kv" and isinstance(obj.get("xfer"), str):
-        return obj["xfer"]
-    return ""
 
 
 @dataclass

@@ -386,7 +386,7 @@ int driver_return(struct pt_regs *ctx) { return copy_return(ctx, DRIVER); }
 // address where a context or queue pair passes through libibverbs' exported functions
 // (ibv_open_device returns the context; ibv_create_qp returns, and ibv_modify_qp takes, a
 // queue pair), and user space attaches rdma_post_send there. Offsets: rdma-core's verbs.h,
-// a stable ABI (tests/test_witness.py compiles against the real header to check them).
+// a stable ABI (tests/cuda_hooks/test_witness.py compiles against the real header to check them).
 
 #define POST_SEND_OFFSET 208  // offsetof(struct ibv_context, ops.post_send)
 #define WR_NEXT 8

@@ -12,8 +12,9 @@ fleet state.
 
 Where a batch goes: everything of the daemon runs on one asyncio event loop, in one thread
 (the gRPC streams too), so a batch never waits for another thread to be woken or for the GIL:
-the stream parses it (its events stay bytes: the ledger reads the common ones straight from
-them, and refuses one that is not an event alone) and queues it, and the loop applies the
+the stream reads its events' heads once (proto/wire.py; the events stay bytes, and every
+part that needs their fields reads them from the heads: the ledger, the store's writer) and
+queues it, and the loop applies the
 queued batches to the ledger in arrival order, one step (at most APPLY_SLICE events, or
 DELIVERING_SLICE while alerts are being written out) at a time with whatever became ready in
 between, so deliveries never wait behind a queue of batches; each command goes out as soon
@@ -52,21 +53,19 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvguard.daemon.client import MAX_MESSAGE  # the largest agent message accepted (refused above)
 from kvguard.daemon.latency import Latencies
 from kvguard.daemon.room import RESERVE, StoreRoom
 from kvguard.daemon.store import EventRun, Record, Store
-from kvguard.daemon.tls import Tls, peer_names
 from kvguard.daemon.writer import InlineWriter, Writer
 from kvguard.ledger import snapshot
-from kvguard.ledger.findings import KILL_ACTIONS, Finding
-from kvguard.ledger.ledger import CLOCK_SKEW_NS, BadEvent, Ledger
-from kvguard.proto import pb
+from kvguard.ledger.findings import KILL_ACTIONS, BadEvent, Finding
+from kvguard.ledger.ledger import CLOCK_SKEW_NS, Ledger
+from kvguard.proto import pb, wire
+from kvguard.proto.channel import MAX_MESSAGE, TRANSPORT_LIMIT, Tls, peer_names
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 from kvguard.ruleset import Ruleset, load_ruleset
 
-TRANSPORT_LIMIT = 64 << 20  # gRPC's own limit: beyond it gRPC refuses, before the daemon sees a byte
 MAX_BATCH = 65536
 MAX_IN_FLIGHT = 8  # batches of one stream applied or committing but not yet acknowledged
 MAX_UNDELIVERED = 10_000  # commands kept per node while it is not connected
@@ -116,12 +115,11 @@ class Batch:
     """One stream's batch on its way through the daemon."""
 
     node: str
-    events: Sequence[bytes]  # each event as sent: the ledger reads the common ones from their bytes
-    message: bytes  # the AgentMessage as received: what the store keeps of each event
+    events: wire.Batch  # as received, its heads read once: the ledger and the store take them
     reply: Reply  # where its ack goes (the stream's outbox)
     # How far it is applied, when that takes more than one step of the loop:
     ack: svc.Ack | None = None  # set at its first event
-    index: int = -1  # its message's place in the group being filled (-1: not in it yet)
+    index: int = -1  # its place in the group being filled (-1: not in it yet)
     done: int = 0  # events applied
     run: int = -1  # start of the run of accepted events still open
     received: float = field(default_factory=time.perf_counter)  # for the daemon's own latencies
@@ -133,8 +131,8 @@ class Group:
     and then release. A group may end in the middle of a batch (an alert's group goes to the
     writer at once); the batch's ack goes with the group that holds its last event."""
 
-    messages: list[bytes] = field(default_factory=list)  # of the batches with events in it
-    parts: list[Record | EventRun] = field(default_factory=list)  # EventRun.message: index in messages
+    batches: list[wire.Batch] = field(default_factory=list)  # with events in it
+    parts: list[Record | EventRun] = field(default_factory=list)  # EventRun.batch: index in batches
     rows: int = 0  # the ids its parts take (a run of events one per event)
     # (its id less the group's first, the finding, when its batch was received)
     findings: list[tuple[int, Finding, float]] = field(default_factory=list)
@@ -144,15 +142,6 @@ class Group:
     def add(self, part: Record | EventRun) -> None:
         self.parts.append(part)
         self.rows += part.stop - part.start if isinstance(part, EventRun) else 1
-
-
-def _seq_of(body: bytes) -> int:
-    """A refused event's sequence number, for the ack that says why (0 if its bytes are not
-    an event): parsed again on this rare path only."""
-    try:
-        return pb.Event.FromString(body).seq
-    except DecodeError:
-        return 0
 
 
 def _matches(f: svc.AlertFilter, finding: Finding) -> bool:
@@ -194,9 +183,9 @@ class Daemon:
         self._command_id = store.count("command")
         self.writer: Writer = writer if writer is not None else InlineWriter(store)
         rebuilt = 0
-        for node, bodies in store.event_bodies(after=through):
-            self.ledger.replay(bodies, node)  # verdicts are already stored; this rebuilds the state
-            rebuilt += len(bodies)
+        for node, batch, skip in store.event_batches(after=through):
+            self.ledger.replay(batch, node, skip)  # verdicts are already stored; this rebuilds the state
+            rebuilt += len(batch) - skip
         self.counters["rebuilt_events"] = rebuilt
         self.counters["snapshot_through"] = through
         # Dumping the ledger takes ~10 µs per request it knows (2 s for a window at full load):
@@ -318,7 +307,7 @@ class Daemon:
         ack waits for its last event anyway, and each piece sends the writer its whole message."""
         group = self._next
         partial = self._inbox[0] if self._inbox and self._inbox[0].index >= 0 else None
-        if not group.messages or (partial is not None and not group.findings):
+        if not group.batches or (partial is not None and not group.findings):
             return
         self._next = Group()
         if partial is not None:  # its run so far ends here
@@ -327,7 +316,7 @@ class Daemon:
             partial.index = partial.run = -1
         self._committing.append(group)
         self._alerting += bool(group.findings)
-        self.writer.submit(group.messages, group.parts)
+        self.writer.submit(group.batches, group.parts)
         if (
             self.snapshot_every
             and group.rows
@@ -432,8 +421,8 @@ class Daemon:
         if batch.ack is None:
             batch.ack = svc.Ack(node=batch.node)
         if batch.index < 0:  # its first events in this group
-            batch.index = len(group.messages)
-            group.messages.append(batch.message)
+            batch.index = len(group.batches)
+            group.batches.append(batch.events)
         node, ack, m, run, events = batch.node, batch.ack, batch.index, batch.run, batch.events
         end = min(len(events), batch.done + limit)
         i, accepted = batch.done, 0
@@ -449,7 +438,7 @@ class Daemon:
                     i = clean
                     if i == end:
                         break
-                found = self._apply_event(node, events[i], ack)
+                found = self._apply_event(node, events, i, ack)
                 if found is None:  # not applied: not stored
                     if run >= 0:
                         group.add(EventRun(m, run, i))
@@ -478,20 +467,20 @@ class Daemon:
             self.counters["events"] += ack.accepted
         return True
 
-    def _apply_event(self, node: str, body: bytes, ack: svc.Ack) -> Sequence[Finding] | None:
-        """One event of `node`'s stream to the ledger: its findings, or None (and why, in the
+    def _apply_event(self, node: str, events: wire.Batch, i: int, ack: svc.Ack) -> Sequence[Finding] | None:
+        """Event i of `node`'s batch to the ledger: its findings, or None (and why, in the
         ack) if it was not applied (another node's event among them)."""
         try:
-            return self.ledger.apply_serialized(body, node)
+            return self.ledger.apply_serialized(events.event(i), node)
         except BadEvent as exc:
             self.counters[exc.kind] += 1
             if exc.kind == "repeat":
                 ack.repeats += 1
             else:
-                ack.rejected.add(seq=_seq_of(body), reason=str(exc))
+                ack.rejected.add(seq=events.seq(i), reason=str(exc))
         except Exception as exc:  # a bug must not take the daemon or the stream down
             self.counters["internal"] += 1
-            ack.rejected.add(seq=_seq_of(body), reason=f"internal error applying the event: {exc!r}")
+            ack.rejected.add(seq=events.seq(i), reason=f"internal error applying the event: {exc!r}")
             traceback.print_exc(file=sys.stderr)
         return None
 
@@ -684,26 +673,24 @@ class AgentSession:
                     self._fail("oversized", f"message of {len(data)} bytes (at most {MAX_MESSAGE})")
                     return
                 try:
-                    msg = svc.RawAgentMessage.FromString(data)  # its events stay bytes
+                    if not self.node:
+                        if not self._hello(svc.RawAgentMessage.FromString(data)):
+                            return
+                        continue
+                    events = wire.decode_batch(data)  # its events' heads, read once
                 except DecodeError as exc:
                     self._fail("malformed", f"the message is not a kvguard.v1.AgentMessage: {exc}")
                     return
-                if not self.node:
-                    if not self._hello(msg):
-                        return
-                    continue
-                body = msg.WhichOneof("body")
-                if body != "batch":
-                    self._fail("malformed", f"unexpected {body or 'empty'} message after hello")
+                except wire.NotABatch as exc:
+                    self._fail("malformed", f"unexpected {exc} message after hello")
                     return
-                events = msg.batch.events
                 if len(events) > MAX_BATCH:
                     self._fail("malformed", f"batch of {len(events)} events (at most {MAX_BATCH})")
                     return
                 if self.daemon.room.refusing:  # the agent keeps the batch and sends it again later
                     self._fail("store_full", self.daemon.room.refusing)
                     return
-                batch = Batch(self.node, events, data, self.reply)  # received: its latencies count from now
+                batch = Batch(self.node, events, self.reply)  # received: its latencies count from now
                 await self.in_flight.acquire()  # an agent that does not wait for acks waits here
                 self.daemon.ingest(batch)
         except (grpc.RpcError, asyncio.CancelledError):

@@ -48,9 +48,9 @@ from sqlalchemy import (
     text,
 )
 
-from kvguard.ledger import _hot
+from kvguard.daemon import _rows
 from kvguard.ledger.findings import Finding
-from kvguard.proto import pb
+from kvguard.proto import pb, wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
@@ -197,7 +197,7 @@ def _head(body: bytes) -> EventHead:
     """An accepted event's head, from its bytes: the common events (alloc, write, free, a
     one-entry read: no tenant, no other request) read straight from them, as the ledger
     reads them; any other parsed."""
-    hot = _hot.event_head(body)
+    hot = wire.event_head(body)
     if hot is not None:
         return EventHead(hot[1], hot[2], hot[3], hot[4], "", ())
     return _event_head(pb.Event.FromString(body))
@@ -252,48 +252,47 @@ def named_of(kind: str, body: bytes) -> tuple[str, ...]:
 
 
 class EventRun(NamedTuple):
-    """Events [start, stop) of the batch `message` (an index into the group's messages): the
+    """Events [start, stop) of the batch `batch` (an index into the group's batches): the
     daemon names the events it accepted this way instead of building their rows, which the
     store's writer does on its own core."""
 
-    message: int
+    batch: int
     start: int
     stop: int
 
 
-def rows_of(messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> list[Record]:
+def rows_of(batches: Sequence[wire.Batch], parts: Sequence[Record | EventRun]) -> list[Record]:
     """The rows of a group: each EventRun as run records (its events' bytes as they arrived;
     a new run where an event's time falls outside the run's span; a lone event as an event
-    record), Records as they are. `messages` are AgentMessage batches as received; each is
-    parsed once, its events left as bytes: only the accepted ones are read (a refused one may
-    not even be an event)."""
-    parsed: dict[int, Sequence[bytes]] = {}
+    record), Records as they are. `batches` are the batches as the daemon read them (their
+    heads read once, on receipt); only the accepted events are used (a refused one may not
+    even be an event)."""
     rows: list[Record] = []
     for part in parts:
-        if not isinstance(part, EventRun):
+        if isinstance(part, EventRun):
+            rows += run_rows(batches[part.batch], part.start, part.stop)
+        else:
             rows.append(part)
-            continue
-        found = parsed.get(part.message)
-        if found is None:
-            found = parsed[part.message] = svc.RawAgentMessage.FromString(messages[part.message]).batch.events
-        rows += run_rows(found[part.start : part.stop])
     return rows
 
 
-def run_rows(bodies: Sequence[bytes]) -> list[Record]:
-    """The rows of consecutive accepted events of one node, given as their bytes: the common
-    events (alloc, write, free, a one-entry read) split in C (`_hot.split_runs`, ~10x faster
-    than reading each head here), any other shape through _parsed_run_rows, the same rows."""
-    split = _hot.split_runs(bodies, RUN_SPAN_NS, RUN_MAX)
+def run_rows(batch: wire.Batch, start: int, stop: int) -> list[Record]:
+    """The rows of consecutive accepted events of one node, batch[start:stop]: the common
+    events (alloc, write, free, a one-entry read) split in C from their heads (`_rows.c`),
+    any other shape through _parsed_run_rows, the same rows."""
+    split = _rows.split_runs(batch.data, batch.heads, start, stop, RUN_SPAN_NS, RUN_MAX)
     if split is None:
-        return _parsed_run_rows(bodies)
+        return _parsed_run_rows([batch.event(i) for i in range(start, stop)])
     rows = []
-    for start, stop, node, seq, ts_ns, req, names in split:
-        if stop - start == 1:
-            rows.append(Record("event", node, seq, ts_ns, bodies[start], req))
+    for first, last, node, seq, ts_ns, req, names, body in split:
+        if last - first == 1:
+            rows.append(Record("event", node, seq, ts_ns, body, req))
         else:
-            data = svc.RawEventBatch(events=bodies[start:stop]).SerializeToString()
-            rows.append(Record("events", node, seq, ts_ns, data, named=names, ids=stop - start))
+            if body is None:  # its events do not lie back to back in the batch's bytes
+                body = svc.RawEventBatch(
+                    events=[batch.event(i) for i in range(first, last)]
+                ).SerializeToString()
+            rows.append(Record("events", node, seq, ts_ns, body, named=names, ids=last - first))
     return rows
 
 
@@ -669,28 +668,26 @@ class Store:
 
     def events(self, after: int = 0) -> Iterator[pb.Event]:
         """The stored events after id `after`, in the order they were applied, parsed."""
-        for _, bodies in self.event_bodies(after):
-            for body in bodies:
-                yield pb.Event.FromString(body)
+        for _, batch, skip in self.event_batches(after):
+            for i in range(skip, len(batch)):
+                yield pb.Event.FromString(batch.event(i))
 
-    def event_bodies(self, after: int = 0) -> Iterator[tuple[str, Sequence[bytes]]]:
+    def event_batches(self, after: int = 0) -> Iterator[tuple[str, wire.Batch, int]]:
         """The stored events after id `after`, in the order they were applied, as their bytes:
-        (node, its events) per record, a run's together (the daemon rebuilds its ledger from
-        them at start, applying them as it applied them live)."""
+        (node, its events, how many of them come before `after`) per record, a run's together
+        (the daemon rebuilds its ledger from them at start, applying them as it applied them
+        live)."""
         c = records.c
+        query = select(c.id, c.kind, c.node, c.body).where(c.kind.in_(("event", "events"))).order_by(c.id)
         with self.engine.connect() as conn:
-            result = conn.execution_options(stream_results=True, yield_per=2000).execute(
-                select(c.id, c.kind, c.node, c.body)
-                .where(c.kind.in_(("event", "events")) & (c.id >= _holding(conn, after + 1)))
-                .order_by(c.id)
-            )
-            for record_id, kind, node, body in result:
-                if kind == "event":
-                    if record_id > after:
-                        yield node, (body,)
-                    continue
-                bodies = _run_events(body)
-                yield node, bodies[max(0, after + 1 - record_id) :]
+            query = query.where(c.id >= _holding(conn, after + 1))
+            with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
+                for record_id, kind, node, body in result:
+                    if kind == "event":
+                        if record_id > after:
+                            yield node, wire.single(bytes(body)), 0
+                        continue
+                    yield node, wire.decode_batch(bytes(body), wrapped=False), max(0, after + 1 - record_id)
 
     def rows(
         self,
@@ -733,31 +730,32 @@ class Store:
         with self.engine.connect() as conn:
             if after:
                 query = query.where(c.id >= _holding(conn, after + 1))
-            for record_id, record_kind, ts_ns, body in conn.execution_options(
-                stream_results=True, yield_per=2000
-            ).execute(query):
-                if record_kind != "events":
-                    if record_id <= after or ts_ns < since_ns:
-                        continue
-                    yield record_id, record_kind, body
-                    left -= 1
-                    if not left:
-                        return
-                    continue
-                for i, data in enumerate(_run_events(body)):
-                    if record_id + i <= after:
-                        continue
-                    if inspect:
-                        event = pb.Event.FromString(data)
-                        if (since_ns and event.ts_ns < since_ns) or (until_ns and event.ts_ns > until_ns):
+            with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
+                for record_id, record_kind, ts_ns, body in result:
+                    if record_kind != "events":
+                        if record_id <= after or ts_ns < since_ns:
                             continue
-                        own, own_tenant, others = _indexed(event)
-                        if (tenant and own_tenant != tenant) or (req and req != own and req not in others):
+                        yield record_id, record_kind, body
+                        left -= 1
+                        if not left:
+                            return
+                        continue
+                    for i, data in enumerate(_run_events(body)):
+                        if record_id + i <= after:
                             continue
-                    yield record_id + i, "event", data
-                    left -= 1
-                    if not left:
-                        return
+                        if inspect:
+                            event = pb.Event.FromString(data)
+                            if (since_ns and event.ts_ns < since_ns) or (until_ns and event.ts_ns > until_ns):
+                                continue
+                            own, own_tenant, others = _indexed(event)
+                            if (tenant and own_tenant != tenant) or (
+                                req and req != own and req not in others
+                            ):
+                                continue
+                        yield record_id + i, "event", data
+                        left -= 1
+                        if not left:
+                            return
 
     def save_snapshot(self, body: bytes, through: int | None = None) -> int:
         """Store a snapshot of the state after record `through` (default: the last record
@@ -819,15 +817,17 @@ class Store:
         starts = [from_id for from_id, _ in self._seals] + [1 << 63]
         segment = -1  # the seal covering the record (-1: before any)
         prev, expected_id, n = GENESIS, 1, 0
-        with self.engine.connect() as conn, self.engine.connect() as side:
-            result = conn.execution_options(stream_results=True, yield_per=2000).execute(
+        with (
+            self.engine.connect() as conn,
+            self.engine.connect() as side,
+            conn.execution_options(stream_results=True, yield_per=2000).execute(
                 select(records).order_by(records.c.id)
-            )
-            index = iter(
-                side.execution_options(stream_results=True, yield_per=2000).execute(
-                    select(named.c.record_id, named.c.req).order_by(named.c.record_id)
-                )
-            )
+            ) as result,
+            side.execution_options(stream_results=True, yield_per=2000).execute(
+                select(named.c.record_id, named.c.req).order_by(named.c.record_id)
+            ) as named_rows,
+        ):
+            index = iter(named_rows)
             pending = next(index, None)
             for row in result:
                 v = row._mapping
@@ -862,6 +862,8 @@ class Store:
         return True, n, ""
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         if self._checkpoints is not None:
             self._checkpoints.set()

@@ -1,8 +1,8 @@
 """The audit store's writer in a process of its own, so that building, hashing and inserting
 records runs on another core than the daemon's ledger, and overlaps it: while group k
-commits, the daemon applies the batches of group k+1. A group travels as the batches' bytes
-as received and the runs of accepted events in them (`EventRun`), so the daemon never builds
-an event's row.
+commits, the daemon applies the batches of group k+1. A group travels as the batches as the
+daemon read them (their bytes and heads) and the runs of accepted events in them (`EventRun`),
+so the daemon never builds an event's row and the writer never decodes an event again.
 
 Invariants: groups are committed in the order they were submitted, each in one
 transaction (shared with the groups queued behind it when the writer falls behind); each
@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 from kvguard.daemon.store import EventRun, Record, Store, StoreError, rows_of
+from kvguard.proto.wire import Batch
 
 READY_TIMEOUT_S = 60.0  # for the writer process to start and open the store
 
@@ -46,7 +47,7 @@ def _serve(where: str, key: bytes | None, conn: Connection) -> None:
             stop = groups[-1] is None  # close(): everything before it is committed
             if stop:
                 groups.pop()
-            rows = [rows_of(messages, parts) for messages, parts in groups]
+            rows = [rows_of(batches, parts) for batches, parts in groups]
             try:
                 ids = store.append([row for group in rows for row in group])
             except StoreError as exc:
@@ -86,8 +87,8 @@ class Writer:
     def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
         """Where a writer that reports from elsewhere hooks its reports into the loop."""
 
-    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
-        """Commit a group: `rows_of(messages, parts)`, in one transaction, after every group
+    def submit(self, batches: Sequence[Batch], parts: Sequence[Record | EventRun]) -> None:
+        """Commit a group: `rows_of(batches, parts)`, in one transaction, after every group
         submitted before it (on the loop given to start())."""
         raise NotImplementedError
 
@@ -103,10 +104,10 @@ class InlineWriter(Writer):
         super().__init__()
         self.store = store
 
-    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
+    def submit(self, batches: Sequence[Batch], parts: Sequence[Record | EventRun]) -> None:
         assert self._loop is not None, "start() first"
         try:
-            ids = self.store.append(rows_of(messages, parts))
+            ids = self.store.append(rows_of(batches, parts))
         except StoreError as exc:
             self._loop.call_soon_threadsafe(self._failed, exc)
             return
@@ -143,11 +144,11 @@ class StoreWriter(Writer):
             raise StoreError(str(ready[1]))
         loop.add_reader(self._conn.fileno(), self._readable)
 
-    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
+    def submit(self, batches: Sequence[Batch], parts: Sequence[Record | EventRun]) -> None:
         if self._dead:
             return  # the failure was reported; the daemon is stopping
         try:
-            self._conn.send((messages, parts))
+            self._conn.send((batches, parts))
         except OSError:
             self._die("the audit store's writer process died")
 

@@ -1,16 +1,34 @@
-"""Findings: what the detectors report, and the vocabulary they use.
+"""Findings: what the detectors report, the vocabulary they use, and the reporter that makes
+them (`Findings`); and BadEvent, the ledger's answer to an event it cannot apply.
 
 A detector fills in the facts (kind, who, whose data, which pages, which event); the
 ruleset then gives the finding its severity, action, rule id, message and tags. A Finding
 is immutable: the ruleset returns an evaluated copy, never edits the detector's record.
+`Findings` is the only writer of what was reported: each fact once (de-duplication), every
+finding stamped with the event being applied.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvguard.proto import pb
+
+NOBODY = 0  # request index 0 is "no request": never a grantee, writer or holder
+
+
+class BadEvent(ValueError):
+    """An event that cannot be applied (the ledger's other answer). `kind` is a short counter
+    name, the text says why."""
+
+    def __init__(self, reason: str, kind: str = "malformed") -> None:
+        super().__init__(reason)
+        self.kind = kind
+
 
 KINDS: tuple[str, ...] = (
     "stale_read",
@@ -165,3 +183,110 @@ class Finding:
         if self.pool is not None:
             msg.pool = self.pool
         return msg
+
+
+class Findings:
+    """The findings of the event being applied (`at()` starts an event: its node, sequence
+    number and time stamp every finding it raises; `found` collects them) and the facts
+    reported already: with `dedupe`, a fact (kind, node, offender, victim, key) is reported
+    once while the requests it names are known (`forget()` drops theirs); repeats are counted
+    in the ledger's stats (`suppressed`, and each finding by kind in `findings`). Requests
+    are named through `name_of`, which the ledger gives."""
+
+    def __init__(self, dedupe: bool, name_of: Callable[[int], tuple[str, str]], stats: Any) -> None:
+        self.dedupe = dedupe
+        self.reported: set[tuple[Any, ...]] = set()
+        self.stats = stats
+        self.found: list[Finding] = []
+        self.node = ""
+        self.seq = 0
+        self.ts = 0
+        self._name_of = name_of  # request index -> (its name, its tenant)
+
+    def at(self, node: str, seq: int, ts: int) -> None:
+        """An event of `node` begins: the context of the findings it raises."""
+        self.node, self.seq, self.ts = node, seq, ts
+        self.found = []
+
+    def name(self, idx: int) -> str:
+        return self._name_of(idx)[0] if idx > NOBODY else ""
+
+    def report(
+        self,
+        kind: str,
+        message: str,
+        *,
+        req: Any = None,
+        victim: int = NOBODY,
+        pool: int | None = None,
+        pages: np.ndarray | None = None,
+        details: dict[str, Any] | None = None,
+        key: tuple[Any, ...] | None = None,
+    ) -> None:
+        """Record a finding of request `req` (a Request, or None). `key` identifies the fact
+        for de-duplication: a fact already reported (the same stale pages read again at the
+        next decode step) is counted, not repeated."""
+        if self.dedupe:
+            fact = (kind, self.node, req.idx if req else 0, victim, *(key or ()))
+            if fact in self.reported:
+                self.stats.suppressed += 1
+                return
+            self.reported.add(fact)
+        self.stats.findings[kind] += 1
+        victim_req, victim_tenant = self._name_of(victim) if victim > NOBODY else ("", "")
+        self.found.append(
+            Finding(
+                finding=kind,
+                node=self.node,
+                req=req.id if req else "",
+                tenant=req.tenant if req else "",
+                victim_req=victim_req,
+                victim_tenant=victim_tenant,
+                pool=pool,
+                pages=tuple(pages.tolist()) if pages is not None else (),
+                seq=self.seq,
+                ts_ns=self.ts,
+                message=message,
+                details={k: str(v) for k, v in (details or {}).items()},
+            )
+        )
+
+    def by_victim(
+        self,
+        kind: str,
+        req: Any,
+        pool: Any,
+        pages: np.ndarray,
+        victims: np.ndarray,
+        text: Callable[[int], str],
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        """One finding per distinct victim among `pages` (victims[i] is pages[i]'s), of `pool`
+        (a Pool)."""
+        distinct = sorted(set(victims.tolist()))  # usually one: cheaper than np.unique
+        for victim in distinct:
+            sel = pages if len(distinct) == 1 else pages[victims == victim]
+            self.report(
+                kind,
+                text(victim) + f" (pool {pool.pool} on {pool.node}, {len(sel)} page(s))",
+                req=req,
+                victim=victim,
+                pool=pool.pool,
+                pages=sel,
+                details=details,
+                key=(pool.pool,),
+            )
+
+    def progress(self, r: Any, what: str) -> None:
+        """A request that must only drain (rejected, aborted, killed) made progress."""
+        self.report(
+            "rejected_progress",
+            f"request {r.id} was {r.state}{f' ({r.reason})' if r.reason else ''} but made progress: {what}",
+            req=r,
+            details={"state": r.state, "event": what.split()[0]},
+            key=(what.split()[0],),
+        )
+
+    def forget(self, gone: set[int]) -> None:
+        """Requests forgotten (their indices reused): no old fact may silence a new finding."""
+        self.reported = {f for f in self.reported if f[2] not in gone and f[3] not in gone}

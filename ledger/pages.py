@@ -1,25 +1,23 @@
-"""Per-page ownership state of one KV pool: one record a page (a cache line), each field also a
-NumPy array view indexed by page.
+"""Page state of one KV pool (`PoolPages`): one record a page (a cache line), each field also
+a NumPy view indexed by page. PoolPages is the only writer of these records.
 
 Invariants, for every page p (`use` and `holds` count live users; `owner` is signed):
 - owner[p] >= 0: p is granted to request owner[p]; owner[p] < 0: the grant ended, and
   ~owner[p] is the request that held it (~NOBODY when never handed out).
-- use[p] == live grants of p (its owner and prefix sharers) + holds[:, p].sum(); the page
-  is back in the free pool iff use[p] == 0. Grants are not stored apart: `refs()` derives
-  them, so the hot path keeps one counter per page, not two.
+- use[p] == live grants of p (its owner and prefix sharers) + holds[:, p].sum(); the page is
+  back in the free pool iff use[p] == 0 (grants are derived: `refs()`).
 - own[p] == owner[p] exactly when the page holds its live owner's own KV, written under the
-  current grant (writer == owner and wgen == gen); otherwise own[p] == NOBODY. This single
-  tag makes the hot-path read check one gather and one compare.
-- writer/wgen/valid describe the KV in the page: who wrote it, under which alloc_gen, and
-  how many token slots are valid; prior[p] is the writer at hand-out time, i.e. whose data
-  still sits in the slots beyond `valid`.
-- in a pool registered for RDMA (the ledger's Pool.regions), since[p] is the node's time of
-  the last change of what decides where a write may land (owner, transfer_recv holds); 0:
-  unknown. A remote write posted later than since[p] found the page as it is now.
-
-Every update of the ledger is one vectorised operation over an event's page list: the
-updates every request makes (grant, land, end_grant) one loop each in C (_hot.c), the rest
-NumPy. Callers pass distinct page indices as an intp array (`page_list` checks an event's).
+  current grant (writer == owner and wgen == gen); otherwise NOBODY: the read check is one
+  gather and one compare.
+- writer/wgen/valid: who wrote the KV in the page, under which alloc_gen, how many token
+  slots are valid; prior[p]: the writer at hand-out time (whose data is beyond `valid`).
+- since[p]: in a pool registered for RDMA, the node's time of the last change of what decides
+  where a write may land (owner, transfer_recv holds); 0: unknown.
+- holder_req[k, p] is who holds p in kind k while one hold of that kind is on it; a page held
+  more than once in a kind has its holders counted in `shared_holds` instead (rare).
+The updates every request makes (grant, land, end_grant) and the read checks are one C loop
+each (_pages.c); the rest is NumPy. Page arrays passed in are distinct intp indices in range
+(`page_list` checks an event's).
 """
 
 from __future__ import annotations
@@ -28,19 +26,20 @@ from typing import Any
 
 import numpy as np
 
-from kvguard.ledger import _hot
+from kvguard.ledger import _pages
+from kvguard.ledger.findings import NOBODY
 
-NOBODY = 0  # request index 0 is "no request": never a grantee, writer or holder
 HOLDERS: tuple[str, ...] = ("offload", "transfer_send", "transfer_recv", "abort")
 HOLDER_INDEX: dict[str, int] = {name: i for i, name in enumerate(HOLDERS)}
+RECV_HOLD = HOLDER_INDEX["transfer_recv"]
 MAX_PAGES = 1 << 24
 MAX_PAGE_SIZE = 1 << 16
-
-
-PAGE: np.dtype = _hot.PAGE  # a page's record, one cache line; its layout is _hot.c's `Page`
+PAGE: np.dtype = _pages.PAGE  # a page's record, one cache line; its layout is _pages.c's `Page`
 COLUMNS: tuple[str, ...] = ("owner", "own", "use", "gen", "writer", "wgen", "valid", "prior", "since")
 if PAGE["holds"].shape != (len(HOLDERS),):
-    raise ImportError(f"ledger/_hot.c keeps {PAGE['holds'].shape} holds a page; HOLDERS names {len(HOLDERS)}")
+    raise ImportError(
+        f"ledger/_pages.c keeps {PAGE['holds'].shape} holds a page; HOLDERS names {len(HOLDERS)}"
+    )
 
 
 def _records(n: int) -> np.ndarray:
@@ -52,8 +51,8 @@ def _records(n: int) -> np.ndarray:
 
 class PoolPages:
     """The page state of one (node, pool): `state`, one PAGE record a page, and each field as
-    a NumPy view of it (owner, own, use, ..., `holds` as (kinds, pages)), so that NumPy code
-    indexes a field as it would an array and the C hot path touches one cache line a page."""
+    a NumPy view of it (owner, own, use, ..., `holds` as (kinds, pages)), for reading; the
+    methods below are the only changes made to them."""
 
     __slots__ = (
         "gen",
@@ -64,7 +63,7 @@ class PoolPages:
         "owner",
         "page_size",
         "prior",
-        "seen",
+        "shared_holds",
         "since",
         "state",
         "use",
@@ -74,54 +73,113 @@ class PoolPages:
     )
 
     def __init__(self, num_pages: int, page_size: int) -> None:
-        n = num_pages
-        self.num_pages = n
+        self.num_pages = num_pages
         self.page_size = page_size
-        self.state = _records(n)
+        self.state = _records(num_pages)
         self.state["owner"] = ~NOBODY
         for name in COLUMNS:
             setattr(self, name, self.state[name])
         self.holds = self.state["holds"].T  # (kinds, pages), as NumPy code indexes it
-        self.seen = self.state["seen"]  # page_list's scratch (all zero between calls): not state
-        # Per kind: who took the latest hold. Apart: only holds and releases touch it.
-        self.holder_req = np.zeros((len(HOLDERS), n), np.int32)
+        # Per kind: who holds the page (one hold of that kind). Apart: only holds and releases touch it.
+        self.holder_req = np.zeros((len(HOLDERS), num_pages), np.int32)
+        # (kind, page) -> {holder: its holds}, for a page held more than once in a kind
+        self.shared_holds: dict[tuple[int, int], dict[int, int]] = {}
+
+    # ------------------------------------------------------------------ reading events
 
     def page_list(
         self, message: bytes, field: int, *, distinct: bool = True, within: tuple[int, int] | None = None
     ) -> np.ndarray:
-        """The page list of a serialized event payload (`field`: the number of its `pages`), or
-        of the payload at bytes `within` [start, end) of `message`, as an intp array.
+        """The page list of a serialized payload (`field`: the number of its `pages`), or of
+        the payload at bytes `within` [start, end) of `message`, as an intp array.
         IndexError(page) for a page outside the pool; with `distinct`, ValueError(page) for a
         page listed twice."""
         state = self.state if distinct else None
         if within is None:
-            return _hot.page_list(message, field, self.num_pages, state)
-        return _hot.page_list(message, field, self.num_pages, state, *within)
+            return _pages.page_list(message, field, self.num_pages, state)
+        return _pages.page_list(message, field, self.num_pages, state, *within)
+
+    # ------------------------------------------------------------------ grants and content
 
     def grant(self, pages: np.ndarray, req: int, ts: int | None, *, judged: bool = False) -> int:
-        """Grant `pages` to req (since = ts unless ts is None): use = 1 + holds (1 where the
-        page was not in use), gen + 1,
+        """Grant `pages` to req (since = ts unless ts is None): use = 1 + holds, gen + 1,
         owner req, own NOBODY, prior = writer. Returns how many pages were still in use; if
         some were and not `judged`, nothing changed."""
-        return _hot.grant(pages, self.state, req, ts, judged)
+        return _pages.grant(pages, self.state, req, ts, judged)
 
     def land(self, pages: np.ndarray, req: int, slots: np.ndarray | None, *, judged: bool = False) -> int:
         """Req's KV lands in `pages`: writer req, wgen = gen, valid = slots (full pages when
         None), own req where req owns the page, NOBODY elsewhere. Returns how many pages req
         does not own; if some and not `judged`, nothing changed."""
-        return _hot.land(pages, self.state, req, slots, self.page_size, judged)
+        return _pages.land(pages, self.state, req, slots, self.page_size, judged)
 
     def end_grant(self, pages: np.ndarray, req: int, ts: int | None, *, judged: bool = False) -> int:
         """Req's grant ends on each of `pages` it owns: owner ~req, own NOBODY, use - 1, since
         = ts unless ts is None. Returns how many pages req does not own; if some and not
         `judged`, nothing changed."""
-        return _hot.end_grant(pages, self.state, req, ts, judged)
+        return _pages.end_grant(pages, self.state, req, ts, judged)
+
+    def share(self, pages: np.ndarray) -> None:
+        """A prefix sharer reads `pages` (pages still granted): one more user each."""
+        self.use[pages] += 1
+
+    def unshare(self, pages: np.ndarray) -> None:
+        """A prefix sharer of `pages` is done with them."""
+        self.use[pages] -= 1
+
+    def hold(self, kind: int, pages: np.ndarray, req: int, ts: int | None) -> None:
+        """Another user (holder `kind`, for req) keeps `pages` (since = ts for a transfer_recv
+        hold unless ts is None: where a draining transfer may land)."""
+        held = pages[self.holds[kind, pages] > 0]
+        for p in held.tolist():  # held in this kind already: its holders are counted apart
+            holders = self.shared_holds.get((kind, p))
+            if holders is None:
+                holders = self.shared_holds[(kind, p)] = {int(self.holder_req[kind, p]): 1}
+            holders[req] = holders.get(req, 0) + 1
+        self.holds[kind, pages] += 1
+        self.use[pages] += 1
+        self.holder_req[kind, pages] = req
+        if kind == RECV_HOLD and ts is not None:
+            self.since[pages] = ts
+
+    def release(self, kind: int, pages: np.ndarray, req: int, ts: int | None) -> None:
+        """Req's hold of kind `kind` on `pages` (each held in that kind) ends."""
+        if self.shared_holds:
+            for p in pages.tolist():
+                holders = self.shared_holds.get((kind, p))
+                if holders is None:
+                    continue
+                who = req if req in holders else next(iter(holders))  # released by another: the oldest ends
+                holders[who] -= 1
+                if not holders[who]:
+                    del holders[who]
+                if sum(holders.values()) == 1:  # one holder again
+                    self.holder_req[kind, p] = next(iter(holders))
+                    del self.shared_holds[(kind, p)]
+        self.holds[kind, pages] -= 1
+        self.use[pages] -= 1
+        if kind == RECV_HOLD and ts is not None:
+            self.since[pages] = ts
+
+    def scrub(self, pages: np.ndarray) -> None:
+        """The engine zeroed `pages`: their old content, and whose it was, is gone."""
+        self.writer[pages] = NOBODY
+        self.valid[pages] = 0
+        self.own[pages] = NOBODY
+        self.prior[pages] = NOBODY
+
+    def timed_from(self, ts: int) -> None:
+        """The pool's memory was just registered: changes are timed from `ts` on (before it,
+        nothing is known of them)."""
+        self.since[:] = ts
+
+    # ------------------------------------------------------------------ queries
 
     def read_clean(self, pages: np.ndarray, req: int, tokens: int) -> bool:
         """Whether a context of `tokens` tokens through `pages` (exactly the pages it covers)
         reads only req's own KV written under its current grant: own == req everywhere, every
         page full but the last, which holds at least the slots read of it."""
-        return _hot.read_clean(pages, self.state, req, tokens, self.page_size)
+        return _pages.read_clean(pages, self.state, req, tokens, self.page_size)
 
     def read_victims(
         self, pages: np.ndarray, req: int, tokens: int
@@ -130,7 +188,7 @@ class PoolPages:
         stale pages (req's grant, without req's KV in the slots read) and foreign ones (not
         req's grant), each with its victim (NOBODY where that is req itself or nobody):
         (stale, stale_victims, foreign, foreign_victims)."""
-        return _hot.read_victims(pages, self.state, req, tokens, self.page_size)
+        return _pages.read_victims(pages, self.state, req, tokens, self.page_size)
 
     def slots_read(self, count: int, tokens: int) -> np.ndarray:
         """Token slots read in each of `count` pages by a context of `tokens` tokens."""
@@ -142,12 +200,25 @@ class PoolPages:
     def draining(self, req: int, pages: np.ndarray, owner: np.ndarray) -> np.ndarray:
         """Which of `pages` (whose owners are `owner`) req's grant left while a transfer_recv
         hold keeps them for it: a transfer already in flight may still land there."""
-        return (owner == ~req) & (self.holds[HOLDER_INDEX["transfer_recv"], pages] > 0)
+        return (owner == ~req) & (self.holds[RECV_HOLD, pages] > 0)
+
+    def holders(self, kinds: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """Who holds each of `pages` in the kind of hold kinds[i] (the oldest still holding,
+        where several do)."""
+        found = self.holder_req[kinds, pages]
+        if self.shared_holds:
+            for i, (k, p) in enumerate(zip(kinds.tolist(), pages.tolist(), strict=True)):
+                holders = self.shared_holds.get((k, p))
+                if holders is not None:
+                    found[i] = next(iter(holders))
+        return found
 
     def mark_named(self, named: np.ndarray) -> None:
         """Set named[r] for every request r a page's tags name (writer, prior, own, owner or
         ended owner, holder of a hold still on the page)."""
-        _hot.mark_named(self.state, self.holder_req, named)
+        _pages.mark_named(self.state, self.holder_req, named)
+        for holders in self.shared_holds.values():
+            named[list(holders)] = True
 
     def refs(self, pages: np.ndarray) -> np.ndarray:
         """Live grants (owner and prefix sharers) of each of `pages`."""

@@ -4,10 +4,11 @@ from its latest snapshot plus the events after it instead of replaying its whole
 Invariant: load(dump(L)) continues exactly as L would (same findings, same state: the
 property tests compare dump() of both after the same further events, byte for byte), and
 dump() of equal states is equal bytes. The format is data only, never code: an uncompressed
-NumPy .npz (read with allow_pickle=False) holding the page arrays, the small arrays packed
-into one per dtype, and one JSON document for everything else. A snapshot that cannot be
-read raises SnapshotError naming the reason; the daemon then replays the store instead.
-`Forked` dumps a ledger from a forked copy of the process, so the owner goes on at once.
+NumPy .npz (read with allow_pickle=False) holding the page arrays, the requests' table, the
+small arrays packed into one per dtype, and one JSON document for everything else; every
+value read back is checked for its type and shape. A snapshot that cannot be read raises
+SnapshotError naming the reason; the daemon then replays the store instead. `Forked` dumps a
+ledger from a forked copy of the process, so that its owner goes on at once.
 """
 
 from __future__ import annotations
@@ -25,21 +26,15 @@ from typing import Any
 import numpy as np
 import orjson
 
-from kvguard.ledger.ledger import (
-    Ledger,
-    Node,
-    Pool,
-    Posted,
-    Request,
-    Seen,
-    Shared,
-    Side,
-    Transfer,
-)
+from kvguard.ledger.access import Shared
+from kvguard.ledger.ledger import Ledger
 from kvguard.ledger.pages import PoolPages
+from kvguard.ledger.pools import Node, Pool
+from kvguard.ledger.requests import REQ, Request
+from kvguard.ledger.transfers import Posted, Seen, Side, Transfer
 from kvguard.proto import pb
 
-FORMAT = 2  # 2: orphan transfers kept apart (Ledger._orphans); no per-request stages
+FORMAT = 3  # 3: the ledger split by concept; requests' numbers in one table, grants kept by pool
 SETTINGS = ("dedupe", "clock_skew_ns", "retire_idle", "forget_idle")  # a ledger's constructor arguments
 _PAGE_ARRAYS = (
     "gen",
@@ -54,7 +49,6 @@ _PAGE_ARRAYS = (
     "prior",
     "since",
 )
-_REQUEST_PARTS = ("id", "idx", "shared", "history", "xfers")  # kept apart from its scalars
 
 
 class SnapshotError(ValueError):
@@ -113,25 +107,12 @@ def _tuple(value: Any) -> Any:
     return tuple(_tuple(v) for v in value) if isinstance(value, list) else value
 
 
-# A request's scalar attributes and their types (class-level defaults): what a snapshot may set.
-_SCALARS = {
-    k: type(v)
-    for k, v in vars(Request).items()
-    if not k.startswith("_") and not callable(v) and not isinstance(v, property)
-}
-
-
-def _scalar(name: str, value: Any) -> Any:
-    """A request's scalar attribute from a snapshot, checked: a snapshot sets data, nothing else."""
-    kind = _SCALARS.get(name)
-    if name == "bootstrap":  # (prefill node, decode node, prompt tokens) or None
-        if value is None:
-            return None
-        if isinstance(value, list) and [type(v) for v in value] == [str, str, int]:
-            return tuple(value)
-    elif kind is not None and type(value) is kind:
-        return value
-    raise SnapshotError(f"a request's {name!r} = {value!r} is not one of its attributes, or not of its type")
+def _typed(what: str, value: Any, *types: type) -> Any:
+    """`value` if it is of one of `types` (a snapshot sets data, nothing else), else SnapshotError."""
+    if type(value) not in types:
+        names = " or ".join(t.__name__ for t in types)
+        raise SnapshotError(f"{what} = {value!r} is not a {names}")
+    return value
 
 
 def settings(ledger: Ledger) -> dict[str, Any]:
@@ -186,34 +167,40 @@ def _dump(ledger: Ledger) -> bytes:
             key = f"pool{len(big)}"
             for name in _PAGE_ARRAYS:
                 big[f"{key}.{name}"] = getattr(pool.pages, name)
+            # Page numbers fit in int32: half the bytes of the intp arrays grants keep.
+            grants = [
+                [idx, [packer.put(a.astype(np.int32)) for a in runs]]
+                for idx, runs in sorted(pool.grants.items())
+            ]
             pools.append(
                 {
                     "pool": pool.pool,
                     "report": _message(pool.report),
                     "history": [[seq, ts, _message(r)] for seq, ts, r in pool.history],
-                    "live": list(pool.live.items()),
+                    "live": sorted(pool.live.items()),
+                    "grants": grants,
                     "regions": None if pool.regions is None else packer.put(pool.regions),
+                    "shared_holds": sorted(
+                        [k, p, list(h.items())] for (k, p), h in pool.pages.shared_holds.items()
+                    ),
                     "pages": [key, pool.pages.num_pages, pool.pages.page_size],
                 }
             )
         nodes.append([node.name, node.last_seq, node.last_ts_ns, node.agent_version, node.dropped, pools])
+    book = ledger.requests
+    big["requests"] = book.table[: len(book.objects)]
     requests: list[Any] = []
-    for r in ledger.requests:
+    for r in book.objects:
         if r is None:
             requests.append(None)
             continue
-        scalars = {
-            k: list(v) if isinstance(v, tuple) else v for k, v in vars(r).items() if k not in _REQUEST_PARTS
-        }
         shared = [
             [n, p, *(packer.put(a) for a in (s.pages, s.gen, s.writer, s.wgen))]
             for (n, p), s in r.shared.items()
         ]
-        # Page numbers fit in int32 (MAX_PAGES): half the bytes of the intp arrays grants keep.
-        history = [
-            [n, p, [packer.put(a.astype(np.int32)) for a in grants]] for (n, p), grants in r.history.items()
-        ]
-        requests.append([r.id, scalars, shared, history, r.xfers])
+        boot = list(r.bootstrap_nodes) if r.bootstrap_nodes is not None else None
+        requests.append([r.id, r.tenant, r.reason, boot, shared, [list(k) for k in r.pools], r.xfers])
+    xfers = ledger.transfers
     transfers = [
         [
             t.xfer,
@@ -223,31 +210,31 @@ def _dump(ledger: Ledger) -> bytes:
             [[probe, s.bytes, s.calls, s.complete] for probe, s in t.wire.items()],
             [posted(p) for p in t.posted],
         ]
-        for t in ledger.transfers.values()
+        for t in xfers.by_id.values()
     ]
     stats = ledger.stats
     state = {
         "format": FORMAT,
         "config": settings(ledger),
-        "counts": [ledger._applied, ledger._next_sweep, ledger._next_scan, ledger.last_missing],
+        "counts": [book.applied, ledger.next_sweep, ledger.next_scan, ledger.last_missing],
         "stats": {
-            "events": dict(stats.events),
-            "bad": dict(stats.bad),
-            "findings": dict(stats.findings),
+            "events": sorted(stats.events.items()),
+            "bad": sorted(stats.bad.items()),
+            "findings": sorted(stats.findings.items()),
             **stats.totals(),
         },
         "nodes": nodes,
         "requests": requests,
-        "recent": list(ledger._recent),
-        "retired": list(ledger._retired),
-        "free": ledger._free,
+        "recent": list(book.recent),
+        "retired": list(book.retired),
+        "free": book.free,
         "transfers": transfers,
-        "reported": sorted((_fact(f) for f in ledger._reported), key=orjson.dumps),
-        "drift_pairs": sorted(list(p) for p in ledger._drift_pairs),
-        "wire_pending": [[idx, t.xfer] for idx, t in ledger._wire_pending.items()],
-        "orphans": list(ledger._orphans.items()),
+        "reported": sorted((_fact(f) for f in ledger.findings.reported), key=orjson.dumps),
+        "drift_pairs": sorted(list(p) for p in ledger.pools.drift_pairs),
+        "wire_pending": [[idx, t.xfer] for idx, t in xfers.pending.items()],
+        "orphans": list(xfers.orphans.items()),
         "posted": [
-            [node, [[t.xfer, posted(p)] for t, p in waiting]] for node, waiting in ledger._posted.items()
+            [node, [[t.xfer, posted(p)] for t, p in waiting]] for node, waiting in xfers.posted.items()
         ],
     }
     document = orjson.dumps(state, option=orjson.OPT_SORT_KEYS)
@@ -259,10 +246,10 @@ def _dump(ledger: Ledger) -> bytes:
 class Forked:
     """dump(ledger) by a forked copy of this process: the copy holds the ledger as it was at
     the fork (copy-on-write), dumps it on another core and writes the bytes to a pipe, while
-    the caller goes on changing its own. The fork itself takes ~30 ms for a 450 MB ledger;
-    memory grows by what either side changes meanwhile (at most the ledger's size). Fork from
-    the thread that owns the ledger, between two events. The copy touches nothing but the
-    ledger and the pipe (no locks, sockets or other threads' state) and leaves by os._exit."""
+    the caller goes on changing its own; memory grows by what either side changes meanwhile
+    (at most the ledger's size). Fork from the thread that owns the ledger, between two
+    events. The copy touches nothing but the ledger and the pipe (no locks, sockets or other
+    threads' state) and leaves by os._exit."""
 
     def __init__(self, ledger: Ledger) -> None:
         read_fd, write_fd = os.pipe()
@@ -321,13 +308,14 @@ def load(data: bytes) -> Ledger:
 def _restore(state: dict[str, Any], files: Any) -> Ledger:
     unpack = _Unpacker(files)
     ledger = Ledger(**state["config"])
-    ledger._applied, ledger._next_sweep, ledger._next_scan, ledger.last_missing = state["counts"]
+    book = ledger.requests
+    book.applied, ledger.next_sweep, ledger.next_scan, ledger.last_missing = state["counts"]
     stats, saved = ledger.stats, state["stats"]
     for name in ("events", "bad", "findings"):
-        setattr(stats, name, Counter(saved[name]))
+        setattr(stats, name, Counter(dict(saved[name])))
     for name, value in saved.items():
         if name not in ("events", "bad", "findings"):
-            setattr(stats, name, value)
+            setattr(stats, name, _typed(f"stats {name}", value, int))
     for name, last_seq, last_ts, version, dropped, pools in state["nodes"]:
         node = ledger.nodes[name] = Node(name, last_seq, last_ts, {}, version, dropped)
         for p in pools:
@@ -340,10 +328,13 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
                         f"pool {p['pool']} of {name}: its {array} array does not fit the pool"
                     )
                 getattr(pages, array)[...] = value  # into the pool's records: the fields are views of them
+            pages.shared_holds = {(k, page): dict(holders) for k, page, holders in p["shared_holds"]}
             pool = node.pools[p["pool"]] = Pool(name, p["pool"], _report(p["report"]), pages)
             pool.history = [(seq, ts, _report(r)) for seq, ts, r in p["history"]]
-            pool.live = {idx: n for idx, n in p["live"]}
-            pool.regions = None if p["regions"] is None else unpack.get(p["regions"])
+            pool.live.update((_typed("a live count's request", idx, int), n) for idx, n in p["live"])
+            pool.grants.update((idx, [unpack.get(a) for a in runs]) for idx, runs in p["grants"])
+            pool.reset(pages, None if p["regions"] is None else unpack.get(p["regions"]))
+            node.views[pool.pool] = pool.view
 
     def side(s: Any) -> Side | None:
         if s is None:
@@ -355,35 +346,45 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
         probe, addr, end, first_ns, seen_by = p
         return Posted(probe, unpack.get(addr), unpack.get(end), first_ns, seen_by)
 
-    ledger.requests = []
+    table = files["requests"]
+    if table.dtype != REQ or table.ndim != 1 or len(table) != len(state["requests"]):
+        raise SnapshotError("the requests' table does not fit the requests")
+    book.reserve(len(table))
+    book.table[: len(table)] = table
+    book.objects = []
     for entry in state["requests"]:
         if entry is None:
-            ledger.requests.append(None)
+            book.objects.append(None)
             continue
-        rid, scalars, shared, history, xfers = entry
-        r = Request(rid, len(ledger.requests))
-        for k, v in scalars.items():
-            setattr(r, k, _scalar(k, v))
+        rid, tenant, reason, boot, shared, pools, xfers = entry
+        r = Request(book, _typed("a request's id", rid, str), len(book.objects))
+        r.tenant = _typed(f"request {rid}'s tenant", tenant, str)
+        r.reason = _typed(f"request {rid}'s reason", reason, str)
+        if boot is not None:
+            if [type(v) for v in boot] != [str, str]:
+                raise SnapshotError(
+                    f"request {rid}'s bootstrap = {boot!r} is not (prefill node, decode node)"
+                )
+            r.bootstrap_nodes = (boot[0], boot[1])
         r.shared = {(n, p): Shared(*(unpack.get(a) for a in arrays)) for n, p, *arrays in shared}
-        r.history = {(n, p): [unpack.get(a) for a in grants] for n, p, grants in history}
-        r.xfers = list(xfers)
-        ledger.requests.append(r)
-        if r.idx:
-            ledger._req_index[r.id] = r.idx
-    live = ledger.requests
-    ledger._recent = OrderedDict((idx, live[idx]) for idx in state["recent"])
-    ledger._retired = {idx: live[idx] for idx in state["retired"]}
-    ledger._free = list(state["free"])
+        r.pools = [(_typed("a pool's node", n, str), _typed("a pool's id", p, int)) for n, p in pools]
+        r.xfers = [_typed(f"request {rid}'s transfer", x, str) for x in xfers]
+        book.objects.append(r)
+        book.index[r.id] = r.idx
+    objects = book.objects
+    book.recent = OrderedDict((idx, objects[idx]) for idx in state["recent"])
+    book.retired = {idx: objects[idx] for idx in state["retired"]}
+    book.free = list(state["free"])
+    xfers = ledger.transfers
     for xfer, req, send, recv, wire, waiting in state["transfers"]:
-        t = ledger.transfers[xfer] = Transfer(xfer, req, side(send), side(recv))
+        t = xfers.by_id[xfer] = Transfer(xfer, req, side(send), side(recv))
         t.wire = {probe: Seen(nbytes, calls, complete) for probe, nbytes, calls, complete in wire}
         t.posted = [posted(p) for p in waiting]
-    ledger._reported = {_tuple(f) for f in state["reported"]}
-    ledger._drift_pairs = {tuple(p) for p in state["drift_pairs"]}
-    ledger._wire_pending = {idx: ledger.transfers[xfer] for idx, xfer in state["wire_pending"]}
-    ledger._orphans = {xfer: last for xfer, last in state["orphans"]}
-    ledger._posted = {
-        node: [(ledger.transfers[xfer], posted(p)) for xfer, p in waiting]
-        for node, waiting in state["posted"]
+    ledger.findings.reported = {_tuple(f) for f in state["reported"]}
+    ledger.pools.drift_pairs = {tuple(p) for p in state["drift_pairs"]}
+    xfers.pending = {idx: xfers.by_id[xfer] for idx, xfer in state["wire_pending"]}
+    xfers.orphans = {xfer: last for xfer, last in state["orphans"]}
+    xfers.posted = {
+        node: [(xfers.by_id[xfer], posted(p)) for xfer, p in waiting] for node, waiting in state["posted"]
     }
     return ledger

@@ -1,7 +1,7 @@
 """Regenerate the Python code of proto/kvguard/v1/*.proto (``make proto``).
 
 Invariant: the committed ``*_pb2.py``/``*_pb2.pyi`` files are exactly what this script writes
-with the pinned grpcio-tools; tests/test_proto.py regenerates into a temporary folder and
+with the pinned grpcio-tools; tests/proto/test_proto.py regenerates into a temporary folder and
 fails when they differ. Generated imports are rewritten from ``kvguard.v1`` to the package
 path ``kvguard.proto.kvguard.v1``, where the code lives.
 """

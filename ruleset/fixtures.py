@@ -18,9 +18,9 @@ import orjson
 
 from kvguard.ledger.findings import Finding
 from kvguard.proto.capture import CaptureError
-from kvguard.replay import replay
 from kvguard.ruleset.evaluator import Ruleset
 from kvguard.ruleset.loader import load_ruleset
+from kvguard.ruleset.replay import replay
 
 DEFAULT_FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 MATCH_FIELDS = (

@@ -49,7 +49,7 @@ class Cluster:
         line = self.proc.stdout.readline()
         if not line.startswith("READY "):
             self.proc.kill()
-            err = self.proc.stderr.read() if self.proc.stderr else ""
+            err, _ = self.proc.communicate()[1], self.proc.wait()
             raise RuntimeError(f"testbed did not start: {line!r} {err[-2000:]}")
         ready = json.loads(line[6:])
         self.url = ready["url"]
@@ -66,6 +66,9 @@ class Cluster:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.log = self.proc.stderr.read() if self.proc.stderr else ""
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
     def post(self, path: str, body: dict[str, Any], tenant: str | None = None) -> tuple[int, dict[str, Any]]:
         headers = {"Content-Type": "application/json"}

@@ -34,14 +34,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvguard.agents.guard import Guard, Verdict
-from kvguard.agents.sink import AgentSink, CaptureSink, EventSink
-from kvguard.cuda_hooks.shim import CopyLabel
+from kvguard.agents.guard import AgentSink, CaptureSink, EventSink, Guard, NullGuard, TransferLabel, Verdict
 from kvguard.testbed import wire
 from kvguard.testbed.faults import check_faults
 from kvguard.testbed.models import EchoModel
 
-_OK = Verdict()
 PLACEHOLDER = ord("?")  # the 1-token prompt a rejected request is swapped for (the incident)
 AGENT_WAIT_S = 10.0  # a worker with an agent socket waits this long for the agent to watch it
 CHUNKED_PAGES = 3  # prompts of more pages are prefilled in chunks (where half_written_page strikes)
@@ -85,13 +82,13 @@ class Worker:
         self.pool = self.model.pool(config.num_pages)
         self.free_list: list[int] = list(range(config.num_pages - 1, -1, -1))  # pop() gives page 0 first
         self.quarantined: set[int] = set()
-        self.copies = CopyLabel()
+        self.copies = TransferLabel()
         self.lock = threading.RLock()
-        self.guard: Guard | None = None
+        self.guard: Guard | NullGuard = NullGuard(config.node)
         if config.guard != "off":
             sink: EventSink | None = None
             if config.agent_socket:
-                sink = AgentSink(config.agent_socket, config.node, on_command=self._command)
+                sink = AgentSink(config.agent_socket, config.node)
             elif config.audit_dir:
                 sink = CaptureSink(Path(config.audit_dir) / f"{config.node}.jsonl")
             self.guard = Guard(
@@ -100,9 +97,10 @@ class Worker:
                 rule_modes=config.rule_modes,  # type: ignore[arg-type]
                 sink=sink,
                 on_finding=self._log_finding,
+                on_kill=self._killed,
+                on_quarantine=self.quarantine,
             )
-        self.g(
-            "pool",
+        self.guard.pool(
             0,
             "prefill" if config.role == "prefill" else "decode",
             config.page_size,
@@ -118,25 +116,10 @@ class Worker:
 
     # ------------------------------------------------------------------ guard and pages
 
-    def g(self, method: str, *args: Any, **kwargs: Any) -> Verdict:
-        """Call the guard if there is one; with the guard off every call is clean."""
-        if self.guard is None:
-            return _OK
-        return getattr(self.guard, method)(*args, **kwargs)
-
-    def _command(self, command: Any) -> None:
-        """A command of the daemon, relayed by the agent: end the request it names, or take
-        the pages it names out of circulation."""
-        which = command.WhichOneof("body")
-        if which == "quarantine":
-            self.quarantine(command.quarantine.pages)
-            return
-        if which != "kill" or self.guard is None:
-            return
-        kill = command.kill
+    def _killed(self, req: str, reason: str) -> None:
+        """The daemon ordered a kill (the guard recorded it): end the request it names."""
         with self.lock:
-            self.guard.kill(kill.req, kill.finding, kill.rule, kill.message)
-            self.on_kill(kill.req, f"{kill.finding} ({kill.rule}): {kill.message}")
+            self.on_kill(req, reason)
 
     def on_kill(self, req: str, reason: str) -> None:
         """The engine's part of a kill ordered from outside (each worker knows its requests)."""
@@ -151,12 +134,12 @@ class Worker:
             if len(self.free_list) < n:
                 return None
             pages = [self.free_list.pop() for _ in range(n)]
-            verdict = self.g("alloc", req, 0, pages)
+            verdict = self.guard.alloc(req, 0, pages)
             bad = verdict.quarantine
             if bad:
                 # Quarantine: pages still in use elsewhere leave circulation; take others.
                 self.quarantined |= bad
-                self.g("free", req, 0, sorted(bad))
+                self.guard.free(req, 0, sorted(bad))
                 keep = [p for p in pages if p not in bad]
                 more = self.take_pages(req, len(pages) - len(keep))
                 if more is None:
@@ -179,7 +162,7 @@ class Worker:
 
     def free_pages(self, req: str, pages: list[int]) -> None:
         with self.lock:
-            bad = self.g("free", req, 0, pages).quarantine
+            bad = self.guard.free(req, 0, pages).quarantine
             if bad:
                 self.quarantine(bad)
             self.give_back(pages)
@@ -187,7 +170,7 @@ class Worker:
     # ------------------------------------------------------------------ serving
 
     def serve(self, ready: Callable[[dict[str, Any]], None]) -> None:
-        sink = self.guard.sink if self.guard is not None else None
+        sink = self.guard.sink
         if isinstance(sink, AgentSink) and not sink.wait_ready(AGENT_WAIT_S):
             # Serve all the same (the guard's own checks hold); the agent's witness misses
             # the connections opened until it takes the guard's hello.
@@ -223,9 +206,9 @@ class Worker:
 
     def op_flush(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Write every queued guard event to the audit capture (for tests and shutdown)."""
-        if self.guard is not None and isinstance(self.guard.sink, CaptureSink | AgentSink):
+        if isinstance(self.guard.sink, CaptureSink | AgentSink):
             self.guard.sink.flush()
-        findings = [f.to_json_dict() for f in self.guard.findings] if self.guard else []
+        findings = [f.to_json_dict() for f in self.guard.findings]
         return {"ok": True, "findings": findings, "free_pages": len(self.free_list)}
 
 
@@ -265,16 +248,16 @@ class PrefillWorker(Worker):
             rejected = len(tokens) > capacity
             reason = f"prompt of {len(tokens)} tokens exceeds the prefill KV pool ({capacity} tokens)"
             if rejected and "incident" not in self.faults:
-                self.g("reject", req, reason)
+                self.guard.reject(req, reason)
                 return {"status": "rejected", "error": reason}
-            verdict = self.g("admit", req, tenant, len(tokens), "prefill")
+            verdict = self.guard.admit(req, tenant, len(tokens), "prefill")
             if verdict.kill:
                 raise Killed(verdict.reason(req))
             if rejected:
                 # The incident: the rejection is queued (to_finish) but admission asks
                 # finished(), which is still false, so the request passes; its prompt was
                 # swapped for a one-token placeholder and an almost empty forward runs.
-                self.g("reject", req, reason)
+                self.guard.reject(req, reason)
                 tokens = bytes([PLACEHOLDER])
         if self.config.prefill_ms_per_token:
             time.sleep(self.config.prefill_ms_per_token * len(tokens) / 1000)
@@ -285,7 +268,7 @@ class PrefillWorker(Worker):
         finally:
             with self.lock:
                 self._release_after_send(req, tenant, tokens, user_tokens, pages, shared_from)
-        self.g("finish", req, 0)
+        self.guard.finish(req, 0)
         return {"status": "done", "sent_tokens": sent, "rejected_but_sent": rejected}
 
     # -- pages for a prompt: a prefix-cache hit, a host-cache restore, or a forward
@@ -298,13 +281,13 @@ class PrefillWorker(Worker):
     def _pages_for(self, req: str, tenant: str, tokens: bytes, user_tokens: bytes) -> tuple[list[int], str]:
         entry = self.prefix_cache.get(self._cache_key(tenant, tokens, user_tokens)) if self._caching else None
         if entry is not None:
-            verdict = self.g("share", req, 0, entry.pages, entry.origin)
+            verdict = self.guard.share(req, 0, entry.pages, entry.origin)
             if verdict.kill:
-                self.g("free", req, 0, entry.pages)
+                self.guard.free(req, 0, entry.pages)
                 raise Killed(verdict.reason(req))
             if not verdict.deny:
                 return entry.pages, entry.origin
-            self.g("free", req, 0, entry.pages)  # the share is refused: compute instead
+            self.guard.free(req, 0, entry.pages)  # the share is refused: compute instead
         n = math.ceil(len(tokens) / self.config.page_size)
         pages = self._take_or_evict(req, n)
         table = torch.tensor(pages, dtype=torch.long)
@@ -321,7 +304,7 @@ class PrefillWorker(Worker):
             slots[0] = ps // 2
         else:
             self.model.prefill(self.pool, table, torch.tensor(list(tokens), dtype=torch.long))
-        verdict = self.g("write", req, 0, pages, slots)
+        verdict = self.guard.write(req, 0, pages, slots)
         if verdict.kill:
             self.free_pages(req, pages)
             raise Killed(verdict.reason(req))
@@ -343,7 +326,7 @@ class PrefillWorker(Worker):
         pages = pages[: math.ceil(len(tokens) / self.config.page_size)]  # a shared prefix may hold more
         # What leaves the node is read like attention reads it: it must be this request's own KV
         # (or a prefix it was given). Checked before the transfer, not reported after it.
-        verdict = self.g("check_attention", 0, [req], np.array([pages]), np.array([len(tokens)]))
+        verdict = self.guard.check_attention(0, [req], np.array([pages]), np.array([len(tokens)]))
         if verdict.kill:
             raise Killed(verdict.reason(req))
         table = torch.tensor(pages, dtype=torch.long)
@@ -354,7 +337,7 @@ class PrefillWorker(Worker):
         with self.lock:
             self.xfers += 1
             xfer = f"{self.config.node}-x{self.xfers}"
-            self.g("hold", req, 0, pages, "transfer_send")
+            self.guard.hold(req, 0, pages, "transfer_send")
         with self.copies.transfer(xfer):  # on CUDA, the shim (when preloaded) counts this copy off the GPU
             data = self.pool.export_pages(torch.tensor(send_pages, dtype=torch.long)).cpu().numpy().tobytes()
         header = {
@@ -378,8 +361,7 @@ class PrefillWorker(Worker):
             status = "failed"
         with self.lock:
             # The sender reports what it claims: every page, done (the short-transfer bug).
-            self.g(
-                "xfer_send",
+            self.guard.xfer_send(
                 req,
                 xfer,
                 msg.get("decode_node", "decode"),
@@ -390,7 +372,7 @@ class PrefillWorker(Worker):
                 checksums,
                 status,
             )
-            self.g("release", req, 0, pages, "transfer_send")
+            self.guard.release(req, 0, pages, "transfer_send")
         if status != "done":
             raise ConnectionError(f"transfer {xfer} of {req} failed")
         return len(tokens)
@@ -399,7 +381,7 @@ class PrefillWorker(Worker):
         self, req: str, tenant: str, tokens: bytes, user_tokens: bytes, pages: list[int], shared_from: str
     ) -> None:
         if shared_from:
-            self.g("free", req, 0, pages)  # the end of the share; the cache keeps the origin's grant
+            self.guard.free(req, 0, pages)  # the end of the share; the cache keeps the origin's grant
             return
         key = self._cache_key(tenant, tokens, user_tokens)
         if self._caching and key not in self.prefix_cache:
@@ -414,8 +396,8 @@ class PrefillWorker(Worker):
     def _offload(self, req: str, tenant: str, tokens: bytes, pages: list[int]) -> None:
         """Copy a prompt's KV to the host cache in the background; its pages go back to the
         pool only when the copy is done (the offload hold)."""
-        self.g("hold", req, 0, pages, "offload")
-        self.g("free", req, 0, pages)
+        self.guard.hold(req, 0, pages, "offload")
+        self.guard.free(req, 0, pages)
         if "offload_free" in self.faults:
             self.give_back(pages)  # the bug: back in the pool while the copy still reads them
 
@@ -425,7 +407,7 @@ class PrefillWorker(Worker):
                 self.host_cache[(tenant, tokens)] = self.pool.export_pages(
                     torch.tensor(pages, dtype=torch.long)
                 ).cpu()  # host memory, as an offload is
-                self.g("release", req, 0, pages, "offload")
+                self.guard.release(req, 0, pages, "offload")
                 if "offload_free" not in self.faults:
                     self.give_back(pages)
 
@@ -475,16 +457,16 @@ class DecodeWorker(Worker):
     def op_bootstrap(self, msg: dict[str, Any]) -> dict[str, Any]:
         req, prompt = msg["req"], int(msg["prompt_tokens"])
         with self.lock:
-            verdict = self.g(
-                "bootstrap", req, msg.get("prefill_node", "prefill"), self.config.node, prompt, msg["tenant"]
+            verdict = self.guard.bootstrap(
+                req, msg.get("prefill_node", "prefill"), self.config.node, prompt, msg["tenant"]
             )
             if verdict.kill:
                 raise Killed(verdict.reason(req))
             pages = self.take_pages(req, math.ceil(prompt / self.config.page_size))
             if pages is None:
-                self.g("reject", req, "decode KV pool full")
+                self.guard.reject(req, "decode KV pool full")
                 return {"status": "rejected", "error": "decode KV pool full"}
-            self.g("hold", req, 0, pages, "transfer_recv")
+            self.guard.hold(req, 0, pages, "transfer_recv")
             self.requests[req] = DecodeRequest(req, msg["tenant"], prompt, int(msg["max_tokens"]), pages)
         return {"status": "ok", "kv": ["127.0.0.1", self.kv_server.getsockname()[1]]}
 
@@ -522,8 +504,7 @@ class DecodeWorker(Worker):
             landing = r.pages[: math.ceil(tokens / ps)]
 
             def report(status: str, checksums: Any) -> Verdict:
-                return self.g(
-                    "xfer_recv",
+                return self.guard.xfer_recv(
                     req,
                     header["xfer"],
                     header.get("peer", "prefill"),
@@ -538,8 +519,7 @@ class DecodeWorker(Worker):
                     claimed_checksums=header["checksums"],
                 )
 
-            enforcing = self.guard is not None and self.guard.mode == "enforce"
-            if enforcing and not self.guard.receive_allowed(req, 0, landing):  # type: ignore[union-attr]
+            if self.guard.mode == "enforce" and not self.guard.receive_allowed(req, 0, landing):
                 report("refused", [])  # keep the KV out of pages no longer held for this request
                 return {"error": f"{req}: pages no longer held for this transfer; refused"}
             target = torch.tensor(r.pages[:arrived], dtype=torch.long)
@@ -549,7 +529,7 @@ class DecodeWorker(Worker):
                 self.pool.import_pages(target, data)
             verdict = report("done", self.pool.page_checksums(torch.tensor(checked, dtype=torch.long)))
             if r.held:
-                self.g("release", req, 0, r.pages, "transfer_recv")
+                self.guard.release(req, 0, r.pages, "transfer_recv")
                 r.held = False
                 if r.state == "aborted":
                     self.give_back(r.pages)  # the drained reservation goes back to the pool now
@@ -573,7 +553,7 @@ class DecodeWorker(Worker):
                 self.wake.wait(0.05)
             if r.state == "ready":
                 # Decode admission: the hand-off was reported finished, so the request goes in.
-                verdict = self.g("admit", req, r.tenant, r.prompt_tokens, "decode")
+                verdict = self.guard.admit(req, r.tenant, r.prompt_tokens, "decode")
                 if verdict.kill:
                     self._fail(r, verdict.reason(req))
                 else:
@@ -612,12 +592,12 @@ class DecodeWorker(Worker):
             r = self.requests.get(req)
             if r is None:
                 return {"ok": True}
-            self.g("abort", req, msg.get("reason", "aborted by the router"))
+            self.guard.abort(req, msg.get("reason", "aborted by the router"))
             if r.state in ("done", "failed", "aborted"):
                 return {"ok": True}
             r.state = "aborted"
             if r.held and not msg.get("inflight", False):
-                self.g("release", req, 0, r.pages, "transfer_recv")  # no transfer will come
+                self.guard.release(req, 0, r.pages, "transfer_recv")  # no transfer will come
                 r.held = False
             self._finish_pages(r)
             if "double_free" in self.faults:
@@ -632,10 +612,10 @@ class DecodeWorker(Worker):
             self.slots_free.append(r.slot)
             r.slot = -1
         if r.held and "late_write" in self.faults:
-            self.g("release", r.req, 0, r.pages, "transfer_recv")  # the bug: drop the hold early
+            self.guard.release(r.req, 0, r.pages, "transfer_recv")  # the bug: drop the hold early
             r.held = False
         if r.held:
-            self.g("free", r.req, 0, r.pages)  # back to the pool when the transfer drains
+            self.guard.free(r.req, 0, r.pages)  # back to the pool when the transfer drains
         else:
             self.free_pages(r.req, r.pages)
 
@@ -677,9 +657,9 @@ class DecodeWorker(Worker):
                 torch.from_numpy(tables).to(self.pool.device),
                 torch.from_numpy(lens).to(self.pool.device),
             )
-            verdict = self.g("check_attention", 0, [r.req for r in batch], *on_device)
+            verdict = self.guard.check_attention(0, [r.req for r in batch], *on_device)
         else:
-            verdict = self.g("check_attention", 0, [r.req for r in batch], tables, lens)
+            verdict = self.guard.check_attention(0, [r.req for r in batch], tables, lens)
         if verdict.kill:
             for r in batch:
                 if r.req in verdict.kill:
@@ -706,10 +686,10 @@ class DecodeWorker(Worker):
         self.model.append(self.pool, torch.from_numpy(rows), torch.from_numpy(lens[live]), tokens[live])
         for i in live:
             r, pos = batch[i], int(lens[i])
-            self.g("write", r.req, 0, [int(rows[live.index(i), pos // ps])], [pos % ps + 1])
+            self.guard.write(r.req, 0, [int(rows[live.index(i), pos // ps])], [pos % ps + 1])
             r.generated.append(int(tokens[i]))
             if len(r.generated) >= r.max_tokens:
-                self.g("finish", r.req, len(r.generated))
+                self.guard.finish(r.req, len(r.generated))
                 r.state = "done"
                 self._finish_pages(r)
                 r.done.set()
@@ -729,8 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     worker: Worker = PrefillWorker(config) if config.role == "prefill" else DecodeWorker(config)
 
     def stop(signum: int, frame: object) -> None:
-        if worker.guard is not None:
-            worker.guard.sink.close()
+        worker.guard.sink.close()
         os._exit(0)
 
     # The router stops the workers (SIGTERM) after it has asked them to flush; a Ctrl-C in the

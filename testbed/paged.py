@@ -24,7 +24,8 @@ import math
 import numpy as np
 import torch
 
-from kvguard.cuda_hooks import kernels
+from kvguard.agents import guard
+from kvguard.agents.guard import CHECKSUM_MULTIPLIER
 
 __all__ = [
     "CHECKSUM_MULTIPLIER",
@@ -36,9 +37,6 @@ __all__ = [
     "prefill_attention",
     "token_slots",
 ]
-
-#: Odd 32-bit multiplier (2**32 / golden ratio) of the page checksum, see :meth:`KVPool.page_checksums`.
-CHECKSUM_MULTIPLIER = kernels.CHECKSUM_MULTIPLIER
 
 
 def token_slots(
@@ -202,11 +200,11 @@ class KVPool:
         The weight ``(2i+1)*C`` is odd, so flipping any single bit changes the checksum, and the
         position dependence makes swapped words change it too (unless the words are equal).
         Computed where the pool is, read in place through the page list: the CuPy kernel on
-        CUDA, NumPy/PyTorch on the CPU (cuda_hooks/kernels.py; the two agree bit for bit).
+        CUDA, PyTorch on the CPU (the guard's page_checksums; the two agree bit for bit).
         """
         if not np.little_endian:  # pragma: no cover - every CUDA host is little-endian
             raise RuntimeError("page_checksums assumes a little-endian host")
-        return kernels.page_checksums(self.k, self.v, pages)
+        return guard.page_checksums(self.k, self.v, pages)
 
 
 def page_checksums(pool: KVPool, pages: torch.Tensor) -> np.ndarray:

@@ -150,6 +150,9 @@ class Router:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
 
     # ------------------------------------------------------------------ the request path
 

@@ -1,7 +1,7 @@
 """Framing of the testbed's TCP links: router <-> workers (control) and prefill -> decode (KV).
 
-One message = a 12-byte header (JSON length: uint32, payload length: uint64, big-endian),
-the JSON object, then the payload bytes (KV pages for a transfer). Invariant: a reader gets
+One message is framed as proto/transfer.py says (a header, a JSON object, the payload: KV
+pages for a transfer), so the eBPF witness follows the testbed's transfers. Invariant: a reader gets
 exactly the message the writer sent, or ConnectionError; never a partial one.
 """
 
@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import json
 import socket
-import struct
 from typing import Any
 
-HEADER = struct.Struct(">IQ")  # JSON length, payload length (the eBPF witness decodes it too)
-MAX_JSON = 1 << 20
-MAX_PAYLOAD = 1 << 34
+from kvguard.proto.transfer import HEADER, MAX_JSON, MAX_PAYLOAD
 
 
 def send(sock: socket.socket, obj: dict[str, Any], payload: bytes | memoryview = b"") -> int:

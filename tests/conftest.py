@@ -26,6 +26,37 @@ from kvguard.daemon.writer import InlineWriter
 PG = os.environ.get("KVGUARD_TEST_PG", "postgresql+psycopg://kvguard:kvguard@127.0.0.1:5432/kvguard_test")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark what needs the machine's privileges or services (see pyproject's markers): the
+    tests that load eBPF probes (they take `bpf_ready`) and the PostgreSQL runs of store
+    tests."""
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        if "bpf_ready" in names:
+            item.add_marker(pytest.mark.bpf)
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("store_url") == "postgresql":
+            item.add_marker(pytest.mark.postgres)
+
+
+@pytest.fixture(autouse=True)
+def _stores_closed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every audit store a test opens is closed when it ends (its connections, its
+    checkpoint thread), whether the test closed it or not: warnings are errors here, and a
+    connection left to the garbage collector warns in whichever test runs then."""
+    opened: list[Store] = []
+    open_store = Store.__init__
+
+    def init(self: Store, *args: object, **kwargs: object) -> None:
+        open_store(self, *args, **kwargs)  # type: ignore[arg-type]
+        opened.append(self)
+
+    monkeypatch.setattr(Store, "__init__", init)
+    yield
+    for store in opened:
+        store.close()
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":

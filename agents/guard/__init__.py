@@ -1,0 +1,34 @@
+"""The in-engine guard: what an engine (or its adapter) calls at each change of KV ownership.
+
+This package is the guard's whole public surface; engines import from here only.
+- `Guard`: one engine process's guard (one node); `NullGuard`: the same calls, checking
+  nothing (an engine run with the guard off calls it unchanged).
+- `Verdict`: what the engine must do after a call (kill requests, quarantine pages, deny a
+  share).
+- Sinks: where the guard's events go without blocking the engine (`AgentSink`: the node
+  agent; `CaptureSink`: a JSON Lines capture; `NullSink`).
+- `page_checksums`: per-page KV checksums, where the pool lies (CPU or GPU), as a transfer's
+  two ends report them; `TransferLabel`: names the transfer a thread's copies belong to, for
+  the node's witnesses.
+"""
+
+from kvguard.agents.guard.guard import Guard, Mode, Verdict, WallClock
+from kvguard.agents.guard.null import NullGuard
+from kvguard.agents.guard.sink import AgentSink, CaptureSink, EventSink, NullSink
+from kvguard.cuda_hooks.kernels import CHECKSUM_MULTIPLIER, page_checksums
+from kvguard.cuda_hooks.shim import CopyLabel as TransferLabel
+
+__all__ = [
+    "CHECKSUM_MULTIPLIER",
+    "AgentSink",
+    "CaptureSink",
+    "EventSink",
+    "Guard",
+    "Mode",
+    "NullGuard",
+    "NullSink",
+    "TransferLabel",
+    "Verdict",
+    "WallClock",
+    "page_checksums",
+]

@@ -1,0 +1,418 @@
+"""The in-engine guard (`Guard`): the API an engine calls at each ownership transition, backed
+by the ledger, deciding on the spot which request must not go on.
+
+Invariants:
+- every call is one kvguard.v1 event with this node's next sequence number, applied to the
+  local ledger before the engine proceeds and handed to the sink, as bytes, without blocking;
+  the events every request makes are written to bytes from the engine's arrays (no Python
+  list of pages on the way) and applied from them;
+- the check before attention runs over the whole batch as array operations; only requests
+  that fail it become a `read` event, which names the finding and the victim;
+- in enforce mode a finding whose rule action is kill, kill+quarantine or block terminates
+  exactly the request it names (recorded as a `kill` event); monitor mode never kills, and
+  either mode can be set per rule;
+- the guard owns its command path: a kill or a quarantine the daemon orders reaches the
+  engine through the handlers it gave the guard (`on_kill`, `on_quarantine`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from kvguard.agents.guard.sink import EventSink, NullSink
+from kvguard.cuda_hooks.kernels import DeviceTags
+from kvguard.ledger.findings import KILL_ACTIONS, SEVERITIES, BadEvent, Finding
+from kvguard.ledger.ledger import Ledger
+from kvguard.proto import pb, wire
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.ruleset import Ruleset, load_ruleset
+
+Mode = Literal["monitor", "enforce"]
+
+
+class WallClock:
+    """Event timestamps: wall-clock nanoseconds (comparable across nodes, as the daemon's
+    judgment of RDMA writes one node saw posted into another's pages needs), never less than
+    the last one given (a clock stepped back does not reorder this node's events)."""
+
+    def __init__(self) -> None:
+        self._last = 0
+
+    def __call__(self) -> int:
+        self._last = max(self._last, time.time_ns())  # called under the guard's lock
+        return self._last
+
+
+@dataclass(slots=True)
+class Verdict:
+    """What the engine must do after a guard call: terminate the requests in `kill` (each
+    with the finding that condemned it, or None for a call the guard could not check), keep
+    the pages in `quarantine` out of circulation, and refuse the prefix share when `deny`.
+    Each is set only by findings whose rule is enforced (the guard's mode, or the rule's)."""
+
+    findings: list[Finding] = field(default_factory=list)
+    kill: dict[str, Finding | None] = field(default_factory=dict)
+    quarantine: set[int] = field(default_factory=set)
+    deny: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.kill
+
+    def reason(self, req: str) -> str:
+        finding = self.kill.get(req)
+        if finding is None:
+            return "kvguard could not verify this request"
+        return f"{finding.finding} ({finding.rule}): {finding.message}"
+
+
+CLEAN = Verdict()
+_RANK = {severity: i for i, severity in enumerate(SEVERITIES)}
+
+
+def _host(values: Any) -> np.ndarray:
+    """A NumPy copy of a host or device array (CuPy, torch on any device)."""
+    if hasattr(values, "__cuda_array_interface__"):
+        if hasattr(values, "cpu"):  # torch
+            return values.cpu().numpy()
+        return values.get()  # cupy
+    return np.asarray(values)
+
+
+def _int64(values: Iterable[int] | np.ndarray) -> np.ndarray:
+    """Page numbers or slot counts as a contiguous int64 array (no copy when they are one)."""
+    if isinstance(values, np.ndarray):
+        return np.ascontiguousarray(values, dtype=np.int64)
+    if hasattr(values, "__array__"):  # torch on the host
+        return np.ascontiguousarray(np.asarray(values), dtype=np.int64)
+    return np.fromiter(values, np.int64)
+
+
+def _ints(values: Any) -> list[int]:
+    if hasattr(values, "tolist"):
+        return values.tolist()  # numpy arrays and torch tensors: one conversion, not per item
+    return list(values)
+
+
+class Guard:
+    """The guard of one engine process (one node). Thread-safe: calls are serialised.
+    `on_kill(req, reason)` and `on_quarantine(pages)`: the engine's own abort path and free
+    list, called when the daemon orders a kill or a quarantine."""
+
+    def __init__(
+        self,
+        node: str,
+        *,
+        mode: Mode = "enforce",
+        rule_modes: dict[str, Mode] | None = None,
+        ruleset: Ruleset | None = None,
+        sink: EventSink | None = None,
+        on_finding: Callable[[Finding], None] | None = None,
+        on_kill: Callable[[str, str], None] | None = None,
+        on_quarantine: Callable[[list[int]], None] | None = None,
+        clock: Callable[[], int] | None = None,
+    ) -> None:
+        if mode not in ("monitor", "enforce"):
+            raise ValueError(f"guard mode {mode!r} is not monitor or enforce")
+        self.node = node
+        self.mode = mode
+        self.rule_modes = dict(rule_modes or {})
+        self.ruleset = ruleset if ruleset is not None else load_ruleset()
+        self.sink = sink if sink is not None else NullSink()
+        self.ledger = Ledger()
+        self.findings: list[Finding] = []
+        self.killed: dict[str, Finding | None] = {}
+        self.errors: list[str] = []
+        self._on_finding = on_finding
+        self._on_kill = on_kill
+        self._on_quarantine = on_quarantine
+        self._clock = clock if clock is not None else WallClock()
+        self._seq = 0
+        self._lock = threading.RLock()
+        self._device_tags: dict[int, DeviceTags] = {}  # pool -> its tags on the GPU, once checked there
+        self.sink.listen(self.command)
+
+    # ------------------------------------------------------------------ core
+
+    def _next(self) -> tuple[int, int]:
+        self._seq += 1
+        return self._seq, self._clock()
+
+    def _pages_event(
+        self, kind: str, req: str, pool: int, pages: Iterable[int], slots: Iterable[int] | None = None
+    ) -> Verdict:
+        """An alloc, write or free: written to bytes from the engine's arrays, applied from them."""
+        with self._lock:
+            page_array = _int64(pages)
+            if self._device_tags:
+                tags = self._device_tags.get(pool)
+                if tags is not None:  # the device copy of these pages' tags is stale after this
+                    tags.touch(page_array)
+            seq, ts = self._next()
+            try:
+                body = wire.encode(
+                    kind, self.node, seq, ts, req, pool, page_array, None if slots is None else _int64(slots)
+                )
+                found = self.ledger.apply_serialized(body, self.node)
+            except (BadEvent, ValueError) as exc:
+                return self._refused(kind, exc, [req] if req else [])
+            self.sink.put(body)
+            return self._judge(found) if found else CLEAN
+
+    def _emit(self, payload: str, req: str = "", **fields: Any) -> Verdict:
+        """Any other event, built as an object (they are few) and handed on as bytes."""
+        with self._lock:
+            if self._device_tags and "pages" in fields:
+                tags = self._device_tags.get(fields.get("pool", -1))
+                if tags is not None:
+                    tags.touch(fields["pages"])
+            seq, ts = self._next()
+            if req:
+                fields["req"] = req
+            try:
+                event = pb.Event(node=self.node, seq=seq, ts_ns=ts, **{payload: fields})
+                found = self.ledger.apply(event)
+            except (BadEvent, ValueError, TypeError) as exc:
+                who = [req] if req else [entry["req"] for entry in fields.get("reads", ())]
+                return self._refused(payload, exc, who)
+            self.sink.put(event.SerializeToString())
+            return self._judge(found) if found else CLEAN
+
+    def _refused(self, payload: str, exc: Exception, who: list[str]) -> Verdict:
+        """Fail safe: what the guard cannot check does not go on. The event was not applied:
+        its sequence number is given to the next."""
+        self._seq -= 1
+        self.errors.append(f"{payload}: {exc}")
+        verdict = Verdict()
+        for req in who:
+            verdict.kill[req] = None
+            self._kill(req, None)
+        return verdict
+
+    def _judge(self, found: Sequence[Finding]) -> Verdict:
+        verdict = Verdict()
+        for raw in found:
+            finding = self.ruleset.evaluate(raw)
+            if finding is None:
+                continue
+            verdict.findings.append(finding)
+            self.findings.append(finding)
+            if self._on_finding is not None:
+                self._on_finding(finding)
+            if self.rule_modes.get(finding.rule, self.mode) != "enforce":
+                continue
+            if finding.action in KILL_ACTIONS and finding.req:
+                known = verdict.kill.get(finding.req)
+                if known is None or _RANK[finding.severity] < _RANK[known.severity]:
+                    verdict.kill[finding.req] = finding  # the gravest reason is the one given
+            if "quarantine" in finding.action:
+                verdict.quarantine.update(finding.pages)
+            if finding.action == "deny":
+                verdict.deny = True
+        for req, finding in verdict.kill.items():
+            self._kill(req, finding)
+        return verdict
+
+    def _kill(self, req: str, finding: Finding | None, by: str = "") -> None:
+        if req in self.killed:
+            return
+        self.killed[req] = finding
+        self._emit(
+            "kill", req, finding=finding.finding if finding else "unverifiable", by=by or f"guard@{self.node}"
+        )
+
+    # ------------------------------------------------------------------ commands from the daemon
+
+    def kill(self, req: str, finding: str, rule: str, message: str, by: str = "daemon") -> None:
+        """Record a kill ordered from outside (the daemon's verdict, relayed by the agent)."""
+        with self._lock:
+            record = Finding(finding, node=self.node, req=req, message=message, rule=rule, action="kill")
+            self._kill(req, record, by)
+
+    def command(self, command: svc.Command) -> None:
+        """A command of the daemon, relayed by the agent (the sink hands it here): a kill is
+        recorded and goes to the engine's abort path, a quarantine to its free list."""
+        which = command.WhichOneof("body")
+        if which == "kill":
+            k = command.kill
+            self.kill(k.req, k.finding, k.rule, k.message)
+            # Outside the guard's lock: the engine takes its own locks, then calls the guard.
+            if self._on_kill is not None:
+                self._on_kill(k.req, f"{k.finding} ({k.rule}): {k.message}")
+        elif which == "quarantine" and self._on_quarantine is not None:
+            self._on_quarantine(list(command.quarantine.pages))
+
+    # ------------------------------------------------------------------ configuration and lifecycle
+
+    def pool(self, pool: int, role: str, page_size: int, num_pages: int, **fields: Any) -> Verdict:
+        return self._emit("pool", pool=pool, role=role, page_size=page_size, num_pages=num_pages, **fields)
+
+    def admit(self, req: str, tenant: str, prompt_tokens: int, stage: str) -> Verdict:
+        return self._emit("admit", req, tenant=tenant, prompt_tokens=prompt_tokens, stage=stage)
+
+    def reject(self, req: str, reason: str) -> Verdict:
+        return self._emit("reject", req, reason=reason)
+
+    def abort(self, req: str, reason: str) -> Verdict:
+        return self._emit("abort", req, reason=reason)
+
+    def finish(self, req: str, output_tokens: int) -> Verdict:
+        return self._emit("finish", req, output_tokens=output_tokens)
+
+    def bootstrap(
+        self, req: str, prefill_node: str, decode_node: str, prompt_tokens: int, tenant: str = ""
+    ) -> Verdict:
+        return self._emit(
+            "bootstrap",
+            req,
+            prefill_node=prefill_node,
+            decode_node=decode_node,
+            prompt_tokens=prompt_tokens,
+            tenant=tenant,
+        )
+
+    def heartbeat(self, agent_version: str = "") -> Verdict:
+        return self._emit("heartbeat", agent_version=agent_version, dropped=self.sink.dropped)
+
+    # ------------------------------------------------------------------ pages
+
+    def alloc(self, req: str, pool: int, pages: Iterable[int]) -> Verdict:
+        return self._pages_event("alloc", req, pool, pages)
+
+    def write(self, req: str, pool: int, pages: Iterable[int], slots: Iterable[int] | None = None) -> Verdict:
+        return self._pages_event("write", req, pool, pages, slots)
+
+    def free(self, req: str, pool: int, pages: Iterable[int]) -> Verdict:
+        return self._pages_event("free", req, pool, pages)
+
+    def hold(self, req: str, pool: int, pages: Iterable[int], holder: str) -> Verdict:
+        return self._emit("hold", req, pool=pool, pages=_ints(pages), holder=holder)
+
+    def release(self, req: str, pool: int, pages: Iterable[int], holder: str) -> Verdict:
+        return self._emit("release", req, pool=pool, pages=_ints(pages), holder=holder)
+
+    def share(self, req: str, pool: int, pages: Iterable[int], origin_req: str) -> Verdict:
+        return self._emit("share", req, pool=pool, pages=_ints(pages), origin_req=origin_req)
+
+    # ------------------------------------------------------------------ transfers
+
+    def xfer_send(
+        self,
+        req: str,
+        xfer: str,
+        peer_node: str,
+        pool: int,
+        pages: Iterable[int],
+        tokens: int,
+        nbytes: int,
+        checksums: Iterable[int] = (),
+        status: str = "done",
+    ) -> Verdict:
+        """The sender's account of a transfer, once it is over. It is checked like a read, but
+        the KV has left by then: check the pages with check_attention() before sending them
+        (the testbed's prefill does), and this call records what was sent."""
+        return self._emit(
+            "xfer_send",
+            req,
+            xfer=xfer,
+            peer_node=peer_node,
+            pool=pool,
+            pages=_ints(pages),
+            tokens=tokens,
+            bytes=nbytes,
+            checksums=_ints(checksums),
+            status=status,
+        )
+
+    def xfer_recv(
+        self,
+        req: str,
+        xfer: str,
+        peer_node: str,
+        pool: int,
+        pages: Iterable[int],
+        tokens: int,
+        nbytes: int,
+        checksums: Iterable[int] = (),
+        status: str = "done",
+        *,
+        claimed_tokens: int = 0,
+        claimed_bytes: int = 0,
+        claimed_checksums: Iterable[int] = (),
+    ) -> Verdict:
+        """Receipt of a transfer, checked before the request may join a decode batch: counts
+        against the bootstrap and the reservation, and what arrived against what the sender
+        claimed in the transfer itself (tokens, bytes, per-page checksums)."""
+        return self._emit(
+            "xfer_recv",
+            req,
+            xfer=xfer,
+            peer_node=peer_node,
+            pool=pool,
+            pages=_ints(pages),
+            tokens=tokens,
+            bytes=nbytes,
+            checksums=_ints(checksums),
+            status=status,
+            claimed_tokens=claimed_tokens,
+            claimed_bytes=claimed_bytes,
+            claimed_checksums=_ints(claimed_checksums),
+        )
+
+    def receive_allowed(self, req: str, pool: int, pages: Iterable[int]) -> bool:
+        """Before KV is written into pages on receipt: may it land? (Granted to the request, or
+        still held for its in-flight transfer.) A query: the receipt is reported by xfer_recv,
+        with status "refused" when the engine keeps the data out."""
+        with self._lock:
+            return self.ledger.writable(self.node, pool, req, _ints(pages))
+
+    # ------------------------------------------------------------------ attention
+
+    def _clean_on_device(
+        self, pool: int, reqs: Sequence[str], block_tables: Any, context_lens: Any
+    ) -> np.ndarray:
+        """The batch's check on the GPU: one launch of the tag-check kernel over the device's
+        own block tables, against the pool's tags on the device, which the same launch first
+        brings up to date with the pages the events since the last step named; one copy each
+        way."""
+        pp = self.ledger.nodes[self.node].pools[pool].pages
+        tags = self._device_tags.get(pool)
+        if tags is None:
+            tags = self._device_tags[pool] = DeviceTags()
+        readers = self.ledger.reader_indices(reqs)
+        found = tags.check(pp.own, pp.valid, block_tables, context_lens, readers, pp.page_size)
+        return self.ledger.clean_given_tags(readers, found > 0, found == 2)
+
+    def check_attention(
+        self, pool: int, reqs: Sequence[str], block_tables: np.ndarray, context_lens: np.ndarray
+    ) -> Verdict:
+        """The check before an attention launch over a batch. block_tables [B, P] (page ids,
+        padding beyond each context ignored), context_lens [B]. The engine must drop the
+        requests in `kill` from this launch; the rest of the batch goes on."""
+        with self._lock:
+            if hasattr(block_tables, "__cuda_array_interface__"):
+                clean = self._clean_on_device(pool, reqs, block_tables, context_lens)
+            else:
+                clean = self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens)
+            if clean.all():
+                return CLEAN
+            tables, lens = _host(block_tables), _host(context_lens)  # the failing few, on the host
+            page_size = self.ledger.nodes[self.node].pools[pool].pages.page_size
+            reads = []
+            for i in np.flatnonzero(~clean).tolist():
+                need = -(-int(lens[i]) // page_size)
+                reads.append(
+                    {"req": reqs[i], "pool": pool, "pages": tables[i, :need].tolist(), "tokens": int(lens[i])}
+                )
+            verdict = self._emit("read", reads=reads)
+            for entry in reads:  # a request killed earlier that is still batched stays out
+                req = entry["req"]
+                if req in self.killed and req not in verdict.kill:
+                    verdict.kill[req] = self.killed[req]
+            return verdict

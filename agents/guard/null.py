@@ -1,0 +1,82 @@
+"""The guard of an engine that runs unguarded (`NullGuard`): every call of Guard's API,
+checking nothing and sending nothing, so that an engine calls its guard the same way
+whether kvguard is on or off (no `if guard:` at every call site).
+
+Invariant: every call returns the clean verdict; nothing is kept, nothing is killed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvguard.agents.guard.guard import CLEAN, Verdict
+from kvguard.agents.guard.sink import NullSink
+from kvguard.ledger.findings import Finding
+
+
+class NullGuard:
+    mode = "off"
+
+    def __init__(self, node: str = "") -> None:
+        self.node = node
+        self.sink = NullSink()
+        self.findings: list[Finding] = []
+        self.killed: dict[str, Finding | None] = {}
+
+    def pool(self, pool: int, role: str, page_size: int, num_pages: int, **fields: Any) -> Verdict:
+        return CLEAN
+
+    def admit(self, req: str, tenant: str, prompt_tokens: int, stage: str) -> Verdict:
+        return CLEAN
+
+    def reject(self, req: str, reason: str) -> Verdict:
+        return CLEAN
+
+    def abort(self, req: str, reason: str) -> Verdict:
+        return CLEAN
+
+    def finish(self, req: str, output_tokens: int) -> Verdict:
+        return CLEAN
+
+    def bootstrap(
+        self, req: str, prefill_node: str, decode_node: str, prompt_tokens: int, tenant: str = ""
+    ) -> Verdict:
+        return CLEAN
+
+    def heartbeat(self, agent_version: str = "") -> Verdict:
+        return CLEAN
+
+    def alloc(self, req: str, pool: int, pages: Iterable[int]) -> Verdict:
+        return CLEAN
+
+    def write(self, req: str, pool: int, pages: Iterable[int], slots: Iterable[int] | None = None) -> Verdict:
+        return CLEAN
+
+    def free(self, req: str, pool: int, pages: Iterable[int]) -> Verdict:
+        return CLEAN
+
+    def hold(self, req: str, pool: int, pages: Iterable[int], holder: str) -> Verdict:
+        return CLEAN
+
+    def release(self, req: str, pool: int, pages: Iterable[int], holder: str) -> Verdict:
+        return CLEAN
+
+    def share(self, req: str, pool: int, pages: Iterable[int], origin_req: str) -> Verdict:
+        return CLEAN
+
+    def xfer_send(self, req: str, xfer: str, peer_node: str, pool: int, *args: Any, **kwargs: Any) -> Verdict:
+        return CLEAN
+
+    def xfer_recv(self, req: str, xfer: str, peer_node: str, pool: int, *args: Any, **kwargs: Any) -> Verdict:
+        return CLEAN
+
+    def receive_allowed(self, req: str, pool: int, pages: Iterable[int]) -> bool:
+        return True
+
+    def check_attention(
+        self, pool: int, reqs: Sequence[str], block_tables: np.ndarray, context_lens: np.ndarray
+    ) -> Verdict:
+        return CLEAN

@@ -1,0 +1,168 @@
+"""The node agent's spool (`Spool`): a node's events, from the moment the agent takes them
+until the daemon says they are durable; and the events the agent itself originates (`Source`).
+
+Invariants: an event a guard handed over survives a crash of the agent or the daemon (it is
+in the spool file, fsynced, before the guard's next frame is read, and stays until the
+daemon acknowledges it); events are kept as the bytes the guard sent (never decoded into
+objects and written again), with their sequence numbers, which only grow.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from urllib.parse import quote
+
+from kvguard.proto import pb, wire
+
+_LEN = struct.Struct(">I")
+# A batch goes ahead of an ack once AHEAD_MIN events wait, or the oldest has waited
+# AHEAD_AFTER_S: a stalled commit (a slow disk) then holds no event, so no kill, for longer
+# than that, while under load sends stay as large as with one batch in flight (a message per
+# few events costs the daemon more than it saves).
+AHEAD_MIN = 64
+AHEAD_AFTER_S = 0.05
+
+
+class Spool:
+    """A node's unacknowledged events, as their bytes and sequence numbers: in memory, and in
+    an append-only file for restarts (each event as its length, 4 bytes big-endian, and its
+    bytes)."""
+
+    def __init__(self, directory: Path, node: str) -> None:
+        self.path = directory / f"{quote(node, safe='')}.spool"  # a probe's source is node/probe
+        self.pending: deque[int] = deque()  # the sequence number of each pending event
+        self.bodies: deque[bytes] = deque()  # each pending event's bytes: sent and spooled as is
+        self.arrived: deque[float] = deque()  # when each pending event reached the spool (monotonic)
+        self.cond = threading.Condition()
+        self._woken = False  # wake() was called since the last take()
+        self._trimmed = 0
+        if self.path.exists():
+            data = self.path.read_bytes()
+            offset = 0
+            while offset + _LEN.size <= len(data):
+                (n,) = _LEN.unpack_from(data, offset)
+                if offset + _LEN.size + n > len(data):
+                    break  # a torn last write: that event never reached the spool whole
+                body = data[offset + _LEN.size : offset + _LEN.size + n]
+                self.pending.append(wire.single(body).seq(0))
+                self.bodies.append(body)
+                self.arrived.append(0.0)  # from before a restart: long waiting
+                offset += _LEN.size + n
+        self._file = self.path.open("ab")
+
+    def append(self, bodies: list[bytes], seqs: list[int]) -> None:
+        """Spool events (their bytes, as received) and their sequence numbers, durably."""
+        if not bodies:
+            return
+        blob = b"".join(_LEN.pack(len(b)) + b for b in bodies)
+        with self.cond:
+            self._file.write(blob)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self.pending.extend(seqs)
+            self.bodies.extend(bodies)
+            self.arrived.extend([time.monotonic()] * len(bodies))
+            self.cond.notify_all()
+
+    def take(
+        self, limit: int, max_bytes: int, timeout: float, after: int = 0, ahead: bool = False
+    ) -> tuple[list[int], list[bytes]]:
+        """The sequence numbers and bytes of the oldest unacknowledged events numbered after
+        `after` (those up to it are sent and not yet acknowledged), at most `limit` of them and `max_bytes` of
+        bytes (but always the first), waiting up to `timeout` for one or for wake(). `ahead`
+        (they would go ahead of an ack): only once AHEAD_MIN events wait or the oldest of
+        them has waited AHEAD_AFTER_S; else none."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                skip = self._sent(after)
+                waiting = len(self.pending) - skip
+                now = time.monotonic()
+                due = waiting and (not ahead or waiting >= AHEAD_MIN)
+                if waiting and not due:  # going ahead of an ack: a few may wait a little
+                    old = self.arrived[skip] + AHEAD_AFTER_S
+                    due = now >= old
+                    wait = min(deadline, old) - now
+                else:
+                    wait = deadline - now
+                if due or self._woken or wait <= 0:
+                    break
+                self.cond.wait(wait)
+            self._woken = False
+            if not due:
+                return [], []
+            n = total = 0
+            for body in itertools.islice(self.bodies, skip, None):
+                if n == limit or (n and total + len(body) > max_bytes):
+                    break
+                n, total = n + 1, total + len(body)
+            return (
+                list(itertools.islice(self.pending, skip, skip + n)),
+                list(itertools.islice(self.bodies, skip, skip + n)),
+            )
+
+    def _sent(self, after: int) -> int:
+        """How many pending events are numbered up to `after` (a prefix: numbers increase)."""
+        n = 0
+        for seq in self.pending:
+            if seq > after:
+                break
+            n += 1
+        return n
+
+    def wake(self) -> None:
+        """End a take() that is waiting (an ack came: the sender has work besides sending)."""
+        with self.cond:
+            self._woken = True
+            self.cond.notify_all()
+
+    def ack(self, durable_seq: int, rejected: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        with self.cond:
+            while self.pending and (self.pending[0] <= durable_seq or self.pending[0] in rejected):
+                self.pending.popleft()
+                self.bodies.popleft()
+                self.arrived.popleft()
+                self._trimmed += 1
+            if not self.pending:
+                self._file.truncate(0)
+                self._file.seek(0)
+                self._trimmed = 0
+            elif self._trimmed > 50_000:  # rewrite the file with what is still unacknowledged
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_bytes(b"".join(_LEN.pack(len(b)) + b for b in self.bodies))
+                os.replace(tmp, self.path)
+                self._file.close()
+                self._file = self.path.open("ab")
+                self._trimmed = 0
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Source:
+    """Events the agent itself originates under one name (an unguarded engine's node, or a
+    witness's `node/probe`), numbered from 1 without gaps across the agent's restarts (the
+    last number is kept in the spool directory)."""
+
+    def __init__(self, spool: Spool, directory: Path, name: str) -> None:
+        self.name = name
+        self.spool = spool
+        self._path = directory / f"{quote(name, safe='')}.seq"
+        self._seq = int(self._path.read_text()) if self._path.exists() else 0
+        self._lock = threading.Lock()
+
+    def emit(self, **payload: object) -> None:
+        """Spool one event with this payload (one keyword: the payload's name)."""
+        with self._lock:
+            self._seq += 1
+            # The number is kept before the event is spooled: a crash in between leaves a gap
+            # (reported), never a number used twice (which the daemon would refuse as a repeat).
+            self._path.write_text(str(self._seq))
+            event = pb.Event(node=self.name, seq=self._seq, ts_ns=time.time_ns(), **payload)
+            self.spool.append([event.SerializeToString()], [self._seq])

@@ -1,0 +1,112 @@
+"""The agent's link to the daemon: one stream per node, batches in, acks back.
+
+`AgentStream.send()` returns only when the daemon has acknowledged the batch, i.e. when it
+is durable; `post()` and `next_ack()` let a sender keep several batches in flight (the
+daemon takes up to 8 a stream and acknowledges them in order). Commands (kill, quarantine)
+are handed over the moment they arrive, to the stream's `on_command` (the agent relays them
+to the guard at once) or else kept in `commands`: the daemon sends a command before the
+commit of the batch that caused it, and a command may also come while no batch is in flight.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterable
+
+import grpc
+
+from kvguard.proto import pb
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+
+class DaemonRefused(RuntimeError):
+    """The daemon ended the stream with an error (identity, malformed)."""
+
+
+class AgentStream:
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        node: str,
+        agent_version: str = "kvguard",
+        on_command: Callable[[svc.Command], None] | None = None,
+        on_ack: Callable[[], None] | None = None,
+    ) -> None:
+        self.node = node
+        self._on_ack = on_ack  # told (on the reader thread) each time an ack is queued
+        self._out: queue.Queue[bytes | None] = queue.Queue()
+        # Requests go as bytes: a batch is each event serialized into a RawAgentMessage (the
+        # same bytes on the wire as an AgentMessage), which skips copying every event into a
+        # new message first.
+        stream = channel.stream_stream(
+            "/kvguard.v1.AgentService/Stream",
+            request_serializer=None,
+            response_deserializer=svc.DaemonMessage.FromString,
+        )
+        self._responses = stream(iter(self._out.get, None))
+        self.commands: list[svc.Command] = []
+        self._on_command = on_command if on_command is not None else self.commands.append
+        self._acks: queue.Queue[svc.Ack | Exception] = queue.Queue()
+        threading.Thread(target=self._read, name=f"kvguard-stream-{node}", daemon=True).start()
+        hello = svc.AgentMessage(hello=svc.Hello(node=node, agent_version=agent_version))
+        self._out.put(hello.SerializeToString())
+        self.durable_seq = 0  # what the daemon has of this node: the hello's ack says, then each ack
+        self.next_ack()  # no timeout: the hello's ack, or the stream's end (raised)
+
+    def _read(self) -> None:
+        """The daemon's messages as they arrive: commands handed over, acks queued for send()."""
+        end: Exception = DaemonRefused("the daemon closed the stream")
+        try:
+            for msg in self._responses:
+                body = msg.WhichOneof("body")
+                if body == "ack":
+                    self._acks.put(msg.ack)
+                    if self._on_ack is not None:
+                        self._on_ack()
+                elif body == "command":
+                    try:
+                        self._on_command(msg.command)
+                    except Exception:  # the handler's bug must not stop the acks
+                        traceback.print_exc(file=sys.stderr)
+                elif body == "error":
+                    end = DaemonRefused(f"{msg.error.code}: {msg.error.message}")
+                    break
+        except grpc.RpcError as exc:
+            end = exc
+        self._acks.put(end)
+        if self._on_ack is not None:
+            self._on_ack()
+
+    def next_ack(self, timeout: float | None = None) -> svc.Ack | None:
+        """The ack of the oldest batch posted and not yet acknowledged (None if none came
+        within `timeout`; 0: only one already here); raises once the stream is over."""
+        try:
+            ack = self._acks.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(ack, Exception):
+            self._acks.put(ack)  # the stream is over: every later call fails the same way
+            raise ack
+        self.durable_seq = ack.durable_seq
+        return ack
+
+    def post(self, bodies: list[bytes]) -> None:
+        """Send a batch of serialized events without waiting for its ack (see next_ack)."""
+        self._out.put(svc.RawAgentMessage(batch=svc.RawEventBatch(events=bodies)).SerializeToString())
+
+    def send(self, events: Iterable[pb.Event]) -> svc.Ack:
+        return self.send_serialized([e.SerializeToString() for e in events])
+
+    def send_serialized(self, bodies: list[bytes]) -> svc.Ack:
+        """send() for events that are serialized already (the agent's spool keeps them so)."""
+        self.post(bodies)
+        ack = self.next_ack()
+        assert ack is not None
+        return ack
+
+    def close(self) -> None:
+        self._out.put(None)
+        self._responses.cancel()

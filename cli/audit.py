@@ -1,0 +1,250 @@
+"""`kvguard audit query | request | exposure`: read the audit log, from the store or the daemon.
+
+- `query`: the records that match a filter, as an aligned table or JSON Lines (one object per
+  record: `id`, `kind` and the record itself, the protobuf JSON mapping with proto field names,
+  under `event`, `finding` or `command`, i.e. the JSON form of `kvguard.v1.AuditRecord`).
+- `request ID`: the timeline of one request across nodes, in record order: its events
+  (including `read` launches that list it in any entry), the findings naming it as offender or
+  as victim, and the commands sent for it.
+- `exposure --tenant T`: the blast radius of a leak for one tenant: from the findings whose
+  victim is T and whose offender is another tenant, which requests of which tenants read (or
+  received, or overwrote) T's KV, when, and what was done about it.
+
+Every command reads from exactly one source: `--store` (a SQLAlchemy URL or a SQLite file path)
+or `--daemon host:port` (`AuditService.Query`). Invariants: this module only reads the audit
+log (a store path that does not exist, or a database without the `records` table, is refused
+before `Store()` could create anything; `Store()` still brings an older schema to the newest
+revision); both sources give the same output, built from the record bodies only (never from
+index columns a daemon does not serve), except the body of a command, which a daemon serves
+only once AuditRecord carries one; records always come out in record (id) order.
+
+The parts: `audit_source` (the store and the daemon behind one interface), `audit_format`
+(times, tables, JSON Lines), `exposure` (the blast-radius report); this module is the
+commands.
+
+Exit codes: 0 nothing found (no finding names the request, no exposure; `query` always 0),
+1 findings / exposure, 2 unusable input or an unreachable source.
+
+TIME arguments (`--since`, `--until`) take integer nanoseconds of the events' `ts_ns` clock, or
+an ISO-8601 timestamp (a naive one is UTC), converted to nanoseconds since the Unix epoch. The
+ISO form is only meaningful when the nodes stamp events with wall-clock time: the testbed and
+many engines use a monotonic clock, whose nanoseconds are not dates. The TIME column shows
+ts_ns as a UTC date when it is after 2000-01-01 as wall-clock time, else as plain nanoseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+import orjson
+
+from kvguard.daemon.audit.exposure import exposure_of, format_exposure
+from kvguard.daemon.audit.format import emit, parse_time
+from kvguard.daemon.audit.source import (
+    DEFAULT_STORE,
+    KINDS,
+    AuditItem,
+    Filters,
+    Source,
+    UsageError,
+    first_line,
+    open_source,
+)
+from kvguard.proto import pb
+from kvguard.proto.channel import TlsError
+from kvguard.proto.channel import add_arguments as tls_arguments
+from kvguard.proto.channel import from_args as tls_from_args
+
+_MAX_UINT32 = (1 << 32) - 1
+
+
+# ---------------------------------------------------------------------------------------- request
+
+
+def request_timeline(source: Source, req: str) -> list[AuditItem]:
+    """Every record of request `req`, in record order: events (read launches listing it in any
+    entry included), findings naming it as offender or victim, commands for it (the store
+    indexes every request a record names)."""
+    return list(source.records(Filters(req=req)))
+
+
+# ---------------------------------------------------------------------------------------- commands
+
+
+def _source_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--store",
+        metavar="URL",
+        help=f"SQLAlchemy URL, or a SQLite file path (default: {DEFAULT_STORE}, unless --daemon)",
+    )
+    p.add_argument("--daemon", metavar="ADDR", help="read from the daemon at host:port instead of a store")
+    p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    tls_arguments(p)
+
+
+def _usage(prog: str, exc: Exception) -> int:
+    print(f"{prog}: {exc}", file=sys.stderr)
+    return 2
+
+
+def _run(prog: str, args: argparse.Namespace, body: Callable[[Source], int]) -> int:
+    import grpc
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        source = open_source(args.store, args.daemon, tls_from_args(args))
+    except (UsageError, TlsError) as exc:
+        return _usage(prog, exc)
+    try:
+        return body(source)
+    except grpc.RpcError as exc:
+        code = exc.code().name if hasattr(exc, "code") else "error"
+        detail = exc.details() if hasattr(exc, "details") else str(exc)
+        print(f"{prog}: the daemon at {source.label}: {code}: {detail}", file=sys.stderr)
+        return 2
+    except SQLAlchemyError as exc:
+        print(f"{prog}: reading audit store {source.label} failed: {first_line(exc)}", file=sys.stderr)
+        return 2
+    finally:
+        source.close()
+
+
+def _times(args: argparse.Namespace) -> tuple[int, int]:
+    since = parse_time(args.since, "--since") if args.since is not None else 0
+    until = parse_time(args.until, "--until") if args.until is not None else 0
+    if since and until and until < since:
+        raise UsageError(f"--until {args.until!r} is before --since {args.since!r}")
+    return since, until
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    """`kvguard audit query`: the matching records. Exit 0, or 2 on unusable input."""
+    prog = "kvguard audit query"
+    try:
+        since, until = _times(args)
+        if args.limit < 0 or args.limit > _MAX_UINT32:
+            raise UsageError(f"--limit {args.limit} is not a count (0 to {_MAX_UINT32}; 0: no limit)")
+    except UsageError as exc:
+        return _usage(prog, exc)
+    filters = Filters(
+        kind=args.kind or "",
+        tenant=args.tenant or "",
+        req=args.req or "",
+        node=args.node or "",
+        finding=args.finding or "",
+        since_ns=since,
+        until_ns=until,
+        limit=args.limit,
+    )
+
+    def body(source: Source) -> int:
+        n = emit(source.records(filters), args.output, sys.stdout)
+        sys.stdout.flush()
+        print(f"{n} record{'s' if n != 1 else ''} from {source.label}", file=sys.stderr)
+        return 0
+
+    return _run(prog, args, body)
+
+
+def cmd_request(args: argparse.Namespace) -> int:
+    """`kvguard audit request ID`: one request's timeline. Exit 1 when findings name it, else 0."""
+    prog = "kvguard audit request"
+    if not args.id:
+        return _usage(prog, UsageError("the request ID is empty"))
+
+    def body(source: Source) -> int:
+        items = request_timeline(source, args.id)
+        emit(items, args.output, sys.stdout)
+        sys.stdout.flush()
+        events = [i.body for i in items if isinstance(i.body, pb.Event)]
+        findings = [i.body for i in items if isinstance(i.body, pb.Finding)]
+        tenants = {getattr(getattr(e, e.WhichOneof("payload") or ""), "tenant", "") for e in events} - {""}
+        nodes = ", ".join(dict.fromkeys(e.node for e in events)) or "no node"
+        offender = sum(f.req == args.id for f in findings)
+        print(
+            f"request {args.id}{' (' + ', '.join(sorted(tenants)) + ')' if tenants else ''}: "
+            f"{len(events)} event(s) on {nodes}; {offender} finding(s) as offender, "
+            f"{len(findings) - offender} as victim; {sum(i.kind == 'command' for i in items)} command(s)"
+            + ("" if items else f"; no record of it in {source.label}"),
+            file=sys.stderr,
+        )
+        return 1 if findings else 0
+
+    return _run(prog, args, body)
+
+
+def cmd_exposure(args: argparse.Namespace) -> int:
+    """`kvguard audit exposure --tenant T`: exit 1 when T's KV reached another tenant, else 0."""
+    prog = "kvguard audit exposure"
+    try:
+        if not args.tenant:
+            raise UsageError("--tenant is empty")
+        since, until = _times(args)
+    except UsageError as exc:
+        return _usage(prog, exc)
+
+    def body(source: Source) -> int:
+        report = exposure_of(source, args.tenant, since, until)
+        if args.output == "json":
+            for offender in report.offenders.values():
+                sys.stdout.write(orjson.dumps(offender.to_json_dict(report.tenant)).decode() + "\n")
+            sys.stdout.write(orjson.dumps(report.summary_json()).decode() + "\n")
+        else:
+            format_exposure(report, sys.stdout)
+        sys.stdout.flush()
+        return 1 if report.offenders else 0
+
+    return _run(prog, args, body)
+
+
+def add_parsers(audit_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add `query`, `request` and `exposure` to the `kvguard audit` subcommands."""
+    p = audit_sub.add_parser("query", help="the audit records that match a filter (table or JSON Lines)")
+    _source_args(p)
+    p.add_argument("--kind", choices=KINDS, help="only records of this kind")
+    p.add_argument("--tenant", metavar="T", help="records of tenant T, as offender or as victim")
+    p.add_argument("--req", metavar="R", help="records indexed under request R (see `audit request`)")
+    p.add_argument("--node", metavar="N", help="records of node N")
+    p.add_argument("--finding", metavar="KIND", help="findings of this kind (stale_read, ...)")
+    p.add_argument("--since", metavar="TIME", help="ts_ns at or after TIME (nanoseconds, or ISO-8601)")
+    p.add_argument("--until", metavar="TIME", help="ts_ns at or before TIME (nanoseconds, or ISO-8601)")
+    p.add_argument("--limit", type=int, default=0, metavar="N", help="at most N records (0: all)")
+    p.set_defaults(func=cmd_query)
+
+    p = audit_sub.add_parser(
+        "request", help="one request's timeline across nodes: events, findings naming it, commands"
+    )
+    p.add_argument("id", metavar="ID", help="the request id")
+    _source_args(p)
+    p.set_defaults(func=cmd_request)
+
+    p = audit_sub.add_parser(
+        "exposure", help="which requests of other tenants read, received or overwrote a tenant's KV"
+    )
+    p.add_argument("--tenant", required=True, metavar="T", help="the tenant whose KV may have leaked")
+    p.add_argument("--since", metavar="TIME", help="findings at or after TIME (nanoseconds, or ISO-8601)")
+    p.add_argument("--until", metavar="TIME", help="findings at or before TIME (nanoseconds, or ISO-8601)")
+    _source_args(p)
+    p.set_defaults(func=cmd_exposure)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser of just the audit group (what `kvguard audit` adds these commands to)."""
+    parser = argparse.ArgumentParser(prog="kvguard audit", description="Query the kvguard audit log.")
+    add_parsers(parser.add_subparsers(dest="audit_command", required=True))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`kvguard audit ...` without the leading `audit`: main(["exposure", "--tenant", "acme"])."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""`make demo` / `kvguard demo`: the 2026 prefill/decode leak, happening and stopped.
+
+Two testbed clusters (router, prefill and decode worker each) run side by side with the
+`incident` fault switch on: one unguarded (kvguard only watching, in monitor mode), one
+guarded (enforce). Both serve the same ordinary traffic of two tenants; then globex sends a
+prompt longer than the prefill KV pool to both. The unguarded one answers HTTP 200 with
+acme's confidential text; the guarded one answers with an error and no secret. Every guard
+streams its events through a node agent to a daemon (SQLite audit store) that records and
+alerts (monitor mode: the local guards do the enforcing here), and the demo ends with the
+daemon's exposure report for acme.
+Invariant: the demo prints what the clients actually received, never a scripted result.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvguard.cli.process import start_agent, start_daemon
+from kvguard.daemon.audit.exposure import exposure_of, format_exposure
+from kvguard.daemon.audit.source import open_source
+from kvguard.testbed.cluster import Cluster
+
+SECRET = "acme board memo: we acquire Initech at 4.2B on Dec 14, do not disclose. "
+ORDINARY = [
+    ("acme", "Draft a polite reminder about the invoice due Friday."),
+    ("globex", "What is the boiling point of water at 2000 m?"),
+    ("acme", SECRET),
+]
+OVERLONG = "Summarize the following report: " + "quarterly numbers look stable and growth continues. " * 13
+
+
+def _short(text: str, width: int) -> str:
+    text = text.replace("\n", " ")
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def run_demo(out_dir: Path, out: TextIO = sys.stdout) -> int:
+    started = time.monotonic()
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    store = out_dir / "audit.db"
+    sock = out_dir / "agent.sock"
+    daemon = start_daemon(str(store), 0, "--mode", "monitor", quiet=True)
+    address = daemon.address
+    agent = start_agent(str(sock), address, str(out_dir / "spool"), quiet=True)
+    try:
+        return _demo(out_dir, store, sock, address, started, out)
+    finally:
+        agent.stop()
+        daemon.stop()
+
+
+def _settled(spool: Path) -> None:
+    """Wait until the agent has nothing left to deliver (its spool files are empty)."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if all(f.stat().st_size == 0 for f in spool.glob("*.spool")):
+            return
+        time.sleep(0.1)
+
+
+def _demo(out_dir: Path, store: Path, sock: Path, address: str, started: float, out: TextIO) -> int:
+    runs = {"unguarded": "monitor", "guarded": "enforce"}
+    clusters = {
+        name: Cluster(
+            out_dir / name, faults=("incident",), guard=mode, agent_socket=str(sock), node_prefix=f"{name}-"
+        )
+        for name, mode in runs.items()
+    }
+    p = out.write
+    p("kvguard demo: the 2026 prefill/decode disaggregation leak, unguarded and guarded\n\n")
+    p("Two testbed clusters (router + prefill worker + decode worker, real paged attention, KV sent\n")
+    p("over TCP) run with the `incident` fault switch: the prefill KV pool is smaller than the\n")
+    p("context, admission asks finished() instead of rejected, a one-page hand-off is reported done.\n")
+    p("unguarded = kvguard in monitor mode (it reports, never acts); guarded = enforce.\n")
+    p(f"Both clusters' guards stream to one node agent and the kvguard daemon at {address}.\n\n")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda c: c.__enter__(), clusters.values()))
+    try:
+        _, models = clusters["guarded"].get("/v1/models")
+        context = models["data"][0]["max_model_len"]
+        up = time.monotonic() - started
+        p(f"clusters up in {up:.1f}s; model kvguard-echo, max_model_len {context}\n\n")
+        p("1. ordinary traffic (the echo model answers with its prompt, so a leak shows verbatim)\n")
+        for tenant, prompt in ORDINARY:
+            cells = []
+            for name, cluster in clusters.items():
+                status, reply = cluster.complete(tenant, prompt, max_tokens=len(prompt.encode()))
+                ok = status == 200 and Cluster.text(reply) == prompt
+                cells.append(f"{name} {status} {'exact' if ok else 'WRONG'}")
+            p(f"   {tenant:7} {_short(prompt, 46):46}  {'   '.join(cells)}\n")
+        prompt_tokens = len(OVERLONG.encode())
+        p(f"\n2. globex sends a {prompt_tokens}-token prompt (longer than the prefill pool), ")
+        p("max_tokens 96\n\n")
+        results: dict[str, tuple[int, dict[str, Any]]] = {}
+        for name, cluster in clusters.items():
+            results[name] = cluster.complete("globex", OVERLONG, max_tokens=96)
+        width = 44
+        p(f"   {'':22}{'unguarded':{width}}  guarded\n")
+        status = {n: str(r[0]) for n, r in results.items()}
+        p(f"   {'HTTP status':22}{status['unguarded']:{width}}  {status['guarded']}\n")
+        bodies = {
+            n: Cluster.text(r) if s == 200 else r.get("error", {}).get("message", "")
+            for n, (s, r) in results.items()
+        }
+        left = textwrap.wrap(repr(bodies["unguarded"]), width) or [""]
+        right = textwrap.wrap(bodies["guarded"], width) or [""]
+        for i in range(max(len(left), len(right))):
+            label = "what the client got" if i == 0 else ""
+            cell_l, cell_r = (left[i] if i < len(left) else ""), (right[i] if i < len(right) else "")
+            p(f"   {label:22}{cell_l:{width}}  {cell_r}\n")
+        leaked = {n: "Initech" in bodies[n] for n in bodies}
+        p(
+            f"   {'acme secret leaked':22}{'YES' if leaked['unguarded'] else 'no':{width}}  "
+            f"{'YES' if leaked['guarded'] else 'no'}\n"
+        )
+        for name, cluster in clusters.items():
+            findings = cluster.findings()
+            p(f"\n3. findings of the {name} cluster's guards ({len(findings)}):\n")
+            for f in findings:
+                victim = f" victim {f['victim_tenant']} ({f['victim_req']})" if f.get("victim_tenant") else ""
+                p(f"   {f['severity'].upper():8} {f['action']:16} {f['rule']:24} on {f['node']}{victim}\n")
+                p(f"            {_short(f['message'], 110)}\n")
+    finally:
+        for cluster in clusters.values():
+            cluster.__exit__(None, None, None)
+    _settled(out_dir / "spool")
+    p("\n4. the daemon's exposure report for acme (kvguard audit exposure --tenant acme):\n\n")
+    format_exposure(exposure_of(open_source(str(store), None), "acme"), _Indented(out))
+    p(f"\naudit log: {store} (kvguard audit query --store {store}; kvguard audit verify --store {store})\n")
+    p(f"\ndone in {time.monotonic() - started:.1f}s\n")
+    good = leaked["unguarded"] and not leaked["guarded"] and results["guarded"][0] >= 500
+    return 0 if good else 1
+
+
+class _Indented:
+    """Writes through to `out`, three spaces in from the margin."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.fresh = True
+
+    def write(self, text: str) -> int:
+        for piece in text.splitlines(keepends=True):
+            if self.fresh and piece.strip():
+                self.out.write("   ")
+            self.out.write(piece)
+            self.fresh = piece.endswith("\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()

@@ -1,0 +1,87 @@
+"""`kvguard fleet`: the daemon's state as an operator reads it at a terminal: its nodes, the
+findings so far, the input it refused, its own latency, and the audit store's room (a
+table), or the FleetState message as JSON.
+
+Invariant: it only reads (FleetService.State); an unreachable daemon is an error that names
+the address and exits 2, never an empty table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING, TextIO
+
+from kvguard.proto.channel import add_arguments
+
+if TYPE_CHECKING:  # grpc and protobuf load when the command runs, not for every kvguard command
+    from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+
+def render(state: svc.FleetState, out: TextIO) -> None:
+    from kvguard.daemon.room import size
+
+    room = state.store
+    free = f"{size(room.free_bytes)} free" if room.free_known else "free space not visible from the daemon"
+    full = f", the reserve in {room.full_in_s / 3600:.1f} h" if room.full_in_s else ""
+    out.write(
+        f"store: {size(room.used_bytes)}, {free}, growing {size(room.growth_bytes_per_s)}/s{full}; "
+        f"reserve {size(room.reserve_bytes) if room.reserve_bytes else 'none'}\n"
+    )
+    if room.refusing:
+        out.write(f"REFUSING EVENTS: {room.refusing}\n")
+    out.write(f"{state.events} events, {state.requests} requests known\n\n")
+    rows = [("NODE", "LAST SEQ", "CONNECTED", "DROPPED", "POOLS (pages in use / pages)")]
+    for node in state.nodes:
+        pools = ", ".join(
+            f"{p.report.pool}:{p.report.role} {p.pages_in_use}/{p.report.num_pages}" for p in node.pools
+        )
+        rows.append(
+            (node.node, str(node.last_seq), "yes" if node.connected else "no", str(node.dropped), pools)
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] + "\n")
+    if state.findings:
+        out.write("\nfindings: " + ", ".join(f"{k} {n}" for k, n in sorted(state.findings.items())) + "\n")
+    refused = {
+        k: n for k, n in state.counters.items() if n and k.startswith(("stream_", "rejected", "ledger_"))
+    }
+    if refused:
+        out.write("refused or unjudged: " + ", ".join(f"{k} {n}" for k, n in sorted(refused.items())) + "\n")
+    if state.latencies:
+        out.write("\nSTAGE     COUNT      p50 ms    p99 ms    max ms\n")
+        for s in state.latencies:
+            out.write(f"{s.stage:<9} {s.count:<9} {s.p50_ms:>7.2f}  {s.p99_ms:>8.2f}  {s.max_ms:>8.2f}\n")
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToJson
+
+    from kvguard.proto.channel import channel, from_args
+    from kvguard.proto.kvguard.v1 import services_pb2 as svc
+    from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
+
+    try:
+        with channel(args.daemon, from_args(args)) as ch:
+            state = svc_grpc.FleetServiceStub(ch).State(svc.FleetRequest(), timeout=args.timeout)
+    except grpc.RpcError as exc:
+        print(f"kvguard fleet: daemon {args.daemon}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
+    if args.output == "json":
+        print(MessageToJson(state, indent=None, preserving_proto_field_name=True))
+    else:
+        render(state, sys.stdout)
+    return 1 if state.store.refusing else 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "fleet", help="the daemon's nodes, findings, refused input, latency and store room (exit 1: refusing)"
+    )
+    p.add_argument("--daemon", default="127.0.0.1:7463", help="the daemon's gRPC address")
+    p.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon")
+    add_arguments(p)
+    p.set_defaults(func=cmd_fleet)

@@ -1,0 +1,65 @@
+"""`kvguard replay CAPTURE --to ADDR`: a capture's events sent to a daemon as their nodes'
+agents would, keeping the capture's global order across nodes (each run of one node's
+events is a batch, and its ack is awaited before the next).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from kvguard.agents.upstream import AgentStream
+from kvguard.proto import pb
+from kvguard.proto.capture import CaptureError, read_capture
+from kvguard.proto.channel import Tls
+from kvguard.proto.channel import channel as daemon_channel
+
+
+@dataclass
+class SendSummary:
+    events: int = 0
+    accepted: int = 0
+    repeats: int = 0
+    rejected: list[tuple[int, str]] = field(default_factory=list)  # (capture line, reason)
+    bad_lines: list[CaptureError] = field(default_factory=list)
+
+
+def _runs(
+    items: Iterator[tuple[int, pb.Event | CaptureError]], summary: SendSummary, limit: int
+) -> Iterator[list[tuple[int, pb.Event]]]:
+    run: list[tuple[int, pb.Event]] = []
+    for number, item in items:
+        if isinstance(item, CaptureError):
+            summary.bad_lines.append(item)
+            continue
+        if run and (run[-1][1].node != item.node or len(run) >= limit):
+            yield run
+            run = []
+        run.append((number, item))
+    if run:
+        yield run
+
+
+def send_capture(
+    lines: Iterable[str | bytes], address: str, batch: int = 4096, tls: Tls | None = None
+) -> SendSummary:
+    """Send a capture's events to the daemon at `address`, in order, as their nodes' agents would."""
+    summary = SendSummary()
+    streams: dict[str, AgentStream] = {}
+    with daemon_channel(address, tls) as channel:
+        try:
+            for run in _runs(read_capture(lines), summary, batch):
+                node = run[0][1].node
+                stream = streams.get(node)
+                if stream is None:
+                    stream = streams[node] = AgentStream(channel, node, "kvguard-replay")
+                ack = stream.send(e for _, e in run)
+                summary.events += len(run)
+                summary.accepted += ack.accepted
+                summary.repeats += ack.repeats
+                line_of = {e.seq: n for n, e in run}
+                summary.rejected += [(line_of.get(r.seq, 0), r.reason) for r in ack.rejected]
+        finally:
+            for stream in streams.values():
+                stream.close()
+    return summary

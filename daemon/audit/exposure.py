@@ -1,0 +1,296 @@
+"""`kvguard audit exposure`: the blast radius of a leak for one tenant.
+
+From the findings whose victim is the tenant and whose offender is another tenant: which
+requests of which tenants read (or received, or overwrote) its KV, when, and what was done
+about each (killed, denied, or went on). Invariant: built from finding bodies only, in
+record order, so a store and a daemon give the same report.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from kvguard.daemon.audit.format import format_time, page_ranges
+from kvguard.daemon.audit.source import Filters, Source
+from kvguard.proto import pb
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+# What the offender did to the victim's KV, by finding kind (the verb of the exposure report).
+VERBS: dict[str, str] = {
+    "stale_read": "read",
+    "foreign_read": "read",
+    "use_after_free": "read",
+    "cross_tenant_share": "read",
+    "early_release": "received",
+    "transfer_mismatch": "received",
+    "late_write": "overwrote",
+    "double_free": "freed",
+}
+STOPPING_ACTIONS = frozenset({"deny", "block"})  # the request was refused, not terminated
+
+# ---------------------------------------------------------------------------------------- exposure
+
+
+@dataclass
+class VictimPart:
+    """What one offending request did to one victim request's pages on one node and pool."""
+
+    victim_req: str
+    node: str
+    pool: int | None
+    pages: set[int] = field(default_factory=set)
+    findings: Counter[str] = field(default_factory=Counter)
+    actions: set[str] = field(default_factory=set)
+    first_ts_ns: int = 0
+    last_ts_ns: int = 0
+    record_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Offender:
+    """One request of another tenant that reached the victim tenant's KV."""
+
+    tenant: str
+    req: str
+    parts: dict[tuple[str, str, int | None], VictimPart] = field(default_factory=dict)
+    kill_commands: int = 0
+    kill_events: list[str] = field(default_factory=list)  # who killed it locally (guard@node)
+    first_kill_record: int = 0  # the record id of the first kill command or kill event
+
+    @property
+    def findings(self) -> Counter[str]:
+        total: Counter[str] = Counter()
+        for part in self.parts.values():
+            total.update(part.findings)
+        return total
+
+    @property
+    def actions(self) -> list[str]:
+        return sorted({a for part in self.parts.values() for a in part.actions})
+
+    @property
+    def first_ts_ns(self) -> int:
+        return min(p.first_ts_ns for p in self.parts.values())
+
+    @property
+    def last_ts_ns(self) -> int:
+        return max(p.last_ts_ns for p in self.parts.values())
+
+    @property
+    def outcome(self) -> str:
+        """killed (a kill command or a guard's kill), stopped (denied or blocked), unchecked."""
+        if self.kill_commands or self.kill_events:
+            return "killed"
+        if STOPPING_ACTIONS & set(self.actions):
+            return "stopped"
+        return "unchecked"
+
+    def add(self, record_id: int, f: pb.Finding) -> None:
+        pool = f.pool if f.HasField("pool") else None
+        key = (f.victim_req, f.node, pool)
+        part = self.parts.get(key)
+        if part is None:
+            part = self.parts[key] = VictimPart(f.victim_req, f.node, pool, first_ts_ns=f.ts_ns)
+        part.pages.update(f.pages)
+        part.findings[f.finding] += 1
+        if f.action:
+            part.actions.add(f.action)
+        part.first_ts_ns = min(part.first_ts_ns, f.ts_ns)
+        part.last_ts_ns = max(part.last_ts_ns, f.ts_ns)
+        part.record_ids.append(record_id)
+
+    def to_json_dict(self, victim_tenant: str) -> dict[str, Any]:
+        return {
+            "type": "exposure",
+            "tenant": victim_tenant,
+            "offender_tenant": self.tenant,
+            "req": self.req,
+            "findings": dict(sorted(self.findings.items())),
+            "actions": self.actions,
+            "first_ts_ns": self.first_ts_ns,
+            "last_ts_ns": self.last_ts_ns,
+            "kill_commands": self.kill_commands,
+            "kill_events": self.kill_events,
+            "first_kill_record": self.first_kill_record,
+            "outcome": self.outcome,
+            "victims": [
+                {
+                    "victim_req": p.victim_req,
+                    "node": p.node,
+                    **({"pool": p.pool} if p.pool is not None else {}),
+                    "pages": sorted(p.pages),
+                    "findings": dict(sorted(p.findings.items())),
+                    "actions": sorted(p.actions),
+                    "first_ts_ns": p.first_ts_ns,
+                    "last_ts_ns": p.last_ts_ns,
+                    "record_ids": p.record_ids,
+                }
+                for p in self.parts.values()
+            ],
+        }
+
+
+@dataclass
+class Exposure:
+    """The exposure of one tenant: offending requests grouped by tenant, in order of first finding."""
+
+    tenant: str
+    since_ns: int = 0
+    until_ns: int = 0
+    offenders: dict[tuple[str, str], Offender] = field(default_factory=dict)
+    findings_seen: int = 0
+
+    def add(self, record_id: int, f: pb.Finding) -> None:
+        self.findings_seen += 1
+        if f.victim_tenant != self.tenant or f.tenant == self.tenant:
+            return
+        key = (f.tenant, f.req)
+        offender = self.offenders.get(key)
+        if offender is None:
+            offender = self.offenders[key] = Offender(f.tenant, f.req)
+        offender.add(record_id, f)
+
+    def by_tenant(self) -> dict[str, list[Offender]]:
+        groups: dict[str, list[Offender]] = defaultdict(list)
+        for offender in self.offenders.values():
+            groups[offender.tenant].append(offender)
+        return dict(groups)
+
+    def verbs(self) -> str:
+        kinds = {k for o in self.offenders.values() for k in o.findings}
+        verbs = list(dict.fromkeys(VERBS.get(k, "touched") for k in sorted(kinds, key=_verb_rank)))
+        if len(verbs) <= 1:
+            return verbs[0] if verbs else "read"
+        return ", ".join(verbs[:-1]) + " or " + verbs[-1]
+
+    def window(self) -> str:
+        if self.since_ns and self.until_ns:
+            return f" between {format_time(self.since_ns)} and {format_time(self.until_ns)}"
+        if self.since_ns:
+            return f" since {format_time(self.since_ns)}"
+        if self.until_ns:
+            return f" until {format_time(self.until_ns)}"
+        return ""
+
+    def summary(self) -> str:
+        t = self.tenant
+        if not self.offenders:
+            return f"{t}: no request of another tenant reached {t}'s KV{self.window()} (0 exposures)."
+        groups = self.by_tenant()
+        n = len(self.offenders)
+        outcomes = Counter(o.outcome for o in self.offenders.values())
+        tenants = ", ".join(g or "unknown tenant" for g in groups)
+        text = (
+            f"{t}: {n} request{'s' if n != 1 else ''} of {len(groups)} other tenant"
+            f"{'s' if len(groups) != 1 else ''} ({tenants}) {self.verbs()} {t}'s KV{self.window()}; "
+            f"{outcomes['killed']} {'was' if outcomes['killed'] == 1 else 'were'} killed, "
+        )
+        if outcomes["stopped"]:
+            text += (
+                f"{outcomes['stopped']} {'was' if outcomes['stopped'] == 1 else 'were'} denied or blocked, "
+            )
+        return text + f"{outcomes['unchecked']} went unchecked."
+
+    def summary_json(self) -> dict[str, Any]:
+        outcomes = Counter(o.outcome for o in self.offenders.values())
+        return {
+            "type": "summary",
+            "tenant": self.tenant,
+            "since_ns": self.since_ns,
+            "until_ns": self.until_ns,
+            "requests": len(self.offenders),
+            "tenants": list(self.by_tenant()),
+            "killed": outcomes["killed"],
+            "stopped": outcomes["stopped"],
+            "unchecked": outcomes["unchecked"],
+            "text": self.summary(),
+        }
+
+
+def _verb_rank(kind: str) -> tuple[int, str]:
+    order = ["read", "received", "overwrote", "freed"]
+    verb = VERBS.get(kind, "touched")
+    return (order.index(verb) if verb in order else len(order), kind)
+
+
+def exposure_of(source: Source, tenant: str, since_ns: int = 0, until_ns: int = 0) -> Exposure:
+    """The findings where `tenant` is the victim and another tenant the offender, grouped, with
+    whether each offending request was killed (a daemon kill command or a guard's kill event)."""
+    report = Exposure(tenant, since_ns, until_ns)
+    for item in source.records(Filters(kind="finding", tenant=tenant, since_ns=since_ns, until_ns=until_ns)):
+        if isinstance(item.body, pb.Finding):
+            report.add(item.id, item.body)
+    for offender in report.offenders.values():
+        if not offender.req:
+            continue
+        for item in source.records(Filters(req=offender.req)):
+            body = item.body
+            if isinstance(body, svc.Command) and body.WhichOneof("body") == "kill":
+                if body.kill.req != offender.req:
+                    continue
+                offender.kill_commands += 1
+            elif isinstance(body, pb.Event) and body.WhichOneof("payload") == "kill" and body.kill.req:
+                offender.kill_events.append(body.kill.by or body.node)
+            else:
+                continue
+            offender.first_kill_record = offender.first_kill_record or item.id
+    return report
+
+
+def format_exposure(report: Exposure, out: TextIO) -> None:
+    t = report.tenant
+    if report.offenders:
+        n = len(report.offenders)
+        out.write(
+            f"exposure of {t}{report.window()}: {n} request{'s' if n != 1 else ''} of other tenants "
+            f"reached {t}'s KV\n"
+        )
+    for group, offenders in report.by_tenant().items():
+        out.write(
+            f"\n{group or 'unknown tenant'} ({len(offenders)} request{'s' if len(offenders) != 1 else ''})\n"
+        )
+        for o in offenders:
+            if o.outcome == "killed":
+                how = []
+                if o.kill_commands:
+                    how.append(f"{o.kill_commands} kill command{'s' if o.kill_commands != 1 else ''} sent")
+                if o.kill_events:
+                    how.append("killed by " + ", ".join(dict.fromkeys(o.kill_events)))
+                outcome = "killed (" + "; ".join(how) + f"; the first at record {o.first_kill_record})"
+            elif o.outcome == "stopped":
+                outcome = (
+                    "stopped (" + ", ".join(a for a in o.actions if a in STOPPING_ACTIONS) + "), not killed"
+                )
+            else:
+                outcome = "UNCHECKED: no kill, no denial"
+            span = format_time(o.first_ts_ns)
+            if o.last_ts_ns != o.first_ts_ns:
+                span += f" to {format_time(o.last_ts_ns)}"
+            out.write(f"  {o.req or '?'}: {outcome}; action {', '.join(o.actions) or '-'}; at {span}\n")
+            rows = []
+            for p in o.parts.values():
+                when = format_time(p.first_ts_ns)
+                if p.last_ts_ns != p.first_ts_ns:
+                    when += f" to {format_time(p.last_ts_ns)}"
+                rows.append(
+                    (
+                        f"victim {p.victim_req or '?'}",
+                        f"node {p.node or '?'}",
+                        f"pool {p.pool}" if p.pool is not None else "pool -",
+                        f"pages {page_ranges(sorted(p.pages)) or '-'}",
+                        ", ".join(f"{k} x{c}" if c > 1 else k for k, c in sorted(p.findings.items())),
+                        f"action {', '.join(sorted(p.actions)) or '-'}",
+                        f"at {when}",
+                        "records " + ",".join(map(str, p.record_ids)),
+                    )
+                )
+            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+            for r in rows:
+                out.write(
+                    "    " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n"
+                )
+    if report.offenders:
+        out.write("\n")
+    out.write(report.summary() + "\n")

@@ -1,0 +1,238 @@
+"""How `kvguard audit` reads and writes times and renders records: TIME arguments, the TIME
+column, page ranges, the aligned table and JSON Lines.
+
+Invariant: rendering uses a record's body only, so a store and a daemon print the same.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
+from typing import NamedTuple, TextIO
+
+import orjson
+from google.protobuf.message import Message
+
+from kvguard.daemon.audit.source import AuditItem, UsageError
+from kvguard.proto import pb
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+WALL_CLOCK_FLOOR_NS = 946_684_800 * 10**9  # 2000-01-01T00:00:00Z
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MAX_INT64 = (1 << 63) - 1
+
+# ---------------------------------------------------------------------------------------- time
+
+
+def parse_time(text: str, option: str = "TIME") -> int:
+    """Integer nanoseconds, or an ISO-8601 timestamp (naive: UTC) as nanoseconds since the epoch.
+    UsageError naming the option and the value if it is neither."""
+    value = text.strip()
+    if re.fullmatch(r"\d+", value):
+        ns = int(value)
+        if ns > _MAX_INT64:
+            raise UsageError(f"{option} {text!r} is out of range (at most {_MAX_INT64} ns)")
+        return ns
+    frac_ns = 0
+    match = re.fullmatch(r"(.*T\d\d:\d\d:\d\d)[.,](\d+)(.*)", value)
+    if match:
+        value = match.group(1) + match.group(3)
+        frac_ns = int(match.group(2)[:9].ljust(9, "0"))
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise UsageError(
+            f"{option} {text!r} is not a time: give integer nanoseconds or an ISO-8601 timestamp "
+            "such as 2026-03-01T12:00:00Z"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    seconds = (when - _EPOCH) // timedelta(seconds=1)
+    if seconds < 0:
+        raise UsageError(f"{option} {text!r} is before 1970-01-01")
+    return seconds * 10**9 + frac_ns
+
+
+def format_time(ts_ns: int) -> str:
+    """ts_ns for people: a UTC date if it reads as wall-clock time, else nanoseconds."""
+    if ts_ns >= WALL_CLOCK_FLOOR_NS:
+        seconds, ns = divmod(ts_ns, 10**9)
+        when = _EPOCH + timedelta(seconds=seconds)
+        return f"{when:%Y-%m-%dT%H:%M:%S}.{ns:09d}Z"
+    return str(ts_ns) if ts_ns else ""
+
+
+# ---------------------------------------------------------------------------------------- rendering
+
+
+def page_ranges(pages: Iterable[int]) -> str:
+    """[1, 2, 3, 4, 7, 3] -> '1-4,7,3': ascending runs compressed, order kept."""
+    parts: list[str] = []
+    run: list[int] = []
+    for page in pages:
+        if run and page == run[-1] + 1:
+            run.append(page)
+            continue
+        if run:
+            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [page]
+    if run:
+        parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(parts)
+
+
+def _fields(msg: Message, skip: frozenset[str] = frozenset()) -> str:
+    parts = []
+    for fd, value in msg.ListFields():
+        if fd.name in skip:
+            continue
+        if fd.is_repeated:
+            values = list(value)
+            if fd.name == "pages":
+                text = page_ranges(values)
+            elif len(values) > 8:
+                text = f"[{len(values)} values]"
+            else:
+                text = ",".join(str(v) for v in values)
+        else:
+            text = str(value)
+        parts.append(f"{fd.name}={text}")
+    return " ".join(parts)
+
+
+class Row(NamedTuple):
+    """A record as the columns of the table."""
+
+    id: str
+    time: str
+    kind: str
+    node: str
+    seq: str
+    req: str
+    tenant: str
+    what: str
+    message: str
+
+
+HEADER = Row("ID", "TIME", "KIND", "NODE", "SEQ", "REQ", "TENANT", "WHAT", "MESSAGE")
+
+
+def item_row(item: AuditItem) -> Row:
+    body = item.body
+    rid = str(item.id)
+    if isinstance(body, pb.Event):
+        payload = body.WhichOneof("payload") or ""
+        p = getattr(body, payload) if payload else None
+        if payload == "read":
+            reqs = ",".join(dict.fromkeys(e.req for e in body.read.reads))
+            what = "read " + "; ".join(f"{e.req} {_fields(e, frozenset({'req'}))}" for e in body.read.reads)
+            return Row(rid, format_time(body.ts_ns), "event", body.node, str(body.seq), reqs, "", what, "")
+        req = getattr(p, "req", "")
+        tenant = getattr(p, "tenant", "")
+        message = getattr(p, "reason", "") if payload in ("reject", "abort") else ""
+        what = f"{payload} {_fields(p, frozenset({'req', 'tenant', 'reason'}))}" if p is not None else ""
+        return Row(
+            rid,
+            format_time(body.ts_ns),
+            "event",
+            body.node,
+            str(body.seq),
+            req,
+            tenant,
+            what.strip(),
+            message,
+        )
+    if isinstance(body, pb.Finding):
+        what = f"{body.finding} {body.severity}"
+        if body.victim_req or body.victim_tenant:
+            what += f" victim={body.victim_tenant or '?'}/{body.victim_req or '?'}"
+        if body.HasField("pool"):
+            what += f" pool={body.pool}"
+        if body.pages:
+            what += f" pages={page_ranges(body.pages)}"
+        what += f" action={body.action or '-'}"
+        return Row(
+            rid,
+            format_time(body.ts_ns),
+            "finding",
+            body.node,
+            str(body.seq),
+            body.req,
+            body.tenant,
+            what,
+            body.message,
+        )
+    if isinstance(body, svc.Command):
+        which = body.WhichOneof("body")
+        if which == "kill":
+            k = body.kill
+            return Row(
+                rid,
+                "",
+                "command",
+                "",
+                str(body.id),
+                k.req,
+                "",
+                f"kill {k.req} for {k.finding} (rule {k.rule})",
+                "",
+            )
+        if which == "quarantine":
+            q = body.quarantine
+            what = f"quarantine pool={q.pool} pages={page_ranges(q.pages)} for {q.finding}"
+            return Row(rid, "", "command", "", str(body.id), "", "", what, "")
+        return Row(rid, "", "command", "", str(body.id), "", "", "empty command", "")
+    return Row(rid, "", item.kind, "", "", item.req_hint, "", "(the daemon does not serve this body)", "")
+
+
+class Table:
+    """Aligned columns, streamed: widths come from the header and the first `sample` rows; the
+    last column (the message) is not padded."""
+
+    def __init__(self, out: TextIO, sample: int = 1000) -> None:
+        self.out = out
+        self.sample = sample
+        self.pending: list[Row] = []
+        self.widths: list[int] | None = None
+        self.count = 0
+
+    def add(self, row: Row) -> None:
+        self.count += 1
+        if self.widths is None:
+            self.pending.append(row)
+            if len(self.pending) >= self.sample:
+                self._start()
+        else:
+            self._write(row)
+
+    def _start(self) -> None:
+        rows = [HEADER, *self.pending]
+        self.widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER) - 1)]
+        for row in rows:
+            self._write(row)
+        self.pending = []
+
+    def _write(self, row: Row) -> None:
+        assert self.widths is not None
+        cells = list(row)
+        line = "  ".join(cell.ljust(w) for cell, w in zip(cells[:-1], self.widths, strict=True))
+        self.out.write((line + "  " + cells[-1]).rstrip() + "\n")
+
+    def close(self) -> None:
+        if self.widths is None:
+            self._start()
+
+
+def emit(items: Iterable[AuditItem], output: str, out: TextIO) -> int:
+    if output == "json":
+        n = 0
+        for item in items:
+            out.write(orjson.dumps(item.to_json_dict()).decode() + "\n")
+            n += 1
+        return n
+    table = Table(out)
+    for item in items:
+        table.add(item_row(item))
+    table.close()
+    return table.count

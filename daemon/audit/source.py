@@ -1,0 +1,169 @@
+"""Where `kvguard audit` reads records from: the audit store (`StoreSource`) or a daemon
+(`DaemonSource`, over AuditService.Query), behind one `Source` interface.
+
+Invariants: a source only reads; every method yields records in id (record) order; both
+sources decode records from their bodies only (never from index columns a daemon does not
+serve), so every command built on them prints the same from either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvguard.proto import pb
+from kvguard.proto.capture import message_to_dict
+from kvguard.proto.channel import Tls
+from kvguard.proto.channel import channel as daemon_channel
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+DEFAULT_STORE = "kvguard-audit.db"
+KINDS = ("event", "finding", "command")
+
+Body = pb.Event | pb.Finding | svc.Command
+
+
+class UsageError(Exception):
+    """Unusable input: the message names the input; exit code 2."""
+
+
+# ---------------------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True, slots=True)
+class AuditItem:
+    """One record of the log: its id, kind and decoded body. `body` is None only for a command
+    read from a daemon whose AuditRecord has no command body; then `req_hint` is the request
+    the query asked for (the daemon matched it on the command's indexed request)."""
+
+    id: int
+    kind: str
+    body: Body | None
+    req_hint: str = ""
+
+    def to_json_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "kind": self.kind}
+        if self.body is not None:
+            out[self.kind] = message_to_dict(self.body)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Filters:
+    """The fields of kvguard.v1.AuditQuery, which are the filters of Store.rows(): same names."""
+
+    kind: str = ""
+    tenant: str = ""
+    req: str = ""
+    node: str = ""
+    finding: str = ""
+    since_ns: int = 0
+    until_ns: int = 0
+    limit: int = 0
+
+
+class Source(Protocol):
+    """Where the records come from: a store or a daemon. Every method yields in id order."""
+
+    label: str
+
+    def records(self, f: Filters) -> Iterator[AuditItem]: ...
+
+    def close(self) -> None: ...
+
+
+def _decode(kind: str, body: bytes) -> Body:
+    if kind == "event":
+        return pb.Event.FromString(body)
+    if kind == "finding":
+        return pb.Finding.FromString(body)
+    return svc.Command.FromString(body)
+
+
+class StoreSource:
+    """The audit store itself (read only)."""
+
+    def __init__(self, where: str) -> None:
+        from sqlalchemy import create_engine, inspect
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        from kvguard.daemon.store import Store, store_url
+
+        url = store_url(where)
+        try:
+            parsed = make_url(url)
+        except ArgumentError:
+            raise UsageError(f"--store {where!r} is neither a SQLAlchemy URL nor a file path") from None
+        database = parsed.database or ""
+        local = parsed.drivername.startswith("sqlite") and database not in ("", ":memory:")
+        if local and not database.startswith("file:"):
+            path = Path(database)
+            if not path.exists():
+                raise UsageError(f"no audit store at {where} (no such file)")
+            if not path.is_file():
+                raise UsageError(f"audit store {where} is not a file")
+        try:
+            probe = create_engine(url)
+            try:
+                has_records = inspect(probe).has_table("records")
+            finally:
+                probe.dispose()
+        except Exception as exc:  # driver missing, not a database, unreachable server
+            raise UsageError(f"cannot open audit store {where}: {first_line(exc)}") from None
+        if not has_records:
+            raise UsageError(f"{where} is not a kvguard audit store (no records table)")
+        try:
+            self.store = Store(where)
+        except Exception as exc:
+            raise UsageError(f"cannot open audit store {where}: {first_line(exc)}") from None
+        self.label = where
+
+    def records(self, f: Filters) -> Iterator[AuditItem]:
+        for record_id, kind, body in self.store.rows(**asdict(f)):
+            yield AuditItem(record_id, kind, _decode(kind, body))
+
+    def close(self) -> None:
+        self.store.close()
+
+
+_RECORD_BODIES = frozenset(f.name for f in svc.AuditRecord.DESCRIPTOR.oneofs_by_name["body"].fields)
+
+
+class DaemonSource:
+    """A running daemon's AuditService."""
+
+    def __init__(self, address: str, tls: Tls | None = None) -> None:
+        from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
+
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"--daemon {address!r} is not host:port")
+        self.label = address
+        self.channel = daemon_channel(address, tls)
+        self.stub = svc_grpc.AuditServiceStub(self.channel)
+
+    def records(self, f: Filters) -> Iterator[AuditItem]:
+        for record in self.stub.Query(svc.AuditQuery(**asdict(f))):
+            which = record.WhichOneof("body")
+            body = getattr(record, which) if which else None
+            yield AuditItem(record.id, record.kind, body, f.req if body is None else "")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def open_source(store: str | None, daemon: str | None, tls: Tls | None = None) -> Source:
+    """The one source the arguments name (the default store when neither is given)."""
+    if store is not None and daemon is not None:
+        raise UsageError(f"give --store ({store}) or --daemon ({daemon}), not both")
+    if daemon is not None:
+        return DaemonSource(daemon, tls)
+    return StoreSource(store if store is not None else DEFAULT_STORE)

@@ -1,0 +1,78 @@
+"""A request's life (`Lifecycle`): admission, the prefill/decode pairing, its end (rejected,
+aborted, killed or finished), and the node's heartbeat.
+
+Invariants: a request that was rejected, aborted or killed may only drain from then on; any
+admission or pairing after its end is rejected_progress (the other kinds of progress are
+judged where they happen: ownership, transfers). A request's first end is the one kept. An
+admission of a prompt its node cannot hold (pool or context) is config_drift: it must be
+rejected.
+"""
+
+from __future__ import annotations
+
+from kvguard.ledger.findings import BadEvent, Findings
+from kvguard.ledger.pools import Node, Pools
+from kvguard.ledger.requests import Requests
+from kvguard.ledger.transfers import Transfers
+from kvguard.proto import pb
+
+STAGES = ("prefill", "decode")
+
+
+class Lifecycle:
+    def __init__(self, pools: Pools, requests: Requests, transfers: Transfers, findings: Findings) -> None:
+        self.pools = pools
+        self.requests = requests
+        self.transfers = transfers
+        self._found = findings
+
+    def on_admit(self, node: Node, a: pb.Admit) -> None:
+        if a.stage not in STAGES:
+            raise BadEvent(f"admit: stage {a.stage!r} is not one of {', '.join(STAGES)}")
+        r = self.requests.of_event(a.req, "admit")
+        if r.ended:
+            self._found.progress(r, f"admit to {a.stage} on {node.name}")
+        self.requests.admitted(r, a.tenant, a.prompt_tokens)
+        tokens, context = node.capacity()
+        limits = [
+            (limit, what)
+            for limit, what in ((tokens, "KV pool holds only"), (context, "context length is"))
+            if limit
+        ]
+        if limits:
+            limit, what = min(limits)
+            if a.prompt_tokens > limit:
+                self._found.report(
+                    "config_drift",
+                    f"request {r.id} with a prompt of {a.prompt_tokens} tokens was admitted to {a.stage} on "
+                    f"{node.name}, whose {what} {limit} tokens: it cannot fit and must be rejected",
+                    req=r,
+                    details={"prompt_tokens": a.prompt_tokens, "limit": limit},
+                    key=("admit",),
+                )
+
+    def on_reject(self, node: Node, x: pb.Reject) -> None:
+        self.requests.end(self.requests.of_event(x.req, "reject"), "rejected", x.reason)
+
+    def on_abort(self, node: Node, x: pb.Abort) -> None:
+        self.requests.end(self.requests.of_event(x.req, "abort"), "aborted", x.reason)
+
+    def on_kill(self, node: Node, x: pb.Kill) -> None:
+        self.requests.end(self.requests.of_event(x.req, "kill"), "killed", f"{x.finding} by {x.by}".strip())
+
+    def on_finish(self, node: Node, x: pb.Finish) -> None:
+        r = self.requests.of_event(x.req, "finish")
+        self.transfers.settle(r)
+        self.requests.finished(r, x.output_tokens)
+
+    def on_heartbeat(self, node: Node, x: pb.Heartbeat) -> None:
+        node.agent_version, node.dropped = x.agent_version, x.dropped
+
+    def on_bootstrap(self, node: Node, b: pb.Bootstrap) -> None:
+        if not b.prefill_node or not b.decode_node:
+            raise BadEvent("bootstrap: prefill_node and decode_node are required")
+        r = self.requests.of_event(b.req, "bootstrap")
+        if r.ended:
+            self._found.progress(r, f"bootstrap {b.prefill_node}->{b.decode_node}")
+        self.requests.bootstrapped(r, b.prefill_node, b.decode_node, b.prompt_tokens, b.tenant)
+        self.pools.check_pairing(r, b.prefill_node, b.decode_node)

@@ -1,0 +1,328 @@
+"""Who owns, holds and reads each page (`Ownership`): the handlers of the page events (alloc,
+write, free, hold, release, share, scrub, read) and their detectors: early release (a page
+handed out while still in use), double free, late write, use after free, stale and foreign
+reads, cross-tenant prefix sharing, and progress of a request that must only drain.
+
+Invariants: an event is validated whole before anything changes; the page state changes only
+through PoolPages, a request's numbers only through Requests; a pool's `live` counts are the
+pages each request is granted there now, and `grants` every page it ever was (what tells a
+use after free from a foreign read). The clean common case of alloc, write, free and read is
+also applied by the C clean path (_pages.c apply_clean), which must leave the same state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvguard.ledger.access import Access, Shared
+from kvguard.ledger.findings import NOBODY, BadEvent, Findings
+from kvguard.ledger.pages import HOLDER_INDEX, HOLDERS, check_tags
+from kvguard.ledger.pools import Node, Pool, Pools
+from kvguard.ledger.requests import FIRST_ENDED, Request, Requests
+from kvguard.ledger.transfers import Transfers
+from kvguard.proto import pb
+
+GRANT_RUNS = 16  # a request's grants in one pool kept as separate arrays before they are merged
+
+
+class Ownership:
+    def __init__(
+        self,
+        pools: Pools,
+        requests: Requests,
+        transfers: Transfers,
+        access: Access,
+        findings: Findings,
+    ) -> None:
+        self.pools = pools
+        self.requests = requests
+        self.transfers = transfers
+        self.access = access
+        self.stats = access.stats
+        self._found = findings
+
+    def _since(self, pool: Pool) -> int | None:
+        """The time a page change is stamped with: only pools registered for RDMA keep it."""
+        return self._found.ts if pool.regions is not None else None
+
+    # ------------------------------------------------------------------ grants
+
+    def on_alloc(self, node: Node, a: pb.Alloc) -> None:
+        pool = self.pools.pool(node, a.pool, "alloc")
+        self.alloc(node, pool, pool.page_array(a, "alloc"), a.req)
+
+    def alloc(self, node: Node, pool: Pool, pages: np.ndarray, req: str) -> None:
+        pp = pool.pages
+        r = self.requests.of_event(req, "alloc")
+        if r.ended:
+            self._found.progress(r, f"alloc of {len(pages)} page(s) on {node.name}")
+        since = self._since(pool)
+        if pp.grant(pages, r.idx, since):  # some still in use: judged, then granted
+            self._early_release(r, pool, pages, pp.use[pages])
+            pp.grant(pages, r.idx, since, judged=True)
+        grants = pool.grants.get(r.idx)
+        if grants is None:
+            pool.grants[r.idx] = [pages]
+            r.pools.append((node.name, pool.pool))
+        else:
+            grants.append(pages)
+            if len(grants) > GRANT_RUNS:
+                # Decode grants a page at a time: hundreds of one-page arrays per request, kept
+                # for as long as the ledger keeps the request; one int32 array is far smaller.
+                pool.grants[r.idx] = [np.concatenate(grants).astype(np.int32)]
+        pool.live[r.idx] = pool.live.get(r.idx, 0) + len(pages)
+        self.requests.add(r, "granted_pages", len(pages))
+        boot = r.bootstrap
+        if boot is not None and boot[1] == node.name and not r.received_tokens:
+            self.requests.add(r, "reserved_pages", len(pages))
+        self.stats.page_transitions += len(pages)
+
+    def _early_release(self, r: Request, pool: Pool, pages: np.ndarray, busy: np.ndarray) -> None:
+        """Pages handed out while still in use: by a live grant (the previous grantee, or
+        prefix sharers) or by a holder (offload, transfer, abort path)."""
+        pp = pool.pages
+        sel = pages[busy > 0]
+        refs, owner = pp.refs(sel), pp.owner[sel]
+        kind = np.argmax(pp.holds[:, sel] > 0, axis=0)  # the first kind of hold still on each page
+        holder = pp.holders(kind, sel)
+        victims = np.where(refs > 0, np.where(owner >= 0, owner, ~owner), holder)
+        for victim in np.unique(victims):
+            mask = victims == victim
+            held = pp.holds[:, sel[mask]].any(axis=1)
+            users = (["live grant"] if (refs[mask] > 0).any() else []) + [
+                f"{HOLDERS[k]} hold" for k in np.flatnonzero(held)
+            ]
+            self._found.report(
+                "early_release",
+                f"{int(mask.sum())} page(s) of pool {pool.pool} on {pool.node} were handed to {r.id} while "
+                f"{self._found.name(int(victim)) or 'another user'} still used them ({', '.join(users)})",
+                req=r,
+                victim=int(victim),
+                pool=pool.pool,
+                pages=sel[mask],
+                details={"users": ",".join(users)},
+                key=(pool.pool, self._found.seq),
+            )
+        # Grants of the previous holders end here; their shares now point at foreign content.
+        prev = pp.owner[sel]
+        for victim in np.unique(prev[prev >= 0]).tolist():
+            pool.live[victim] -= int(np.count_nonzero(prev == victim))
+
+    # ------------------------------------------------------------------ content
+
+    def on_write(self, node: Node, w: pb.Write) -> None:
+        pool = self.pools.pool(node, w.pool, "write")
+        pages = pool.page_array(w, "write")
+        slots = None
+        if w.slots:
+            if len(w.slots) != len(pages):
+                raise BadEvent(
+                    f"write: {len(w.slots)} slots for {len(pages)} pages (must match, or be empty)"
+                )
+            slots = np.array(w.slots, dtype=np.uint32)
+            if int(slots.max()) > pool.pages.page_size:
+                raise BadEvent(f"write: {int(slots.max())} valid slots in a page of {pool.pages.page_size}")
+        self.write(node, pool, pages, slots, w.req)
+
+    def write(self, node: Node, pool: Pool, pages: np.ndarray, slots: np.ndarray | None, req: str) -> None:
+        r = self.requests.of_event(req, "write")
+        if r.ended:
+            self._found.progress(r, f"write of {len(pages)} page(s) on {node.name}")
+        self.access.write(r, pool, pages, slots, drain=False)
+        self.requests.add(r, "written_pages", len(pages))
+
+    def on_scrub(self, node: Node, s: pb.Scrub) -> None:
+        pool = self.pools.pool(node, s.pool, "scrub")
+        pages = pool.page_array(s, "scrub")
+        pool.pages.scrub(pages)
+        self.stats.page_transitions += len(pages)
+
+    # ------------------------------------------------------------------ frees and holds
+
+    def on_free(self, node: Node, f: pb.Free) -> None:
+        pool = self.pools.pool(node, f.pool, "free")
+        self.free(node, pool, pool.page_array(f, "free"), f.req)
+
+    def free(self, node: Node, pool: Pool, pages: np.ndarray, req: str) -> None:
+        pp = pool.pages
+        r = self.requests.of_event(req, "free")
+        self.transfers.settle(r)
+        since = self._since(pool)
+        n_mine = len(pages)
+        if others := pp.end_grant(pages, r.idx, since):  # shares ending, or a double free
+            n_mine -= others
+            self._free_other(r, pool, pages[pp.owner[pages] != r.idx])
+            pp.end_grant(pages, r.idx, since, judged=True)
+        if n_mine:
+            pool.live[r.idx] -= n_mine
+        self.requests.add(r, "freed_pages", n_mine)
+        self.stats.page_transitions += n_mine
+
+    def _free_other(self, r: Request, pool: Pool, pages: np.ndarray) -> None:
+        """Free of pages r does not own: the end of a prefix share, or a double free."""
+        pp = pool.pages
+        key = (pool.node, pool.pool)
+        shared = r.shared.get(key)
+        ended = np.zeros(len(pages), bool)
+        if shared is not None and len(shared.pages):
+            ended = np.isin(pages, shared.pages)
+            current, _ = shared.lookup(pages, pp.gen[pages])
+            done = pages[current]  # shares of pages re-granted since ended then (early_release)
+            r.shared[key] = shared.without(pages[ended])
+            pp.unshare(done)
+            self.requests.add(r, "freed_pages", len(done))
+        bad = pages[~ended]
+        if len(bad):
+            owner = pp.owner[bad]
+            victims = np.where(owner >= 0, owner, NOBODY)
+            name = self._found.name
+            self._found.by_victim(
+                "double_free",
+                r,
+                pool,
+                bad,
+                victims,
+                lambda v: (
+                    f"{r.id} freed page(s) it does not hold"
+                    + (f": they are granted to {name(v)}" if v else ": they are already free")
+                ),
+            )
+        self.stats.page_transitions += len(pages)
+
+    def on_hold(self, node: Node, h: pb.Hold) -> None:
+        pool = self.pools.pool(node, h.pool, "hold")
+        pages = pool.page_array(h, "hold")
+        k = HOLDER_INDEX.get(h.holder)
+        if k is None:
+            raise BadEvent(f"hold: holder {h.holder!r} is not one of {', '.join(HOLDERS)}")
+        r = self.requests.of_event(h.req, "hold")
+        pool.pages.hold(k, pages, r.idx, self._since(pool))
+        self.stats.page_transitions += len(pages)
+
+    def on_release(self, node: Node, h: pb.Release) -> None:
+        pool = self.pools.pool(node, h.pool, "release")
+        pages = pool.page_array(h, "release")
+        k = HOLDER_INDEX.get(h.holder)
+        if k is None:
+            raise BadEvent(f"release: holder {h.holder!r} is not one of {', '.join(HOLDERS)}")
+        held = pool.pages.holds[k, pages] > 0
+        r = self.requests.of_event(h.req, "release")
+        self.transfers.settle(r)
+        if not held.all():
+            self._found.report(
+                "double_free",
+                f"{r.id} released a {h.holder} hold on {int((~held).sum())} page(s) of pool {pool.pool} on "
+                f"{pool.node} that were not held",
+                req=r,
+                pool=pool.pool,
+                pages=pages[~held],
+                details={"holder": h.holder},
+                key=(pool.pool, h.holder),
+            )
+            pages = pages[held]
+        pool.pages.release(k, pages, r.idx, self._since(pool))
+        self.stats.page_transitions += len(pages)
+
+    # ------------------------------------------------------------------ prefix sharing
+
+    def on_share(self, node: Node, s: pb.Share) -> None:
+        pool = self.pools.pool(node, s.pool, "share")
+        pages = pool.page_array(s, "share")
+        r = self.requests.of_event(s.req, "share")
+        origin = self.requests.of_event(s.origin_req, "share (origin_req)")
+        if r.ended:
+            self._found.progress(r, f"share of {len(pages)} prefix page(s) on {node.name}")
+        pp = pool.pages
+        live = pp.refs(pages) > 0
+        if not live.all():
+            self._found.report(
+                "use_after_free",
+                f"{r.id} was given {int((~live).sum())} prefix page(s) of {origin.id} that are no longer "
+                f"granted to anyone (pool {pool.pool} on {pool.node})",
+                req=r,
+                victim=origin.idx,
+                pool=pool.pool,
+                pages=pages[~live],
+                key=(pool.pool, "share"),
+            )
+            pages = pages[live]
+        if origin.tenant and r.tenant and origin.tenant != r.tenant:
+            self._found.report(
+                "cross_tenant_share",
+                f"prefix cache shared {len(pages)} page(s) written by {origin.tenant} request {origin.id} "
+                f"with {r.tenant} request {r.id}",
+                req=r,
+                victim=origin.idx,
+                pool=pool.pool,
+                pages=pages,
+                key=(pool.pool,),
+            )
+        pp.share(pages)
+        key = (node.name, s.pool)
+        # What the sharer is promised: the origin's own KV, written under the page's current
+        # grant. If the page holds anyone else's, the sharer's first read of it is a stale read.
+        gen = pp.gen[pages]
+        new = Shared(pages, gen, np.full(len(pages), origin.idx, np.int32), gen)
+        old = r.shared.get(key)
+        r.shared[key] = old.merged(new) if old is not None else new.merged(Shared(*(pages[:0],) * 4))
+        self.requests.add(r, "shared_pages", len(pages))
+        self.stats.page_transitions += len(pages)
+
+    # ------------------------------------------------------------------ attention
+
+    def on_read(self, node: Node, rd: pb.Read) -> None:
+        checked = []
+        for entry in rd.reads:  # validate the whole launch before reporting anything
+            pool = self.pools.pool(node, entry.pool, "read")
+            # A block table may name a page twice (engines pad with a null page): a read changes nothing.
+            pages = self.access.pages_read(pool, pool.page_array(entry, "read", distinct=False), entry.tokens)
+            checked.append((self.requests.of_event(entry.req, "read"), pool, pages, entry.tokens))
+        self.read(node, checked)
+
+    def read(self, node: Node, checked: list[tuple[Request, Pool, np.ndarray, int]]) -> None:
+        """An attention launch whose every entry is valid: (reader, pool, pages it covers, tokens)."""
+        for r, pool, pages, tokens in checked:
+            self.transfers.settle(r)
+            if r.ended:
+                self._found.progress(r, f"read (attention) on {node.name}")
+            self.requests.add(r, "reads", 1)
+            self.access.read(r, pool, pages, tokens)
+
+    # ------------------------------------------------------------------ queries (the guard's)
+
+    def batch_clean(
+        self, node: str, pool: int, reqs: Sequence[str], block_tables: np.ndarray, context_lens: np.ndarray
+    ) -> np.ndarray:
+        """The check before attention for a whole decode batch, as one set of array
+        operations: True for each request whose every slot to be read holds its own KV,
+        written under its current grant (and that may still make progress). Changes nothing
+        and reports nothing: the guard sends the requests that fail it through a `read` event,
+        which names the finding and the victim (prefix-shared pages also take that path,
+        which accepts them). block_tables: [B, P] page ids (entries beyond a request's context
+        are ignored); context_lens: [B] tokens each request attends to."""
+        pp = self.pools.nodes[node].pools[pool].pages
+        readers = self.requests.readers(reqs)
+        tags_clean = check_tags(pp.own, pp.valid, block_tables, context_lens, readers, pp.page_size)
+        return self.clean_given_tags(readers, tags_clean, np.asarray(context_lens) == 0)
+
+    def clean_given_tags(
+        self, readers: np.ndarray, tags_clean: np.ndarray, reads_nothing: np.ndarray
+    ) -> np.ndarray:
+        """batch_clean's answer from the tag check's (on the host or the GPU): a request that
+        was rejected, aborted or killed may not attend, whatever its pages hold; one that
+        reads nothing is clean."""
+        ended = self.requests.states(readers) >= FIRST_ENDED
+        return (tags_clean & ~ended) | reads_nothing
+
+    def writable(self, node: str, pool: int, req: str, pages: Sequence[int]) -> bool:
+        """Whether KV of `req` may land in `pages` now: each is granted to it, or kept for it by
+        a transfer_recv hold after its grant ended (a transfer draining). A query only."""
+        pp = self.pools.nodes[node].pools[pool].pages
+        idx = np.asarray(pages, dtype=np.intp)
+        if len(idx) and (idx.min() < 0 or idx.max() >= pp.num_pages):
+            return False
+        r = self.requests.index.get(req, NOBODY)
+        owner = pp.owner[idx]
+        return bool(r != NOBODY and ((owner == r) | pp.draining(r, idx, owner)).all())

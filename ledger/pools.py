@@ -1,0 +1,233 @@
+"""Nodes and their KV pools as the engines report them (`Pools`), and config drift: a pool
+smaller than the context it advertises, a pool that changed, a prefill and a decode pool that
+disagree on how KV is laid out.
+
+Invariants (Pools is the only writer of nodes, pools and their reports):
+- a pool's pages (PoolPages) are made when it is first reported, and made anew only when a
+  report changes its size or its page size (a new engine, a new pool);
+- every report is kept in the pool's history with the event that made it;
+- a pool registered for RDMA (`regions`) times its page changes from the report on;
+- a pair of nodes' drift on one field is reported once.
+A Pool also holds what its requests were granted there (`live`, `grants`): the ownership
+handlers and the C clean path write those, through the `view` handed to C.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvguard.ledger.findings import BadEvent, Findings
+from kvguard.ledger.pages import MAX_PAGE_SIZE, MAX_PAGES, PoolPages
+from kvguard.proto import pb
+
+ROLES = ("prefill", "decode", "colocated")
+MAX_REGIONS = 1 << 16  # KvRegions of one pool
+_U64 = 1 << 64
+# The field number of `pages` in each payload that lists pages (read from it serialized).
+_PAGES_FIELD = {
+    d: d.fields_by_name["pages"].number
+    for d in pb.DESCRIPTOR.message_types_by_name.values()
+    if "pages" in d.fields_by_name
+}
+# Compared for config drift: not where the pages lie (a restarted engine registers new memory).
+_COMPARED = tuple(
+    f.name for f in pb.PoolReport.DESCRIPTOR.fields if f.name not in ("pool", "source", "regions")
+)
+
+
+@dataclass(slots=True)
+class Pool:
+    """One (node, pool): the reported configuration, its history, the page state, and what its
+    requests hold there: `live` (request index -> pages granted to it now) and `grants`
+    (request index -> every page ever granted to it, as arrays)."""
+
+    node: str
+    pool: int
+    report: pb.PoolReport
+    pages: PoolPages
+    history: list[tuple[int, int, pb.PoolReport]] = field(default_factory=list)  # (seq, ts_ns, report)
+    live: dict[int, int] = field(default_factory=dict)
+    grants: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    # Registered for RDMA: [n, 3] uint64 rows (base, stride, page bytes) of report.regions.
+    # Only then is pages.since kept: no other pool's pages can be judged by remote address.
+    regions: np.ndarray | None = None
+    view: tuple[Any, ...] = ()  # what the C clean path works on (made by `reset`)
+
+    def reset(self, pages: PoolPages, regions: np.ndarray | None) -> None:
+        self.pages, self.regions = pages, regions
+        self.view = (pages.state, pages.page_size, regions is not None, self.live, self.grants)
+
+    @property
+    def tokens(self) -> int:
+        return self.pages.page_size * self.pages.num_pages
+
+    def page_array(self, message: Any, payload: str, *, distinct: bool = True) -> np.ndarray:
+        """The page list of an event's payload (`message`) as an index array, checked against
+        the pool's size and, with `distinct` (every event that changes pages), for a page
+        listed twice: which would count one page as two."""
+        try:
+            return self.pages.page_list(
+                message.SerializeToString(), _PAGES_FIELD[message.DESCRIPTOR], distinct=distinct
+            )
+        except IndexError:
+            pages = np.array(message.pages, dtype=np.intp)
+            bad = pages[pages >= self.pages.num_pages]
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise BadEvent(
+                f"{payload}: page {int(bad[0])} out of range for pool {self.pool} of node {self.node} "
+                f"({self.pages.num_pages} pages){more}"
+            ) from None
+        except ValueError as exc:
+            raise BadEvent(
+                f"{payload}: page {exc.args[0]} is listed twice (pool {self.pool} of node {self.node})"
+            ) from None
+
+    def ever_granted(self, req: int, pages: np.ndarray) -> np.ndarray:
+        """Which of `pages` request `req` was ever granted here (slow path only)."""
+        grants = self.grants.get(req)
+        if not grants:
+            return np.zeros(len(pages), bool)
+        return np.isin(pages, np.concatenate(grants))
+
+
+@dataclass(slots=True)
+class Node:
+    name: str
+    last_seq: int = 0
+    last_ts_ns: int = 0
+    pools: dict[int, Pool] = field(default_factory=dict)
+    agent_version: str = ""
+    dropped: int = 0
+    views: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # each pool's view, for the C clean path
+
+    def capacity(self) -> tuple[int, int]:
+        """(largest pool in tokens, smallest advertised context length); 0 if unknown."""
+        if not self.pools:
+            return 0, 0
+        tokens = max(p.tokens for p in self.pools.values())
+        contexts = [p.report.context_len for p in self.pools.values() if p.report.context_len]
+        return tokens, min(contexts) if contexts else 0
+
+
+class Pools:
+    """The nodes by name, their pools, and the drift between them."""
+
+    def __init__(self, findings: Findings) -> None:
+        self.nodes: dict[str, Node] = {}
+        self.drift_pairs: set[tuple[str, str, str]] = set()
+        self._found = findings
+
+    def node(self, name: str) -> Node:
+        node = self.nodes.get(name)
+        if node is None:
+            node = self.nodes[name] = Node(name)
+        return node
+
+    def pool(self, node: Node, pool: int, payload: str) -> Pool:
+        found = node.pools.get(pool)
+        if found is None:
+            raise BadEvent(f"{payload}: pool {pool} of node {node.name} was never reported (no pool event)")
+        return found
+
+    def on_pool(self, node: Node, rep: pb.PoolReport) -> None:
+        if rep.role not in ROLES:
+            raise BadEvent(f"pool: role {rep.role!r} is not one of {', '.join(ROLES)}")
+        if not 1 <= rep.page_size <= MAX_PAGE_SIZE:
+            raise BadEvent(f"pool: page_size {rep.page_size} is not in 1..{MAX_PAGE_SIZE}")
+        if not 1 <= rep.num_pages <= MAX_PAGES:
+            raise BadEvent(f"pool: num_pages {rep.num_pages} is not in 1..{MAX_PAGES}")
+        regions = _regions(rep)
+        report = pb.PoolReport()
+        report.CopyFrom(rep)
+        found, ts = self._found, self._found.ts
+        pool = node.pools.get(rep.pool)
+        if pool is None:
+            pages, timed = PoolPages(rep.num_pages, rep.page_size), False
+            pool = node.pools[rep.pool] = Pool(node.name, rep.pool, report, pages)
+        else:
+            pages, timed = pool.pages, pool.regions is not None
+            changed = {
+                name: (getattr(pool.report, name), getattr(rep, name))
+                for name in _COMPARED
+                if getattr(pool.report, name) != getattr(rep, name)
+            }
+            if changed:
+                text = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+                found.report(
+                    "config_drift",
+                    f"pool {rep.pool} on {node.name} changed since it was last reported: {text}",
+                    pool=pool.pool,
+                    details={
+                        "changed": ",".join(changed),
+                        **{k: f"{a}->{b}" for k, (a, b) in changed.items()},
+                    },
+                    key=("changed", rep.pool, text),
+                )
+                if rep.num_pages != pages.num_pages or rep.page_size != pages.page_size:
+                    pages, timed = PoolPages(rep.num_pages, rep.page_size), False  # a new engine, a new pool
+            pool.report = report
+        if regions is not None and not timed:
+            pages.timed_from(ts)  # from now on changes are timed; before now, nothing is known of them
+        pool.reset(pages, regions)
+        node.views[pool.pool] = pool.view
+        pool.history.append((found.seq, ts, report))
+        tokens = rep.page_size * rep.num_pages
+        for limit, what in (
+            (rep.context_len, "context length"),
+            (rep.max_prompt_tokens, "maximum prompt length"),
+        ):
+            if limit > tokens:
+                found.report(
+                    "config_drift",
+                    f"KV pool {rep.pool} on {node.name} holds {tokens} tokens ({rep.num_pages} pages of "
+                    f"{rep.page_size}), less than the advertised {what} of {limit}: a prompt that does not "
+                    "fit must be rejected and must go no further",
+                    pool=pool.pool,
+                    details={"pool_tokens": tokens, "limit": limit, "what": what},
+                    key=("undersized", rep.pool, what, tokens, limit),
+                )
+
+    def check_pairing(self, r: Any, prefill_node: str, decode_node: str) -> None:
+        """A bootstrap pairs two nodes: pools of the same id that disagree on page_size or
+        kv_dtype would misread the KV sent between them (reported once per pair and field)."""
+        prefill, decode = self.nodes.get(prefill_node), self.nodes.get(decode_node)
+        if prefill is None or decode is None:
+            return
+        for p in prefill.pools.values():
+            d = decode.pools.get(p.pool)
+            if d is None:
+                continue
+            for name in ("page_size", "kv_dtype"):
+                a, c = getattr(p.report, name), getattr(d.report, name)
+                pair = (prefill_node, decode_node, f"{p.pool}:{name}")
+                if a != c and pair not in self.drift_pairs:
+                    self.drift_pairs.add(pair)
+                    self._found.report(
+                        "config_drift",
+                        f"prefill {prefill_node} and decode {decode_node} disagree on {name} of pool "
+                        f"{p.pool}: {a!r} vs {c!r}; KV sent between them would be misread (first seen "
+                        f"with request {r.id})",
+                        pool=p.pool,
+                        details={"field": name, "prefill": a, "decode": c, "first_req": r.id},
+                        key=pair,
+                    )
+
+
+def _regions(rep: pb.PoolReport) -> np.ndarray | None:
+    """A pool report's KvRegions as [n, 3] uint64 rows (base, stride, page bytes), checked."""
+    if not rep.regions:
+        return None
+    if len(rep.regions) > MAX_REGIONS:
+        raise BadEvent(f"pool: {len(rep.regions)} regions (at most {MAX_REGIONS})")
+    rows = []
+    for i, g in enumerate(rep.regions):
+        size = g.page_bytes or g.stride
+        if not g.stride or size > g.stride:
+            raise BadEvent(f"pool: region {i} has stride {g.stride} and page_bytes {g.page_bytes}")
+        if g.base + g.stride * rep.num_pages >= _U64:
+            raise BadEvent(f"pool: region {i} ({rep.num_pages} pages of {g.stride} at {g.base:#x}) wraps")
+        rows.append((g.base, g.stride, size))
+    return np.array(rows, dtype=np.uint64)

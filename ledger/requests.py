@@ -1,0 +1,253 @@
+"""The requests the ledger knows (`Requests`): a request's numbers in one table, its names and
+collections on an object (`Request`), and the bookkeeping that keeps memory bounded by what
+is in use. Requests is the only writer of request state.
+
+Invariants:
+- a request's name maps to one index while it is known; index 0 (NOBODY) is nobody's; the
+  index of a forgotten request is reused, and its row starts from zero;
+- table[idx] (REQ records: _pages.c's `Req`) holds its numbers: state, flags, counts, and when
+  an event last named it; the C clean path reads state and flags and writes `last` and the
+  counts of the pages it applies, through the table handed to it;
+- a request is in use (queued in `recent`, least recently queued first) or retired (in
+  `retired`, least recently named first); a retired one holds nothing, and what a later event
+  of it may be judged by stays until it is forgotten.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from itertools import repeat
+from typing import Any
+
+import numpy as np
+
+from kvguard.ledger import _pages
+from kvguard.ledger.findings import NOBODY, BadEvent
+
+REQ: np.dtype = _pages.REQ  # a request's numbers; its layout is _pages.c's `Req`
+STATES: tuple[str, ...] = ("new", "admitted", "finished", "rejected", "aborted", "killed")
+STATE = {name: code for code, name in enumerate(STATES)}
+ENDED: tuple[str, ...] = ("rejected", "aborted", "killed")  # its end: it may only drain from then on
+FIRST_ENDED = STATE["rejected"]  # the states from here on are ENDED (_pages.c: ENDED)
+RETIRED, BOOTSTRAPPED = 1, 2  # flags (_pages.c)
+COUNTS: tuple[str, ...] = tuple(n for n in REQ.names if n not in ("last", "queued", "state", "flags"))
+if STATES[FIRST_ENDED:] != ENDED:
+    raise ImportError("requests.STATES must list the ended states last")
+
+
+class Request:
+    """One request (a global id: the same request crosses prefill and decode nodes): its name,
+    index, tenant, why it ended, its bootstrap's nodes, its transfers, the prefix pages it was
+    given, and the pools it was granted pages in. Its numbers are read here from the table
+    (`state`, `ended`, `bootstrap`, every count); Requests writes them."""
+
+    __slots__ = ("_table", "bootstrap_nodes", "id", "idx", "pools", "reason", "shared", "tenant", "xfers")
+
+    def __init__(self, book: Requests, id: str, idx: int) -> None:
+        self._table = book  # the owner of the table (which moves when it grows)
+        self.id = id
+        self.idx = idx
+        self.tenant = ""
+        self.reason = ""
+        self.bootstrap_nodes: tuple[str, str] | None = None  # (prefill node, decode node)
+        self.xfers: list[str] = []  # its transfers' ids
+        self.shared: dict[tuple[str, int], Any] = {}  # (node, pool) -> the prefix pages it reads (Shared)
+        self.pools: list[tuple[str, int]] = []  # (node, pool) where it was ever granted pages
+
+    def _get(self, name: str) -> int:
+        return int(self._table.columns[name][self.idx])
+
+    @property
+    def state(self) -> str:
+        return STATES[self._get("state")]
+
+    @property
+    def ended(self) -> bool:
+        return self._get("state") >= FIRST_ENDED
+
+    @property
+    def retired(self) -> bool:
+        return bool(self._get("flags") & RETIRED)
+
+    @property
+    def bootstrap(self) -> tuple[str, str, int] | None:
+        """(prefill node, decode node, prompt tokens the decode side expects), or None."""
+        if self.bootstrap_nodes is None:
+            return None
+        return (*self.bootstrap_nodes, self._get("bootstrap_tokens"))
+
+
+def _column(name: str) -> property:
+    return property(lambda r: r._get(name), doc=f"The request's {name} (its row of the table).")
+
+
+for _name in (*COUNTS, "last", "queued"):
+    setattr(Request, _name, _column(_name))
+
+
+class Requests:
+    """Every request the ledger knows, by name and index; `applied` is the ledger's count of
+    applied events, the clock of retirement."""
+
+    def __init__(self, retire_idle: int) -> None:
+        self.index: dict[str, int] = {}
+        self.objects: list[Request | None] = [None]  # by index; None: NOBODY's, or forgotten
+        self.table = np.zeros(1024, REQ)
+        self.columns = {name: self.table[name] for name in REQ.names}
+        self.applied = 0
+        self.retire_idle = retire_idle
+        self.recent: OrderedDict[int, Request] = OrderedDict()  # in use, least recently queued first
+        self.retired: dict[int, Request] = {}  # least recently named first
+        self.free: list[int] = []  # indices to reuse
+
+    def __len__(self) -> int:
+        """Requests known now (in use or retired; forgotten ones are not)."""
+        return len(self.index)
+
+    def get(self, req: str) -> Request | None:
+        idx = self.index.get(req)
+        return None if idx is None else self.objects[idx]
+
+    def __getitem__(self, idx: int) -> Request | None:
+        return self.objects[idx]
+
+    def name_of(self, idx: int) -> tuple[str, str]:
+        """(name, tenant) of the request at `idx` ("" for NOBODY or one forgotten)."""
+        r = self.objects[idx] if 0 < idx < len(self.objects) else None
+        return (r.id, r.tenant) if r is not None else ("", "")
+
+    # ------------------------------------------------------------------ naming and making
+
+    def of_event(self, req: str, payload: str) -> Request:
+        """The request an event names (made on its first event); it was just named."""
+        if not req:
+            raise BadEvent(f"{payload} event has no req")
+        r = self.named(req)
+        return r if r is not None else self.make(req)
+
+    def named(self, req: str) -> Request | None:
+        """The known request `req`, just named by an event (None if unknown)."""
+        idx = self.index.get(req)
+        if idx is None:
+            return None
+        r = self.objects[idx]
+        assert r is not None  # the index of a forgotten request is not in `index`
+        self.columns["last"][idx] = self.applied  # the queue of requests in use is reordered lazily
+        if self.columns["flags"][idx] & RETIRED:  # back in use
+            self.columns["flags"][idx] &= ~RETIRED & 0xFF
+            del self.retired[idx]
+            self.columns["queued"][idx] = self.applied
+            self.recent[idx] = r
+        return r
+
+    def make(self, req: str) -> Request:
+        """A new request named `req` (its first event)."""
+        if self.free:
+            idx = self.free.pop()
+            self.table[idx] = np.zeros((), REQ)
+        else:
+            idx = len(self.objects)
+            self.objects.append(None)
+            if idx >= len(self.table):
+                self.reserve(2 * len(self.table))
+        r = self.objects[idx] = Request(self, req, idx)
+        self.index[req] = idx
+        if self.retire_idle:
+            self.columns["last"][idx] = self.columns["queued"][idx] = self.applied
+            self.recent[idx] = r
+        return r
+
+    def reserve(self, size: int) -> None:
+        """Room in the table for `size` requests (it moves: C is handed the table anew each call)."""
+        if size <= len(self.table):
+            return
+        table = np.zeros(size, REQ)
+        table[: len(self.table)] = self.table
+        self.table = table
+        self.columns = {name: table[name] for name in REQ.names}
+
+    # ------------------------------------------------------------------ numbers
+
+    def add(self, r: Request, count: str, n: int) -> None:
+        """Count n more of `count` (e.g. granted_pages) for r."""
+        self.columns[count][r.idx] += n
+
+    def set_state(self, r: Request, state: str) -> None:
+        self.columns["state"][r.idx] = STATE[state]
+
+    def end(self, r: Request, state: str, reason: str) -> None:
+        """The request ends (rejected, aborted, killed) unless it has already."""
+        if not r.ended:
+            self.set_state(r, state)
+            r.reason = reason
+
+    def admitted(self, r: Request, tenant: str, prompt_tokens: int) -> None:
+        """An admission: its tenant (the first one named), its longest prompt, its state."""
+        if not r.tenant:
+            r.tenant = tenant
+        prompt = self.columns["prompt_tokens"]
+        prompt[r.idx] = max(int(prompt[r.idx]), prompt_tokens)
+        if r.state == "new":
+            self.set_state(r, "admitted")
+
+    def finished(self, r: Request, output_tokens: int) -> None:
+        self.columns["output_tokens"][r.idx] += output_tokens
+        if not r.ended:
+            self.set_state(r, "finished")
+
+    def bootstrapped(self, r: Request, prefill: str, decode: str, tokens: int, tenant: str) -> None:
+        r.bootstrap_nodes = (prefill, decode)
+        self.columns["bootstrap_tokens"][r.idx] = tokens
+        self.columns["flags"][r.idx] |= BOOTSTRAPPED
+        if tenant and not r.tenant:
+            r.tenant = tenant
+
+    def states(self, idx: np.ndarray) -> np.ndarray:
+        """The state codes of the requests at `idx` (NOBODY's is "new")."""
+        return self.columns["state"][idx]
+
+    # ------------------------------------------------------------------ retirement
+
+    def due(self, idle_before: int) -> list[Request]:
+        """The requests in use queued before `idle_before` (a window ago), in queue order."""
+        out = []
+        queued = self.columns["queued"]
+        for idx, r in self.recent.items():
+            if queued[idx] > idle_before:
+                break
+            out.append(r)
+        return out
+
+    def requeue(self, r: Request) -> None:
+        """Named since it was queued, or still holding something: looked at a window later."""
+        self.columns["queued"][r.idx] = self.applied
+        self.recent.move_to_end(r.idx)
+
+    def retire(self, r: Request) -> None:
+        """Out of use: it holds nothing; it waits to be forgotten."""
+        del self.recent[r.idx]
+        r.shared = {}
+        self.columns["flags"][r.idx] |= RETIRED
+        self.retired[r.idx] = r
+
+    def idle_retired(self, idle_before: int) -> list[Request]:
+        """The retired requests last named before `idle_before`, least recently named first."""
+        out = []
+        last = self.columns["last"]
+        for idx, r in self.retired.items():
+            if last[idx] > idle_before:
+                break
+            out.append(r)
+        return out
+
+    def forget(self, r: Request) -> None:
+        """Gone: an event naming it later starts a new request; its index is reused."""
+        del self.retired[r.idx]
+        del self.index[r.id]
+        self.objects[r.idx] = None
+        self.free.append(r.idx)
+
+    def readers(self, reqs: Any) -> np.ndarray:
+        """The index of each of `reqs` (NOBODY for one not known): what the page tags name."""
+        # map() over dict.get: the per-request loop runs in C (a decode batch, every step)
+        return np.fromiter(map(self.index.get, reqs, repeat(NOBODY)), np.int32, len(reqs))

@@ -1,0 +1,323 @@
+/* kvguard.proto._wire: kvguard.v1 events read from, and written to, their bytes in C, for the
+ * events every request makes (proto/wire.py is its Python face).
+ *
+ * - head(body): one event's head (wire.h), or None where protobuf must read it;
+ * - batch(data, wrapped): the heads of a batch's events, one pass over its bytes, as HEAD
+ *   records (the events stay where they are in `data`);
+ * - encode(kind, node, seq, ts, req, pool, pages, slots): an alloc, write or free event's
+ *   bytes, as protobuf would serialize it, from int64 arrays (no Python int per page).
+ *
+ * Invariant: what is read here is what protobuf reads of the same bytes, and what is written
+ * is what protobuf writes; anything else is left to protobuf (wire.h).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_1_22_API_VERSION
+#include <numpy/arrayobject.h>
+#include <stddef.h>
+
+#include "wire.h"
+
+static PyArray_Descr *head_descr; /* HEAD: WireHead as a NumPy dtype */
+
+/* head(body) -> (kind, node, seq, ts_ns, req, pool, tokens, start, end) or None
+ * The plain shape only (an alloc, a write without slots, a free, a one-entry read): [start,
+ * end) are the payload's bytes (a read's entry), whose field 3 lists the pages. None for any
+ * other event, unusual bytes, or a node or req that is not UTF-8. */
+static PyObject *
+head(PyObject *self, PyObject *body)
+{
+    (void)self;
+    if (!PyBytes_Check(body))
+        return PyErr_Format(PyExc_TypeError, "head: bytes expected, got %.80s", Py_TYPE(body)->tp_name);
+    const char *base = PyBytes_AS_STRING(body);
+    WireHead h;
+    if (PyBytes_GET_SIZE(body) > (Py_ssize_t)UINT32_MAX)
+        Py_RETURN_NONE;
+    wire_head((const uint8_t *)base, 0, PyBytes_GET_SIZE(body), &h);
+    if (!h.plain)
+        Py_RETURN_NONE;
+    PyObject *node = PyUnicode_DecodeUTF8(base + h.node_start, h.node_end - h.node_start, NULL);
+    PyObject *req = node ? PyUnicode_DecodeUTF8(base + h.req_start, h.req_end - h.req_start, NULL) : NULL;
+    if (req == NULL) {
+        PyErr_Clear();
+        Py_XDECREF(node);
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(iNKLNKKII)", h.kind, node, (unsigned long long)h.seq, (long long)h.ts, req,
+                         (unsigned long long)h.pool, (unsigned long long)h.tokens, h.pay_start, h.pay_end);
+}
+
+/* single(body) -> HEAD array of one: the head of the event `body` (kind 0 where protobuf must
+ * read it, as in a batch). */
+static PyObject *
+single(PyObject *self, PyObject *body)
+{
+    (void)self;
+    if (!PyBytes_Check(body))
+        return PyErr_Format(PyExc_TypeError, "single: bytes expected, got %.80s", Py_TYPE(body)->tp_name);
+    npy_intp dims[1] = {1};
+    Py_INCREF(head_descr);
+    PyArrayObject *out = (PyArrayObject *)PyArray_NewFromDescr(&PyArray_Type, head_descr, 1, dims, NULL, NULL, 0, NULL);
+    if (out == NULL)
+        return NULL;
+    WireHead *h = PyArray_DATA(out);
+    if (PyBytes_GET_SIZE(body) > (Py_ssize_t)UINT32_MAX)
+        memset(h, 0, sizeof(*h));
+    else
+        wire_head((const uint8_t *)PyBytes_AS_STRING(body), 0, PyBytes_GET_SIZE(body), h);
+    return (PyObject *)out;
+}
+
+/* batch(data, wrapped) -> HEAD array or None
+ * The heads of the events of an EventBatch (or, wrapped, of an AgentMessage holding one),
+ * in order; None when the bytes are anything else (protobuf then says what they are). */
+static PyObject *
+batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "batch() takes 2 arguments (%zd given)", nargs);
+    if (!PyBytes_Check(args[0]))
+        return PyErr_Format(PyExc_TypeError, "batch: bytes expected, got %.80s", Py_TYPE(args[0])->tp_name);
+    int wrapped = PyObject_IsTrue(args[1]);
+    if (wrapped < 0)
+        return NULL;
+    const uint8_t *data = (const uint8_t *)PyBytes_AS_STRING(args[0]);
+    Py_ssize_t len = PyBytes_GET_SIZE(args[0]);
+    Py_ssize_t n = wire_batch(data, len, wrapped, NULL, 0);
+    if (n < 0)
+        Py_RETURN_NONE;
+    npy_intp dims[1] = {n};
+    Py_INCREF(head_descr);
+    PyArrayObject *out = (PyArrayObject *)PyArray_NewFromDescr(&PyArray_Type, head_descr, 1, dims, NULL, NULL, 0, NULL);
+    if (out == NULL)
+        return NULL;
+    if (n && wire_batch(data, len, wrapped, PyArray_DATA(out), n) != n) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    return (PyObject *)out;
+}
+
+/* of_node(data, heads, node) -> uint8 array
+ * For each head of `data`: 1 if its event is of node `node` (UTF-8 bytes), 0 if of another
+ * node, 2 where the envelope was not read here (protobuf must say whose it is). */
+static PyObject *
+of_node(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3)
+        return PyErr_Format(PyExc_TypeError, "of_node() takes 3 arguments (%zd given)", nargs);
+    if (!PyBytes_Check(args[0]) || !PyBytes_Check(args[2]))
+        return PyErr_Format(PyExc_TypeError, "of_node: bytes expected");
+    PyObject *array = args[1];
+    if (!PyArray_Check(array) || !PyArray_EquivTypes(PyArray_DESCR((PyArrayObject *)array), head_descr) ||
+        PyArray_NDIM((PyArrayObject *)array) != 1 || !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)array))
+        return PyErr_Format(PyExc_TypeError, "of_node: a contiguous HEAD array expected");
+    const char *data = PyBytes_AS_STRING(args[0]), *node = PyBytes_AS_STRING(args[2]);
+    Py_ssize_t len = PyBytes_GET_SIZE(args[0]), node_len = PyBytes_GET_SIZE(args[2]);
+    const WireHead *heads = PyArray_DATA((PyArrayObject *)array);
+    npy_intp n = PyArray_DIM((PyArrayObject *)array, 0);
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_UINT8);
+    if (out == NULL)
+        return NULL;
+    uint8_t *mine = PyArray_DATA(out);
+    for (npy_intp i = 0; i < n; i++) {
+        const WireHead *h = &heads[i];
+        if (!h->kind || h->node_end > (uint64_t)len || h->node_start > h->node_end)
+            mine[i] = 2;
+        else
+            mine[i] = h->node_end - h->node_start == (uint64_t)node_len &&
+                      memcmp(data + h->node_start, node, (size_t)node_len) == 0;
+    }
+    return (PyObject *)out;
+}
+
+/* ---------------------------------------------------------------- writing */
+
+typedef struct {
+    uint8_t *at;
+} Out;
+
+static inline void
+put_varint(Out *o, uint64_t v)
+{
+    while (v >= 0x80) {
+        *o->at++ = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    *o->at++ = (uint8_t)v;
+}
+
+static inline void
+put_bytes(Out *o, uint64_t number, const char *data, Py_ssize_t len)
+{
+    put_varint(o, number << 3 | 2);
+    put_varint(o, (uint64_t)len);
+    memcpy(o->at, data, (size_t)len);
+    o->at += len;
+}
+
+/* The bytes of the varints of `values` (each in [0, 2^32), else -1 with ValueError naming it). */
+static Py_ssize_t
+packed_size(const int64_t *values, Py_ssize_t n, const char *what)
+{
+    Py_ssize_t size = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (values[i] < 0 || values[i] > (int64_t)UINT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "%s: %lld at %zd is not a uint32", what, (long long)values[i], i);
+            return -1;
+        }
+        size += wire_varint_size((uint64_t)values[i]);
+    }
+    return size;
+}
+
+static const int64_t *
+int64_data(PyObject *o, Py_ssize_t *n, const char *what)
+{
+    if (!PyArray_Check(o) || PyArray_TYPE((PyArrayObject *)o) != NPY_INT64 || PyArray_NDIM((PyArrayObject *)o) != 1 ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o)) {
+        PyErr_Format(PyExc_TypeError, "%s: a contiguous 1-d int64 array expected", what);
+        return NULL;
+    }
+    *n = PyArray_DIM((PyArrayObject *)o, 0);
+    return PyArray_DATA((PyArrayObject *)o);
+}
+
+/* encode(kind, node, seq, ts, req, pool, pages, slots) -> bytes
+ * An Event whose payload (field `kind`: alloc, write, free, hold, release, share, scrub: the
+ * payloads whose fields 1-3 are req, pool, pages) holds req, pool and the packed `pages`, and
+ * for a write the packed `slots` (None: none), byte for byte as protobuf serializes it
+ * (fields in order, defaults left out). pages, slots: contiguous int64 arrays. */
+static PyObject *
+encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 8)
+        return PyErr_Format(PyExc_TypeError, "encode() takes 8 arguments (%zd given)", nargs);
+    long kind = PyLong_AsLong(args[0]);
+    uint64_t seq = PyLong_AsUnsignedLongLong(args[2]);
+    int64_t ts = PyLong_AsLongLong(args[3]);
+    unsigned long pool = PyLong_AsUnsignedLong(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (kind < WIRE_FIRST_PAYLOAD || kind > WIRE_LAST_PAYLOAD)
+        return PyErr_Format(PyExc_ValueError, "encode: payload field %ld", kind);
+    if (pool > UINT32_MAX)
+        return PyErr_Format(PyExc_ValueError, "encode: pool %lu is not a uint32", pool);
+    Py_ssize_t node_len, req_len, n_pages, n_slots = 0;
+    const char *node = PyUnicode_AsUTF8AndSize(args[1], &node_len);
+    const char *req = node ? PyUnicode_AsUTF8AndSize(args[4], &req_len) : NULL;
+    if (req == NULL)
+        return NULL;
+    const int64_t *pages = int64_data(args[6], &n_pages, "pages"), *slots = NULL;
+    if (pages == NULL)
+        return NULL;
+    if (args[7] != Py_None && !(slots = int64_data(args[7], &n_slots, "slots")))
+        return NULL;
+    Py_ssize_t pages_size = packed_size(pages, n_pages, "pages");
+    Py_ssize_t slots_size = pages_size < 0 ? -1 : packed_size(slots, n_slots, "slots");
+    if (slots_size < 0)
+        return NULL;
+    Py_ssize_t payload = 0;
+    if (req_len)
+        payload += 1 + wire_varint_size((uint64_t)req_len) + req_len;
+    if (pool)
+        payload += 1 + wire_varint_size(pool);
+    if (n_pages)
+        payload += 1 + wire_varint_size((uint64_t)pages_size) + pages_size;
+    if (n_slots)
+        payload += 1 + wire_varint_size((uint64_t)slots_size) + slots_size;
+    Py_ssize_t total = 2 + wire_varint_size((uint64_t)payload) + payload;
+    if (node_len)
+        total += 1 + wire_varint_size((uint64_t)node_len) + node_len;
+    if (seq)
+        total += 1 + wire_varint_size(seq);
+    if (ts)
+        total += 1 + wire_varint_size((uint64_t)ts);
+    PyObject *bytes = PyBytes_FromStringAndSize(NULL, total);
+    if (bytes == NULL)
+        return NULL;
+    Out o = {(uint8_t *)PyBytes_AS_STRING(bytes)};
+    if (node_len)
+        put_bytes(&o, 1, node, node_len);
+    if (seq) {
+        put_varint(&o, 2 << 3);
+        put_varint(&o, seq);
+    }
+    if (ts) {
+        put_varint(&o, 3 << 3);
+        put_varint(&o, (uint64_t)ts);
+    }
+    put_varint(&o, (uint64_t)kind << 3 | 2);
+    put_varint(&o, (uint64_t)payload);
+    if (req_len)
+        put_bytes(&o, 1, req, req_len);
+    if (pool) {
+        put_varint(&o, 2 << 3);
+        put_varint(&o, pool);
+    }
+    if (n_pages) {
+        put_varint(&o, WIRE_PAGES << 3 | 2);
+        put_varint(&o, (uint64_t)pages_size);
+        for (Py_ssize_t i = 0; i < n_pages; i++)
+            put_varint(&o, (uint64_t)pages[i]);
+    }
+    if (n_slots) {
+        put_varint(&o, 4 << 3 | 2);
+        put_varint(&o, (uint64_t)slots_size);
+        for (Py_ssize_t i = 0; i < n_slots; i++)
+            put_varint(&o, (uint64_t)slots[i]);
+    }
+    if ((char *)o.at != PyBytes_AS_STRING(bytes) + total) { /* a bug: the sizes above disagree */
+        Py_DECREF(bytes);
+        return PyErr_Format(PyExc_SystemError, "encode: wrote %zd of %zd bytes",
+                            (Py_ssize_t)((char *)o.at - PyBytes_AS_STRING(bytes)), total);
+    }
+    return bytes;
+}
+
+static PyMethodDef methods[] = {
+    {"head", (PyCFunction)head, METH_O, "One event's head, for the plain shape."},
+    {"single", (PyCFunction)single, METH_O, "One event's head, as a batch of one."},
+    {"batch", (PyCFunction)(void (*)(void))batch, METH_FASTCALL, "The heads of a batch's events."},
+    {"of_node", (PyCFunction)(void (*)(void))of_node, METH_FASTCALL, "Which events are a node's."},
+    {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL, "A page event's bytes."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvguard.proto._wire",
+    .m_doc = "kvguard.v1 events read from and written to their bytes.",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__wire(void)
+{
+    import_array();
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+#define OFFSET(field) ((Py_ssize_t)offsetof(WireHead, field))
+    PyObject *spec = Py_BuildValue(
+        "{s:[sssssssssssssss],s:[sssssssssssssss],s:[nnnnnnnnnnnnnnn],s:n}", "names", "kind", "plain", "batched",
+        "start", "end", "node_start", "node_end", "req_start", "req_end", "pay_start", "pay_end", "pool", "seq", "ts",
+        "tokens", "formats", "u1", "u1", "<u2", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u8",
+        "<i8", "<u8", "offsets", OFFSET(kind), OFFSET(plain), OFFSET(batched), OFFSET(start), OFFSET(end),
+        OFFSET(node_start), OFFSET(node_end), OFFSET(req_start), OFFSET(req_end), OFFSET(pay_start), OFFSET(pay_end),
+        OFFSET(pool), OFFSET(seq), OFFSET(ts), OFFSET(tokens), "itemsize", (Py_ssize_t)sizeof(WireHead));
+#undef OFFSET
+    if (spec == NULL || !PyArray_DescrConverter(spec, &head_descr) ||
+        PyModule_AddObjectRef(m, "HEAD", (PyObject *)head_descr) < 0) {
+        Py_XDECREF(spec);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_DECREF(spec);
+    return m;
+}

@@ -1,0 +1,99 @@
+"""Mutual TLS on kvguard's gRPC: the daemon and its clients (agents, `replay --to`, `audit
+--daemon`) prove themselves to each other with certificates of one operator CA, and a
+stream's node identity is bound to its client's certificate.
+
+Invariants: with TLS on, the daemon serves only clients whose certificate the CA signed
+(the handshake fails otherwise, before any request is read), and an agent stream may speak
+only for a node its certificate names (the subject's CN or a DNS name among its SANs), or for
+that node's probes (`node/probe`, e.g. the agent's eBPF witness `p0/ebpf`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # grpc is imported where it is used: the CLI builds its parser without it
+    import grpc
+
+
+MAX_MESSAGE = 16 << 20  # the largest AgentMessage the daemon accepts
+MAX_BATCH_BYTES = MAX_MESSAGE // 2  # what an agent puts in one batch (the events' bytes), at most
+TRANSPORT_LIMIT = 64 << 20  # gRPC's own limit: beyond it gRPC refuses, before the daemon sees a byte
+
+
+class TlsError(ValueError):
+    """The TLS options are incomplete or a file cannot be read."""
+
+
+@dataclass(frozen=True)
+class Tls:
+    """PEM bytes: the CA that signs the other side's certificate, our certificate and key."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+    @staticmethod
+    def load(ca: str | None, cert: str | None, key: str | None) -> Tls | None:
+        """None when no option is given; all three or a TlsError that names what is missing."""
+        given = {"--tls-ca": ca, "--tls-cert": cert, "--tls-key": key}
+        if not any(given.values()):
+            return None
+        missing = [name for name, value in given.items() if not value]
+        if missing:
+            needs = "mutual TLS needs --tls-ca, --tls-cert and --tls-key"
+            raise TlsError(f"{needs}; missing {', '.join(missing)}")
+        data = {}
+        for name, value in given.items():
+            try:
+                data[name] = Path(str(value)).read_bytes()
+            except OSError as exc:
+                raise TlsError(f"{name} {value}: {exc.strerror}") from None
+            if b"-----BEGIN" not in data[name]:
+                raise TlsError(f"{name} {value}: not a PEM file")
+        return Tls(data["--tls-ca"], data["--tls-cert"], data["--tls-key"])
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        import grpc
+
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        import grpc
+
+        return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("mutual TLS (all three, or none for plaintext on a trusted network)")
+    group.add_argument("--tls-ca", metavar="PEM", help="the CA that signs the other side's certificates")
+    group.add_argument("--tls-cert", metavar="PEM", help="this side's certificate")
+    group.add_argument("--tls-key", metavar="PEM", help="this side's private key")
+
+
+def from_args(args: argparse.Namespace) -> Tls | None:
+    return Tls.load(args.tls_ca, args.tls_cert, args.tls_key)
+
+
+def channel(address: str, tls: Tls | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A channel to the daemon: mutual TLS when `tls` is given, plaintext otherwise."""
+    import grpc
+
+    if tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, tls.channel_credentials(), options=list(options))
+
+
+def peer_names(context: Any) -> set[str] | None:
+    """The names the client's certificate gives it (CN and DNS SANs); None on plaintext."""
+    auth = context.auth_context()
+    if auth.get("transport_security_type") != [b"ssl"]:
+        return None
+    names = auth.get("x509_common_name", []) + auth.get("x509_subject_alternative_name", [])
+    return {name.decode(errors="replace") for name in names}

@@ -1,0 +1,130 @@
+"""kvguard.v1 events as bytes, read once: a batch's events are located and their heads read in
+one pass (C, `_wire.c` over `wire.h`), and every part that needs their fields takes them from
+the heads instead of decoding the bytes again; the events every request makes are also
+written here, from arrays, byte for byte as protobuf writes them.
+
+Invariant: a head is trusted only where wire.h reads the bytes as protobuf would (`kind` set,
+and `plain` for the payload's fields); anything else is protobuf's to decode, and a batch
+whose framing is unusual is decoded by protobuf and re-framed, so that its events' bytes
+always lie back to back in `Batch.data` as an EventBatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from kvguard.proto import _wire, pb
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+HEAD: np.dtype = _wire.HEAD  # one event's head, one cache line (wire.h: WireHead)
+PAYLOAD = {f.name: f.number for f in pb.Event.DESCRIPTOR.oneofs_by_name["payload"].fields}
+KIND_OF = {number: name for name, number in PAYLOAD.items()}
+PLAIN = ("alloc", "write", "free", "read")  # the payloads read from their bytes (with `plain`)
+PAGES = 3  # the field number of `pages` in Alloc, Write, Free and ReadEntry
+ENCODED = ("alloc", "write", "free")  # the payloads encode() writes
+
+
+class NotABatch(ValueError):
+    """An AgentMessage that is not a batch (its body, or "empty", is the message)."""
+
+
+class Batch(NamedTuple):
+    """Events as bytes: `data` is an EventBatch (the events' field back to back), `heads` one
+    HEAD record per event, in order, with offsets into `data`."""
+
+    data: bytes
+    heads: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.heads)
+
+    def event(self, i: int) -> bytes:
+        """Event i's bytes."""
+        h = self.heads[i]
+        return self.data[int(h["start"]) : int(h["end"])]
+
+    def events(self) -> list[bytes]:
+        return [self.event(i) for i in range(len(self.heads))]
+
+    def of_node(self, node: str) -> tuple[list[int], int]:
+        """(the indices of the events of `node`, how many events are another node's).
+        DecodeError if an event whose envelope is not read here is no event at all."""
+        mine = _wire.of_node(self.data, self.heads, node.encode())
+        if (mine == 2).any():  # unusual bytes: protobuf says whose they are
+            for i in np.flatnonzero(mine == 2).tolist():
+                mine[i] = pb.Event.FromString(self.event(i)).node == node
+        ours = np.flatnonzero(mine)
+        return ours.tolist(), len(mine) - len(ours)
+
+    def seqs(self, events: Sequence[int]) -> list[int]:
+        """The sequence numbers of events at these indices (0 where the bytes are no event)."""
+        known = self.heads["kind"][events] > 0
+        seqs = self.heads["seq"][events].tolist()
+        if not known.all():
+            for j in np.flatnonzero(~known).tolist():
+                seqs[j] = self.seq(events[j])
+        return seqs
+
+    def seq(self, i: int) -> int:
+        """Event i's sequence number (0 if its bytes are not an event)."""
+        if self.heads[i]["kind"]:
+            return int(self.heads[i]["seq"])
+        try:
+            return pb.Event.FromString(self.event(i)).seq
+        except DecodeError:
+            return 0
+
+
+def decode_batch(message: bytes, *, wrapped: bool = True) -> Batch:
+    """The events of an AgentMessage batch (or, not `wrapped`, of an EventBatch). DecodeError
+    when the bytes are no such message; NotABatch for an AgentMessage of another body."""
+    heads = _wire.batch(message, wrapped)
+    if heads is not None:
+        return Batch(message, heads)
+    if wrapped:
+        msg = svc.RawAgentMessage.FromString(message)
+        body = msg.WhichOneof("body")
+        if body != "batch":
+            raise NotABatch(body or "empty")
+        events = msg.batch.events
+    else:
+        events = svc.RawEventBatch.FromString(message).events
+    return batch_of(events)
+
+
+def batch_of(bodies: Sequence[bytes]) -> Batch:
+    """A batch of events given as their bytes (framed anew as an EventBatch)."""
+    data = svc.RawEventBatch(events=bodies).SerializeToString()
+    heads = _wire.batch(data, False)
+    assert heads is not None  # an EventBatch framed by protobuf is always read here
+    return Batch(data, heads)
+
+
+def single(body: bytes) -> Batch:
+    """One event's bytes as a batch of one (its head read as a batch's would be)."""
+    return Batch(body, _wire.single(body))
+
+
+def frame(bodies: Sequence[bytes]) -> bytes:
+    """An AgentMessage batch of these events (what a guard or an agent sends)."""
+    return svc.RawAgentMessage(batch=svc.RawEventBatch(events=bodies)).SerializeToString()
+
+
+def event_head(body: bytes) -> tuple[int, str, int, int, str, int, int, int, int] | None:
+    """(kind, node, seq, ts_ns, req, pool, tokens, start, end) of one event of the plain shape
+    (`PLAIN`, a read of one entry, a write without slots), where [start, end) are its
+    payload's bytes (a read's entry), whose field 3 lists the pages; None for anything else."""
+    return _wire.head(body)
+
+
+def encode(
+    kind: str, node: str, seq: int, ts: int, req: str, pool: int, pages: np.ndarray, slots: np.ndarray | None
+) -> bytes:
+    """An alloc, write or free event's bytes (`pages`, `slots`: int64 arrays; slots only for a
+    write, None for full pages), as protobuf serializes the same event. ValueError for a page
+    or slot count that is not a uint32."""
+    return _wire.encode(PAYLOAD[kind], node, seq, ts, req, pool, pages, slots)

@@ -1,0 +1,156 @@
+"""The in-engine guard: local verdicts on the hot path, events that replay to the same findings."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvguard.agents.guard import CaptureSink, Guard, WallClock
+from kvguard.ledger.ledger import Ledger
+from kvguard.proto.capture import read_capture
+from kvguard.ruleset import load_ruleset
+from kvguard.ruleset.replay import replay
+
+RULES = load_ruleset()
+
+
+def decode_guard(**kwargs: object) -> Guard:
+    guard = Guard("d0", ruleset=RULES, **kwargs)  # type: ignore[arg-type]
+    guard.pool(0, "decode", page_size=16, num_pages=32, context_len=512)
+    return guard
+
+
+def serve(guard: Guard, req: str, tenant: str, pages: list[int], tokens: int) -> None:
+    assert guard.admit(req, tenant, tokens, "decode").ok
+    assert guard.alloc(req, 0, pages).ok
+    slots = [16] * (len(pages) - 1) + [tokens - 16 * (len(pages) - 1)]
+    assert guard.write(req, 0, pages, slots).ok
+
+
+def test_the_batch_check_kills_only_the_offender() -> None:
+    guard = decode_guard()
+    serve(guard, "a1", "acme", [1, 2], 32)
+    assert guard.finish("a1", 1).ok and guard.free("a1", 0, [1, 2]).ok
+    serve(guard, "a2", "acme", [3], 10)
+    serve(guard, "g1", "globex", [2, 4], 20)  # page 2 was a1's; g1 overwrote it
+    assert guard.admit("g2", "globex", 20, "decode").ok
+    assert guard.alloc("g2", 0, [1, 5]).ok
+    assert guard.write("g2", 0, [5], [4]).ok  # page 1 still holds a1's KV
+    tables = np.array([[3, 0], [2, 4], [1, 5]])
+    verdict = guard.check_attention(0, ["a2", "g1", "g2"], tables, np.array([10, 20, 20]))
+    assert list(verdict.kill) == ["g2"]
+    (finding,) = verdict.findings
+    assert (finding.finding, finding.rule, finding.victim_req, finding.victim_tenant, finding.pages) == (
+        "stale_read",
+        "stale_read_cross_tenant",
+        "a1",
+        "acme",
+        (1,),
+    )
+    assert "a1" in verdict.reason("g2") and guard.ledger.request("g2").state == "killed"
+    # The next step without g2 is clean; with g2 still batched, it is dropped again.
+    assert guard.check_attention(0, ["a2", "g1"], tables[:2], np.array([10, 20])).ok
+    again = guard.check_attention(0, ["a2", "g2"], tables[[0, 2]], np.array([10, 20]))
+    assert list(again.kill) == ["g2"]
+
+
+def test_clean_batches_emit_no_read_events(tmp_path: Path) -> None:
+    sink = CaptureSink(tmp_path / "d0.jsonl")
+    guard = decode_guard(sink=sink)
+    serve(guard, "a1", "acme", [1, 2], 30)
+    for context in (30, 31, 32):  # decode steps: attend, then write the next token
+        assert guard.check_attention(0, ["a1"], np.array([[1, 2, 0, 0]]), np.array([context])).ok
+        if context < 32:
+            assert guard.write("a1", 0, [2], [context + 1 - 16]).ok
+    sink.flush()
+    kinds = [e.WhichOneof("payload") for _, e in read_capture(sink.path.read_text().splitlines())]
+    assert kinds == ["pool", "admit", "alloc", "write", "write", "write"]
+    sink.close()
+
+
+def test_monitor_mode_reports_and_never_kills() -> None:
+    guard = decode_guard(mode="monitor")
+    serve(guard, "a1", "acme", [1], 16)
+    guard.free("a1", 0, [1])
+    guard.admit("g1", "globex", 16, "decode")
+    guard.alloc("g1", 0, [1])
+    verdict = guard.check_attention(0, ["g1"], np.array([[1]]), np.array([16]))
+    assert verdict.ok and [f.finding for f in verdict.findings] == ["stale_read"]
+    assert guard.killed == {} and guard.ledger.request("g1").state == "admitted"
+
+
+def test_a_rule_in_monitor_mode_while_the_guard_enforces() -> None:
+    guard = decode_guard(rule_modes={"transfer_mismatch": "monitor"})
+    guard.bootstrap("g1", "p0", "d0", 64)
+    guard.alloc("g1", 0, [1, 2, 3, 4])
+    verdict = guard.xfer_recv("g1", "x1", "p0", 0, [1, 2, 3, 4], tokens=16, nbytes=1024)
+    assert verdict.ok and verdict.findings[0].finding == "transfer_mismatch"
+
+
+def test_receipt_is_checked_against_what_the_sender_claimed() -> None:
+    guard = decode_guard()
+    guard.bootstrap("g1", "p0", "d0", 64)
+    guard.alloc("g1", 0, [1, 2, 3, 4])
+    # The sender's header claimed 64 tokens with these checksums; two pages never arrived.
+    verdict = guard.xfer_recv(
+        "g1",
+        "x1",
+        "p0",
+        0,
+        [1, 2, 3, 4],
+        tokens=32,
+        nbytes=32768,
+        checksums=[11, 12, 0, 0],
+        claimed_tokens=64,
+        claimed_bytes=65536,
+        claimed_checksums=[11, 12, 13, 14],
+    )
+    assert list(verdict.kill) == ["g1"]
+    whats = sorted(f.details["what"] for f in verdict.findings)
+    assert whats == ["bytes", "checksums", "tokens"]
+    checksum = next(f for f in verdict.findings if f.details["what"] == "checksums")
+    assert checksum.pages == (3, 4)
+
+
+def test_what_the_guard_cannot_check_does_not_go_on() -> None:
+    guard = decode_guard()
+    verdict = guard.alloc("r1", 0, [99])  # beyond the pool
+    assert verdict.kill == {"r1": None} and "out of range" in guard.errors[0]
+    assert guard.ledger.request("r1").state == "killed"
+    bad = guard.check_attention(0, ["r2"], np.array([[40]]), np.array([4]))
+    assert list(bad.kill) == ["r2"]
+
+
+def test_guard_events_replay_to_the_same_findings(tmp_path: Path) -> None:
+    sink = CaptureSink(tmp_path / "d0.jsonl")
+    guard = decode_guard(sink=sink)
+    serve(guard, "a1", "acme", [1, 2], 32)
+    guard.free("a1", 0, [1, 2])
+    guard.bootstrap("g1", "p0", "d0", 32)
+    guard.alloc("g1", 0, [2, 1])
+    guard.xfer_recv("g1", "x1", "p0", 0, [2, 1], tokens=16, nbytes=16384)
+    guard.check_attention(0, ["g1"], np.array([[2, 1]]), np.array([32]))
+    sink.flush()
+    sink.close()
+    local = [(f.finding, f.req, f.victim_req, f.pages) for f in guard.findings]
+    assert local[0][0] == "transfer_mismatch" and len(local) >= 1
+    replayed: list = []
+    summary = replay(sink.path.read_text().splitlines(), RULES, replayed.append, replayed.append, Ledger())
+    assert summary.bad == 0 and summary.applied == summary.lines
+    assert [(f.finding, f.req, f.victim_req, f.pages) for f in replayed] == local
+
+
+def test_events_are_stamped_with_a_wall_clock_that_never_steps_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nodes' timestamps are compared (RDMA writes one node saw posted into another's pages),
+    # so they are the wall clock; a clock stepped back must not reorder a node's events.
+    before = time.time_ns()
+    clock = WallClock()
+    first = clock()
+    assert before <= first <= time.time_ns()
+    monkeypatch.setattr(time, "time_ns", lambda: first - 5_000_000_000)  # NTP steps back 5 s
+    assert clock() == first
+    monkeypatch.undo()
+    assert clock() >= first

@@ -1,0 +1,122 @@
+"""The whole path, for real: testbed engine -> in-engine guard -> node agent -> daemon ->
+audit store, and the daemon's kill and quarantine commands back to the engine. The guards
+only watch (monitor mode); the daemon's global verdict is what stops the leak, before decode
+attends."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvguard.cli.process import start_agent, start_daemon
+from kvguard.daemon.store import Store
+from kvguard.proto import pb
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.testbed.cluster import Cluster
+
+SECRET = "acme memo: Initech deal closes Dec 14 at 4.2B, keep private."
+OTHER = "globex notes: quarterly review of supply contracts in Lyon."
+
+
+@pytest.fixture
+def services(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """A daemon (SQLite store) and a node agent: (the store, the agent's socket)."""
+    store = str(tmp_path / "audit.db")
+    daemon = start_daemon(store)
+    sock = str(tmp_path / "agent.sock")
+    agent = start_agent(sock, daemon.address, str(tmp_path / "spool"))
+    try:
+        yield store, sock
+    finally:
+        agent.stop()
+        daemon.stop()
+
+
+def stored(store: str, kind: str, until: Callable[[list[bytes]], bool] = bool) -> list[bytes]:
+    """The bodies of the store's records of `kind`, once `until` holds of them (or after 20 s)."""
+    deadline = time.monotonic() + 20
+    while True:
+        s = Store(store)
+        bodies = [body for _, _, body in s.rows(kind=kind)]
+        s.close()
+        if until(bodies) or time.monotonic() > deadline:
+            return bodies
+        time.sleep(0.2)
+
+
+def is_kill(body: bytes) -> bool:
+    return pb.Event.FromString(body).HasField("kill")
+
+
+def is_quarantine(body: bytes) -> bool:
+    return svc.Command.FromString(body).HasField("quarantine")
+
+
+def test_the_daemon_stops_a_leak_the_local_guard_only_watched(
+    tmp_path: Path, services: tuple[str, str]
+) -> None:
+    # The daemon's kill travels guard -> agent -> daemon -> agent -> guard; the agent may hold
+    # an event up to AHEAD_AFTER_S (50 ms) while a batch awaits its ack. Decode steps of 150 ms
+    # (a request admitted to an idle loop waits for the next one too) leave it that window
+    # on a loaded machine; at 40 ms it lost the race about one run in ten.
+    store, sock = services
+    with Cluster(
+        tmp_path / "captures",
+        faults=("incident",),
+        guard="monitor",
+        agent_socket=sock,
+        decode_step_ms=150,
+    ) as c:
+        status, reply = c.complete("acme", SECRET, max_tokens=len(SECRET))
+        assert status == 200 and Cluster.text(reply) == SECRET
+        status, reply = c.complete(
+            "globex", "Summarize: " + "calm markets, mild weather. " * 26, max_tokens=48
+        )
+        c.findings()  # flush the guards' sinks to the agent
+    assert status == 500 and "terminated by the kvguard daemon" in reply["error"]["message"]
+    assert "deal closes" not in str(reply)
+    kills = [b for b in stored(store, "event", lambda bodies: any(map(is_kill, bodies))) if is_kill(b)]
+    findings = [pb.Finding.FromString(b) for b in stored(store, "finding")]
+    by_node = {(f.finding, f.node) for f in findings if f.tenant == "globex"}
+    # The daemon saw the rejected request go on at prefill and the hand-off not add up at
+    # decode, and killed it before its first attention. (Whether decode's admission came
+    # before the kill, adding a rejected_progress on decode-0, depends on timing.)
+    assert ("rejected_progress", "prefill-0") in by_node and ("transfer_mismatch", "decode-0") in by_node
+    assert not any(f.finding == "stale_read" for f in findings)
+    assert {f.node for f in findings} >= {"prefill-0", "decode-0"}
+    assert any(pb.Event.FromString(b).kill.by == "daemon" for b in kills)  # the engine's record of it
+
+
+def test_the_daemon_quarantines_pages_freed_twice(tmp_path: Path, services: tuple[str, str]) -> None:
+    # The decode worker's abort path frees a rejected request's pages twice (fault
+    # double_free), so they sit in its free list twice: two later requests would share them.
+    # The local guard only watches; the daemon's quarantine command takes them out of
+    # circulation before the next requests arrive, and both are served exactly.
+    store, sock = services
+    with Cluster(
+        tmp_path / "captures",
+        faults=("double_free",),
+        guard="monitor",
+        agent_socket=sock,
+        prefill_pages=4,
+        decode_step_ms=100,
+    ) as c:
+        assert c.complete("initech", "z" * 70, max_tokens=1)[0] == 400
+        c.findings()  # flush the guards' sinks to the agent
+        # A verdict's commands may be committed in separate groups: wait for the quarantine.
+        bodies = stored(store, "command", lambda bodies: any(map(is_quarantine, bodies)))
+        commands = [svc.Command.FromString(b) for b in bodies]
+        time.sleep(0.5)  # committed, then acknowledged and relayed to the engine
+        results: list[tuple[int, dict]] = []
+        acme = threading.Thread(target=lambda: results.append(c.complete("acme", SECRET, max_tokens=24)))
+        acme.start()
+        time.sleep(1.2)
+        globex = c.complete("globex", OTHER, max_tokens=len(OTHER))
+        acme.join()
+    quarantined = [c.quarantine for c in commands if c.HasField("quarantine")]
+    assert [(q.finding, len(q.pages)) for q in quarantined] == [("double_free", 5)]
+    assert Cluster.text(results[0][1]) == SECRET[:24] and Cluster.text(globex[1]) == OTHER
