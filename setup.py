@@ -5,12 +5,12 @@ import numpy
 from setuptools import Extension, setup
 
 
-def extension(name: str, source: str) -> Extension:
+def extension(name: str, *sources: str) -> Extension:
     return Extension(
         name,
-        [source],
-        include_dirs=[numpy.get_include(), "proto"],
-        depends=["proto/wire.h"],
+        list(sources),
+        include_dirs=[numpy.get_include(), "proto", "ledger"],
+        depends=["proto/wire.h", "ledger/pages.h"],
         extra_compile_args=["-Wall", "-Wextra"],
     )
 
@@ -18,7 +18,9 @@ def extension(name: str, source: str) -> Extension:
 setup(
     ext_modules=[
         extension("kvguard.proto._wire", "proto/_wire.c"),  # events read from and written to bytes
-        extension("kvguard.ledger._pages", "ledger/_pages.c"),  # the ledger's loops over pages
+        extension(
+            "kvguard.ledger._pages", "ledger/_pages.c", "ledger/runs.c"
+        ),  # the ledger's loops over pages
         extension("kvguard.daemon._rows", "daemon/_rows.c"),  # the audit store's rows of a batch
     ]
 )
