@@ -1,4 +1,6 @@
-"""`kvguard audit query | request | exposure`: read the audit log, from the store or the daemon.
+"""`kvguard audit`: the audit log. This module is the group and its reading commands
+`query | request | exposure` (from the store or the daemon); cli/audit_chain.py has the
+integrity commands `verify | seal | new-key`.
 
 - `query`: the records that match a filter, as an aligned table or JSON Lines (one object per
   record: `id`, `kind` and the record itself, the protobuf JSON mapping with proto field names,
@@ -18,8 +20,8 @@ revision); both sources give the same output, built from the record bodies only 
 index columns a daemon does not serve), except the body of a command, which a daemon serves
 only once AuditRecord carries one; records always come out in record (id) order.
 
-The parts: `audit_source` (the store and the daemon behind one interface), `audit_format`
-(times, tables, JSON Lines), `exposure` (the blast-radius report); this module is the
+The parts: daemon/audit's `source` (the store and the daemon behind one interface), `format`
+(times, tables, JSON Lines) and `exposure` (the blast-radius report); this module is the
 commands.
 
 Exit codes: 0 nothing found (no finding names the request, no exposure; `query` always 0),
@@ -40,6 +42,15 @@ from collections.abc import Callable, Sequence
 
 import orjson
 
+from kvguard.cli import audit_chain
+from kvguard.cli.options import (
+    Subcommands,
+    add_command,
+    add_group,
+    add_tls_arguments,
+    new_parser,
+    tls_from_args,
+)
 from kvguard.daemon.audit.exposure import exposure_of, format_exposure
 from kvguard.daemon.audit.format import emit, parse_time
 from kvguard.daemon.audit.source import (
@@ -54,8 +65,6 @@ from kvguard.daemon.audit.source import (
 )
 from kvguard.proto import pb
 from kvguard.proto.channel import TlsError
-from kvguard.proto.channel import add_arguments as tls_arguments
-from kvguard.proto.channel import from_args as tls_from_args
 
 _MAX_UINT32 = (1 << 32) - 1
 
@@ -81,7 +90,7 @@ def _source_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--daemon", metavar="ADDR", help="read from the daemon at host:port instead of a store")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
-    tls_arguments(p)
+    add_tls_arguments(p)
 
 
 def _usage(prog: str, exc: Exception) -> int:
@@ -199,9 +208,29 @@ def cmd_exposure(args: argparse.Namespace) -> int:
     return _run(prog, args, body)
 
 
-def add_parsers(audit_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add `query`, `request` and `exposure` to the `kvguard audit` subcommands."""
-    p = audit_sub.add_parser("query", help="the audit records that match a filter (table or JSON Lines)")
+def add_parser(sub: Subcommands) -> None:
+    """Add the `audit` group, and its commands, to the `kvguard` subcommands."""
+    add_parsers(
+        add_group(
+            sub,
+            "audit",
+            "the audit log",
+            "Read the audit log, prove it intact, and seal it with an audit key.",
+            "kvguard audit exposure --tenant acme --store kvguard-audit.db",
+        )
+    )
+
+
+def add_parsers(audit_sub: Subcommands) -> None:
+    """Add every `kvguard audit` command: verify, seal, new-key, query, request, exposure."""
+    audit_chain.add_parsers(audit_sub)
+    p = add_command(
+        audit_sub,
+        "query",
+        "the audit records that match a filter (table or JSON Lines)",
+        "Print the audit records that match every filter given, in record order.",
+        "kvguard audit query --store kvguard-audit.db --kind finding --tenant acme -o json",
+    )
     _source_args(p)
     p.add_argument("--kind", choices=KINDS, help="only records of this kind")
     p.add_argument("--tenant", metavar="T", help="records of tenant T, as offender or as victim")
@@ -213,15 +242,23 @@ def add_parsers(audit_sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--limit", type=int, default=0, metavar="N", help="at most N records (0: all)")
     p.set_defaults(func=cmd_query)
 
-    p = audit_sub.add_parser(
-        "request", help="one request's timeline across nodes: events, findings naming it, commands"
+    p = add_command(
+        audit_sub,
+        "request",
+        "one request's timeline across nodes: events, findings naming it, commands",
+        "Print one request's records across nodes (exit 1 if a finding names it).",
+        "kvguard audit request g1 --daemon 127.0.0.1:7463",
     )
     p.add_argument("id", metavar="ID", help="the request id")
     _source_args(p)
     p.set_defaults(func=cmd_request)
 
-    p = audit_sub.add_parser(
-        "exposure", help="which requests of other tenants read, received or overwrote a tenant's KV"
+    p = add_command(
+        audit_sub,
+        "exposure",
+        "which requests of other tenants read, received or overwrote a tenant's KV",
+        "Report which requests of other tenants read, received or overwrote a tenant's KV (exit 1 if any).",
+        "kvguard audit exposure --tenant acme --since 2026-01-14T00:00:00",
     )
     p.add_argument("--tenant", required=True, metavar="T", help="the tenant whose KV may have leaked")
     p.add_argument("--since", metavar="TIME", help="findings at or after TIME (nanoseconds, or ISO-8601)")
@@ -232,7 +269,11 @@ def add_parsers(audit_sub: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def build_parser() -> argparse.ArgumentParser:
     """A parser of just the audit group (what `kvguard audit` adds these commands to)."""
-    parser = argparse.ArgumentParser(prog="kvguard audit", description="Query the kvguard audit log.")
+    parser = new_parser(
+        "kvguard audit",
+        "Read the kvguard audit log, prove it intact, and seal it with an audit key.",
+        "kvguard audit exposure --tenant acme --store kvguard-audit.db",
+    )
     add_parsers(parser.add_subparsers(dest="audit_command", required=True))
     return parser
 

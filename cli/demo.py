@@ -13,6 +13,7 @@ Invariant: the demo prints what the clients actually received, never a scripted 
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import shutil
 import sys
@@ -21,10 +22,11 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvguard.cli.options import Subcommands, add_command
 from kvguard.cli.process import start_agent, start_daemon
-from kvguard.daemon.audit.exposure import exposure_of, format_exposure
-from kvguard.daemon.audit.source import open_source
-from kvguard.testbed.cluster import Cluster
+
+# The testbed (torch) and the audit log's readers are imported when the demo runs, so that
+# `kvguard --help` does not wait for them.
 
 SECRET = "acme board memo: we acquire Initech at 4.2B on Dec 14, do not disclose. "
 ORDINARY = [
@@ -41,6 +43,8 @@ def _short(text: str, width: int) -> str:
 
 
 def run_demo(out_dir: Path, out: TextIO = sys.stdout) -> int:
+    """Run the demo in `out_dir` (emptied first), narrating on `out`: 0 when the unguarded
+    cluster leaked acme's secret and the guarded one answered an error without it, else 1."""
     started = time.monotonic()
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -67,6 +71,10 @@ def _settled(spool: Path) -> None:
 
 
 def _demo(out_dir: Path, store: Path, sock: Path, address: str, started: float, out: TextIO) -> int:
+    from kvguard.daemon.audit.exposure import exposure_of, format_exposure
+    from kvguard.daemon.audit.source import open_source
+    from kvguard.testbed.cluster import Cluster
+
     runs = {"unguarded": "monitor", "guarded": "enforce"}
     clusters = {
         name: Cluster(
@@ -157,3 +165,21 @@ class _Indented:
 
     def flush(self) -> None:
         self.out.flush()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """`kvguard demo`: exit 0 when the leak happened unguarded and was stopped guarded, else 1."""
+    return run_demo(Path(args.out))
+
+
+def add_parser(sub: Subcommands) -> None:
+    """Add `demo` to the `kvguard` subcommands."""
+    p = add_command(
+        sub,
+        "demo",
+        "the 2026 PD leak on the testbed, unguarded and guarded",
+        "Recreate the 2026 prefill/decode leak on two testbed clusters, one unguarded, one guarded.",
+        "kvguard demo --out /tmp/kvguard-demo",
+    )
+    p.add_argument("--out", default="kvguard-demo", help="where the audit captures go")
+    p.set_defaults(func=cmd_demo)

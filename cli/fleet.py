@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, TextIO
 
-from kvguard.proto.channel import add_arguments
+from kvguard.cli.options import Subcommands, add_command, add_tls_arguments, tls_from_args
 
 if TYPE_CHECKING:  # grpc and protobuf load when the command runs, not for every kvguard command
     from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -59,12 +59,12 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToJson
 
-    from kvguard.proto.channel import channel, from_args
+    from kvguard.proto.channel import channel
     from kvguard.proto.kvguard.v1 import services_pb2 as svc
     from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 
     try:
-        with channel(args.daemon, from_args(args)) as ch:
+        with channel(args.daemon, tls_from_args(args)) as ch:
             state = svc_grpc.FleetServiceStub(ch).State(svc.FleetRequest(), timeout=args.timeout)
     except grpc.RpcError as exc:
         print(f"kvguard fleet: daemon {args.daemon}: {exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -76,12 +76,17 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     return 1 if state.store.refusing else 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser(
-        "fleet", help="the daemon's nodes, findings, refused input, latency and store room (exit 1: refusing)"
+def add_parser(sub: Subcommands) -> None:
+    """Add `fleet` to the `kvguard` subcommands."""
+    p = add_command(
+        sub,
+        "fleet",
+        "the daemon's nodes, findings, refused input, latency and store room (exit 1: refusing)",
+        "Show the daemon's state: its nodes, findings, refused input, latency and the store's room.",
+        "kvguard fleet --daemon 10.0.0.5:7463 -o json",
     )
     p.add_argument("--daemon", default="127.0.0.1:7463", help="the daemon's gRPC address")
-    p.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon")
-    add_arguments(p)
+    add_tls_arguments(p)
     p.set_defaults(func=cmd_fleet)

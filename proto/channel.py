@@ -10,7 +10,6 @@ that node's probes (`node/probe`, e.g. the agent's eBPF witness `p0/ebpf`).
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,17 +67,6 @@ class Tls:
         import grpc
 
         return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("mutual TLS (all three, or none for plaintext on a trusted network)")
-    group.add_argument("--tls-ca", metavar="PEM", help="the CA that signs the other side's certificates")
-    group.add_argument("--tls-cert", metavar="PEM", help="this side's certificate")
-    group.add_argument("--tls-key", metavar="PEM", help="this side's private key")
-
-
-def from_args(args: argparse.Namespace) -> Tls | None:
-    return Tls.load(args.tls_ca, args.tls_cert, args.tls_key)
 
 
 def channel(address: str, tls: Tls | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:

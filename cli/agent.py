@@ -1,0 +1,106 @@
+"""`kvguard agent`: the node agent. The in-engine guards of one machine connect to its Unix
+socket; it spools their events to disk, delivers them to the daemon in order, and carries
+the daemon's kill and quarantine commands back. It prints `READY` on stdout once it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvguard.cli.options import Subcommands, add_command, add_tls_arguments, power_of_two, tls_from_args
+
+# The agent's modules (grpc, NVML, eBPF) are imported when the command runs, so that
+# `kvguard --help` does not wait for them.
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    """Serve until SIGINT or SIGTERM: exit 0, or 2 on a --probe it cannot use."""
+    import signal
+    import threading
+
+    from kvguard.agents.agent import NodeAgent
+    from kvguard.agents.probes import gpu_facts
+
+    tls = tls_from_args(args)
+    agent = NodeAgent(
+        args.socket,
+        args.daemon,
+        args.spool,
+        tls=tls,
+        witness=args.witness or args.witness_uprobes,
+        witness_uprobes=args.witness_uprobes,
+        witness_buffer_pages=args.witness_buffer_pages,
+    )
+    for spec in args.probe or []:
+        parts = spec.split(":", 3)
+        if len(parts) != 4:
+            print(f"kvguard agent: --probe {spec!r} is not NODE:ENGINE:ROLE:SOURCE", file=sys.stderr)
+            return 2
+        try:
+            agent.add_probe(*parts)
+        except ValueError as exc:
+            print(f"kvguard agent: {exc}", file=sys.stderr)
+            return 2
+    print(f"kvguard agent: {gpu_facts().describe()}", file=sys.stderr)
+    if agent.witness.available:
+        print(
+            "kvguard agent: the eBPF wire witness watches each guarded engine's TCP transfers",
+            file=sys.stderr,
+        )
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: agent.stopping.set())
+    thread = threading.Thread(target=agent.serve, daemon=True)
+    thread.start()
+    print(
+        f"kvguard agent: guards connect to {args.socket}; daemon {args.daemon}; spool {args.spool}",
+        file=sys.stderr,
+    )
+    print("READY", flush=True)
+    agent.stopping.wait()
+    thread.join(timeout=2)
+    agent.stop()
+    return 0
+
+
+def add_parser(sub: Subcommands) -> None:
+    """Add `agent` to the `kvguard` subcommands."""
+    p = add_command(
+        sub,
+        "agent",
+        "the node agent: guards' events to the daemon, durably; kills back",
+        "Take this machine's guards' events, spool them, deliver them to the daemon; carry its kills back.",
+        "kvguard agent --daemon 10.0.0.5:7463 --probe p1:vllm:prefill:http://127.0.0.1:8100 --witness",
+    )
+    p.add_argument("--socket", default="/run/kvguard/agent.sock", help="Unix socket the guards connect to")
+    p.add_argument("--daemon", default="127.0.0.1:7463", help="the daemon's gRPC address")
+    p.add_argument("--spool", default="/var/lib/kvguard/spool", help="where unacknowledged events wait")
+    p.add_argument(
+        "--probe",
+        action="append",
+        metavar="NODE:ENGINE:ROLE:SOURCE",
+        help="report an unguarded engine's pool (ENGINE sglang|vllm; SOURCE a log file or http://host:port)",
+    )
+    p.add_argument(
+        "--witness",
+        action="store_true",
+        help="watch each guarded engine's KV transfers from the kernel (eBPF; root) and report them as wire "
+        "events of NODE/ebpf, to be reconciled with what the engine claims it sent",
+    )
+    p.add_argument(
+        "--witness-uprobes",
+        action="store_true",
+        help="--witness, and also count each named transfer's CUDA copies and RDMA work requests with "
+        "uprobes (they trap every such call of a watched engine: about a microsecond each on bare metal)",
+    )
+    p.add_argument(
+        "--witness-buffer-pages",
+        type=power_of_two,
+        default=1024,
+        metavar="N",
+        help="the witness's kernel ring buffer, shared by all CPUs, in pages (a power of two; default 1024): "
+        "what it holds while the agent is busy; events beyond it are lost, counted and reported as "
+        "NODE/ebpf's dropped",
+    )
+    add_tls_arguments(p)
+    p.set_defaults(func=cmd_agent)

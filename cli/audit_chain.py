@@ -1,0 +1,145 @@
+"""`kvguard audit verify | seal | new-key`: the audit log's proof of integrity. Every record
+is chained to the one before it by its hash; a store sealed with an audit key (HMAC-SHA256,
+kept off the database's machine) cannot be rewritten, chain and all, by someone without it.
+
+- `verify`: prove that no record was altered, removed or reordered (with the keys, that the
+  sealed part is the key holder's); and say whether the ledger snapshot is bound to the chain.
+- `seal`: seal a store's chain from its next record on, or rotate its key (daemon stopped).
+- `new-key`: write a new random key, mode 600.
+
+Exit codes: 0 proven / done, 1 not proven or not done (the reason on stderr).
+cli/audit.py adds these commands to the `kvguard audit` group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvguard.cli.options import Subcommands, add_command
+
+# The store (SQLAlchemy, alembic) is imported when a command runs, so that `kvguard --help`
+# does not wait for it.
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """`kvguard audit verify`: exit 0 when the chain (and every seal) is proven intact, else 1."""
+    from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
+
+    try:
+        store = Store(args.store, *(read_audit_key(path) for path in args.audit_key or ()))
+    except (AuditKeyError, StoreError) as exc:
+        print(f"kvguard audit verify: {exc}", file=sys.stderr)
+        return 1
+    ok, n, problem = store.verify()
+    if not ok:
+        print(f"audit log {store.url}: NOT proven intact after {n} good records: {problem}", file=sys.stderr)
+        return 1
+    seals = store.seals
+    sealed = "" if not seals else f", sealed with the audit key from record {seals[0]} on"
+    if len(seals) > 1:
+        sealed += f" (key rotated at record{'s' if len(seals) > 2 else ''} {', '.join(map(str, seals[1:]))})"
+    print(f"audit log {store.url}: {n} records, chain intact{sealed}")
+    # The ledger snapshot a restart would load is derived data, outside the chain, but bound
+    # to it: one that does not match is not loaded (the store is replayed), and is said here.
+    found = store.latest_snapshot()
+    if isinstance(found, str):
+        print(
+            f"ledger snapshot: {found}" + ("" if found == "no snapshot" else " (a restart replays the store)")
+        )
+    else:
+        print(f"ledger snapshot: after record {found[0]}, bound to the chain there")
+    return 0
+
+
+def cmd_seal(args: argparse.Namespace) -> int:
+    """`kvguard audit seal`: exit 0 once sealed (or the key rotated), 1 when it was not."""
+    from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
+
+    try:
+        key = read_audit_key(args.audit_key)
+        if args.current_key:  # a rotation: the holder of the current key seals on with a new one
+            store = Store(args.store, read_audit_key(args.current_key))
+            from_id = store.seal(key, rotate=True)
+            print(
+                f"audit log {store.url}: sealed with the new audit key from record {from_id} on (key rotated)"
+            )
+            return 0
+        plain = Store(args.store)
+        if plain.seals:
+            raise StoreError(
+                f"audit store {plain.url}: sealed already (the current seal from record "
+                f"{plain.seals[-1]} on); to rotate its key, give the current one as --current-key"
+            )
+        ok, n, problem = plain.verify()
+        plain.close()
+        if not ok:  # sealing vouches for nothing before it, but says so only of a sound chain
+            raise StoreError(f"audit store {plain.url}: not sealed: the chain is not intact ({problem})")
+        store = Store(args.store, key)
+        from_id = store.seal()
+    except (AuditKeyError, StoreError) as exc:
+        print(f"kvguard audit seal: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"audit log {store.url}: {n} records, chain intact; "
+        f"sealed with the audit key from record {from_id} on"
+    )
+    return 0
+
+
+def cmd_new_key(args: argparse.Namespace) -> int:
+    """`kvguard audit new-key PATH`: exit 0 once written, 1 when it cannot be."""
+    from kvguard.daemon.store import new_audit_key
+
+    try:
+        new_audit_key(args.path)
+    except OSError as exc:
+        print(f"kvguard audit new-key: {args.path}: {exc.strerror}", file=sys.stderr)
+        return 1
+    print(f"audit key written to {args.path} (mode 600): keep it off the database's machine or disk")
+    return 0
+
+
+def add_parsers(audit_sub: Subcommands) -> None:
+    """Add `verify`, `seal` and `new-key` to the `kvguard audit` subcommands."""
+    p = add_command(
+        audit_sub,
+        "verify",
+        "prove that no record was altered, removed or reordered",
+        "Prove the audit log's hash chain intact, and with its keys, that the sealed part is theirs.",
+        "kvguard audit verify --store kvguard-audit.db --audit-key audit.key",
+    )
+    p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
+    p.add_argument(
+        "--audit-key",
+        metavar="FILE",
+        action="append",
+        help="a key the store is sealed with (needed to prove what it sealed; once per key a rotation left)",
+    )
+    p.set_defaults(func=cmd_verify)
+
+    p = add_command(
+        audit_sub,
+        "seal",
+        "seal a store's chain with an audit key from its next record on (daemon stopped)",
+        "Seal the store's chain with an audit key from its next record on, or rotate its key.",
+        "kvguard audit seal --store kvguard-audit.db --audit-key new.key --current-key audit.key",
+    )
+    p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
+    p.add_argument("--audit-key", metavar="FILE", required=True, help="the key (`kvguard audit new-key`)")
+    p.add_argument(
+        "--current-key",
+        metavar="FILE",
+        help="rotate: the key the store is sealed with now; the new one follows it",
+    )
+    p.set_defaults(func=cmd_seal)
+
+    p = add_command(
+        audit_sub,
+        "new-key",
+        "write a new random audit key (for --audit-key), mode 600",
+        "Write a new random audit key, readable by its owner only; it never overwrites a file.",
+        "kvguard audit new-key /etc/kvguard/audit.key",
+    )
+    p.add_argument("path", help="where (never over an existing file)")
+    p.set_defaults(func=cmd_new_key)

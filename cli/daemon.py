@@ -1,0 +1,178 @@
+"""`kvguard daemon`: the global ledger, the audit store and the alert feed, served over gRPC
+until SIGINT or SIGTERM. It prints `READY PORT` on stdout once it serves (cli/process.py
+waits for that line) and saves a ledger snapshot on a clean stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvguard.cli.options import (
+    Subcommands,
+    add_command,
+    add_tls_arguments,
+    byte_count,
+    events_count,
+    microseconds,
+    milliseconds,
+    tls_from_args,
+)
+
+# The daemon's modules (grpc, SQLAlchemy) and the ruleset (CEL) are imported when the command
+# runs, so that `kvguard --help` does not wait for them.
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    """Serve until stopped: exit 0, or 2 on an unusable ruleset, store, key or option."""
+    import signal
+    import threading
+
+    from kvguard.daemon.server import Daemon, serve
+    from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
+    from kvguard.ruleset import RulesetError, load_ruleset
+
+    tls = tls_from_args(args)
+    try:
+        ruleset = load_ruleset(Path(args.rules) if args.rules else None)
+    except RulesetError as exc:
+        print(f"kvguard daemon: the ruleset is not usable:\n{exc}", file=sys.stderr)
+        return 2
+    woken = ""
+    if args.cpu_latency_us is not None:
+        from kvguard.daemon import cpu_latency
+
+        try:
+            cpu_latency.hold(args.cpu_latency_us)  # its descriptor stays open until the daemon exits
+        except cpu_latency.CpuLatencyError as exc:
+            print(f"kvguard daemon: --cpu-latency-us: {exc}", file=sys.stderr)
+            return 2
+        woken = f"; idle CPUs wake within {args.cpu_latency_us} µs" + (
+            " (they poll)" if args.cpu_latency_us == 0 else ""
+        )
+    # The daemon's loop shares the GIL with gRPC's and the store's helper threads: with
+    # Python's default 5 ms switch interval a reply the loop is due to send could wait that long.
+    sys.setswitchinterval(0.0005)
+    from kvguard.daemon.writer import StoreWriter
+
+    try:
+        key = read_audit_key(args.audit_key) if args.audit_key else None
+        store = Store(args.store, key)
+        if key is not None and store.sealed_from is None:
+            # An empty store is sealed from its first record. One with records is sealed only
+            # on purpose: a seal gone missing (removed along with a rewrite) must not be
+            # replaced by a new one that vouches only for what comes next.
+            if store.count():
+                raise StoreError(
+                    f"audit store {store.url} is not sealed but has records: seal it once with "
+                    "`kvguard audit seal` (or, if it was sealed, its seal was removed: verify it)"
+                )
+            store.seal()
+        store.write_key()  # a sealed store is written only with its key: say so now, not at the first batch
+    except (AuditKeyError, StoreError) as exc:
+        print(f"kvguard daemon: {exc}", file=sys.stderr)
+        return 2
+    # hashing and inserts run on another core, overlapping the ledger
+    writer = StoreWriter(args.store, key=key)
+    skew = int(args.clock_skew_ms * 1_000_000)
+    try:
+        daemon = Daemon(
+            store,
+            ruleset,
+            mode=args.mode,
+            writer=writer,
+            clock_skew_ns=skew,
+            snapshot_every=args.snapshot_every,
+            store_reserve=args.store_reserve,
+        )
+    except StoreError as exc:  # its writer could not open the store: serving would lose every batch
+        writer.close()
+        print(f"kvguard daemon: {exc}", file=sys.stderr)
+        return 2
+    server = serve(daemon, args.listen, tls)
+    port = server.port
+    print(
+        f"kvguard daemon listening on port {port}; store {store.url}; ledger from the snapshot after record "
+        f"{daemon.counters['snapshot_through']} and {daemon.counters['rebuilt_events']} events after it"
+        f"{woken}",
+        file=sys.stderr,
+        flush=True,
+    )
+    print(f"READY {port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2)
+    daemon.close()  # what was received is applied and submitted before the writer finishes
+    writer.close()
+    # The next start loads this and replays only what comes after it.
+    through = daemon.save_snapshot()
+    print(f"kvguard daemon: ledger snapshot saved after record {through}", file=sys.stderr, flush=True)
+    store.close()
+    return 0
+
+
+def add_parser(sub: Subcommands) -> None:
+    """Add `daemon` to the `kvguard` subcommands."""
+    from kvguard.daemon.server import SNAPSHOT_EVERY
+    from kvguard.ledger.ledger import CLOCK_SKEW_NS
+
+    p = add_command(
+        sub,
+        "daemon",
+        "the global ledger, audit store and alert feed over gRPC",
+        "Judge all nodes' events in one ledger, keep the audit log, alert, and in enforce mode order kills.",
+        "kvguard daemon --listen 0.0.0.0:7463 --store /var/lib/kvguard/audit.db --audit-key audit.key",
+    )
+    p.add_argument("--listen", default="127.0.0.1:7463", help="gRPC address (host:port)")
+    p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
+    p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
+    p.add_argument(
+        "--mode", choices=("monitor", "enforce"), default="enforce", help="monitor: never order a kill"
+    )
+    p.add_argument(
+        "--clock-skew-ms",
+        type=milliseconds,
+        default=CLOCK_SKEW_NS / 1e6,
+        metavar="MS",
+        help="how far the nodes' clocks may disagree (default %(default)s): an RDMA write seen posted "
+        "within this of a change of the page it hit is not judged",
+    )
+    p.add_argument(
+        "--snapshot-every",
+        type=events_count,
+        default=SNAPSHOT_EVERY,
+        metavar="EVENTS",
+        help="every this many events, save a ledger snapshot (dumped by a forked copy of the daemon while it "
+        "goes on), so that a start after a crash replays only what came after it (0: only at a clean stop; "
+        "default %(default)s)",
+    )
+    p.add_argument(
+        "--audit-key",
+        metavar="FILE",
+        help="seal the audit chain with this key (HMAC-SHA256; `kvguard audit new-key`), kept outside the "
+        "database, so that no one who can write the database but lacks the key can rewrite it unnoticed; "
+        "a sealed store needs it",
+    )
+    p.add_argument(
+        "--cpu-latency-us",
+        type=microseconds,
+        metavar="US",
+        help="while the daemon runs, no idle CPU of the machine may take longer than this to wake up (Linux "
+        "PM QoS, /dev/cpu_dma_latency: root). 0: idle CPUs poll instead of sleeping, which cuts the alert "
+        "latency's tail on VMs whose idle vCPUs halt to the host, at the price of cores that always look "
+        "busy (default: the machine's own idle policy)",
+    )
+    p.add_argument(
+        "--store-reserve",
+        type=byte_count,
+        default="256M",  # daemon/room.py RESERVE
+        metavar="SIZE",
+        help="take no more events while the store's file system has less than this free (agents keep "
+        "them spooled and resend them once there is room), rather than fail a commit on a full disk; "
+        "0: never (default 256M; SQLite only: a PostgreSQL server's disk is not seen from here)",
+    )
+    add_tls_arguments(p)
+    p.set_defaults(func=cmd_daemon)

@@ -1,0 +1,134 @@
+"""What several `kvguard` commands share: how their --help reads (the defaults shown, one
+example at the bottom), the argparse types of their durations, sizes and counts, and the
+mutual TLS options of every command that speaks gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, TypeAlias
+
+from kvguard.proto.channel import Tls
+
+# What `add_subparsers()` returns: where a command module adds its parser.
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each option's default after its help, and the description and example as written.
+
+    A default is shown unless the help says it already (in its own words, or with
+    %(default)s) or there is none worth saying (None, a flag's False, an empty string).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "") or action.default in (None, "") or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def new_parser(prog: str, description: str, example: str) -> argparse.ArgumentParser:
+    """A top-level parser laid out as every subcommand's is."""
+    return argparse.ArgumentParser(
+        prog=prog, description=description, epilog=_example(example), formatter_class=HelpFormatter
+    )
+
+
+def add_command(
+    subcommands: Subcommands, name: str, summary: str, description: str, example: str
+) -> argparse.ArgumentParser:
+    """Register subcommand `name`: `summary` in its group's list, the one-line `description`
+    atop its --help, and `example` (a whole command line) at the bottom."""
+    return subcommands.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=_example(example),
+        formatter_class=HelpFormatter,
+    )
+
+
+def add_group(
+    subcommands: Subcommands, name: str, summary: str, description: str, example: str
+) -> Subcommands:
+    """Register `name` as a group of subcommands (`kvguard audit ...`) and return where they go;
+    one of them is required (its name is `args.<name>_command`)."""
+    parser = add_command(subcommands, name, summary, description, example)
+    return parser.add_subparsers(dest=f"{name}_command", required=True)
+
+
+def _example(command_line: str) -> str:
+    return f"example:\n  {command_line}"
+
+
+# -------------------------------------------------------------------------------- argparse types
+
+
+def _number(text: str, parse: type[int] | type[float], what: str) -> Any:
+    """`text` as a number for an argparse type, or the error that names it."""
+    try:
+        return parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
+def power_of_two(text: str) -> int:
+    """An argparse type: a positive power of two (what a BPF ring buffer's size must be)."""
+    n = _number(text, int, "a whole number")
+    if n < 1 or n & (n - 1):
+        raise argparse.ArgumentTypeError(f"{n} is not a power of two (1, 2, 4, ... pages)")
+    return n
+
+
+def milliseconds(text: str) -> float:
+    """An argparse type: a duration in milliseconds, not negative."""
+    ms = _number(text, float, "a number of milliseconds")
+    if not 0 <= ms < 1e9:
+        raise argparse.ArgumentTypeError(f"{ms} ms is not a duration from 0 up")
+    return ms
+
+
+def microseconds(text: str) -> int:
+    """An argparse type: a whole number of microseconds, not negative."""
+    from kvguard.daemon.cpu_latency import MAX_US
+
+    us = _number(text, int, "a whole number of microseconds")
+    if not 0 <= us <= MAX_US:
+        raise argparse.ArgumentTypeError(f"{us} µs is not between 0 and {MAX_US}")
+    return us
+
+
+def byte_count(text: str) -> int:
+    """An argparse type: bytes, whole, with an optional K, M, G or T (powers of 1024)."""
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    body = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = scale.get(body[-1:], 1)
+    n = _number(body[:-1] if unit > 1 else body, float, "a size in bytes (e.g. 256M, 2G)")
+    if not 0 <= n * unit < 1 << 60:
+        raise argparse.ArgumentTypeError(f"{text} is not a size from 0 up")
+    return int(n * unit)
+
+
+def events_count(text: str) -> int:
+    """An argparse type: a number of events, 0 or more."""
+    n = _number(text, int, "a whole number of events")
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} events: it cannot be negative")
+    return n
+
+
+# ------------------------------------------------------------------------------------ mutual TLS
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """--tls-ca, --tls-cert and --tls-key: mutual TLS on the command's gRPC (proto/channel.py)."""
+    group = parser.add_argument_group("mutual TLS (all three, or none for plaintext on a trusted network)")
+    group.add_argument("--tls-ca", metavar="PEM", help="the CA that signs the other side's certificates")
+    group.add_argument("--tls-cert", metavar="PEM", help="this side's certificate")
+    group.add_argument("--tls-key", metavar="PEM", help="this side's private key")
+
+
+def tls_from_args(args: argparse.Namespace) -> Tls | None:
+    """The parsed TLS options as a Tls, or None for plaintext; a TlsError names what is missing
+    or unreadable (`kvguard` exits 2 on it)."""
+    return Tls.load(args.tls_ca, args.tls_cert, args.tls_key)
