@@ -1,12 +1,19 @@
-"""`kvguard replay` and `kvguard rules` as a user runs them: a real process, real files."""
+"""`kvguard replay` and `kvguard rules` as a user runs them: a real process, real files; and
+every command's --help: its defaults and one example that is a real command line."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from kvguard.cli import audit, build_parser
 from kvguard.ruleset import DEFAULT_RULES_DIR
 from kvguard.ruleset.fixtures import DEFAULT_FIXTURES_DIR
 
@@ -153,3 +160,65 @@ def test_rules_test_and_check() -> None:
     assert "ok    incident: " in run.stdout
     check = kvguard("rules", "check")
     assert check.returncode == 0 and "stale_read_cross_tenant" in check.stdout
+
+
+def _commands(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """`parser` and every subcommand and nested subcommand under it, each with its words."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _commands(child, (*path, name))
+
+
+COMMANDS = dict(_commands(build_parser()))
+
+
+def test_every_command_is_reached() -> None:
+    assert {" ".join(path) for path in COMMANDS} >= {
+        *("", "replay", "daemon", "agent", "witness", "fleet", "demo"),
+        *("audit", "audit query", "audit request", "audit exposure"),
+        *("audit verify", "audit seal", "audit new-key"),
+        *("rules", "rules check", "rules test", "testbed", "testbed up"),
+    }
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=lambda path: " ".join(("kvguard", *path)))
+def test_help_shows_the_defaults_and_an_example_that_parses(path: tuple[str, ...]) -> None:
+    parser = COMMANDS[path]
+    text = parser.format_help()
+    defaulted = [
+        a.dest
+        for a in parser._actions
+        if a.option_strings and a.default not in (None, "", argparse.SUPPRESS) and a.default is not False
+    ]
+    if defaulted:
+        assert "default" in text, f"{defaulted} have defaults that the help does not show"
+    assert parser.description, "no description"
+    example = text.rpartition("\nexample:\n")[2].strip()
+    assert example.startswith(" ".join(("kvguard", *path))), text
+    build_parser().parse_args(shlex.split(example)[1:])  # a real command line of this command
+
+
+def test_defaults_are_shown_once_and_only_when_there_is_one() -> None:
+    text = COMMANDS[("testbed", "up")].format_help()
+    assert "(default: 8000)" in text and "(default: enforce)" in text
+    assert "default: None" not in text and "default: False" not in text and "(default: )" not in text
+    daemon = COMMANDS[("daemon",)].format_help()
+    assert daemon.count("default 256M") == 1 and "(default: 256M)" not in daemon
+
+
+def test_the_audit_group_alone_has_the_same_commands() -> None:
+    alone = dict(_commands(audit.build_parser()))
+    grouped = {path[1:] for path in COMMANDS if path[:1] == ("audit",)}
+    assert set(alone) == grouped
+
+
+def test_help_does_not_load_torch() -> None:
+    """`kvguard --help` builds every parser: the testbed's torch waits until a command runs.
+    (The daemon's parser still loads the daemon's module for its --snapshot-every default.)"""
+    probe = "import sys; from kvguard.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip() == "False", run.stderr
