@@ -84,7 +84,7 @@ class Worker:
                 sink=sink,
                 on_finding=self._log_finding,
                 on_kill=self._killed,
-                on_quarantine=self.quarantine,
+                on_quarantine=self._quarantined,
             )
         self.guard.pool(
             0,
@@ -106,6 +106,11 @@ class Worker:
         """The daemon ordered a kill (the guard recorded it): end the request it names."""
         with self.lock:
             self.on_kill(req, reason)
+
+    def _quarantined(self, pool: int, pages: list[int]) -> None:
+        """The daemon ordered pages out of circulation (the worker's one pool is pool 0)."""
+        if pool == 0:
+            self.quarantine(pages)
 
     def on_kill(self, req: str, reason: str) -> None:
         """The engine's part of a kill ordered from outside (each worker knows its requests)."""

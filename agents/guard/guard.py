@@ -102,8 +102,8 @@ def _ints(values: Any) -> list[int]:
 
 class Guard:
     """The guard of one engine process (one node). Thread-safe: calls are serialised.
-    `on_kill(req, reason)` and `on_quarantine(pages)`: the engine's own abort path and free
-    list, called when the daemon orders a kill or a quarantine."""
+    `on_kill(req, reason)` and `on_quarantine(pool, pages)`: the engine's own abort path and
+    free list, called when the daemon orders a kill or a quarantine."""
 
     def __init__(
         self,
@@ -115,7 +115,7 @@ class Guard:
         sink: EventSink | None = None,
         on_finding: Callable[[Finding], None] | None = None,
         on_kill: Callable[[str, str], None] | None = None,
-        on_quarantine: Callable[[list[int]], None] | None = None,
+        on_quarantine: Callable[[int, list[int]], None] | None = None,
         clock: Callable[[], int] | None = None,
     ) -> None:
         if mode not in ("monitor", "enforce"):
@@ -246,7 +246,7 @@ class Guard:
             if self._on_kill is not None:
                 self._on_kill(k.req, f"{k.finding} ({k.rule}): {k.message}")
         elif which == "quarantine" and self._on_quarantine is not None:
-            self._on_quarantine(list(command.quarantine.pages))
+            self._on_quarantine(command.quarantine.pool, list(command.quarantine.pages))
 
     # ------------------------------------------------------------------ configuration and lifecycle
 
