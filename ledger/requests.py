@@ -5,7 +5,7 @@ is in use. Requests is the only writer of request state.
 Invariants:
 - a request's name maps to one index while it is known; index 0 (NOBODY) is nobody's; the
   index of a forgotten request is reused, and its row starts from zero;
-- table[idx] (REQ records: _pages.c's `Req`) holds its numbers: state, flags, counts, and when
+- table[idx] (REQ records: pages.h's `Req`) holds its numbers: state, flags, counts, and when
   an event last named it; the C clean path reads state and flags and writes `last` and the
   counts of the pages it applies, through the table handed to it;
 - a request is in use (queued in `recent`, least recently queued first) or retired (in
@@ -24,24 +24,52 @@ import numpy as np
 from kvguard.ledger import _pages
 from kvguard.ledger.findings import NOBODY, BadEvent
 
-REQ: np.dtype = _pages.REQ  # a request's numbers; its layout is _pages.c's `Req`
+REQ: np.dtype = _pages.REQ  # a request's numbers; its layout is ledger/pages.h's `Req`
 STATES: tuple[str, ...] = ("new", "admitted", "finished", "rejected", "aborted", "killed")
 STATE = {name: code for code, name in enumerate(STATES)}
 ENDED: tuple[str, ...] = ("rejected", "aborted", "killed")  # its end: it may only drain from then on
-FIRST_ENDED = STATE["rejected"]  # the states from here on are ENDED (_pages.c: ENDED)
-RETIRED, BOOTSTRAPPED = 1, 2  # flags (_pages.c)
+FIRST_ENDED = STATE["rejected"]  # the states from here on are ENDED (pages.h: ENDED)
+RETIRED, BOOTSTRAPPED = 1, 2  # flags (pages.h)
 COUNTS: tuple[str, ...] = tuple(n for n in REQ.names if n not in ("last", "queued", "state", "flags"))
 if STATES[FIRST_ENDED:] != ENDED:
     raise ImportError("requests.STATES must list the ended states last")
 
 
+class _Number:
+    """A request's number, read from its row of the table (Requests writes it)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, r: Request, owner: type | None = None) -> int:
+        return int(r._table.columns[self.name][r.idx])
+
+
 class Request:
     """One request (a global id: the same request crosses prefill and decode nodes): its name,
     index, tenant, why it ended, its bootstrap's nodes, its transfers, the prefix pages it was
-    given, and the pools it was granted pages in. Its numbers are read here from the table
-    (`state`, `ended`, `bootstrap`, every count); Requests writes them."""
+    given, and the pools it was granted pages in; its numbers, read from the table (Requests
+    writes them)."""
 
     __slots__ = ("_table", "bootstrap_nodes", "id", "idx", "pools", "reason", "shared", "tenant", "xfers")
+
+    last = _Number()  # the applied-event count when an event last named it
+    queued = _Number()  # ... when it was (re)queued among the requests in use
+    prompt_tokens = _Number()
+    output_tokens = _Number()
+    bootstrap_tokens = _Number()  # the prompt tokens its decode side expects
+    reserved_pages = _Number()  # granted on its decode node before its KV arrived
+    granted_pages = _Number()
+    written_pages = _Number()
+    freed_pages = _Number()
+    shared_pages = _Number()
+    sent_pages = _Number()
+    sent_tokens = _Number()
+    sent_bytes = _Number()
+    received_pages = _Number()
+    received_tokens = _Number()
+    received_bytes = _Number()
+    reads = _Number()
 
     def __init__(self, book: Requests, id: str, idx: int) -> None:
         self._table = book  # the owner of the table (which moves when it grows)
@@ -54,35 +82,32 @@ class Request:
         self.shared: dict[tuple[str, int], Any] = {}  # (node, pool) -> the prefix pages it reads (Shared)
         self.pools: list[tuple[str, int]] = []  # (node, pool) where it was ever granted pages
 
-    def _get(self, name: str) -> int:
-        return int(self._table.columns[name][self.idx])
-
     @property
     def state(self) -> str:
-        return STATES[self._get("state")]
+        return STATES[int(self._table.columns["state"][self.idx])]
 
     @property
     def ended(self) -> bool:
-        return self._get("state") >= FIRST_ENDED
+        return int(self._table.columns["state"][self.idx]) >= FIRST_ENDED
 
     @property
     def retired(self) -> bool:
-        return bool(self._get("flags") & RETIRED)
+        return bool(self._table.columns["flags"][self.idx] & RETIRED)
 
     @property
     def bootstrap(self) -> tuple[str, str, int] | None:
         """(prefill node, decode node, prompt tokens the decode side expects), or None."""
         if self.bootstrap_nodes is None:
             return None
-        return (*self.bootstrap_nodes, self._get("bootstrap_tokens"))
+        return (*self.bootstrap_nodes, self.bootstrap_tokens)
 
 
-def _column(name: str) -> property:
-    return property(lambda r: r._get(name), doc=f"The request's {name} (its row of the table).")
-
-
-for _name in (*COUNTS, "last", "queued"):
-    setattr(Request, _name, _column(_name))
+if {name for name, value in vars(Request).items() if isinstance(value, _Number)} != {
+    *COUNTS,
+    "last",
+    "queued",
+}:
+    raise ImportError("Request must read every number of the REQ table (ledger/pages.h: Req)")
 
 
 class Requests:
