@@ -7,9 +7,9 @@ spell of this shared machine hits both (compare the sides round by round, not wi
 from another day). Per run: the end-to-end alert p50/p99 (scheduled send to the subscriber's
 receipt) and the daemon's own stages (FleetState.latencies); at the end, each side's p99s.
 
-The other checkout must be importable as `kvguard` from its parent folder, its C extension
-built: `git worktree add /tmp/base/kvguard COMMIT && cp ledger/_hot*.so /tmp/base/kvguard/ledger/`
-(the same ledger/_hot.c; else build it there).
+The other checkout must be importable as `kvguard` from its parent folder, its C extensions
+built in place: `git worktree add /tmp/base/kvguard COMMIT && (cd /tmp/base/kvguard && python
+setup.py build_ext --inplace)`.
 
     python bench/ab_ingest.py --other /tmp/base/kvguard [--rounds N] [--paced TRANS_PER_S]
 """
@@ -44,7 +44,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     other = args.other.resolve()
-    if other.name != "kvguard" or not (other / "daemon" / "server.py").exists():
+    if other.name != "kvguard" or not (other / "daemon").is_dir():
         raise SystemExit(f"--other {other}: not a kvguard checkout in a folder named kvguard")
     sys.setswitchinterval(0.0005)  # as bench/ingest.py: the agents are threads of this process
     sides = {"this": (HERE, ""), "other": (other, str(other.parent))}

@@ -29,9 +29,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from collections import Counter
+
 import ingest  # the ingest benchmark's workload
 
-from kvguard.daemon.server import Daemon
+from kvguard.daemon.commands import Commands
 from kvguard.daemon.store import Record
 from kvguard.ledger import Ledger
 from kvguard.ledger import pages as pages_module
@@ -54,8 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     w = ingest.build_agent("n0", args.events, 64, 64, 1 << 17, 4, 0)
     ruleset = load_ruleset()
-    daemon = Daemon.__new__(Daemon)  # only its command builder: no store, no loop
-    daemon.mode, daemon._command_id = "enforce", 0
+    commands = Commands("enforce", 0, Counter())  # the daemon's command builder alone
     in_c = pages_module.PoolPages.read_victims
     ledgers = {"C": Ledger(), "NumPy": Ledger()}
     for ledger in ledgers.values():
@@ -92,7 +93,7 @@ def main() -> None:
                     assert evaluated is not None
                     Record.of_finding(evaluated)
                     t2 = time.perf_counter()
-                    for command in daemon._commands_for(evaluated):
+                    for command in commands.of(evaluated):
                         command.SerializeToString()
                     t3 = time.perf_counter()
                     times["verdict"].append(t1 - t0)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ingest  # the ingest benchmark's workload
 
-from kvguard.daemon.server import SNAPSHOT_EVERY
+from kvguard.daemon.snapshots import SNAPSHOT_EVERY
 from kvguard.daemon.store import EventRun, Store, rows_of
 from kvguard.ledger import snapshot
 from kvguard.ledger.ledger import Ledger

@@ -11,10 +11,6 @@ import sys
 
 from kvguard import __version__
 from kvguard.cli import agent, audit, daemon, demo, fleet, replay, rules, testbed, witness
-
-# Kept for tests/daemon/test_room.py (`cli.byte_count`), which is not this part's to change:
-# drop it once that test imports it from kvguard.cli.options.
-from kvguard.cli.options import byte_count as byte_count
 from kvguard.cli.options import new_parser
 
 

@@ -1,37 +1,11 @@
-"""`kvguard audit`: the audit log. This module is the group and its reading commands
-`query | request | exposure` (from the store or the daemon); cli/audit_chain.py has the
-integrity commands `verify | seal | new-key`.
+"""`kvguard audit query | request | exposure`: the audit log's reading commands (from the
+store or the daemon); cli/audit_chain.py has `verify | seal | new-key`. docs/operator.md §5
+is the user's description (filters, outputs, TIME, exit codes).
 
-- `query`: the records that match a filter, as an aligned table or JSON Lines (one object per
-  record: `id`, `kind` and the record itself, the protobuf JSON mapping with proto field names,
-  under `event`, `finding` or `command`, i.e. the JSON form of `kvguard.v1.AuditRecord`).
-- `request ID`: the timeline of one request across nodes, in record order: its events
-  (including `read` launches that list it in any entry), the findings naming it as offender or
-  as victim, and the commands sent for it.
-- `exposure --tenant T`: the blast radius of a leak for one tenant: from the findings whose
-  victim is T and whose offender is another tenant, which requests of which tenants read (or
-  received, or overwrote) T's KV, when, and what was done about it.
-
-Every command reads from exactly one source: `--store` (a SQLAlchemy URL or a SQLite file path)
-or `--daemon host:port` (`AuditService.Query`). Invariants: this module only reads the audit
-log (a store path that does not exist, or a database without the `records` table, is refused
-before `Store()` could create anything; `Store()` still brings an older schema to the newest
-revision); both sources give the same output, built from the record bodies only (never from
-index columns a daemon does not serve), except the body of a command, which a daemon serves
-only once AuditRecord carries one; records always come out in record (id) order.
-
-The parts: daemon/audit's `source` (the store and the daemon behind one interface), `format`
-(times, tables, JSON Lines) and `exposure` (the blast-radius report); this module is the
-commands.
-
-Exit codes: 0 nothing found (no finding names the request, no exposure; `query` always 0),
-1 findings / exposure, 2 unusable input or an unreachable source.
-
-TIME arguments (`--since`, `--until`) take integer nanoseconds of the events' `ts_ns` clock, or
-an ISO-8601 timestamp (a naive one is UTC), converted to nanoseconds since the Unix epoch. The
-ISO form is only meaningful when the nodes stamp events with wall-clock time: the testbed and
-many engines use a monotonic clock, whose nanoseconds are not dates. The TIME column shows
-ts_ns as a UTC date when it is after 2000-01-01 as wall-clock time, else as plain nanoseconds.
+Invariants: this module only reads the audit log (a store path that does not exist, or a
+database without the `records` table, is refused before `Store()` could create anything);
+both sources give the same output, built from record bodies only, in record (id) order.
+Exit codes: 0 nothing found, 1 findings / exposure, 2 unusable input or unreachable source.
 """
 
 from __future__ import annotations
@@ -57,7 +31,6 @@ from kvguard.daemon.audit.source import (
     DEFAULT_STORE,
     KINDS,
     AuditItem,
-    Filters,
     Source,
     UsageError,
     first_line,
@@ -65,6 +38,7 @@ from kvguard.daemon.audit.source import (
 )
 from kvguard.proto import pb
 from kvguard.proto.channel import TlsError
+from kvguard.proto.filter import Filter
 
 _MAX_UINT32 = (1 << 32) - 1
 
@@ -76,7 +50,7 @@ def request_timeline(source: Source, req: str) -> list[AuditItem]:
     """Every record of request `req`, in record order: events (read launches listing it in any
     entry included), findings naming it as offender or victim, commands for it (the store
     indexes every request a record names)."""
-    return list(source.records(Filters(req=req)))
+    return list(source.records(Filter(req=req)))
 
 
 # ---------------------------------------------------------------------------------------- commands
@@ -137,12 +111,12 @@ def cmd_query(args: argparse.Namespace) -> int:
             raise UsageError(f"--limit {args.limit} is not a count (0 to {_MAX_UINT32}; 0: no limit)")
     except UsageError as exc:
         return _usage(prog, exc)
-    filters = Filters(
+    filters = Filter(
         kind=args.kind or "",
         tenant=args.tenant or "",
         req=args.req or "",
         node=args.node or "",
-        finding=args.finding or "",
+        findings=frozenset([args.finding] if args.finding else []),
         since_ns=since,
         until_ns=until,
         limit=args.limit,

@@ -29,7 +29,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from kvguard.daemon.server import Daemon, serve
+    from kvguard.daemon.daemon import Daemon
+    from kvguard.daemon.service import serve
     from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
     from kvguard.ruleset import RulesetError, load_ruleset
 
@@ -116,7 +117,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Subcommands) -> None:
     """Add `daemon` to the `kvguard` subcommands."""
-    from kvguard.daemon.server import SNAPSHOT_EVERY
+    from kvguard.daemon.snapshots import SNAPSHOT_EVERY
     from kvguard.ledger.ledger import CLOCK_SKEW_NS
 
     p = add_command(

@@ -21,7 +21,7 @@ from kvguard.proto.kvguard.v1 import services_pb2 as svc
 CHECK_S = 1.0
 GROWTH_WINDOW_S = 60.0  # the growth rate is the store's over this long
 WARN_S = 3600.0  # say so when, at the current growth, the reserve is this near
-RESERVE = 256 << 20  # at the goal rate (~19 MB/s) over 10 s of room between checks and a refusal
+RESERVE = 256 << 20  # some seconds of the ingest goal's growth: room between a check and a refusal
 
 Measure = Callable[[], tuple[int, int | None]]  # (bytes used, bytes free or None)
 

@@ -10,7 +10,7 @@ commit is reported, in order and only once durable, on the daemon's event loop; 
 fails or dies, that is reported instead and nothing after it commits (the daemon then stops
 and rebuilds from the store). The writer exits after committing what was submitted before
 `close()`, or when the daemon dies (its end of the pipe closes). It has the store open before
-the daemon serves: otherwise the first alerts after a start wait out its start-up (~0.5 s).
+the daemon serves: otherwise the first alerts after a start wait out its start-up.
 """
 
 from __future__ import annotations

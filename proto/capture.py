@@ -1,4 +1,4 @@
-"""JSON Lines captures of kvguard.v1 events (shared/EVENTS.md, "Capture files").
+"""JSON Lines captures of kvguard.v1 events (docs/integrator.md, "The event contract": captures).
 
 One event a line, in the protobuf JSON mapping of `kvguard.v1.Event` with proto field names;
 integers may be numbers or strings; blank lines and lines starting with `#` are ignored.

@@ -22,6 +22,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from kvguard.daemon.store import EventRun, Record, Store
 from kvguard.daemon.writer import InlineWriter
+from kvguard.proto.wire import Batch
 
 PG = os.environ.get("KVGUARD_TEST_PG", "postgresql+psycopg://kvguard:kvguard@127.0.0.1:5432/kvguard_test")
 
@@ -139,24 +140,24 @@ class HeldWriter(InlineWriter):
 
     def __init__(self, store: Store) -> None:
         super().__init__(store)
-        self.held: list[tuple[Sequence[bytes], Sequence[Record | EventRun]]] | None = []
-        self.committed: list[Sequence[bytes]] = []  # each group's batches, as committed
+        self.held: list[tuple[Sequence[Batch], Sequence[Record | EventRun]]] | None = []
+        self.committed: list[Sequence[Batch]] = []  # each group's batches, as committed
 
-    def submit(self, messages: Sequence[bytes], parts: Sequence[Record | EventRun]) -> None:
+    def submit(self, batches: Sequence[Batch], parts: Sequence[Record | EventRun]) -> None:
         if self.held is None:
-            self.committed.append(messages)
-            super().submit(messages, parts)
+            self.committed.append(batches)
+            super().submit(batches, parts)
         else:
-            self.held.append((messages, parts))
+            self.held.append((batches, parts))
 
     def release(self) -> None:
         """Commit what was held, and from now on each group as it comes (thread-safe)."""
 
         def go() -> None:
             held, self.held = self.held, None
-            for messages, parts in held or []:
-                self.committed.append(messages)
-                super(HeldWriter, self).submit(messages, parts)
+            for batches, parts in held or []:
+                self.committed.append(batches)
+                super(HeldWriter, self).submit(batches, parts)
 
         assert self._loop is not None
         self._loop.call_soon_threadsafe(go)

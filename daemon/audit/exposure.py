@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from kvguard.daemon.audit.format import format_time, page_ranges
-from kvguard.daemon.audit.source import Filters, Source
+from kvguard.daemon.audit.source import Source
 from kvguard.proto import pb
+from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 # What the offender did to the victim's KV, by finding kind (the verb of the exposure report).
@@ -219,13 +220,13 @@ def exposure_of(source: Source, tenant: str, since_ns: int = 0, until_ns: int = 
     """The findings where `tenant` is the victim and another tenant the offender, grouped, with
     whether each offending request was killed (a daemon kill command or a guard's kill event)."""
     report = Exposure(tenant, since_ns, until_ns)
-    for item in source.records(Filters(kind="finding", tenant=tenant, since_ns=since_ns, until_ns=until_ns)):
+    for item in source.records(Filter(kind="finding", tenant=tenant, since_ns=since_ns, until_ns=until_ns)):
         if isinstance(item.body, pb.Finding):
             report.add(item.id, item.body)
     for offender in report.offenders.values():
         if not offender.req:
             continue
-        for item in source.records(Filters(req=offender.req)):
+        for item in source.records(Filter(req=offender.req)):
             body = item.body
             if isinstance(body, svc.Command) and body.WhichOneof("body") == "kill":
                 if body.kill.req != offender.req:

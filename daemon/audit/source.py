@@ -9,7 +9,7 @@ serve), so every command built on them prints the same from either.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -17,6 +17,7 @@ from kvguard.proto import pb
 from kvguard.proto.capture import message_to_dict
 from kvguard.proto.channel import Tls
 from kvguard.proto.channel import channel as daemon_channel
+from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 DEFAULT_STORE = "kvguard-audit.db"
@@ -50,26 +51,12 @@ class AuditItem:
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class Filters:
-    """The fields of kvguard.v1.AuditQuery, which are the filters of Store.rows(): same names."""
-
-    kind: str = ""
-    tenant: str = ""
-    req: str = ""
-    node: str = ""
-    finding: str = ""
-    since_ns: int = 0
-    until_ns: int = 0
-    limit: int = 0
-
-
 class Source(Protocol):
     """Where the records come from: a store or a daemon. Every method yields in id order."""
 
     label: str
 
-    def records(self, f: Filters) -> Iterator[AuditItem]: ...
+    def records(self, f: Filter) -> Iterator[AuditItem]: ...
 
     def close(self) -> None: ...
 
@@ -121,8 +108,8 @@ class StoreSource:
             raise UsageError(f"cannot open audit store {where}: {first_line(exc)}") from None
         self.label = where
 
-    def records(self, f: Filters) -> Iterator[AuditItem]:
-        for record_id, kind, body in self.store.rows(**asdict(f)):
+    def records(self, f: Filter) -> Iterator[AuditItem]:
+        for record_id, kind, body in self.store.rows(f):
             yield AuditItem(record_id, kind, _decode(kind, body))
 
     def close(self) -> None:
@@ -145,8 +132,8 @@ class DaemonSource:
         self.channel = daemon_channel(address, tls)
         self.stub = svc_grpc.AuditServiceStub(self.channel)
 
-    def records(self, f: Filters) -> Iterator[AuditItem]:
-        for record in self.stub.Query(svc.AuditQuery(**asdict(f))):
+    def records(self, f: Filter) -> Iterator[AuditItem]:
+        for record in self.stub.Query(f.audit_query()):
             which = record.WhichOneof("body")
             body = getattr(record, which) if which else None
             yield AuditItem(record.id, record.kind, body, f.req if body is None else "")

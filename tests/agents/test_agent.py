@@ -22,7 +22,8 @@ from kvguard.agents.spool import Spool
 from kvguard.cli.process import Service
 from kvguard.cli.process import start_agent as agent_service
 from kvguard.cli.process import start_daemon as daemon_service
-from kvguard.daemon import server
+from kvguard.daemon import service
+from kvguard.daemon.daemon import Daemon
 from kvguard.daemon.store import Store
 from kvguard.daemon.writer import InlineWriter
 from kvguard.proto import pb
@@ -341,8 +342,8 @@ def test_the_agent_sends_on_while_a_batch_commits(tmp_path: Path, held_writer: t
     # the disk moves, every event is stored once, in order, and the spool empties.
     store = Store(str(tmp_path / "audit.db"))
     writer = held_writer(store)
-    daemon = server.Daemon(store, writer=writer)
-    grpc_server = server.Server(daemon, "127.0.0.1:0")
+    daemon = Daemon(store, writer=writer)
+    grpc_server = service.Server(daemon, "127.0.0.1:0")
     agent = NodeAgent(tmp_path / "agent.sock", f"127.0.0.1:{grpc_server.port}", tmp_path / "spool")
     threading.Thread(target=agent.serve, daemon=True).start()
     kills: list[str] = []

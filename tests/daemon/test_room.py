@@ -18,8 +18,8 @@ import grpc
 import numpy as np
 import pytest
 
-from kvguard import cli
 from kvguard.agents.guard import AgentSink, Guard
+from kvguard.cli.options import byte_count
 from kvguard.cli.process import start_agent, start_daemon
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
@@ -159,7 +159,7 @@ def test_the_store_says_what_it_takes_and_whether_its_free_space_is_seen(store_u
 
 
 def test_store_reserve_sizes_read_as_bytes() -> None:
-    assert [cli.byte_count(t) for t in ("0", "4096", "256M", "1.5G", "2GiB", "1t")] == [
+    assert [byte_count(t) for t in ("0", "4096", "256M", "1.5G", "2GiB", "1t")] == [
         0,
         4096,
         256 * MiB,
@@ -169,4 +169,4 @@ def test_store_reserve_sizes_read_as_bytes() -> None:
     ]
     for bad in ("-1M", "lots", "", "nanG"):
         with pytest.raises(argparse.ArgumentTypeError, match="size"):
-            cli.byte_count(bad)
+            byte_count(bad)

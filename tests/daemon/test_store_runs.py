@@ -14,7 +14,6 @@ from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import OperationalError
 
 from kvguard.daemon import _rows
-from kvguard.daemon import store as store_module
 from kvguard.daemon.store import (
     RUN_MAX,
     RUN_SPAN_NS,
@@ -25,6 +24,8 @@ from kvguard.daemon.store import (
     migrations,
     rows_of,
 )
+from kvguard.daemon.store import rows as store_rows
+from kvguard.daemon.store import store as store_module
 from kvguard.daemon.store import store_url as url_of
 from kvguard.proto import pb, wire
 from kvguard.proto.builder import EventLog
@@ -307,22 +308,22 @@ def test_common_events_split_in_c_into_the_rows_read_event_by_event(monkeypatch:
     # any other shape among them sends the whole run that way).
     rng = random.Random(11)
     for run_max in (RUN_MAX, 5):
-        monkeypatch.setattr(store_module, "RUN_MAX", run_max)
+        monkeypatch.setattr(store_rows, "RUN_MAX", run_max)
         for n in [1, 2, 3, *(rng.randint(1, 80) for _ in range(150))]:
             bodies = [e.SerializeToString() for e in common_events(rng, n)]
             batch = wire.batch_of(bodies)
             split = _rows.split_runs(batch.data, batch.heads, 0, n, RUN_SPAN_NS, run_max)
             assert split is not None and split[-1][1] == n
-            assert store_module.run_rows(batch, 0, n) == store_module._parsed_run_rows(bodies)
+            assert store_rows.run_rows(batch, 0, n) == store_rows._parsed_run_rows(bodies)
             # A part of the batch, and the same events where they do not lie back to back.
-            assert store_module.run_rows(batch, n // 3, n) == store_module._parsed_run_rows(bodies[n // 3 :])
+            assert store_rows.run_rows(batch, n // 3, n) == store_rows._parsed_run_rows(bodies[n // 3 :])
             apart = wire.Batch(batch.data, batch.heads[::-1].copy()[::-1].copy())
             apart.heads["batched"] = 0  # heads of single events: their bodies are framed anew
-            assert store_module.run_rows(apart, 0, n) == store_module._parsed_run_rows(bodies)
+            assert store_rows.run_rows(apart, 0, n) == store_rows._parsed_run_rows(bodies)
             other = EventLog().add("n0", "admit", req="n0-r1", tenant="acme").SerializeToString()
             mixed = wire.batch_of([*bodies[: n // 2], other, *bodies[n // 2 :]])
             assert _rows.split_runs(mixed.data, mixed.heads, 0, n + 1, RUN_SPAN_NS, run_max) is None
-            assert store_module.run_rows(mixed, 0, n + 1) == store_module._parsed_run_rows(mixed.events())
+            assert store_rows.run_rows(mixed, 0, n + 1) == store_rows._parsed_run_rows(mixed.events())
     empty = wire.batch_of([])
     assert _rows.split_runs(empty.data, empty.heads, 0, 0, RUN_SPAN_NS, RUN_MAX) == []
     with pytest.raises(TypeError, match="bytes expected"):

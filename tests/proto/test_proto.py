@@ -1,4 +1,5 @@
-"""The wire: generated code is current, and the messages keep the names of shared/EVENTS.md."""
+"""The wire: generated code is current, and the messages keep the names of the event contract
+(docs/integrator.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from kvguard.proto import pb
 from kvguard.proto.generate import PACKAGE_DIR, PROTO_ROOT, generate
 
-# shared/EVENTS.md, the Event table: payload -> its fields.
+# The event contract (docs/integrator.md), the Event table: payload -> its fields.
 CONTRACT = {
     "pool": {
         "pool",

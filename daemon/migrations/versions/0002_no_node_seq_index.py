@@ -1,8 +1,8 @@
 """Drop the unique (node, seq) index of events: the ledger already refuses a repeated (node, seq)
 before anything is stored (it is rebuilt from the store, so it knows every stored event), and
-this index was the store's costliest: 16 interleaved nodes spread its inserts over the B-tree
-(about 3 µs of the writer's ~16 µs per event). A query by node selects about 1/N of all
-events, which a scan serves as well as an index did.
+this index was the store's costliest: interleaved nodes spread its inserts over the B-tree
+(bench/RESULTS-history-2026-12-02.md has the measurement). A query by node selects about 1/N
+of all events, which a scan serves as well as an index did.
 
 Revision ID: 0002
 Revises: 0001

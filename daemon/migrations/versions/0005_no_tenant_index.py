@@ -2,7 +2,7 @@
 (`tenant = T OR victim_tenant = T`), and neither SQLite nor PostgreSQL serves that OR from an
 index on one of its two columns (both plans checked with EXPLAIN: a scan; the exposure
 report's kind = finding narrows it to the findings first), while every event paid for the
-index on insert (0.6-0.9 µs of the writer's time per event on the ingest benchmark's groups).
+index on insert (measured in bench/RESULTS-history-2026-12-02.md).
 Queries by request (records_req) and by kind and time (records_kind_ts) keep theirs.
 
 Revision ID: 0005

@@ -2,9 +2,8 @@
 in SQLite, the primary key in PostgreSQL. Before, SQLite kept the rows twice, in the table (by
 rowid) and in its index `named_req`: every row was two inserts, and every commit wrote the
 table's last leaf besides the index leaves it touched. Queries read the index only (by
-request, or all of it for `audit verify`), so the table's own order served nothing. The
-writer's commits of the ingest benchmark's groups (two 64-event batches, ~32 names) write
-18.4 -> 16.7 WAL frames each (the names alone: 7.5 -> 5.6).
+request, or all of it for `audit verify`), so the table's own order served nothing, and each
+commit writes fewer WAL frames (bench/RESULTS-history-2026-12-02.md).
 
 Revision ID: 0007
 Revises: 0006

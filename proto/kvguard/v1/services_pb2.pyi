@@ -116,18 +116,24 @@ class RawAgentMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[RawEventBatch, _Mapping]] = ...) -> None: ...
 
 class AlertFilter(_message.Message):
-    __slots__ = ("findings", "severities", "tenant", "node", "after")
+    __slots__ = ("findings", "severities", "tenant", "node", "after", "req", "since_ns", "until_ns")
     FINDINGS_FIELD_NUMBER: _ClassVar[int]
     SEVERITIES_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
+    REQ_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_NS_FIELD_NUMBER: _ClassVar[int]
     findings: _containers.RepeatedScalarFieldContainer[str]
     severities: _containers.RepeatedScalarFieldContainer[str]
     tenant: str
     node: str
     after: int
-    def __init__(self, findings: _Optional[_Iterable[str]] = ..., severities: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., node: _Optional[str] = ..., after: _Optional[int] = ...) -> None: ...
+    req: str
+    since_ns: int
+    until_ns: int
+    def __init__(self, findings: _Optional[_Iterable[str]] = ..., severities: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., node: _Optional[str] = ..., after: _Optional[int] = ..., req: _Optional[str] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ...) -> None: ...
 
 class Alert(_message.Message):
     __slots__ = ("cursor", "finding")
@@ -138,7 +144,7 @@ class Alert(_message.Message):
     def __init__(self, cursor: _Optional[int] = ..., finding: _Optional[_Union[_events_pb2.Finding, _Mapping]] = ...) -> None: ...
 
 class AuditQuery(_message.Message):
-    __slots__ = ("kind", "tenant", "req", "node", "finding", "since_ns", "until_ns", "limit")
+    __slots__ = ("kind", "tenant", "req", "node", "finding", "since_ns", "until_ns", "limit", "findings", "severities", "after")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REQ_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +153,9 @@ class AuditQuery(_message.Message):
     SINCE_NS_FIELD_NUMBER: _ClassVar[int]
     UNTIL_NS_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    SEVERITIES_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
     kind: str
     tenant: str
     req: str
@@ -155,7 +164,10 @@ class AuditQuery(_message.Message):
     since_ns: int
     until_ns: int
     limit: int
-    def __init__(self, kind: _Optional[str] = ..., tenant: _Optional[str] = ..., req: _Optional[str] = ..., node: _Optional[str] = ..., finding: _Optional[str] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+    findings: _containers.RepeatedScalarFieldContainer[str]
+    severities: _containers.RepeatedScalarFieldContainer[str]
+    after: int
+    def __init__(self, kind: _Optional[str] = ..., tenant: _Optional[str] = ..., req: _Optional[str] = ..., node: _Optional[str] = ..., finding: _Optional[str] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., limit: _Optional[int] = ..., findings: _Optional[_Iterable[str]] = ..., severities: _Optional[_Iterable[str]] = ..., after: _Optional[int] = ...) -> None: ...
 
 class AuditRecord(_message.Message):
     __slots__ = ("id", "kind", "event", "finding", "command")

@@ -1,0 +1,159 @@
+"""`kvguard daemon`'s core (`Daemon`): the one global ledger, rebuilt from the audit store at
+start, and the parts around it, all on one asyncio event loop in one thread: the ingest
+(ingest.py: batches applied, judged, committed in groups), the commands back to the nodes
+(commands.py), the alert fan-out (fanout.py), the periodic snapshots (snapshots.py) and the
+store's room (room.py). The gRPC services (service.py) call into it.
+
+Invariants: the ledger starts from the store's latest sound snapshot plus every event stored
+after it, so a restart loses nothing and changes no verdict; only the loop's thread changes
+the ledger (the fleet state reads it under the ingest's lock); the daemon times its own part
+of each alert (receipt to verdict, to durable alert, to its write, to the ack).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import threading
+from collections import Counter
+
+from kvguard.daemon.commands import Commands, Reply
+from kvguard.daemon.fanout import Fanout
+from kvguard.daemon.ingest import Batch, Ingest
+from kvguard.daemon.latency import Latencies
+from kvguard.daemon.room import RESERVE, StoreRoom
+from kvguard.daemon.snapshots import SNAPSHOT_EVERY, Snapshots, restored
+from kvguard.daemon.store import Store
+from kvguard.daemon.writer import InlineWriter, Writer
+from kvguard.ledger import CLOCK_SKEW_NS, Ledger, snapshot
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.ruleset import Ruleset, load_ruleset
+
+
+class Daemon:
+    def __init__(
+        self,
+        store: Store,
+        ruleset: Ruleset | None = None,
+        *,
+        mode: str = "enforce",
+        writer: Writer | None = None,
+        clock_skew_ns: int = CLOCK_SKEW_NS,
+        snapshot_every: int = SNAPSHOT_EVERY,
+        store_reserve: int = RESERVE,
+    ) -> None:
+        self.counters: Counter[str] = Counter()
+        self.commands = Commands(mode, store.count("command"), self.counters)  # checks the mode first
+        self.store = store
+        self.ruleset = ruleset if ruleset is not None else load_ruleset()
+        self.ledger, through = restored(store, Ledger(clock_skew_ns=clock_skew_ns))
+        rebuilt = 0
+        for node, batch, skip in store.event_batches(after=through):
+            self.ledger.replay(batch, node, skip)  # verdicts are already stored; this rebuilds the state
+            rebuilt += len(batch) - skip
+        self.counters["rebuilt_events"] = rebuilt
+        self.counters["snapshot_through"] = through
+        self.latencies = Latencies()  # receipt of a batch to its verdicts, alerts and ack
+        self.fanout = Fanout()
+        # Live events are counted from 0: the replayed ones count towards the first snapshot too.
+        self.snapshots = Snapshots(store, snapshot_every, -rebuilt, self.counters)
+        self.writer: Writer = writer if writer is not None else InlineWriter(store)
+        gc.freeze()
+        self.loop = asyncio.new_event_loop()  # the gRPC server runs on it too (service.py)
+        self.pipeline = Ingest(
+            self.ledger,
+            self.ruleset,
+            self.writer,
+            self.commands,
+            self.fanout,
+            self.snapshots,
+            self.latencies,
+            self.counters,
+            self.loop,
+        )
+        try:
+            self.writer.start(
+                self.loop, self.pipeline.committed, self.pipeline.failed
+            )  # StoreError: no writer
+        except BaseException:
+            self.loop.close()
+            raise
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvguard-daemon", daemon=True)
+        self._thread.start()
+        # Whether there is room for more: measured before anything is taken, then every second.
+        self.room = StoreRoom(
+            store.space, store.engine.url.render_as_string(hide_password=True), store_reserve
+        )
+
+    @property
+    def mode(self) -> str:
+        return self.commands.mode
+
+    def ingest(self, batch: Batch) -> None:
+        """Take a node's batch (on the daemon's loop): see Ingest.ingest."""
+        self.pipeline.ingest(batch)
+
+    def connect(self, node: str, send: Reply) -> bool:
+        return self.commands.connect(node, send)
+
+    def disconnect(self, node: str, send: Reply) -> None:
+        self.commands.disconnect(node, send)
+
+    def send_command(self, node: str, command: svc.Command) -> None:
+        self.commands.send(node, command)
+
+    def durable_seq(self, node: str) -> int:
+        """The last sequence number of `node` that the store holds (0: none)."""
+        return self.pipeline.durable.get(node, 0)
+
+    def save_snapshot(self) -> int:
+        """Store the ledger's state as of the last committed record (call once the loop has
+        stopped and the writer has committed everything); returns that record."""
+        return self.store.save_snapshot(snapshot.dump(self.ledger))
+
+    def close(self, timeout: float = 60) -> None:
+        """Commit what was applied, then stop the loop (call from another thread, after the
+        server stops and before the writer closes). Acks of that last work reach no stream;
+        the agents resend it and the ledger answers with repeats."""
+        if self._thread.is_alive():
+            with contextlib.suppress(TimeoutError):
+                asyncio.run_coroutine_threadsafe(self.pipeline.drain(), self.loop).result(timeout)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+        self.snapshots.join(timeout=120)  # a forked snapshot being stored finishes first
+        self.room.close()
+
+    def fleet(self) -> svc.FleetState:
+        """The fleet as the daemon sees it: every node and its pools, the counts, the store's
+        room and the daemon's own latencies."""
+        with self.pipeline.lock:
+            ledger = self.ledger
+            state = svc.FleetState(requests=ledger.known_requests, events=self.counters["events"])
+            for name, node in sorted(ledger.nodes.items()):
+                ns = state.nodes.add(
+                    node=name,
+                    last_seq=node.last_seq,
+                    last_ts_ns=node.last_ts_ns,
+                    connected=name in self.commands.outboxes,
+                    dropped=node.dropped,
+                )
+                for pool in node.pools.values():
+                    ns.pools.add(node=name, report=pool.report, pages_in_use=int((pool.pages.use > 0).sum()))
+            for kind, n in ledger.stats.findings.items():
+                state.findings[kind] = n
+            for name, n in self.counters.items():
+                state.counters[name] = n
+            # What the ledger could not see or judge, and what it retired and forgot.
+            for name, n in ledger.stats.totals().items():
+                state.counters[f"ledger_{name}"] = n
+        state.store.CopyFrom(self.room.state())
+        for took in self.latencies.summaries():
+            state.latencies.add(
+                stage=took.stage,
+                count=took.count,
+                p50_ms=took.p50_s * 1e3,
+                p99_ms=took.p99_s * 1e3,
+                max_ms=took.max_s * 1e3,
+            )
+        return state

@@ -1,0 +1,303 @@
+"""Batches to the ledger, and their records to the store, on the daemon's loop (`Ingest`).
+
+A batch's events are applied in arrival order, one step (at most APPLY_SLICE events, or
+DELIVERING_SLICE while alerts are being written out) at a time, so that deliveries never wait
+behind a queue of batches. What is applied goes to the writer in groups: a group goes when
+the one before it is reported durable (group commit), or at once if it holds an alert (the
+step ends at the alert's event). Each finding is judged by the ruleset as its event is
+applied, and the commands it orders go out before the commit.
+
+Invariants: an acknowledged event is durable, and an alert's cursor names a durable record;
+(node, seq) is applied and stored at most once; a batch's ack goes after every event of it is
+durable; an error applying a batch, or a store failure, stops the daemon (exit 70), which
+then rebuilds from the store rather than run ahead of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import sys
+import threading
+import time
+import traceback
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from kvguard.daemon.commands import Commands
+from kvguard.daemon.fanout import Fanout
+from kvguard.daemon.latency import Latencies
+from kvguard.daemon.snapshots import Snapshots
+from kvguard.daemon.store import EventRun, Record
+from kvguard.daemon.writer import Writer
+from kvguard.ledger import BadEvent, Finding, Ledger
+from kvguard.proto import wire
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.ruleset import Ruleset
+
+APPLY_SLICE = 256  # events applied in one step of the loop: the most a delivery waits behind
+DELIVERING_SLICE = 16  # ... while alerts are being written to subscribers (each write waits a turn)
+FREEZE_EVERY_S = 1.0  # how often long-lived objects leave the garbage collector's view
+Reply = Callable[[svc.DaemonMessage], None]
+
+
+@dataclass(slots=True)
+class Batch:
+    """One stream's batch on its way through the daemon."""
+
+    node: str
+    events: wire.Batch  # as received, its heads read once: the ledger and the store take them
+    reply: Reply  # where its ack goes (the stream's outbox)
+    # How far it is applied, when that takes more than one step of the loop:
+    ack: svc.Ack | None = None  # set at its first event
+    index: int = -1  # its place in the group being filled (-1: not in it yet)
+    done: int = 0  # events applied
+    run: int = -1  # start of the run of accepted events still open
+    received: float = field(default_factory=time.perf_counter)  # for the daemon's own latencies
+
+
+@dataclass(slots=True)
+class Group:
+    """Events applied to the ledger and committed together: what they produced, to commit and
+    then release. A group may end in the middle of a batch (an alert's group goes to the writer
+    at once); the batch's ack goes with the group that holds its last event."""
+
+    batches: list[wire.Batch] = field(default_factory=list)  # with events in it
+    parts: list[Record | EventRun] = field(default_factory=list)  # EventRun.batch: index in batches
+    rows: int = 0  # the ids its parts take (a run of events one per event)
+    # (its id less the group's first, the finding, when its batch was received)
+    findings: list[tuple[int, Finding, float]] = field(default_factory=list)
+    ended: list[Batch] = field(default_factory=list)  # batches whose last event it holds: their acks
+    committed: Future[int] = field(default_factory=Future)  # its first record id, once durable
+
+    def add(self, part: Record | EventRun) -> None:
+        self.parts.append(part)
+        self.rows += part.stop - part.start if isinstance(part, EventRun) else 1
+
+
+class Ingest:
+    def __init__(
+        self,
+        ledger: Ledger,
+        ruleset: Ruleset,
+        writer: Writer,
+        commands: Commands,
+        fanout: Fanout,
+        snapshots: Snapshots,
+        latencies: Latencies,
+        counters: Counter[str],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.ledger = ledger
+        self.ruleset = ruleset
+        self.writer = writer
+        self.commands = commands
+        self.fanout = fanout
+        self.snapshots = snapshots
+        self.latencies = latencies
+        self.counters = counters
+        self.loop = loop
+        self.lock = threading.Lock()  # the ledger, against readers on other threads (fleet state)
+        # node -> the last sequence number the store holds (what a new stream is told); moves
+        # only when a group commits, while the ledger runs ahead by the groups in flight.
+        self.durable: dict[str, int] = {name: node.last_seq for name, node in ledger.nodes.items()}
+        self._inbox: deque[Batch] = deque()  # received, not yet applied (the head is next)
+        self._apply_due = False  # _apply_next is scheduled
+        self._next = Group()  # events applied since the last submit
+        self._committing: deque[Group] = deque()  # submitted, not yet reported durable, in order
+        self._alerting = 0  # groups in _committing that hold an alert
+        self._drained: asyncio.Event | None = None  # drain(): set once nothing is left to commit
+        self._frozen = time.monotonic()
+
+    def ingest(self, batch: Batch) -> None:
+        """Take one batch of a node's events (on the daemon's loop) to apply in arrival order:
+        its commands go out as soon as it is applied, its ack to `batch.reply` once it is
+        durable. Batches that arrive while a group commits are committed together next."""
+        self._inbox.append(batch)
+        if not self._apply_due:
+            self._apply_due = True
+            self.loop.call_soon(self._apply_next)
+
+    def _apply_next(self) -> None:
+        """Apply the oldest batch received (up to a step of its events), then let the loop run
+        what became ready meanwhile before the next: applying is the loop's one long step, and
+        the steps that deliver a kill, an ack or an alert are short; taken in turn with whole
+        batches they would wait behind every batch received before them."""
+        self._apply_due = False
+        if not self._inbox:
+            return  # drain() applied it already
+        # Smaller steps while alerts are being written: a stream writes one alert at a time,
+        # and its next write waits for a turn of the loop, i.e. for the step before it.
+        limit = DELIVERING_SLICE if self.fanout.delivering else APPLY_SLICE
+        try:
+            whole = self._apply(self._inbox[0], self._next, limit)
+        except Exception as exc:  # a bug: the ledger may have moved past what the group holds
+            traceback.print_exc(file=sys.stderr)
+            self.failed(exc)  # stop; the restart rebuilds from the store
+            return
+        if whole:
+            self._inbox.popleft()
+        if self._inbox:
+            self._apply_due = True
+            self.loop.call_soon(self._apply_next)
+        if not self._committing or self._next.findings:
+            # Group commit, except for alerts: their group goes to the writer now, queued
+            # behind the commit in flight, which the writer then takes up without waiting for
+            # the loop to read that commit's report first.
+            self._submit()
+        if time.monotonic() - self._frozen > FREEZE_EVERY_S:
+            # The ledger only grows, and a full collection walks every object it can see (the
+            # daemon's worst pause): survivors of the last second leave its view (O(1)). They
+            # are the ledger's, which live on anyway; the daemon's own objects are freed by
+            # reference counting.
+            gc.freeze()
+            self._frozen = time.monotonic()
+
+    def _submit(self) -> None:
+        """Everything applied so far goes to the writer as one group. A batch applied in part
+        goes with its events so far only for an alert's sake (the rest in a later group): its
+        ack waits for its last event anyway."""
+        group = self._next
+        partial = self._inbox[0] if self._inbox and self._inbox[0].index >= 0 else None
+        if not group.batches or (partial is not None and not group.findings):
+            return
+        self._next = Group()
+        if partial is not None:  # its run so far ends here
+            if partial.run >= 0:
+                group.add(EventRun(partial.index, partial.run, partial.done))
+            partial.index = partial.run = -1
+        self._committing.append(group)
+        self._alerting += bool(group.findings)
+        self.writer.submit(group.batches, group.parts)
+        if group.rows and self.snapshots.due(self.counters["events"]):
+            self.snapshots.fork(self.ledger, self.counters["events"], group.committed, group.rows)
+
+    def committed(self, first_id: int) -> None:
+        """The writer's report: the oldest group in flight is durable. Its alerts go out, then
+        its acks (its commands went out before the commit, so a stream's commands reach its
+        agent before the ack of the batch that caused them); then the next group is submitted."""
+        group = self._committing.popleft()
+        group.committed.set_result(first_id)
+        self._alerting -= bool(group.findings)
+        now = time.perf_counter()  # the group's alerts and acks all go out in this step
+        for row_index, finding, received in group.findings:
+            self.fanout.publish(first_id + row_index, finding, received)
+            self.latencies.record("alert", now - received)
+        for batch in group.ended:
+            ack = batch.ack
+            assert ack is not None
+            self.durable[ack.node] = ack.durable_seq
+            batch.reply(svc.DaemonMessage(ack=ack))
+            self.latencies.record("ack", now - batch.received)
+        self._submit()
+        if self._drained is not None and not self._committing:
+            self._drained.set()
+
+    async def drain(self) -> None:
+        """Apply and commit what was received (on the loop, at the daemon's close)."""
+        self._drained = asyncio.Event()
+        while self._inbox:
+            self._apply_next()
+        self._submit()
+        if self._committing:
+            await self._drained.wait()
+
+    @staticmethod
+    def failed(exc: BaseException) -> None:
+        # The ledger has moved past what is durable: stop, and rebuild from the store.
+        print(f"kvguard daemon: {exc}; stopping", file=sys.stderr, flush=True)
+        os._exit(70)
+
+    def _apply(self, batch: Batch, group: Group, limit: int) -> bool:
+        """Apply up to `limit` more events of a batch to the ledger, into `group`; True once
+        the batch is whole. Its accepted events become runs of rows, each finding (and the
+        commands it orders) a row right after the event that raised it. The step ends after
+        an event that raised an alert, so that its group goes to the writer now; unless an
+        alert's group is committing already: then the step goes on (a storm of findings in a
+        large batch would otherwise send the writer that batch per finding)."""
+        if batch.ack is None:
+            batch.ack = svc.Ack(node=batch.node)
+        if batch.index < 0:  # its first events in this group
+            batch.index = len(group.batches)
+            group.batches.append(batch.events)
+        node, ack, m, run, events = batch.node, batch.ack, batch.index, batch.run, batch.events
+        end = min(len(events), batch.done + limit)
+        i, accepted = batch.done, 0
+        with self.lock:
+            while i < end:
+                # The clean common events in C, as many as come in a row; the next one (a
+                # finding, an error, anything less common) one at a time.
+                clean = self.ledger.apply_clean(events, i, end, node)
+                if clean > i:
+                    accepted += clean - i
+                    if run < 0:
+                        run = i
+                    i = clean
+                    if i == end:
+                        break
+                found = self._apply_event(node, events, i, ack)
+                if found is None:  # not applied: not stored
+                    if run >= 0:
+                        group.add(EventRun(m, run, i))
+                        run = -1
+                    i += 1
+                    continue
+                accepted += 1
+                if run < 0:
+                    run = i
+                if found:
+                    group.add(EventRun(m, run, i + 1))
+                    run = -1
+                    self._judge(found, group, batch.received)
+                    if group.findings and not self._alerting:
+                        end = i + 1
+                i += 1
+            ack.accepted += accepted
+            batch.done, batch.run = end, run
+            if end < len(events):
+                return False
+            if run >= 0:
+                group.add(EventRun(m, run, len(events)))
+            known = self.ledger.nodes.get(node)
+            ack.durable_seq = known.last_seq if known else 0
+            group.ended.append(batch)
+            self.counters["events"] += ack.accepted
+        return True
+
+    def _apply_event(self, node: str, events: wire.Batch, i: int, ack: svc.Ack) -> Sequence[Finding] | None:
+        """Event i of `node`'s batch to the ledger: its findings, or None (and why, in the ack)
+        if it was not applied (another node's event among them)."""
+        try:
+            return self.ledger.apply_serialized(events.event(i), node)
+        except BadEvent as exc:
+            self.counters[exc.kind] += 1
+            if exc.kind == "repeat":
+                ack.repeats += 1
+            else:
+                ack.rejected.add(seq=events.seq(i), reason=str(exc))
+        except Exception as exc:  # a bug must not take the daemon or the stream down
+            self.counters["internal"] += 1
+            ack.rejected.add(seq=events.seq(i), reason=f"internal error applying the event: {exc!r}")
+            traceback.print_exc(file=sys.stderr)
+        return None
+
+    def _judge(self, found: Sequence[Finding], out: Group, received: float) -> None:
+        """The ruleset's verdict on each finding of an event (of a batch received at
+        `received`): its row, then its commands' rows; the commands go out now, before the
+        commit (see the module's invariants)."""
+        for f in found:
+            evaluated = self.ruleset.evaluate(f)
+            if evaluated is None:
+                continue
+            out.findings.append((out.rows, evaluated, received))
+            self.counters["findings"] += 1
+            out.add(Record.of_finding(evaluated))
+            for command in self.commands.of(evaluated):
+                body = command.SerializeToString()
+                out.add(Record("command", evaluated.node, command.id, evaluated.ts_ns, body, evaluated.req))
+                self.counters["kills" if command.HasField("kill") else "quarantines"] += 1
+                self.commands.send(evaluated.node, command)
+            self.latencies.record("verdict", time.perf_counter() - received)

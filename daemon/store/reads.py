@@ -1,0 +1,177 @@
+"""Reading the audit store: the events to rebuild a ledger from (`event_batches`), the
+records a filter takes (`rows`: the audit queries and the alert backlog), and the proof that
+the chain is whole (`verify`).
+
+Invariants: everything is read in id order, a run's events one by one under their own ids,
+as if each were a record of its own; reading changes nothing; a filter means what
+proto/filter.py says it means (the same as on the live alert stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import Engine, func, select
+
+from kvguard.daemon.store.chain import GENESIS, chain
+from kvguard.daemon.store.rows import RUN_SPAN_NS, indexed, named_of, run_events, run_ids
+from kvguard.daemon.store.schema import COLUMNS, named, records
+from kvguard.proto import pb, wire
+from kvguard.proto.filter import Filter
+
+
+def holding(conn: Any, record_id: int) -> int:
+    """The id of the record that holds id `record_id` (a run holds its events' ids), or
+    `record_id` if none does yet."""
+    c = records.c
+    found = conn.execute(select(func.max(c.id)).where(c.id <= record_id)).scalar()
+    return int(found) if found is not None else record_id
+
+
+def events(engine: Engine, after: int = 0) -> Iterator[pb.Event]:
+    """The stored events after id `after`, in the order they were applied, parsed."""
+    for _, batch, skip in event_batches(engine, after):
+        for i in range(skip, len(batch)):
+            yield pb.Event.FromString(batch.event(i))
+
+
+def event_batches(engine: Engine, after: int = 0) -> Iterator[tuple[str, wire.Batch, int]]:
+    """The stored events after id `after`, in the order they were applied, as their bytes:
+    (node, its events, how many of them come before `after`) per record, a run's together
+    (the daemon rebuilds its ledger from them at start, applying them as it applied them
+    live)."""
+    c = records.c
+    query = select(c.id, c.kind, c.node, c.body).where(c.kind.in_(("event", "events"))).order_by(c.id)
+    with engine.connect() as conn:
+        query = query.where(c.id >= holding(conn, after + 1))
+        with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
+            for record_id, kind, node, body in result:
+                if kind == "event":
+                    if record_id > after:
+                        yield node, wire.single(bytes(body)), 0
+                    continue
+                yield node, wire.decode_batch(bytes(body), wrapped=False), max(0, after + 1 - record_id)
+
+
+def rows(engine: Engine, f: Filter) -> Iterator[tuple[int, str, bytes]]:
+    """(id, kind, body) of the events, findings and commands the filter takes, in id order
+    (after `f.after`, at most `f.limit`); a run's events one by one, each as (its id, "event",
+    its bytes). A tenant or a request matches as offender or as victim."""
+    c = records.c
+    # Runs are selected by what may match (their first id and time, every request they
+    # name), and their events filtered one by one below.
+    query = select(c.id, c.kind, c.ts_ns, c.body).order_by(c.id)
+    if f.kind:
+        query = query.where(c.kind.in_(("event", "events")) if f.kind == "event" else c.kind == f.kind)
+    if f.tenant:
+        query = query.where((c.tenant == f.tenant) | (c.victim_tenant == f.tenant) | (c.kind == "events"))
+    if f.req:  # its own request, or one it names beyond it (a read launch's batch, a victim, a run)
+        query = query.where(
+            (c.req == f.req) | c.id.in_(select(named.c.record_id).where(named.c.req == f.req))
+        )
+    if f.node:
+        query = query.where(c.node == f.node)
+    if f.findings:
+        query = query.where(c.finding.in_(sorted(f.findings)))
+    if f.severities:
+        query = query.where(c.severity.in_(sorted(f.severities)))
+    if f.since_ns:
+        query = query.where(c.ts_ns >= f.since_ns - RUN_SPAN_NS)
+    if f.until_ns:
+        query = query.where(c.ts_ns <= f.until_ns)
+    inspect = bool(f.tenant or f.req or f.since_ns or f.until_ns)  # a run's events must be decoded
+    left = f.limit or -1
+    with engine.connect() as conn:
+        if f.after:
+            query = query.where(c.id >= holding(conn, f.after + 1))
+        with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
+            for record_id, record_kind, ts_ns, body in result:
+                if record_kind != "events":
+                    if record_id <= f.after or ts_ns < f.since_ns:
+                        continue
+                    yield record_id, record_kind, body
+                    left -= 1
+                    if not left:
+                        return
+                    continue
+                for i, data in enumerate(run_events(body)):
+                    if record_id + i <= f.after or (inspect and not _event_matches(data, f)):
+                        continue
+                    yield record_id + i, "event", data
+                    left -= 1
+                    if not left:
+                        return
+
+
+def _event_matches(data: bytes, f: Filter) -> bool:
+    """Whether an event of a run passes the filter's time, tenant and request."""
+    event = pb.Event.FromString(data)
+    if (f.since_ns and event.ts_ns < f.since_ns) or (f.until_ns and event.ts_ns > f.until_ns):
+        return False
+    own, own_tenant, others = indexed(event)
+    return not ((f.tenant and own_tenant != f.tenant) or (f.req and f.req != own and f.req not in others))
+
+
+def verify(
+    engine: Engine, seals: list[tuple[int, bytes]], keys: dict[int, bytes], given: bool
+) -> tuple[bool, int, str]:
+    """Walk the chain: (intact, records checked, what is wrong where). A sealed store is
+    proven only with its audit key; a key given for a store that is not sealed proves
+    nothing either (the seal may have been removed along with a rewrite). The index of
+    named requests, outside the chain, is checked against the bodies it derives from (a
+    row removed from it would hide a read launch from a request's timeline)."""
+    if given and not seals:
+        return (
+            False,
+            0,
+            "an audit key was given but the chain is not sealed (never sealed, or the seal was removed)",
+        )
+    # Seal i covers its records up to the next seal's first record (a later seal made at
+    # the same record replaces it).
+    starts = [from_id for from_id, _ in seals] + [1 << 63]
+    segment = -1  # the seal covering the record (-1: before any)
+    prev, expected_id, n = GENESIS, 1, 0
+    with (
+        engine.connect() as conn,
+        engine.connect() as side,
+        conn.execution_options(stream_results=True, yield_per=2000).execute(
+            select(records).order_by(records.c.id)
+        ) as result,
+        side.execution_options(stream_results=True, yield_per=2000).execute(
+            select(named.c.record_id, named.c.req).order_by(named.c.record_id)
+        ) as named_rows,
+    ):
+        index = iter(named_rows)
+        pending = next(index, None)
+        for row in result:
+            v = row._mapping
+            if v["id"] != expected_id:
+                return False, n, f"record {expected_id} is missing (next is {v['id']})"
+            if v["prev_hash"] != prev:
+                return False, n, f"record {v['id']}: the chain is broken before it"
+            while v["id"] >= starts[segment + 1]:
+                segment += 1
+            key = keys.get(segment)
+            if segment >= 0 and key is None:
+                return (
+                    False,
+                    n,
+                    f"records from {starts[segment]} on are sealed with an audit key not given: "
+                    "proving them needs it",
+                )
+            if chain(prev, v["id"], [v[name] for name in COLUMNS], v["body"], key) != v["hash"]:
+                return False, n, f"record {v['id']} ({v['kind']} of {v['node']}) was altered"
+            indexed = []
+            while pending is not None and pending[0] <= v["id"]:
+                indexed.append((pending[0], pending[1]))
+                pending = next(index, None)
+            if sorted(indexed) != [(v["id"], req) for req in named_of(v["kind"], v["body"])]:
+                return False, n, f"record {v['id']}: the index of the requests it names was altered"
+            ids = run_ids(v["kind"], v["body"])
+            if v["kind"] == "events" and ids < 2:
+                return False, n, f"record {v['id']}: a run of {ids} events"
+            prev, expected_id, n = v["hash"], expected_id + ids, n + ids
+    if pending is not None:
+        return False, n, f"the index of named requests lists record {pending[0]}, past the last record"
+    return True, n, ""

@@ -1,0 +1,84 @@
+"""The audit store's schema (tables), its migrations (Alembic, daemon/migrations) and where a
+store lies (`store_url`).
+
+Invariant: the schema is created and changed only by the migrations; `records` is the hash
+chain (append-only, one id per event, finding or command), `named` indexes every request a
+record names beyond its `req` column (derived, outside the chain), `snapshots` and `seal` are
+bound to the chain (store.py, chain.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import BigInteger, Column, Engine, Integer, LargeBinary, MetaData, String, Table
+
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+
+metadata = MetaData()
+records = Table(
+    "records",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=False),
+    Column("kind", String(16), nullable=False),
+    Column("node", String(128), nullable=False),
+    Column("seq", BigInteger(), nullable=False),
+    Column("ts_ns", BigInteger(), nullable=False),
+    Column("req", String(256), nullable=False),
+    Column("tenant", String(128), nullable=False),
+    Column("victim_tenant", String(128), nullable=False),
+    Column("finding", String(32), nullable=False),
+    Column("severity", String(16), nullable=False),
+    Column("body", LargeBinary(), nullable=False),
+    Column("prev_hash", LargeBinary(32), nullable=False),
+    Column("hash", LargeBinary(32), nullable=False),
+)
+COLUMNS = ("kind", "node", "seq", "ts_ns", "req", "tenant", "victim_tenant", "finding", "severity")
+snapshots = Table(
+    "snapshots",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True),
+    Column("through_id", BigInteger(), nullable=False),
+    Column("created_ns", BigInteger(), nullable=False),
+    Column("body", LargeBinary(), nullable=False),
+    Column("digest", LargeBinary(32), nullable=False),
+)
+SNAPSHOTS_KEPT = 2
+seal = Table(
+    "seal",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True),
+    Column("from_id", BigInteger(), nullable=False),
+    Column("tag", LargeBinary(32), nullable=False),
+)
+# The requests a record names beyond its `req` column (migration 0006): derived, outside the
+# chain; one B-tree by request (0007: WITHOUT ROWID in SQLite), as the queries read it.
+named = Table(
+    "named",
+    metadata,
+    Column("req", String(256), primary_key=True),
+    Column("record_id", BigInteger(), primary_key=True, autoincrement=False),
+    sqlite_with_rowid=False,
+)
+
+
+def store_url(where: str) -> str:
+    """A SQLAlchemy URL, or a plain file path taken as a SQLite database."""
+    return where if "://" in where else f"sqlite:///{Path(where).resolve()}"
+
+
+def migrations(conn: Any) -> Config:
+    """Alembic's configuration of the store's migrations, run on `conn` (in its transaction)."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["connection"] = conn
+    return config
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the schema to the newest revision (Alembic)."""
+    with engine.begin() as conn:
+        command.upgrade(migrations(conn), "head")

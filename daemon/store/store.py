@@ -1,0 +1,336 @@
+"""The audit store (`Store`): events, findings and commands, append-only, in one hash chain,
+in SQLite (WAL, a file: the default) or PostgreSQL (any SQLAlchemy URL).
+
+Invariants: records are only ever inserted; every event, finding and command has an id, 1, 2,
+3, ... without gaps; each record's hash covers its id, every column and the previous record's
+(chain.py), so `verify()` proves that nothing was altered, removed or reordered; one store has
+one writer (the daemon's writer process), which owns the chain and its last hash; a store
+sealed with an audit key is appended to only with that key. Snapshots are kept bound to the
+chain, the newest SNAPSHOTS_KEPT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine, event, func, select, text
+
+from kvguard.daemon.store import reads
+from kvguard.daemon.store.chain import GENESIS, chain, seal_tag, snapshot_digest
+from kvguard.daemon.store.rows import Record, run_ids
+from kvguard.daemon.store.schema import COLUMNS, SNAPSHOTS_KEPT, migrate, records, seal, snapshots, store_url
+from kvguard.proto import pb, wire
+from kvguard.proto.filter import Filter
+
+WAL_RESTART_S = 1.0  # how often the writer lets SQLite start its WAL over (restart_wal)
+
+
+class StoreError(RuntimeError):
+    """The store could not commit: nothing of the batch is durable."""
+
+
+def _ending(conn: Any, through: int | None) -> tuple[int, bytes] | None:
+    """(the last id, the hash) of the record that holds id `through` (None: the last
+    record), or None if there is none."""
+    c = records.c
+    query = select(c.id, c.kind, c.body, c.hash).order_by(c.id.desc()).limit(1)
+    if through is not None:
+        query = query.where(c.id <= through)
+    row = conn.execute(query).first()
+    return (row[0] + run_ids(row[1], row[2]) - 1, row[3]) if row else None
+
+
+def _checkpoint(conn: Any) -> None:
+    """Copy what is committed in the WAL into the database file, as far as no reader still
+    needs the frames (SQLite's PASSIVE checkpoint: it never waits for a reader or the writer)."""
+    cursor = conn.cursor()
+    cursor.execute("PRAGMA wal_checkpoint(PASSIVE)")
+    cursor.close()
+
+
+class Store:
+    def __init__(self, where: str, *keys: bytes | None) -> None:
+        """The store at `where`, with the audit keys given (None: none), each matched to the
+        seals it made (StoreError for a key that made none of this store's seals)."""
+        self.url = store_url(where)
+        sqlite = self.url.startswith("sqlite")
+        self.engine = create_engine(self.url, connect_args={"check_same_thread": False} if sqlite else {})
+        if sqlite:
+
+            @event.listens_for(self.engine, "connect")
+            def _pragmas(dbapi_conn: Any, _: Any) -> None:
+                cursor = dbapi_conn.cursor()
+                cursor.execute("PRAGMA journal_mode=WAL")
+                cursor.execute("PRAGMA synchronous=FULL")  # a commit survives a crash of the machine too
+                cursor.close()
+
+        migrate(self.engine)
+        self._given = [k for k in keys if k is not None]
+        # Seals as (from_id, tag), in the order they were made (the last is the current one; a
+        # rotation adds one), and the key of each seal whose key was given, by its index.
+        self._seals, self._keys = self._sealed(self._given)
+        self._lock = threading.Lock()
+        # The hot insert bypasses SQLAlchemy's per-row parameter handling: one long-lived DBAPI
+        # connection, one executemany of tuples per commit.
+        self._raw = self.engine.raw_connection()
+        self._checkpoints: threading.Event | None = None
+        self._restart_due = 0.0  # restart_wal() does nothing before this (time.monotonic())
+        self._closed = False
+        if sqlite:
+            # WAL pages go back into the database file from a thread of their own: done by the
+            # committing connection (SQLite's default), a checkpoint and its fsync of the whole
+            # file would now and then stall a commit, and with it every ack and alert waiting.
+            cursor = self._raw.cursor()
+            cursor.execute("PRAGMA wal_autocheckpoint=0")
+            cursor.close()
+        mark = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
+        names = ("id", *COLUMNS, "body", "prev_hash", "hash")
+        self._insert = f"INSERT INTO records ({', '.join(names)}) VALUES ({', '.join([mark] * len(names))})"
+        self._insert_named = f"INSERT INTO named (record_id, req) VALUES ({mark}, {mark})"
+        with self.engine.connect() as conn:
+            last = _ending(conn, None)
+        self._next_id, self._last_hash = (last[0] + 1, last[1]) if last else (1, GENESIS)
+
+    def _sealed(self, keys: list[bytes]) -> tuple[list[tuple[int, bytes]], dict[int, bytes]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(seal.c.from_id, seal.c.tag).order_by(seal.c.id)).all()
+        seals = [(int(from_id), bytes(tag)) for from_id, tag in rows]
+        found: dict[int, bytes] = {}
+        for key in keys:
+            made = [
+                i
+                for i, (from_id, tag) in enumerate(seals)
+                if hmac.compare_digest(seal_tag(key, from_id), tag)
+            ]
+            if seals and not made:
+                raise StoreError(
+                    f"audit store {self.url}: an audit key given is not one its chain is sealed with"
+                )
+            found.update((i, key) for i in made)
+        return seals, found
+
+    @property
+    def sealed_from(self) -> int | None:
+        """The first record sealed with an audit key (None: the store is not sealed)."""
+        return self._seals[0][0] if self._seals else None
+
+    @property
+    def seals(self) -> list[int]:
+        """The first record of each seal, oldest first: a key rotation adds one."""
+        return [from_id for from_id, _ in self._seals]
+
+    def seal(self, key: bytes | None = None, *, rotate: bool = False) -> int:
+        """Seal the store with `key` (default: the key this Store was given) from its next
+        record on; returns that record. Done on purpose, with no daemon writing (`kvguard
+        audit seal`, or the daemon on an empty store): a seal that appears by itself later
+        would hide a rewrite of everything before it. A sealed store is sealed again (its
+        key rotated: `rotate`) only by the holder of its current key."""
+        key = key if key is not None else (self._given[-1] if self._given else None)
+        if key is None:
+            raise StoreError(f"audit store {self.url}: no key to seal with")
+        if self._seals and not (rotate and len(self._seals) - 1 in self._keys):
+            raise StoreError(
+                f"audit store {self.url}: sealed already (the current seal from record {self._seals[-1][0]} "
+                "on)" + ("; rotating its key needs the current one" if rotate else "")
+            )
+        if rotate and not self._seals:
+            raise StoreError(f"audit store {self.url}: not sealed, so there is no key to rotate")
+        with self.engine.begin() as conn:
+            last = _ending(conn, None)
+            from_id = (last[0] if last else 0) + 1
+            tag = seal_tag(key, from_id)
+            conn.execute(seal.insert().values(from_id=from_id, tag=tag))
+        self._seals.append((from_id, tag))
+        self._keys[len(self._seals) - 1] = key
+        return from_id
+
+    def write_key(self) -> bytes | None:
+        """The key new records and snapshots are bound with (None: plain SHA-256); StoreError
+        if the store is sealed and this Store was not given its current key."""
+        if not self._seals:
+            return None
+        key = self._keys.get(len(self._seals) - 1)
+        if key is None:
+            raise StoreError(
+                f"audit store {self.url}: its chain is sealed (the current seal from record "
+                f"{self._seals[-1][0]} on); writing to it needs that audit key (--audit-key)"
+            )
+        return key
+
+    def append(self, rows: Sequence[Record]) -> list[int]:
+        """Append rows in one transaction; returns their ids (a run's: its first event's).
+        StoreError if it did not commit."""
+        if not rows:
+            return []
+        mac = self.write_key()
+        with self._lock:
+            prev, record_id = self._last_hash, self._next_id
+            values = []
+            also = []
+            for row in rows:
+                kind, node, seq, ts_ns, body, req, tenant, victim_tenant, finding, severity, others, ids = row
+                columns = (kind, node, seq, ts_ns, req, tenant, victim_tenant, finding, severity)
+                digest = chain(prev, record_id, columns, body, mac)
+                values.append((record_id, *columns, body, prev, digest))
+                prev = digest
+                if others:
+                    also += [(record_id, other) for other in others]
+                record_id += ids
+            try:
+                cursor = self._raw.cursor()
+                cursor.executemany(self._insert, values)
+                if also:
+                    cursor.executemany(self._insert_named, also)
+                cursor.close()
+                self._raw.commit()
+            except Exception as exc:  # any failure means: not durable
+                with contextlib.suppress(Exception):  # the commit failure is what gets reported
+                    self._raw.rollback()
+                raise StoreError(f"audit store {self.url}: commit failed: {exc}") from exc
+            self._next_id, self._last_hash = record_id, prev
+        if self._checkpoints is not None:
+            self._checkpoints.set()
+        elif self.url.startswith("sqlite"):
+            self._checkpoints = threading.Event()
+            name = "kvguard-store-checkpoint"
+            threading.Thread(target=self._checkpoint_loop, name=name, daemon=True).start()
+        return [v[0] for v in values]
+
+    def restart_wal(self) -> bool:
+        """Let SQLite write its WAL from the start again; for the writer to call while it has
+        nothing to commit, at most once every WAL_RESTART_S (True if it ran now). The
+        checkpoint thread copies committed pages into the database file alongside the
+        commits, but SQLite starts the WAL over only at a commit that finds every frame
+        copied, which under a steady stream of commits never happens: the WAL grew faster than
+        the store, without end, and every commit appended to a growing file. Copying the last
+        few frames here, on the writer's own connection between commits, lets the next commit
+        start the WAL over (unless a reader still reads old frames: then at a later call)."""
+        now = time.monotonic()
+        if self._checkpoints is None or now < self._restart_due:  # not SQLite, or nothing written yet
+            return False
+        self._restart_due = now + WAL_RESTART_S
+        with self._lock:
+            _checkpoint(self._raw)  # BUSY while the thread's runs: then at a later call
+        return True
+
+    def _checkpoint_loop(self) -> None:
+        assert self._checkpoints is not None
+        conn = self.engine.raw_connection()
+        try:
+            while True:
+                self._checkpoints.wait()
+                self._checkpoints.clear()
+                if self._closed:
+                    return
+                _checkpoint(conn)
+                time.sleep(0.05)  # at most 20 a second, each copying everything committed since
+        finally:
+            conn.close()
+
+    def space(self) -> tuple[int, int | None]:
+        """(bytes the store takes, bytes free to it where it lies; None where that cannot be
+        seen from here: a PostgreSQL server's disk)."""
+        if self.engine.url.get_backend_name() == "sqlite":
+            path = Path(self.engine.url.database or "")
+            used = 0
+            for part in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+                with contextlib.suppress(FileNotFoundError):
+                    used += part.stat().st_size
+            room = os.statvfs(path.parent)
+            return used, room.f_bavail * room.f_frsize
+        with self.engine.connect() as conn:
+            return int(conn.execute(text("SELECT pg_database_size(current_database())")).scalar_one()), None
+
+    def count(self, kind: str | None = None) -> int:
+        """How many events, findings or commands (`kind`), or all of them (None)."""
+        c = records.c
+        with self.engine.connect() as conn:
+            if kind not in (None, "", "event"):
+                return int(conn.execute(select(func.count()).where(c.kind == kind)).scalar_one())
+            # Ids have no gaps: the last one counts them all.
+            last = _ending(conn, None)
+            total = last[0] if last else 0
+            if not kind:
+                return total
+            others = conn.execute(select(func.count()).where(c.kind.in_(("finding", "command")))).scalar_one()
+            return total - int(others)
+
+    def events(self, after: int = 0) -> Iterator[pb.Event]:
+        """The stored events after id `after`, in the order they were applied, parsed."""
+        return reads.events(self.engine, after)
+
+    def event_batches(self, after: int = 0) -> Iterator[tuple[str, wire.Batch, int]]:
+        """The stored events after id `after`, in the order they were applied, as their bytes:
+        (node, its events, how many of them come before `after`) per record, a run's together
+        (the daemon rebuilds its ledger from them at start, applying them as it applied them
+        live)."""
+        return reads.event_batches(self.engine, after)
+
+    def rows(self, f: Filter | None = None, **where: Any) -> Iterator[tuple[int, str, bytes]]:
+        """(id, kind, body) of the records the filter `f` takes, or the one `where` spells (its
+        fields by name), in id order (reads.rows)."""
+        return reads.rows(self.engine, f if f is not None else Filter(**where))
+
+    def verify(self) -> tuple[bool, int, str]:
+        """Walk the chain: (intact, records checked, what is wrong where). A sealed store is
+        proven only with its audit key (reads.verify)."""
+        return reads.verify(self.engine, self._seals, self._keys, bool(self._given))
+
+    def save_snapshot(self, body: bytes, through: int | None = None) -> int:
+        """Store a snapshot of the state after record `through` (default: the last record
+        committed, by any writer); returns that record's id. Keeps the newest SNAPSHOTS_KEPT."""
+        mac = self.write_key()
+        with self.engine.begin() as conn:
+            last = _ending(conn, through)
+            if through is not None and (last is None or last[0] != through):
+                raise StoreError(f"audit store {self.url}: no record ends at id {through} to snapshot after")
+            through, after = last if last else (0, GENESIS)
+            digest = snapshot_digest(after, body, mac)
+            conn.execute(
+                snapshots.insert().values(
+                    through_id=through, created_ns=time.time_ns(), body=body, digest=digest
+                )
+            )
+            kept = select(snapshots.c.id).order_by(snapshots.c.id.desc()).limit(SNAPSHOTS_KEPT)
+            conn.execute(snapshots.delete().where(snapshots.c.id.not_in(kept.scalar_subquery())))
+        return int(through)
+
+    def latest_snapshot(self) -> tuple[int, bytes] | str:
+        """(the last record it includes, its body) of the newest snapshot, or why there is
+        none to use: a snapshot whose digest does not match the chain at its record is not."""
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                select(snapshots.c.through_id, snapshots.c.body, snapshots.c.digest)
+                .order_by(snapshots.c.id.desc())
+                .limit(1)
+            ).first()
+            if row is None:
+                return "no snapshot"
+            through, body, digest = row
+            last = _ending(conn, through) if through else None
+        if through and (last is None or last[0] != through):
+            return f"the snapshot's record {through} is not in the store"
+        after = last[1] if last else None
+        try:
+            key = self.write_key()  # snapshots are bound under the current seal's key
+        except StoreError:
+            return "the store is sealed: checking its snapshot needs its current audit key"
+        if snapshot_digest(after or GENESIS, body, key) != digest:
+            return f"the snapshot taken after record {through} does not match the chain there"
+        return int(through), bytes(body)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._checkpoints is not None:
+            self._checkpoints.set()
+        self._raw.close()
+        self.engine.dispose()
