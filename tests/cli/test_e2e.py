@@ -77,17 +77,23 @@ def test_the_daemon_stops_a_leak_the_local_guard_only_watched(
             "globex", "Summarize: " + "calm markets, mild weather. " * 26, max_tokens=48
         )
         c.findings()  # flush the guards' sinks to the agent
-    assert status == 500 and "terminated by the kvguard daemon" in reply["error"]["message"]
-    assert "deal closes" not in str(reply)
+    assert status == 500 and "deal closes" not in str(reply)
+    # The daemon's kill reached the engine before any KV was read: at decode, before its
+    # first attention, or at prefill, before the KV left, when its verdict on the admission
+    # (a prompt the pool cannot hold) came back sooner than the prefill's send.
+    message = reply["error"]["message"]
+    at_decode = "terminated by the kvguard daemon" in message
+    assert at_decode or "terminated by kvguard: config_drift (config_drift_admission)" in message, message
     kills = [b for b in stored(store, "event", lambda bodies: any(map(is_kill, bodies))) if is_kill(b)]
     findings = [pb.Finding.FromString(b) for b in stored(store, "finding")]
     by_node = {(f.finding, f.node) for f in findings if f.tenant == "globex"}
-    # The daemon saw the rejected request go on at prefill and the hand-off not add up at
-    # decode, and killed it before its first attention. (Whether decode's admission came
-    # before the kill, adding a rejected_progress on decode-0, depends on timing.)
-    assert ("rejected_progress", "prefill-0") in by_node and ("transfer_mismatch", "decode-0") in by_node
+    # The daemon saw the rejected request go on at prefill, and, where it reached decode, the
+    # hand-off not add up there. (Whether decode's admission came before the kill, adding a
+    # rejected_progress on decode-0, depends on timing.)
+    assert ("rejected_progress", "prefill-0") in by_node
+    assert ("transfer_mismatch", "decode-0") in by_node or not at_decode
     assert not any(f.finding == "stale_read" for f in findings)
-    assert {f.node for f in findings} >= {"prefill-0", "decode-0"}
+    assert {f.node for f in findings} >= ({"prefill-0", "decode-0"} if at_decode else {"prefill-0"})
     assert any(pb.Event.FromString(b).kill.by == "daemon" for b in kills)  # the engine's record of it
 
 
