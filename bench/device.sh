@@ -3,7 +3,7 @@
 # tests (the kernels against the shared vectors, GPU against CPU, the testbed on CUDA) and
 # bench/gpu.py, their output saved under $OUT. The device image has torch, CuPy, NumPy,
 # protobuf, grpcio and pytest; what else kvguard needs travels as wheels in .whl/ (ignored by
-# git; see the README's "GPU kernels" section for the download command).
+# git; see docs/operator.md, "GPU kernels", for the download command).
 #
 #   run(command="bash bench/device.sh", carry=[".whl"], timeout_s=480)
 set -uo pipefail

@@ -6,7 +6,7 @@ pages.py (a pool's page records), requests.py (requests, their numbers, retireme
 pools.py (nodes, pool reports, config drift), ownership.py (page events and their detectors),
 access.py (the judgment of reads and writes), transfers.py (transfers between nodes),
 lifecycle.py (admission, pairing, the end of a request), findings.py (what is reported, and
-BadEvent), snapshot.py (the state as bytes). The loops over pages are C (_pages.c).
+BadEvent), snapshot.py (the state as bytes). The loops over pages are C (pages.h, _pages.c, runs.c).
 """
 
 from kvguard.ledger.findings import BadEvent, Finding

@@ -75,7 +75,7 @@ class Finding:
     def evaluated(
         self, *, severity: str, action: str, rule: str, message: str, tags: tuple[str, ...]
     ) -> Finding:
-        # The constructor with every field named: dataclasses.replace costs 1.5x as much (it
+        # The constructor with every field named: dataclasses.replace costs more (it
         # looks the fields up each call), twice for every finding the daemon judges.
         return Finding(
             finding=self.finding,

@@ -8,7 +8,7 @@ Invariants kept here:
   (BadEvent "repeat"), a gap is counted and the event applied, and an event that cannot be
   applied raises BadEvent, changes nothing, and does not advance its node's sequence;
 - an event arrives as an object (`apply`), as its bytes (`apply_serialized`) or in a batch
-  (`apply_clean`: runs of the clean common events in C, _pages.c); every path judges with the
+  (`apply_clean`: runs of the clean common events in C, runs.c); every path judges with the
   same handlers and leaves the same state, to the byte (tests/ledger/test_property.py);
 - memory follows what is in use: every SWEEP_EVERY applied events, requests idle for
   retire_idle events that hold nothing are retired; every forget_idle / 4, retired ones idle

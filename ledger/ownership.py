@@ -7,7 +7,7 @@ Invariants: an event is validated whole before anything changes; the page state 
 through PoolPages, a request's numbers only through Requests; a pool's `live` counts are the
 pages each request is granted there now, and `grants` every page it ever was (what tells a
 use after free from a foreign read). The clean common case of alloc, write, free and read is
-also applied by the C clean path (_pages.c apply_clean), which must leave the same state.
+also applied by the C clean path (runs.c, apply_clean), which must leave the same state.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Invariants, for every page p (`use` and `holds` count live users; `owner` is sig
 - holder_req[k, p] is who holds p in kind k while one hold of that kind is on it; a page held
   more than once in a kind has its holders counted in `shared_holds` instead (rare).
 The updates every request makes (grant, land, end_grant) and the read checks are one C loop
-each (_pages.c); the rest is NumPy. Page arrays passed in are distinct intp indices in range
+each (pages.h); the rest is NumPy. Page arrays passed in are distinct intp indices in range
 (`page_list` checks an event's).
 """
 
@@ -34,11 +34,11 @@ HOLDER_INDEX: dict[str, int] = {name: i for i, name in enumerate(HOLDERS)}
 RECV_HOLD = HOLDER_INDEX["transfer_recv"]
 MAX_PAGES = 1 << 24
 MAX_PAGE_SIZE = 1 << 16
-PAGE: np.dtype = _pages.PAGE  # a page's record, one cache line; its layout is _pages.c's `Page`
+PAGE: np.dtype = _pages.PAGE  # a page's record, one cache line; its layout is ledger/pages.h's `Page`
 COLUMNS: tuple[str, ...] = ("owner", "own", "use", "gen", "writer", "wgen", "valid", "prior", "since")
 if PAGE["holds"].shape != (len(HOLDERS),):
     raise ImportError(
-        f"ledger/_pages.c keeps {PAGE['holds'].shape} holds a page; HOLDERS names {len(HOLDERS)}"
+        f"ledger/pages.h keeps {PAGE['holds'].shape} holds a page; HOLDERS names {len(HOLDERS)}"
     )
 
 

@@ -101,7 +101,7 @@ class Condition:
             raise ConditionError("; ".join(problems))
         self._program = program
         # The fields it reads: the runtime converts every value it is given (the page list
-        # too), ~30 µs a finding for all of them against ~4 µs for the two most rules read.
+        # too), so it is given only those.
         self._uses: tuple[str, ...] = tuple(name for name in program.variables() if name in FIELDS)
 
     def _run(self, fields: dict[str, Any]) -> Any:

@@ -1,6 +1,6 @@
 """`kvguard rules test`: rule fixtures, each a capture and the findings it must produce.
 
-A fixture is a folder holding `capture.jsonl` (events, EVENTS.md form) and
+A fixture is a folder holding `capture.jsonl` (events, the capture form of docs/integrator.md) and
 `expected.jsonl` (one JSON object per expected finding, giving the fields that must match:
 finding, rule, severity, action, node, req, tenant, victim_req, victim_tenant, pool, pages,
 seq). An empty `expected.jsonl` is a near miss: the capture must produce no finding at all.

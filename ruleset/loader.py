@@ -5,21 +5,9 @@ any file (YAML syntax, unknown or missing field, wrong type, unknown kind, sever
 duplicate id, bad CEL condition, bad template) makes `load_ruleset` raise `RulesetError` with
 all of them. Files are read with PyYAML's safe composer only (nodes keep their line numbers,
 no tag ever constructs a Python object). Rule order is file name order, then order in a file.
-
-A rule file is a YAML list of rules:
-
-    - rule: stale_read_cross_tenant          # id: [a-z0-9_.-]+, unique in the set
-      description: Stale KV of another tenant was read.
-      finding: stale_read                    # a kind, or a list of kinds
-      condition: victim_tenant != "" && victim_tenant != tenant   # CEL, optional
-      severity: critical
-      action: kill
-      output: "{tenant} request {req} read KV of {victim_tenant} (pages {pages})"
-      tags: [leak, cross-tenant]             # optional
-      exceptions:                            # optional: suppress when one holds
-        - name: canary_tenant
-          condition: tenant == "canary"
-      enabled: true                          # optional, default true
+A rule's fields (rule, description, finding, condition, severity, action, output, tags,
+exceptions, enabled): REQUIRED_FIELDS and OPTIONAL_FIELDS below, ruleset/rules/*.yaml, and
+docs/operator.md, "Rules".
 """
 
 from __future__ import annotations

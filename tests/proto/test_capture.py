@@ -1,4 +1,5 @@
-"""JSON Lines captures: the EVENTS.md form is read exactly, bad lines are named and skipped."""
+"""JSON Lines captures: the contract's form (docs/integrator.md) is read exactly, bad lines are
+named and skipped."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ EXAMPLE = """\
 {"node": "p0", "seq": 1, "ts_ns": 1000, "pool": {"pool": 0, "role": "prefill", "engine": "sglang", "page_size": 16, "num_pages": 42580, "context_len": 1048576}}
 {"node": "p0", "seq": 2, "ts_ns": 2000, "admit": {"req": "r1", "tenant": "acme", "prompt_tokens": 100, "stage": "prefill"}}
 {"node": "p0", "seq": 3, "ts_ns": 3000, "alloc": {"req": "r1", "pool": 0, "pages": [7, 8, 9, 10, 11, 12, 13]}}
-"""  # noqa: E501 - the example of EVENTS.md, verbatim
+"""  # noqa: E501 - the example of the event contract, verbatim
 
 
 def test_the_contract_example_reads_as_written() -> None:

@@ -1,5 +1,5 @@
 """Every rule fixture passes, and every finding kind has a capture that must produce it and
-a near miss that must not (shared/ARCHITECTURE.md section 5; anomaly comes later)."""
+a near miss that must not (docs/design.md, "Findings"; anomaly comes later)."""
 
 from __future__ import annotations
 
