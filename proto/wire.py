@@ -69,6 +69,12 @@ class Batch(NamedTuple):
                 seqs[j] = self.seq(events[j])
         return seqs
 
+    def __reduce__(self) -> tuple[object, tuple[bytes, bytes]]:
+        # To the store's writer process: the heads as their raw bytes. Pickling the record
+        # array itself would carry its dtype's description with every batch, at many times
+        # the cost of the bytes on both sides of the pipe.
+        return _batch_of_raw, (self.data, self.heads.tobytes())
+
     def seq(self, i: int) -> int:
         """Event i's sequence number (0 if its bytes are not an event)."""
         if self.heads[i]["kind"]:
@@ -77,6 +83,10 @@ class Batch(NamedTuple):
             return pb.Event.FromString(self.event(i)).seq
         except DecodeError:
             return 0
+
+
+def _batch_of_raw(data: bytes, heads: bytes) -> Batch:
+    return Batch(data, np.frombuffer(heads, HEAD))
 
 
 def decode_batch(message: bytes, *, wrapped: bool = True) -> Batch:
