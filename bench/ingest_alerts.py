@@ -19,6 +19,10 @@ from kvguard.proto.builder import EventLog
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 
+# The subscriber is part of the measurement, not of the daemon under test: it imports kvguard
+# as this process did (bench/ab_ingest.py points PYTHONPATH at another daemon afterwards).
+MEASURING_ENV = dict(os.environ)
+
 
 class Alerts:
     """The alert subscriber, as a SIEM would run it: a process of its own (`bench/ingest.py
@@ -32,7 +36,10 @@ class Alerts:
         self.others = 0
         self.cond = threading.Condition()
         self.proc = subprocess.Popen(
-            [sys.executable, ENTRY, "--subscribe", address], stdout=subprocess.PIPE, text=True
+            [sys.executable, ENTRY, "--subscribe", address],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=MEASURING_ENV,
         )
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
