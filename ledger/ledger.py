@@ -215,44 +215,38 @@ class Ledger:
             return start
         requests = self.requests
         joined: list[tuple[int, int]] = []
-        while True:
-            done, new, last_seq, last_ts, applied, moved, missing, last_missing, kinds, error = (
-                _pages.apply_clean(
-                    data,
-                    heads,
-                    start,
-                    stop,
-                    node,
-                    at.last_seq,
-                    requests.applied,
-                    self.next_sweep,
-                    bool(self.transfers.pending),
-                    at.views,
-                    requests.index,
-                    requests.table,
-                    GRANT_RUNS,
-                    joined,
-                )
-            )
-            if done > start:  # what the applied events did to their node and the counts
-                at.last_seq, at.last_ts_ns, requests.applied = last_seq, last_ts, applied
-                self.last_missing = last_missing
-                self.stats.page_transitions += moved
-                self.stats.missing += missing
-                for kind, n in zip(wire.PLAIN, kinds, strict=True):
-                    if n:
-                        self.stats.events[kind] += n
-            for idx, pool_id in joined:  # the pools its requests were first granted pages in
-                r = requests[idx]
-                assert r is not None
-                r.pools.append((node, pool_id))
-            joined.clear()
-            if error is not None:
-                raise error
-            if new is None:
-                return done
-            requests.make(new)  # a new request's first alloc: made, then applied in C
-            start = done
+        done, last_seq, last_ts, applied, moved, missing, last_missing, kinds, error = _pages.apply_clean(
+            data,
+            heads,
+            start,
+            stop,
+            node,
+            at.last_seq,
+            requests.applied,
+            self.next_sweep,
+            bool(self.transfers.pending),
+            at.views,
+            requests.index,
+            requests.table,
+            GRANT_RUNS,
+            joined,
+            requests.make_at,  # a new request's first alloc: made, then applied in C
+        )
+        if done > start:  # what the applied events did to their node and the counts
+            at.last_seq, at.last_ts_ns, requests.applied = last_seq, last_ts, applied
+            self.last_missing = last_missing
+            self.stats.page_transitions += moved
+            self.stats.missing += missing
+            for kind, n in zip(wire.PLAIN, kinds, strict=True):
+                if n:
+                    self.stats.events[kind] += n
+        for idx, pool_id in joined:  # the pools its requests were first granted pages in
+            r = requests[idx]
+            assert r is not None
+            r.pools.append((node, pool_id))
+        if error is not None:
+            raise error
+        return done
 
     def replay(self, batch: wire.Batch, node: str, start: int = 0) -> None:
         """Apply events batch[start:] of `node`, accepted before, in order (the store's, when
@@ -317,16 +311,20 @@ class Ledger:
         # Second chance: in the order they were queued, the requests queued a window ago; one
         # named since goes to the back, one that still holds something is looked at again a
         # window later, the rest are retired.
-        for r in self.requests.due(idle_before):
-            if r.last > idle_before or self._holds_something(r):
+        due = self.requests.due(idle_before)
+        named = self.requests.named_since(due, idle_before)  # one read of the table for all
+        retired = []
+        for r, named_since in zip(due, named, strict=True):
+            if named_since or self._holds_something(r):
                 self.requests.requeue(r)
             else:
                 for node, pool_id in r.pools:
                     pool = self.pools.nodes[node].pools.get(pool_id)
                     if pool is not None:
                         pool.live.pop(r.idx, None)
-                self.requests.retire(r)
-                self.stats.retired += 1
+                retired.append(r)
+        self.requests.retire(retired)
+        self.stats.retired += len(retired)
         if self.forget_idle and applied >= self.next_scan:
             self.next_scan = applied + self.forget_idle // 4  # memory: ~1.25 windows
             self._forget(applied - self.forget_idle)

@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from itertools import repeat
 from typing import Any
 
@@ -30,6 +31,7 @@ STATE = {name: code for code, name in enumerate(STATES)}
 ENDED: tuple[str, ...] = ("rejected", "aborted", "killed")  # its end: it may only drain from then on
 FIRST_ENDED = STATE["rejected"]  # the states from here on are ENDED (pages.h: ENDED)
 RETIRED, BOOTSTRAPPED = 1, 2  # flags (pages.h)
+GROW_MIN = 4096  # rows the table grows by at least
 COUNTS: tuple[str, ...] = tuple(n for n in REQ.names if n not in ("last", "queued", "state", "flags"))
 if STATES[FIRST_ENDED:] != ENDED:
     raise ImportError("requests.STATES must list the ended states last")
@@ -174,7 +176,7 @@ class Requests:
             idx = len(self.objects)
             self.objects.append(None)
             if idx >= len(self.table):
-                self.reserve(2 * len(self.table))
+                self.reserve(len(self.table) + max(len(self.table) // 8, GROW_MIN))
         r = self.objects[idx] = Request(self, req, idx)
         self.index[req] = idx
         if self.retire_idle:
@@ -182,14 +184,22 @@ class Requests:
             self.recent[idx] = r
         return r
 
+    def make_at(self, req: str, applied: int) -> np.ndarray:
+        """make(req) for the C clean path, in the middle of its run (`applied` events so far,
+        which it writes back at the end); the table, which may have moved."""
+        self.applied = applied
+        self.make(req)
+        return self.table
+
     def reserve(self, size: int) -> None:
-        """Room in the table for `size` requests (it moves: C is handed the table anew each call)."""
+        """Room in the table for `size` requests. Grown in place, by an eighth at a time: the
+        allocator moves the rows without copying them where it can, and what a step costs is
+        the new rows' first touch, so it stays short on the daemon's loop. Its data moves: C is
+        handed the table anew each call, and the column views are made again here."""
         if size <= len(self.table):
             return
-        table = np.zeros(size, REQ)
-        table[: len(self.table)] = self.table
-        self.table = table
-        self.columns = {name: table[name] for name in REQ.names}
+        self.table.resize(size, refcheck=False)  # zero-filled; no view of it outlives this
+        self.columns = {name: self.table[name] for name in REQ.names}
 
     # ------------------------------------------------------------------ numbers
 
@@ -243,17 +253,23 @@ class Requests:
             out.append(r)
         return out
 
+    def named_since(self, rs: Sequence[Request], idle_before: int) -> list[bool]:
+        """For each request, whether an event named it at or after `idle_before`."""
+        idx = np.fromiter((r.idx for r in rs), np.intp, len(rs))
+        return (self.columns["last"][idx] > idle_before).tolist()
+
     def requeue(self, r: Request) -> None:
         """Named since it was queued, or still holding something: looked at a window later."""
         self.columns["queued"][r.idx] = self.applied
         self.recent.move_to_end(r.idx)
 
-    def retire(self, r: Request) -> None:
-        """Out of use: it holds nothing; it waits to be forgotten."""
-        del self.recent[r.idx]
-        r.shared = {}
-        self.columns["flags"][r.idx] |= RETIRED
-        self.retired[r.idx] = r
+    def retire(self, rs: Sequence[Request]) -> None:
+        """Out of use: they hold nothing; they wait to be forgotten."""
+        for r in rs:
+            del self.recent[r.idx]
+            r.shared = {}
+            self.retired[r.idx] = r
+        self.columns["flags"][np.fromiter((r.idx for r in rs), np.intp, len(rs))] |= RETIRED
 
     def idle_retired(self, idle_before: int) -> list[Request]:
         """The retired requests last named before `idle_before`, least recently named first."""

@@ -27,7 +27,7 @@ typedef struct {
     const WireHead *heads;
     const char *name;
     Py_ssize_t name_len, grant_runs;
-    PyObject *pools, *req_index, *joined, *new_req;
+    PyObject *pools, *req_index, *joined, *make, *table;
     Req *reqs;
     npy_intp n_reqs;
     int wire; /* a transfer waits for a probe's verdict: frees and reads are Python's */
@@ -104,6 +104,21 @@ add_item(PyObject *counts, PyObject *key, long long delta)
     return rc;
 }
 
+/* make(name, applied) -> the request table, which the new request's row may have moved. */
+static int
+make_request(Run *c, PyObject *req)
+{
+    PyObject *table = PyObject_CallFunction(c->make, "OL", req, c->applied);
+    if (table == NULL)
+        return -1;
+    Py_XSETREF(c->table, table); /* kept alive while its records are written */
+    Req *reqs = kvg_records(table, kvg_req_descr, &c->n_reqs, "make()", "REQ");
+    if (reqs == NULL)
+        return -1;
+    c->reqs = reqs;
+    return 0;
+}
+
 static int
 kind_index(int kind)
 {
@@ -114,8 +129,8 @@ kind_index(int kind)
  * (nothing changed: it is for the Python handlers), -1 with an exception. Clean: an alloc,
  * write (whole pages), free or one-entry read of the run's node, next in its sequence, of a
  * pool it reported, its pages valid (and distinct, but a read's), of a request the ledger
- * knows (an alloc of one it does not know stops the run with its name in new_req: the ledger
- * makes the request and goes on), in use (not retired) and not ended (a free may come after
+ * knows (an alloc of one it does not know is its first event: `make` makes it and the run goes
+ * on), in use (not retired) and not ended (a free may come after
  * the end), whose pages need no judgment (grant_busy, not_owned, read_is_clean); an alloc of
  * a request with no bootstrap and fewer than grant_runs grants kept on the pool; no sweep
  * due after it. Applied as the handlers apply it, in the same order. */
@@ -154,11 +169,19 @@ clean_event(Run *c, Py_ssize_t i)
         goto out;
     }
     PyObject *idx = PyDict_GetItemWithError(c->req_index, req); /* borrowed */
+    if (idx == NULL && !PyErr_Occurred() && h->kind == WIRE_ALLOC) {
+        /* A request's first event is its first grant: the ledger makes it (its table may move),
+         * then the alloc is judged here as any other. A call, not a return to the ledger and a
+         * new run: a new request comes every few events of a batch. */
+        if (make_request(c, req) < 0) {
+            rc = -1;
+            goto out;
+        }
+        idx = PyDict_GetItemWithError(c->req_index, req);
+    }
     if (idx == NULL) {
         if (PyErr_Occurred())
             rc = -1;
-        else if (h->kind == WIRE_ALLOC) /* a request's first event is its first grant: the ledger makes it */
-            c->new_req = Py_NewRef(req);
         goto out;
     }
     Py_ssize_t at = PyLong_AsSsize_t(idx);
@@ -256,25 +279,26 @@ out:
 }
 
 /* apply_clean(data, heads, start, stop, node, last_seq, applied, next_sweep, wire, pools,
- *             req_index, reqs, grant_runs, joined)
- *   -> (at, new_req, last_seq, last_ts, applied, transitions, missing, last_missing, kinds, error)
+ *             req_index, reqs, grant_runs, joined, make)
+ *   -> (at, last_seq, last_ts, applied, transitions, missing, last_missing, kinds, error)
  * Applies the events of heads[start:stop] (HEAD records of `data`: a batch of `node`'s
  * stream; heads None: `data` is one event, [start, stop) is [0, 1)) in order, for as long as each is the clean common case (clean_event), as the
  * ledger's handlers would; returns where it stopped (`at`: stop when it applied them all),
- * the name of the new request whose alloc stopped it (else None), and the node's and the
+ * and the node's and the
  * ledger's counts after what it applied: the last sequence number and time, the applied
  * events' count, page transitions, missing sequence numbers (all, and before the last), and
  * per kind (alloc, write, free, read) how many. `pools`: the node's pools by id, each (state,
  * page_size, timed, live, grants); `req_index`: request name -> index into `reqs` (REQ
  * records); `wire`: frees and reads wait (a probe's verdict is pending); every (request,
- * pool) whose first grants entry it made is appended to `joined`. `error`: None, or the
+ * pool) whose first grants entry it made is appended to `joined`; `make(name, applied)` makes
+ * a request (at that count of applied events) and returns the table. `error`: None, or the
  * exception an event raised (a bug), for the caller to raise once it has taken the counts. */
 PyObject *
 kvg_apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 14)
-        return PyErr_Format(PyExc_TypeError, "apply_clean() takes 14 arguments (%zd given)", nargs);
+    if (nargs != 15)
+        return PyErr_Format(PyExc_TypeError, "apply_clean() takes 15 arguments (%zd given)", nargs);
     Run c;
     memset(&c, 0, sizeof(c));
     if (!PyBytes_Check(args[0]))
@@ -315,6 +339,7 @@ kvg_apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     c.pools = args[9];
     c.req_index = args[10];
     c.joined = args[13];
+    c.make = args[14];
     if (!PyDict_Check(c.pools) || !PyDict_Check(c.req_index) || !PyList_Check(c.joined))
         return PyErr_Format(PyExc_TypeError, "apply_clean: pools and req_index are dicts, joined a list");
     if (!(c.reqs = kvg_records(args[11], kvg_req_descr, &c.n_reqs, "reqs", "REQ")))
@@ -329,6 +354,7 @@ kvg_apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     pool_release(&c.pool);
+    Py_CLEAR(c.table);
     /* What was applied is said even when an event failed (a bug, or out of memory), so that
      * the ledger stays whole: the error comes last, for the caller to raise then. */
     PyObject *error = Py_NewRef(Py_None);
@@ -341,8 +367,7 @@ kvg_apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (value != NULL)
             Py_SETREF(error, value);
     }
-    PyObject *new_req = c.new_req != NULL ? c.new_req : Py_NewRef(Py_None);
-    return Py_BuildValue("(nNKLLLLL(LLLL)N)", i, new_req, (unsigned long long)c.last_seq, (long long)c.last_ts,
+    return Py_BuildValue("(nKLLLLL(LLLL)N)", i, (unsigned long long)c.last_seq, (long long)c.last_ts,
                          c.applied, c.transitions, c.missing, c.last_missing, c.kinds[0], c.kinds[1], c.kinds[2],
                          c.kinds[3], error);
 }
