@@ -10,9 +10,9 @@ STAMP := $(VENV)/.installed-stamp
 SHIM := cuda_hooks/shim/libkvguard_shim.so
 LABEL := cuda_hooks/shim/libkvguard_label.so
 
-# setup.py builds the C extensions (proto/_wire.c; ledger/_pages.c with runs.c; daemon/_rows.c)
+# setup.py builds the C extensions (proto/_wire.c; ledger/_pages.c with runs.c and tags.c; daemon/_rows.c)
 # into the tree (pip install -e).
-EXTENSIONS := proto/wire.h proto/_wire.c ledger/pages.h ledger/_pages.c ledger/runs.c daemon/_rows.c
+EXTENSIONS := proto/wire.h proto/_wire.c ledger/pages.h ledger/_pages.c ledger/runs.c ledger/tags.c daemon/_rows.c
 $(STAMP): pyproject.toml setup.py $(EXTENSIONS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'

@@ -19,7 +19,7 @@ setup(
     ext_modules=[
         extension("kvguard.proto._wire", "proto/_wire.c"),  # events read from and written to bytes
         extension(
-            "kvguard.ledger._pages", "ledger/_pages.c", "ledger/runs.c"
+            "kvguard.ledger._pages", "ledger/_pages.c", "ledger/runs.c", "ledger/tags.c"
         ),  # the ledger's loops over pages
         extension("kvguard.daemon._rows", "daemon/_rows.c"),  # the audit store's rows of a batch
     ]

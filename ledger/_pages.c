@@ -457,6 +457,7 @@ static PyMethodDef methods[] = {
     {"read_victims", (PyCFunction)(void (*)(void))read_victims, METH_FASTCALL, "A refused read judged."},
     {"mark_named", (PyCFunction)(void (*)(void))mark_named, METH_FASTCALL, "Requests the page tags name."},
     {"apply_clean", (PyCFunction)(void (*)(void))kvg_apply_clean, METH_FASTCALL, "A run of clean events applied."},
+    {"check_tags", (PyCFunction)(void (*)(void))kvg_check_tags, METH_FASTCALL, "The check before attention."},
     {NULL, NULL, 0, NULL},
 };
 

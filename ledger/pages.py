@@ -239,14 +239,13 @@ def check_tags(
     context are ignored) holds its own KV written under its current grant (own == readers[b]
     and valid >= the slots read), or it reads nothing. A table too short for its context, a
     page out of range, or no reader (NOBODY) is False. cuda_hooks/kernels.py is its GPU twin."""
-    tables = np.asarray(tables, dtype=np.int64)
-    lens = np.asarray(lens, dtype=np.int64)
-    readers = np.asarray(readers, dtype=np.int64)
-    cols = np.arange(tables.shape[1])
-    need = np.clip(lens[:, None] - cols[None, :] * page_size, 0, page_size)  # slots read per page
-    used = need > 0
-    inside = (tables >= 0) & (tables < len(own))
-    pages = np.where(used & inside, tables, 0)
-    ok = ~used | (inside & (own[pages] == readers[:, None]) & (valid[pages] >= need))
-    fits = lens <= tables.shape[1] * page_size
-    return (ok.all(axis=1) & fits & (readers != NOBODY)) | (lens == 0)
+    tables, lens = _indices(tables), _indices(lens)
+    # The record views (own, valid) go in as they are; plain arrays are made the same types.
+    own, valid = np.asarray(own, dtype=np.int32), np.asarray(valid, dtype=np.uint32)
+    return _pages.check_tags(own, valid, tables, lens, np.asarray(readers, dtype=np.int64), page_size)
+
+
+def _indices(values: Any) -> np.ndarray:
+    """An engine's int32 or int64 array as it is (no copy); anything else as int64."""
+    array = np.asarray(values)
+    return array if array.dtype in (np.int32, np.int64) else array.astype(np.int64)

@@ -1,0 +1,94 @@
+/* The check before attention over a batch, from the page tags alone
+ * (kvguard.ledger._pages.check_tags; ledger/pages.py check_tags says what it answers, and
+ * cuda_hooks/kernels.py is its GPU twin). One pass over the block tables: a row stops at its
+ * first page that fails and reads no entry beyond its context; no temporary array.
+ */
+#include "pages.h"
+
+/* A 1-d array of `type` (any stride: a column of the PAGE records is a strided view). */
+static const char *
+column(PyObject *o, int type, npy_intp *n, npy_intp *stride, const char *what)
+{
+    if (!PyArray_Check(o) || PyArray_NDIM((PyArrayObject *)o) != 1 || PyArray_TYPE((PyArrayObject *)o) != type) {
+        PyErr_Format(PyExc_TypeError, "check_tags: %s must be a 1-d array of the right integer type", what);
+        return NULL;
+    }
+    *n = PyArray_DIM((PyArrayObject *)o, 0);
+    *stride = PyArray_STRIDE((PyArrayObject *)o, 0);
+    return PyArray_BYTES((PyArrayObject *)o);
+}
+
+/* Entry i of an int32 or int64 array's bytes. */
+static inline int64_t
+entry(const char *base, npy_intp stride, npy_intp i, int wide)
+{
+    const char *at = base + i * stride;
+    return wide ? *(const int64_t *)at : (int64_t)*(const int32_t *)at;
+}
+
+/* check_tags(own: int32[N], valid: uint32[N], tables: int32|int64[B, P], lens: int32|int64[B],
+ *            readers: int64[B], page_size) -> bool[B] */
+PyObject *
+kvg_check_tags(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 6)
+        return PyErr_Format(PyExc_TypeError, "check_tags() takes 6 arguments (%zd given)", nargs);
+    npy_intp n_own, n_valid, own_stride, valid_stride, n_lens, lens_stride, n_readers, readers_stride;
+    const char *own = column(args[0], NPY_INT32, &n_own, &own_stride, "own");
+    const char *valid = own ? column(args[1], NPY_UINT32, &n_valid, &valid_stride, "valid") : NULL;
+    PyObject *tables = args[2], *lens_array = args[3];
+    if (valid == NULL)
+        return NULL;
+    if (n_valid != n_own)
+        return PyErr_Format(PyExc_ValueError, "check_tags: own and valid differ in length");
+    if (!PyArray_Check(tables) || PyArray_NDIM((PyArrayObject *)tables) != 2 ||
+        (PyArray_TYPE((PyArrayObject *)tables) != NPY_INT64 && PyArray_TYPE((PyArrayObject *)tables) != NPY_INT32))
+        return PyErr_Format(PyExc_TypeError, "check_tags: tables must be a 2-d array of int32 or int64");
+    if (!PyArray_Check(lens_array) ||
+        (PyArray_TYPE((PyArrayObject *)lens_array) != NPY_INT64 && PyArray_TYPE((PyArrayObject *)lens_array) != NPY_INT32))
+        return PyErr_Format(PyExc_TypeError, "check_tags: lens must be an array of int32 or int64");
+    int wide_tables = PyArray_TYPE((PyArrayObject *)tables) == NPY_INT64;
+    int wide_lens = PyArray_TYPE((PyArrayObject *)lens_array) == NPY_INT64;
+    const char *lens = column(lens_array, PyArray_TYPE((PyArrayObject *)lens_array), &n_lens, &lens_stride, "lens");
+    const char *readers = lens ? column(args[4], NPY_INT64, &n_readers, &readers_stride, "readers") : NULL;
+    if (readers == NULL)
+        return NULL;
+    long long page_size = PyLong_AsLongLong(args[5]);
+    if (page_size == -1 && PyErr_Occurred())
+        return NULL;
+    npy_intp batch = PyArray_DIM((PyArrayObject *)tables, 0), width = PyArray_DIM((PyArrayObject *)tables, 1);
+    if (page_size <= 0 || n_lens != batch || n_readers != batch)
+        return PyErr_Format(PyExc_ValueError, "check_tags: a batch of %zd tables, %zd lens, %zd readers, pages of %lld",
+                            (Py_ssize_t)batch, (Py_ssize_t)n_lens, (Py_ssize_t)n_readers, page_size);
+    const char *table_base = PyArray_BYTES((PyArrayObject *)tables);
+    npy_intp row_stride = PyArray_STRIDE((PyArrayObject *)tables, 0), col_stride = PyArray_STRIDE((PyArrayObject *)tables, 1);
+    npy_intp dims[1] = {batch};
+    PyObject *out = PyArray_ZEROS(1, dims, NPY_BOOL, 0);
+    if (out == NULL)
+        return NULL;
+    npy_bool *clean = PyArray_DATA((PyArrayObject *)out);
+    for (npy_intp b = 0; b < batch; b++) {
+        int64_t len = entry(lens, lens_stride, b, wide_lens);
+        int64_t reader = entry(readers, readers_stride, b, 1);
+        if (len == 0) { /* reads nothing */
+            clean[b] = 1;
+            continue;
+        }
+        if (reader == NOBODY || len > (int64_t)width * page_size) /* no reader; a table too short */
+            continue;
+        int ok = 1;
+        const char *row = table_base + b * row_stride;
+        for (npy_intp c = 0; ok && len > (int64_t)c * page_size; c++) {
+            int64_t need = len - (int64_t)c * page_size; /* slots read in this page */
+            if (need > page_size)
+                need = page_size;
+            int64_t page = entry(row, col_stride, c, wide_tables);
+            ok = page >= 0 && page < (int64_t)n_own &&
+                 (int64_t) * (const int32_t *)(own + page * own_stride) == reader &&
+                 (int64_t) * (const uint32_t *)(valid + page * valid_stride) >= need;
+        }
+        clean[b] = (npy_bool)ok;
+    }
+    return out;
+}
