@@ -5,14 +5,18 @@
  */
 #include "pages.h"
 
-/* A 1-d array of `type` (any stride: a column of the PAGE records is a strided view). */
+/* A 1-d array of `type` (any stride: a column of the PAGE records is a strided view), or of
+ * int32 when `type` is NPY_INT64 and `wide` is given (*wide then says which it is). */
 static const char *
-column(PyObject *o, int type, npy_intp *n, npy_intp *stride, const char *what)
+column(PyObject *o, int type, int *wide, npy_intp *n, npy_intp *stride, const char *what, const char *expected)
 {
-    if (!PyArray_Check(o) || PyArray_NDIM((PyArrayObject *)o) != 1 || PyArray_TYPE((PyArrayObject *)o) != type) {
-        PyErr_Format(PyExc_TypeError, "check_tags: %s must be a 1-d array of the right integer type", what);
+    int t = PyArray_Check(o) ? PyArray_TYPE((PyArrayObject *)o) : -1;
+    if (t < 0 || PyArray_NDIM((PyArrayObject *)o) != 1 || (t != type && !(wide && t == NPY_INT32))) {
+        PyErr_Format(PyExc_TypeError, "check_tags: %s must be a 1-d array of %s", what, expected);
         return NULL;
     }
+    if (wide)
+        *wide = t == NPY_INT64;
     *n = PyArray_DIM((PyArrayObject *)o, 0);
     *stride = PyArray_STRIDE((PyArrayObject *)o, 0);
     return PyArray_BYTES((PyArrayObject *)o);
@@ -35,9 +39,9 @@ kvg_check_tags(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (nargs != 6)
         return PyErr_Format(PyExc_TypeError, "check_tags() takes 6 arguments (%zd given)", nargs);
     npy_intp n_own, n_valid, own_stride, valid_stride, n_lens, lens_stride, n_readers, readers_stride;
-    const char *own = column(args[0], NPY_INT32, &n_own, &own_stride, "own");
-    const char *valid = own ? column(args[1], NPY_UINT32, &n_valid, &valid_stride, "valid") : NULL;
-    PyObject *tables = args[2], *lens_array = args[3];
+    const char *own = column(args[0], NPY_INT32, NULL, &n_own, &own_stride, "own", "int32");
+    const char *valid = own ? column(args[1], NPY_UINT32, NULL, &n_valid, &valid_stride, "valid", "uint32") : NULL;
+    PyObject *tables = args[2];
     if (valid == NULL)
         return NULL;
     if (n_valid != n_own)
@@ -45,13 +49,10 @@ kvg_check_tags(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!PyArray_Check(tables) || PyArray_NDIM((PyArrayObject *)tables) != 2 ||
         (PyArray_TYPE((PyArrayObject *)tables) != NPY_INT64 && PyArray_TYPE((PyArrayObject *)tables) != NPY_INT32))
         return PyErr_Format(PyExc_TypeError, "check_tags: tables must be a 2-d array of int32 or int64");
-    if (!PyArray_Check(lens_array) ||
-        (PyArray_TYPE((PyArrayObject *)lens_array) != NPY_INT64 && PyArray_TYPE((PyArrayObject *)lens_array) != NPY_INT32))
-        return PyErr_Format(PyExc_TypeError, "check_tags: lens must be an array of int32 or int64");
-    int wide_tables = PyArray_TYPE((PyArrayObject *)tables) == NPY_INT64;
-    int wide_lens = PyArray_TYPE((PyArrayObject *)lens_array) == NPY_INT64;
-    const char *lens = column(lens_array, PyArray_TYPE((PyArrayObject *)lens_array), &n_lens, &lens_stride, "lens");
-    const char *readers = lens ? column(args[4], NPY_INT64, &n_readers, &readers_stride, "readers") : NULL;
+    int wide_tables = PyArray_TYPE((PyArrayObject *)tables) == NPY_INT64, wide_lens;
+    const char *lens = column(args[3], NPY_INT64, &wide_lens, &n_lens, &lens_stride, "lens", "int32 or int64");
+    const char *readers =
+        lens ? column(args[4], NPY_INT64, NULL, &n_readers, &readers_stride, "readers", "int64") : NULL;
     if (readers == NULL)
         return NULL;
     long long page_size = PyLong_AsLongLong(args[5]);
