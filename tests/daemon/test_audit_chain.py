@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from daemon_helpers import facts, local_findings, stored_findings
 from sqlalchemy import create_engine, text
 
 from kvguard.cli.process import Service, start_daemon
@@ -147,9 +146,6 @@ def test_a_sealed_chain_cannot_be_rewritten_without_its_key(store_url: str, tmp_
 
 def test_a_store_sealed_later_is_proven_plain_before_the_seal_and_keyed_after(
     tmp_path: Path,
-    facts: Callable[..., Counter],
-    local_findings: Callable[[], list],
-    stored_findings: Callable[[str], list[pb.Finding]],
 ) -> None:
     where, key = str(tmp_path / "audit.db"), tmp_path / "audit.key"
     audit("new-key", str(key))
@@ -180,9 +176,6 @@ def test_a_store_sealed_later_is_proven_plain_before_the_seal_and_keyed_after(
 
 def test_the_audit_key_rotates_and_each_key_proves_what_it_sealed(
     tmp_path: Path,
-    facts: Callable[..., Counter],
-    local_findings: Callable[[], list],
-    stored_findings: Callable[[str], list[pb.Finding]],
 ) -> None:
     where, k1, k2 = str(tmp_path / "audit.db"), tmp_path / "k1", tmp_path / "k2"
     audit("new-key", str(k1))

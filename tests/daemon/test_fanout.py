@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
+from daemon_helpers import ingest, stale_reads, stored_findings, wait_for
 
 from kvguard.agents.upstream import AgentStream
 from kvguard.cli.process import Service
@@ -18,7 +18,6 @@ from kvguard.cli.send import send_capture
 from kvguard.daemon import fanout, service
 from kvguard.daemon.daemon import Daemon
 from kvguard.daemon.store import Store
-from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
 from kvguard.proto.capture import read_capture
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -29,9 +28,7 @@ INCIDENT = (DEFAULT_FIXTURES_DIR / "incident" / "capture.jsonl").read_text().spl
 EVENTS = [e for _, e in read_capture(INCIDENT)]
 
 
-def test_the_daemon_times_each_live_alert_until_it_is_written_to_a_subscriber(
-    daemon: Service, stale_reads: Callable[[str, int], list[pb.Event]]
-) -> None:
+def test_the_daemon_times_each_live_alert_until_it_is_written_to_a_subscriber(daemon: Service) -> None:
     # "sent": receipt to the alert written to a live subscriber's stream (an alert read back
     # from the store by a subscriber catching up has no receipt to time from).
     with grpc.insecure_channel(daemon.address) as channel:
@@ -93,8 +90,6 @@ def test_kill_commands_reach_the_node_that_holds_the_request(daemon: Service) ->
 def test_a_subscriber_that_falls_behind_catches_up_from_the_store(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    stale_reads: Callable[[str, int], list[pb.Event]],
-    wait_for: Callable[..., None],
 ) -> None:
     # A live queue of 4 alerts: while the subscriber does not read, the daemon drops from it,
     # and the stream reads what it missed from the store; every alert arrives once, in order.
@@ -155,9 +150,7 @@ def test_quarantine_commands_name_the_pages_a_lifetime_finding_names(daemon: Ser
     assert [c.id for c in stored] == [c.id for c in stream.commands]
 
 
-def test_a_kill_ordered_while_its_node_is_away_reaches_its_next_stream(
-    tmp_path: Path, ingest: Callable[..., None], stale_reads: Callable[[str, int], list[pb.Event]]
-) -> None:
+def test_a_kill_ordered_while_its_node_is_away_reaches_its_next_stream(tmp_path: Path) -> None:
     # An agent that loses its stream after sending a batch resends the batch on its next
     # stream; the ledger has it already, so the kill it caused is never ordered again. The
     # daemon keeps the command for the node's next stream instead of dropping it.
@@ -204,9 +197,7 @@ def test_a_command_reaches_an_agent_that_is_sending_nothing(tmp_path: Path) -> N
         store.close()
 
 
-def test_a_late_rdma_write_is_acted_on_where_the_pages_are(
-    daemon: Service, stored_findings: Callable[[str], list[pb.Finding]]
-) -> None:
+def test_a_late_rdma_write_is_acted_on_where_the_pages_are(daemon: Service) -> None:
     # The prefill node's witness saw writes posted into memory that decode had registered, a
     # second after decode aborted the request and granted those pages to another tenant. The
     # finding is decode's, so its kill and quarantine go to decode's stream, not the witness's.

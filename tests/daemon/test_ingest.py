@@ -7,16 +7,17 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_helpers import batch_of, clean_requests, ingest, stale_reads, wait_for
 
 from kvguard.daemon import fanout
 from kvguard.daemon.daemon import Daemon
-from kvguard.daemon.ingest import APPLY_SLICE, DELIVERING_SLICE, Batch
+from kvguard.daemon.ingest import APPLY_SLICE, DELIVERING_SLICE
 from kvguard.daemon.store import EventRun, Store
 from kvguard.daemon.writer import InlineWriter
 from kvguard.ledger import Finding
@@ -50,9 +51,6 @@ def held(tmp_path: Path, held_writer: type[InlineWriter]) -> Iterator[Held]:
 
 def test_batches_that_arrive_while_a_group_commits_are_committed_together_next(
     held: Held,
-    ingest: Callable[..., None],
-    clean_requests: Callable[[str, int], list[pb.Event]],
-    wait_for: Callable[..., None],
 ) -> None:
     # Group commit: while one group commits, whatever the streams deliver is applied at once
     # and committed as the next group, in one transaction, when the one before is durable.
@@ -75,10 +73,6 @@ def test_batches_that_arrive_while_a_group_commits_are_committed_together_next(
 
 def test_a_group_holding_an_alert_goes_to_the_writer_without_waiting_for_the_commit_before(
     held: Held,
-    ingest: Callable[..., None],
-    stale_reads: Callable[[str, int], list[pb.Event]],
-    clean_requests: Callable[[str, int], list[pb.Event]],
-    wait_for: Callable[..., None],
 ) -> None:
     # An alert waits for its group's commit: that group is handed to the writer as soon as
     # the event that raised it is judged, queued behind the commit in flight (with what was
@@ -119,9 +113,7 @@ def test_a_group_holding_an_alert_goes_to_the_writer_without_waiting_for_the_com
     assert store.count("event") == 21 and store.verify()[0]
 
 
-def test_an_alert_late_in_a_large_batch_is_committed_before_the_rest_of_it(
-    held: Held, ingest: Callable[..., None], wait_for: Callable[..., None]
-) -> None:
+def test_an_alert_late_in_a_large_batch_is_committed_before_the_rest_of_it(held: Held) -> None:
     # A batch larger than a step is applied over several, and its group waits for the last
     # (its ack does) unless an alert is raised in it: then the events applied so far go to
     # the writer at once, and the rest follow in the next group. One ack says the whole batch.
@@ -159,11 +151,6 @@ def test_an_alert_late_in_a_large_batch_is_committed_before_the_rest_of_it(
 
 def test_batches_are_applied_in_small_steps_while_alerts_are_being_written(
     tmp_path: Path,
-    batch_of: Callable[..., Batch],
-    ingest: Callable[..., None],
-    stale_reads: Callable[[str, int], list[pb.Event]],
-    clean_requests: Callable[[str, int], list[pb.Event]],
-    wait_for: Callable[..., None],
 ) -> None:
     # A subscriber's stream writes one alert at a time, each write waiting for a turn of the
     # loop: while one has alerts to write, a batch is applied DELIVERING_SLICE events a step
@@ -194,9 +181,7 @@ def test_batches_are_applied_in_small_steps_while_alerts_are_being_written(
         store.close()
 
 
-def test_a_kill_does_not_wait_for_the_disk(
-    held: Held, ingest: Callable[..., None], stale_reads: Callable[[str, int], list[pb.Event]]
-) -> None:
+def test_a_kill_does_not_wait_for_the_disk(held: Held) -> None:
     # The read is a leak in progress: the kill goes out as soon as the ledger has judged it.
     # Its alert and the batch's ack wait for the commit (an alert's cursor names a durable
     # record), and the command is stored with them.
@@ -223,9 +208,6 @@ def test_a_kill_does_not_wait_for_the_disk(
 
 def test_a_large_batch_is_applied_in_slices_and_acks_go_out_between_them(
     held: Held,
-    batch_of: Callable[..., Batch],
-    ingest: Callable[..., None],
-    stale_reads: Callable[[str, int], list[pb.Event]],
 ) -> None:
     # A batch larger than APPLY_SLICE is applied a slice per step of the loop: an ack that
     # became due meanwhile goes out between two slices, not after the whole batch. The large

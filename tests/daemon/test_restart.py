@@ -7,16 +7,23 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 from alembic import command
+from daemon_helpers import (
+    clean_requests,
+    facts,
+    ingest,
+    local_findings,
+    stale_reads,
+    stored_findings,
+    wait_for,
+)
 from sqlalchemy import create_engine, inspect, text
 
-from kvguard.cli.process import Service, start_daemon
+from kvguard.cli.process import start_daemon
 from kvguard.cli.send import send_capture
 from kvguard.daemon.daemon import Daemon
 from kvguard.daemon.store import Record, Store, migrations
@@ -34,17 +41,13 @@ EVENTS = [e for _, e in read_capture(INCIDENT)]
 
 def test_redelivery_and_a_killed_daemon_lose_and_double_nothing(
     store_url: str,
-    daemon_process: Callable[[str], Service],
-    facts: Callable[..., Counter],
-    local_findings: Callable[[], list],
-    stored_findings: Callable[[str], list[pb.Finding]],
 ) -> None:
     store = store_url
-    first = daemon_process(store)
+    first = start_daemon(store)
     half = [line for line in INCIDENT if line.startswith("{")][:20]
     assert send_capture(half, first.address).accepted == 20
     first.kill()  # SIGKILL: no shutdown, no flush
-    second = daemon_process(store)
+    second = start_daemon(store)
     try:
         again = send_capture(INCIDENT, second.address)  # the agent resends what it holds
         assert (again.accepted, again.repeats, again.rejected) == (19, 20, [])
@@ -99,16 +102,12 @@ def fleet_counters(address: str) -> dict[str, int]:
 def test_a_restart_loads_the_snapshot_and_replays_only_what_came_after(
     store_url: str,
     snapshot_is: str,
-    daemon_process: Callable[[str], Service],
-    facts: Callable[..., Counter],
-    local_findings: Callable[[], list],
-    stored_findings: Callable[[str], list[pb.Finding]],
 ) -> None:
     # A clean stop saves the ledger; the next start loads it and replays nothing before it.
     # A snapshot that does not match the chain, or was taken with other ledger settings, is
     # not used: the whole store is replayed. Either way the verdicts are those of one run.
     half = [line for line in INCIDENT if line.startswith("{")][:20]
-    first = daemon_process(store_url)
+    first = start_daemon(store_url)
     assert send_capture(half, first.address).accepted == 20
     said = first.stop()
     store = Store(store_url)
@@ -145,10 +144,6 @@ def test_a_restart_loads_the_snapshot_and_replays_only_what_came_after(
 
 def test_a_restarted_daemon_rebuilds_the_ledger_it_had_to_the_byte(
     tmp_path: Path,
-    ingest: Callable[..., None],
-    stale_reads: Callable[[str, int], list[pb.Event]],
-    clean_requests: Callable[[str, int], list[pb.Event]],
-    wait_for: Callable[..., None],
 ) -> None:
     # The rebuild applies the stored events' bytes as the daemon applied them when they came
     # (clean runs in C, the rest one at a time, here runs cut at findings): the same state.
@@ -178,9 +173,6 @@ def test_a_restarted_daemon_rebuilds_the_ledger_it_had_to_the_byte(
 
 def test_a_crash_replays_only_what_came_after_the_last_periodic_snapshot(
     store_url: str,
-    facts: Callable[..., Counter],
-    local_findings: Callable[[], list],
-    stored_findings: Callable[[str], list[pb.Finding]],
 ) -> None:
     # With --snapshot-every 4 the daemon snapshots the ledger every few events while batches
     # keep coming (a forked copy dumps it; nothing waits for an idle moment); killed (no

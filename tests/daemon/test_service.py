@@ -5,13 +5,12 @@ without waiting for acks, a node's next stream and what it is told is durable.""
 from __future__ import annotations
 
 import time
-from collections import Counter
-from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
 import grpc
 import pytest
+from daemon_helpers import facts, ingest, local_findings, stale_reads, stored_findings
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -34,9 +33,6 @@ EVENTS = [e for _, e in read_capture(INCIDENT)]
 
 def test_the_daemon_stores_what_a_local_replay_finds(
     daemon: Service,
-    facts: Callable[..., Counter],
-    local_findings: Callable[[], list],
-    stored_findings: Callable[[str], list[pb.Finding]],
 ) -> None:
     summary = send_capture(INCIDENT, daemon.address)
     assert (summary.events, summary.accepted, summary.repeats, summary.rejected) == (39, 39, 0, [])
@@ -44,9 +40,7 @@ def test_the_daemon_stores_what_a_local_replay_finds(
     assert len(local_findings()) == 11
 
 
-def test_the_daemon_reports_its_own_latency_by_stage(
-    daemon: Service, local_findings: Callable[[], list]
-) -> None:
+def test_the_daemon_reports_its_own_latency_by_stage(daemon: Service) -> None:
     """FleetService.State says how long the daemon took from a batch's receipt to each
     finding's verdict and alert and to each batch's ack: one sample per finding and per batch
     (send_capture sends each run of one node's events as a batch), in a consistent order."""
@@ -153,9 +147,7 @@ def test_stock_grpc_tools_see_health_and_services(daemon: Service) -> None:
         } <= names
 
 
-def test_an_agent_may_send_batches_without_waiting_for_acks(
-    daemon: Service, stale_reads: Callable[[str, int], list[pb.Event]]
-) -> None:
+def test_an_agent_may_send_batches_without_waiting_for_acks(daemon: Service) -> None:
     events = stale_reads("p9", 40)
     batches = [events[i : i + 11] for i in range(0, len(events), 11)]
     hello = svc.AgentMessage(hello=svc.Hello(node="p9")).SerializeToString()
@@ -173,9 +165,7 @@ def test_an_agent_may_send_batches_without_waiting_for_acks(
     assert Store(daemon.store).count("event") == len(events)
 
 
-def test_a_node_may_open_a_new_stream_once_its_last_one_ended(
-    daemon: Service, stale_reads: Callable[[str, int], list[pb.Event]]
-) -> None:
+def test_a_node_may_open_a_new_stream_once_its_last_one_ended(daemon: Service) -> None:
     # An agent whose stream broke (or that closed it) opens the next one for the same node.
     with grpc.insecure_channel(daemon.address) as channel:
         first = AgentStream(channel, "p3")
@@ -189,8 +179,6 @@ def test_a_node_may_open_a_new_stream_once_its_last_one_ended(
 def test_a_new_stream_is_told_only_what_is_durable(
     tmp_path: Path,
     held_writer: type[InlineWriter],
-    ingest: Callable[..., None],
-    stale_reads: Callable[[str, int], list[pb.Event]],
 ) -> None:
     # The hello's ack tells an agent what it may drop from its spool: what the store holds,
     # not what the ledger has applied. (A stream's own batches are durable before it lets its

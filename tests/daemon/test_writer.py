@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from daemon_helpers import ingest, stale_reads
 
 from kvguard.daemon.daemon import Daemon
 from kvguard.daemon.store import EventRun, Store, StoreError
@@ -94,9 +95,7 @@ def test_groups_queued_at_the_writer_keep_their_order_and_their_ids(tmp_path: Pa
         s.close()
 
 
-def test_a_closing_daemon_commits_everything_it_was_sent(
-    tmp_path: Path, ingest: Callable[..., None], stale_reads: Callable[[str, int], list[pb.Event]]
-) -> None:
+def test_a_closing_daemon_commits_everything_it_was_sent(tmp_path: Path) -> None:
     # Stopping: the server stops, then the daemon applies and submits what is still queued,
     # then the writer commits it and exits. Closing the writer first would lose the tail.
     where = str(tmp_path / "audit.db")
