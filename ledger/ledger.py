@@ -104,6 +104,7 @@ class Ledger:
             "heartbeat": life.on_heartbeat,
             "alloc": own.on_alloc,
             "write": own.on_write,
+            "step": own.on_step,
             "free": own.on_free,
             "hold": own.on_hold,
             "release": own.on_release,

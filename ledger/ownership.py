@@ -126,12 +126,42 @@ class Ownership:
                 raise BadEvent(f"write: {int(slots.max())} valid slots in a page of {pool.pages.page_size}")
         self.write(node, pool, pages, slots, w.req)
 
-    def write(self, node: Node, pool: Pool, pages: np.ndarray, slots: np.ndarray | None, req: str) -> None:
-        r = self.requests.of_event(req, "write")
+    def write(
+        self, node: Node, pool: Pool, pages: np.ndarray, slots: np.ndarray | None, req: str, payload: str = "write"
+    ) -> None:
+        r = self.requests.of_event(req, payload)
         if r.ended:
-            self._found.progress(r, f"write of {len(pages)} page(s) on {node.name}")
+            self._found.progress(r, f"{payload} of {len(pages)} page(s) on {node.name}")
         self.access.write(r, pool, pages, slots, drain=False)
         self.requests.add(r, "written_pages", len(pages))
+
+    def on_step(self, node: Node, s: pb.Step) -> None:
+        """A batch's forward step: one write per request, in order, validated whole first."""
+        pool = self.pools.pool(node, s.pool, "step")
+        pages = pool.page_array(s, "step", distinct=False)  # distinct within each request's part
+        counts = np.array(s.counts, np.int64)
+        if len(counts) != len(s.reqs):
+            raise BadEvent(f"step: {len(s.reqs)} requests with {len(counts)} counts (must match)")
+        if int(counts.sum()) != len(pages):
+            raise BadEvent(f"step: the counts add up to {int(counts.sum())} entries, pages lists {len(pages)}")
+        slots = None
+        if s.slots:
+            if len(s.slots) != len(pages):
+                raise BadEvent(f"step: {len(s.slots)} slots for {len(pages)} pages (must match, or be empty)")
+            slots = np.array(s.slots, dtype=np.uint32)
+            if int(slots.max()) > pool.pages.page_size:
+                raise BadEvent(f"step: {int(slots.max())} valid slots in a page of {pool.pages.page_size}")
+        bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
+        parts = []
+        for i, req in enumerate(s.reqs):
+            part = pages[bounds[i] : bounds[i + 1]]
+            if len(np.unique(part)) != len(part):
+                raise BadEvent(f"step: {req} lists a page twice (pool {pool.pool} of node {node.name})")
+            if not req:
+                raise BadEvent("step: a request of the batch has no name")
+            parts.append((req, part, None if slots is None else slots[bounds[i] : bounds[i + 1]]))
+        for req, part, part_slots in parts:
+            self.write(node, pool, part, part_slots, req, "step")
 
     def on_scrub(self, node: Node, s: pb.Scrub) -> None:
         pool = self.pools.pool(node, s.pool, "scrub")

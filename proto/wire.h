@@ -16,7 +16,7 @@
 #include <string.h>
 
 /* Payload field numbers of kvguard.v1.Event (events.proto). */
-enum { WIRE_FIRST_PAYLOAD = 10, WIRE_ALLOC = 16, WIRE_WRITE = 17, WIRE_FREE = 18, WIRE_READ = 22, WIRE_LAST_PAYLOAD = 28 };
+enum { WIRE_FIRST_PAYLOAD = 10, WIRE_ALLOC = 16, WIRE_WRITE = 17, WIRE_FREE = 18, WIRE_READ = 22, WIRE_LAST_PAYLOAD = 29 };
 #define WIRE_PAGES 3 /* `pages` in Alloc, Write, Free and ReadEntry */
 
 /* One event as found in its bytes: the layout of proto/wire.py's HEAD (64 bytes). Offsets are

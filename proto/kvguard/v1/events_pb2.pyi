@@ -7,10 +7,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Event(_message.Message):
-    __slots__ = ("node", "seq", "ts_ns", "pool", "admit", "reject", "abort", "finish", "bootstrap", "alloc", "write", "free", "hold", "release", "share", "read", "xfer_send", "xfer_recv", "wire", "kill", "heartbeat", "scrub")
+    __slots__ = ("node", "seq", "ts_ns", "epoch", "pool", "admit", "reject", "abort", "finish", "bootstrap", "alloc", "write", "free", "hold", "release", "share", "read", "xfer_send", "xfer_recv", "wire", "kill", "heartbeat", "scrub", "step")
     NODE_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TS_NS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     REJECT_FIELD_NUMBER: _ClassVar[int]
@@ -30,9 +31,11 @@ class Event(_message.Message):
     KILL_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     SCRUB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     node: str
     seq: int
     ts_ns: int
+    epoch: int
     pool: PoolReport
     admit: Admit
     reject: Reject
@@ -52,10 +55,11 @@ class Event(_message.Message):
     kill: Kill
     heartbeat: Heartbeat
     scrub: Scrub
-    def __init__(self, node: _Optional[str] = ..., seq: _Optional[int] = ..., ts_ns: _Optional[int] = ..., pool: _Optional[_Union[PoolReport, _Mapping]] = ..., admit: _Optional[_Union[Admit, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., bootstrap: _Optional[_Union[Bootstrap, _Mapping]] = ..., alloc: _Optional[_Union[Alloc, _Mapping]] = ..., write: _Optional[_Union[Write, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., hold: _Optional[_Union[Hold, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., share: _Optional[_Union[Share, _Mapping]] = ..., read: _Optional[_Union[Read, _Mapping]] = ..., xfer_send: _Optional[_Union[XferSend, _Mapping]] = ..., xfer_recv: _Optional[_Union[XferRecv, _Mapping]] = ..., wire: _Optional[_Union[Wire, _Mapping]] = ..., kill: _Optional[_Union[Kill, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., scrub: _Optional[_Union[Scrub, _Mapping]] = ...) -> None: ...
+    step: Step
+    def __init__(self, node: _Optional[str] = ..., seq: _Optional[int] = ..., ts_ns: _Optional[int] = ..., epoch: _Optional[int] = ..., pool: _Optional[_Union[PoolReport, _Mapping]] = ..., admit: _Optional[_Union[Admit, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., bootstrap: _Optional[_Union[Bootstrap, _Mapping]] = ..., alloc: _Optional[_Union[Alloc, _Mapping]] = ..., write: _Optional[_Union[Write, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., hold: _Optional[_Union[Hold, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., share: _Optional[_Union[Share, _Mapping]] = ..., read: _Optional[_Union[Read, _Mapping]] = ..., xfer_send: _Optional[_Union[XferSend, _Mapping]] = ..., xfer_recv: _Optional[_Union[XferRecv, _Mapping]] = ..., wire: _Optional[_Union[Wire, _Mapping]] = ..., kill: _Optional[_Union[Kill, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., scrub: _Optional[_Union[Scrub, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
 
 class PoolReport(_message.Message):
-    __slots__ = ("pool", "role", "engine", "engine_version", "model", "page_size", "num_pages", "context_len", "max_prompt_tokens", "kv_dtype", "tp_size", "quant", "mem_fraction", "source", "regions")
+    __slots__ = ("pool", "role", "engine", "engine_version", "model", "page_size", "num_pages", "context_len", "max_prompt_tokens", "kv_dtype", "tp_size", "quant", "mem_fraction", "source", "cluster", "reserved_pages", "regions")
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +74,8 @@ class PoolReport(_message.Message):
     QUANT_FIELD_NUMBER: _ClassVar[int]
     MEM_FRACTION_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_PAGES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     pool: int
     role: str
@@ -85,8 +91,10 @@ class PoolReport(_message.Message):
     quant: str
     mem_fraction: float
     source: str
+    cluster: str
+    reserved_pages: int
     regions: _containers.RepeatedCompositeFieldContainer[KvRegion]
-    def __init__(self, pool: _Optional[int] = ..., role: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., model: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., context_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., quant: _Optional[str] = ..., mem_fraction: _Optional[float] = ..., source: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[KvRegion, _Mapping]]] = ...) -> None: ...
+    def __init__(self, pool: _Optional[int] = ..., role: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., model: _Optional[str] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., context_len: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., tp_size: _Optional[int] = ..., quant: _Optional[str] = ..., mem_fraction: _Optional[float] = ..., source: _Optional[str] = ..., cluster: _Optional[str] = ..., reserved_pages: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[KvRegion, _Mapping]]] = ...) -> None: ...
 
 class KvRegion(_message.Message):
     __slots__ = ("base", "stride", "page_bytes")
@@ -169,6 +177,20 @@ class Write(_message.Message):
     pages: _containers.RepeatedScalarFieldContainer[int]
     slots: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, req: _Optional[str] = ..., pool: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Step(_message.Message):
+    __slots__ = ("pool", "reqs", "counts", "pages", "slots")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REQS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    pool: int
+    reqs: _containers.RepeatedScalarFieldContainer[str]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[int] = ..., reqs: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Free(_message.Message):
     __slots__ = ("req", "pool", "pages")
