@@ -127,7 +127,13 @@ class Ownership:
         self.write(node, pool, pages, slots, w.req)
 
     def write(
-        self, node: Node, pool: Pool, pages: np.ndarray, slots: np.ndarray | None, req: str, payload: str = "write"
+        self,
+        node: Node,
+        pool: Pool,
+        pages: np.ndarray,
+        slots: np.ndarray | None,
+        req: str,
+        payload: str = "write",
     ) -> None:
         r = self.requests.of_event(req, payload)
         if r.ended:
@@ -143,7 +149,9 @@ class Ownership:
         if len(counts) != len(s.reqs):
             raise BadEvent(f"step: {len(s.reqs)} requests with {len(counts)} counts (must match)")
         if int(counts.sum()) != len(pages):
-            raise BadEvent(f"step: the counts add up to {int(counts.sum())} entries, pages lists {len(pages)}")
+            raise BadEvent(
+                f"step: the counts add up to {int(counts.sum())} entries, pages lists {len(pages)}"
+            )
         slots = None
         if s.slots:
             if len(s.slots) != len(pages):
