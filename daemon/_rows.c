@@ -13,7 +13,85 @@
 
 #include "wire.h"
 
-/* A run's events' requests, each once, sorted, as a tuple; NULL with an exception. */
+/* Adds the request data[0, len) to `names` unless it is empty or the one before (a
+ * request's events come together); -1 with an exception. */
+static int
+add_name(PyObject *names, const uint8_t *name, Py_ssize_t len, const uint8_t **prev, Py_ssize_t *prev_len)
+{
+    if (len == 0 || (len == *prev_len && memcmp(name, *prev, (size_t)len) == 0))
+        return 0;
+    PyObject *one = PyUnicode_DecodeUTF8((const char *)name, len, NULL);
+    int rc = one == NULL ? -1 : PySet_Add(names, one);
+    Py_XDECREF(one);
+    *prev = name;
+    *prev_len = len;
+    return rc;
+}
+
+/* A step's requests (its payload's field 2, each a string: wire_step checked the shape). */
+static int
+add_step_names(PyObject *names, const uint8_t *data, const WireHead *h, const uint8_t **prev, Py_ssize_t *prev_len)
+{
+    WireReader r = {data, h->pay_start, h->pay_end};
+    uint64_t number;
+    int wire, got;
+    Py_ssize_t a, b;
+    while ((got = wire_next(&r, &number, &wire)) > 0) {
+        if (number == 2 && wire == 2) {
+            if (wire_span(&r, &a, &b, 0) < 0 || add_name(names, data + a, b - a, prev, prev_len) < 0)
+                return -1;
+        } else if (wire_skip(&r, wire) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A step's first request ("" for none). */
+static PyObject *
+step_first(const uint8_t *data, const WireHead *h)
+{
+    WireReader r = {data, h->pay_start, h->pay_end};
+    uint64_t number;
+    int wire;
+    Py_ssize_t a, b;
+    while (wire_next(&r, &number, &wire) > 0) {
+        if (number == 2 && wire == 2) {
+            if (wire_span(&r, &a, &b, 0) < 0)
+                break;
+            return PyUnicode_DecodeUTF8((const char *)data + a, b - a, NULL);
+        }
+        if (wire_skip(&r, wire) < 0)
+            break;
+    }
+    return PyUnicode_FromStringAndSize("", 0);
+}
+
+static PyObject *run_named(const uint8_t *data, const WireHead *heads, Py_ssize_t start, Py_ssize_t stop);
+
+/* A step's requests but `first`, each once, sorted, as a tuple. */
+static PyObject *
+step_others(const uint8_t *data, const WireHead *h, PyObject *first)
+{
+    PyObject *all = run_named(data, h, 0, 1);
+    if (all == NULL)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(all), k = 0;
+    PyObject *others = PyTuple_New(n);
+    for (Py_ssize_t i = 0; others != NULL && i < n; i++) {
+        PyObject *name = PyTuple_GET_ITEM(all, i);
+        int same = PyUnicode_Compare(name, first) == 0;
+        if (!same)
+            PyTuple_SET_ITEM(others, k++, Py_NewRef(name));
+    }
+    Py_DECREF(all);
+    if (others != NULL && k < n && _PyTuple_Resize(&others, k) < 0)
+        return NULL;
+    return others;
+}
+
+/* A run's events' requests (a step's: all of its batch), each once, sorted, as a tuple; NULL
+ * with an exception. */
 static PyObject *
 run_named(const uint8_t *data, const WireHead *heads, Py_ssize_t start, Py_ssize_t stop)
 {
@@ -21,16 +99,12 @@ run_named(const uint8_t *data, const WireHead *heads, Py_ssize_t start, Py_ssize
     const uint8_t *prev = NULL;
     Py_ssize_t prev_len = -1;
     for (Py_ssize_t k = start; names != NULL && k < stop; k++) {
-        const uint8_t *name = data + heads[k].req_start;
-        Py_ssize_t len = heads[k].req_end - heads[k].req_start;
-        if (len == 0 || (len == prev_len && memcmp(name, prev, (size_t)len) == 0))
-            continue; /* no request, or the one before (a request's events come together) */
-        PyObject *one = PyUnicode_DecodeUTF8((const char *)name, len, NULL);
-        if (one == NULL || PySet_Add(names, one) < 0)
+        int rc = heads[k].kind == WIRE_STEP
+                     ? add_step_names(names, data, &heads[k], &prev, &prev_len)
+                     : add_name(names, data + heads[k].req_start, heads[k].req_end - heads[k].req_start, &prev,
+                                &prev_len);
+        if (rc < 0)
             Py_CLEAR(names);
-        Py_XDECREF(one);
-        prev = name;
-        prev_len = len;
     }
     if (names != NULL && (sorted = PySequence_List(names)) != NULL && PyList_Sort(sorted) == 0)
         named = PyList_AsTuple(sorted);
@@ -94,7 +168,11 @@ split_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         const WireHead *h = &heads[start];
         PyObject *node = PyUnicode_DecodeUTF8((const char *)data + h->node_start, h->node_end - h->node_start, NULL);
         PyObject *req = NULL, *named = NULL, *body = NULL;
-        if (stop - start == 1) {
+        if (stop - start == 1 && h->kind == WIRE_STEP) { /* its first request, the others named */
+            req = step_first(data, h);
+            named = req == NULL ? NULL : step_others(data, h, req);
+            body = PyBytes_FromStringAndSize((const char *)data + h->start, h->end - h->start);
+        } else if (stop - start == 1) {
             req = PyUnicode_DecodeUTF8((const char *)data + h->req_start, h->req_end - h->req_start, NULL);
             named = PyTuple_New(0);
             body = PyBytes_FromStringAndSize((const char *)data + h->start, h->end - h->start);

@@ -4,9 +4,11 @@ have happened. One implementation, used by the in-engine guard (one node) and by
 pages (page state), requests, ownership (page events), transfers, lifecycle, findings.
 
 Invariants kept here:
-- per node, events are applied in sequence order; a repeated sequence number is refused
-  (BadEvent "repeat"), a gap is counted and the event applied, and an event that cannot be
-  applied raises BadEvent, changes nothing, and does not advance its node's sequence;
+- per node and epoch, events are applied in sequence order; a repeated sequence number is
+  refused (BadEvent "repeat"), a gap is counted and the event applied, and an event that
+  cannot be applied raises BadEvent, changes nothing, and does not advance its node's
+  sequence; the first event of a new epoch (incarnation.py) ends the node's previous
+  incarnation, even if its payload is then refused: its header alone says the process is new;
 - an event arrives as an object (`apply`), as its bytes (`apply_serialized`) or in a batch
   (`apply_clean`: runs of the clean common events in C, runs.c); every path judges with the
   same handlers and leaves the same state, to the byte (tests/ledger/test_property.py);
@@ -29,6 +31,7 @@ from google.protobuf.message import DecodeError
 from kvguard.ledger import _pages
 from kvguard.ledger.access import Access
 from kvguard.ledger.findings import BadEvent, Finding, Findings
+from kvguard.ledger.incarnation import Incarnations
 from kvguard.ledger.lifecycle import Lifecycle
 from kvguard.ledger.ownership import GRANT_RUNS, Ownership
 from kvguard.ledger.pools import Node, Pools
@@ -58,6 +61,7 @@ class LedgerStats:
     orphan_wire: int = 0  # transfers a probe reported that no side claimed within forget_idle events
     retired: int = 0  # requests whose history was dropped (idle, holding nothing)
     forgotten: int = 0  # retired requests no page tag named any more: gone, their index reused
+    restarts: int = 0  # nodes whose engine began a new incarnation (epoch) after a first one
 
     def totals(self) -> dict[str, int]:
         """The plain counts (not the per-kind counters), by name."""
@@ -87,6 +91,7 @@ class Ledger:
         self.transfers = Transfers(self.pools, self.requests, access, self.findings, clock_skew_ns)
         self.ownership = Ownership(self.pools, self.requests, self.transfers, access, self.findings)
         self.lifecycle = Lifecycle(self.pools, self.requests, self.transfers, self.findings)
+        self.incarnations = Incarnations(self.pools, self.requests, self.transfers, self.findings, self.stats)
         self.access = access
         self.sweep_every = min(SWEEP_EVERY, max(1, retire_idle // 4))
         self.next_sweep = self.sweep_every if retire_idle else 0
@@ -138,7 +143,7 @@ class Ledger:
             kind = event.WhichOneof("payload")
             if kind is None:
                 raise BadEvent("event has no payload")
-            node = self._begin(kind, event.node, event.seq, event.ts_ns)
+            node = self._begin(kind, event.node, event.seq, event.ts_ns, event.epoch)
             self._handlers[kind](node, getattr(event, kind))
         except BadEvent as exc:
             self.stats.bad[exc.kind] += 1
@@ -168,14 +173,14 @@ class Ledger:
             kind = event.WhichOneof("payload")
             if kind is None:
                 raise BadEvent("event has no payload")
-            at = self._begin(kind, event.node, event.seq, event.ts_ns)
+            at = self._begin(kind, event.node, event.seq, event.ts_ns, event.epoch)
             self._handlers[kind](at, getattr(event, kind))
             return self._end(at, kind)
-        number, name, seq, ts, req, pool_id, tokens, start, end = head
+        number, name, seq, ts, req, pool_id, tokens, start, end, epoch = head
         if node is not None and name != node:
             raise BadEvent(f"event of node {name!r} on the stream of {node!r}", "identity")
         kind = wire.KIND_OF[number]
-        at = self._begin(kind, name, seq, ts)
+        at = self._begin(kind, name, seq, ts, epoch)
         pool = at.pools.get(pool_id)
         try:
             distinct = kind != "read"  # a block table may name a page twice
@@ -232,6 +237,7 @@ class Ledger:
             GRANT_RUNS,
             joined,
             requests.make_at,  # a new request's first alloc: made, then applied in C
+            at.epoch,
         )
         if done > start:  # what the applied events did to their node and the counts
             at.last_seq, at.last_ts_ns, requests.applied = last_seq, last_ts, applied
@@ -267,15 +273,18 @@ class Ledger:
         except DecodeError as exc:
             raise BadEvent(f"the bytes are not a kvguard.v1.Event: {exc}") from None
 
-    def _begin(self, kind: str, name: str, seq: int, ts: int) -> Node:
-        """An event's node, once its header is valid; the event becomes the context of the
-        findings it raises."""
+    def _begin(self, kind: str, name: str, seq: int, ts: int, epoch: int) -> Node:
+        """An event's node, once its header is valid (the first event of a new epoch begins
+        the node's new incarnation); the event becomes the context of the findings it raises."""
         if not name:
             raise BadEvent(f"{kind} event has no node")
         node = self.pools.node(name)
         if seq == 0:
             raise BadEvent(f"{kind} event of node {name} has no sequence number (they start at 1)")
-        if seq <= node.last_seq:
+        if self.incarnations.check(node, kind, epoch):
+            self.findings.at(name, seq, ts)
+            self.incarnations.begin(node, epoch)
+        elif seq <= node.last_seq:
             raise BadEvent(
                 f"sequence number {seq} of node {name} repeats (last applied: {node.last_seq})", "repeat"
             )

@@ -96,9 +96,11 @@ class Pool:
 @dataclass(slots=True)
 class Node:
     name: str
-    last_seq: int = 0
+    last_seq: int = 0  # in the current epoch
     last_ts_ns: int = 0
+    epoch: int = 0  # the engine process's incarnation (Event.epoch)
     pools: dict[int, Pool] = field(default_factory=dict)
+    previous: dict[int, pb.PoolReport] = field(default_factory=dict)  # pools of earlier incarnations
     agent_version: str = ""
     dropped: int = 0
     views: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # each pool's view, for the C clean path
@@ -144,21 +146,24 @@ class Pools:
         report.CopyFrom(rep)
         found, ts = self._found, self._found.ts
         pool = node.pools.get(rep.pool)
+        before = pool.report if pool is not None else node.previous.get(rep.pool)
         if pool is None:
             pages, timed = PoolPages(rep.num_pages, rep.page_size), False
             pool = node.pools[rep.pool] = Pool(node.name, rep.pool, report, pages)
         else:
             pages, timed = pool.pages, pool.regions is not None
+        if before is not None:
             changed = {
-                name: (getattr(pool.report, name), getattr(rep, name))
+                name: (getattr(before, name), getattr(rep, name))
                 for name in _COMPARED
-                if getattr(pool.report, name) != getattr(rep, name)
+                if getattr(before, name) != getattr(rep, name)
             }
             if changed:
                 text = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+                since = "it was last reported" if before is pool.report else "before the engine restarted"
                 found.report(
                     "config_drift",
-                    f"pool {rep.pool} on {node.name} changed since it was last reported: {text}",
+                    f"pool {rep.pool} on {node.name} changed since {since}: {text}",
                     pool=pool.pool,
                     details={
                         "changed": ",".join(changed),

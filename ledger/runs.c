@@ -32,10 +32,10 @@ typedef struct {
     npy_intp n_reqs;
     int wire; /* a transfer waits for a probe's verdict: frees and reads are Python's */
     PoolAt pool;
-    uint64_t last_seq;
+    uint64_t last_seq, epoch;
     int64_t last_ts;
     long long applied, next_sweep, transitions, missing, last_missing;
-    long long kinds[4]; /* alloc, write, free, read */
+    long long kinds[5]; /* alloc, write, free, read, step */
 } Run;
 
 static void
@@ -122,15 +122,170 @@ make_request(Run *c, PyObject *req)
 static int
 kind_index(int kind)
 {
-    return kind == WIRE_ALLOC ? 0 : kind == WIRE_WRITE ? 1 : kind == WIRE_FREE ? 2 : 3;
+    return kind == WIRE_ALLOC ? 0 : kind == WIRE_WRITE ? 1 : kind == WIRE_FREE ? 2 : kind == WIRE_READ ? 3 : 4;
+}
+
+/* The run's counts after applying the event of head h. */
+static void
+ran(Run *c, const WireHead *h)
+{
+    c->kinds[kind_index(h->kind)]++;
+    c->last_missing = (long long)(h->seq - c->last_seq - 1);
+    c->missing += c->last_missing;
+    c->last_seq = h->seq;
+    c->last_ts = h->ts;
+    c->applied += 1;
+}
+
+/* The values of a packed field's bytes [start, end) into out (room for `room`): how many, or
+ * -1 when there are more, or one is beyond uint32, or the bytes end inside one. */
+static Py_ssize_t
+packed_u32(const uint8_t *data, Py_ssize_t start, Py_ssize_t end, uint32_t *out, Py_ssize_t room)
+{
+    Py_ssize_t n = 0, pos = start;
+    uint64_t value;
+    while (pos < end) {
+        if (n == room || wire_varint(data, end, &pos, &value) < 0 || value > UINT32_MAX)
+            return -1;
+        out[n++] = (uint32_t)value;
+    }
+    return n;
+}
+
+/* The counts of the step's packed field at [start, end) (0 when absent: end == start). */
+static Py_ssize_t
+packed_count(const uint8_t *data, Py_ssize_t start, Py_ssize_t end)
+{
+    Py_ssize_t n = 0;
+    for (Py_ssize_t pos = start; pos < end; pos++)
+        n += !(data[pos] & 0x80);
+    return n;
+}
+
+/* A step of the run's node, whose envelope clean_event checked: 1 if every request's write
+ * is the clean case and all are applied, in order, as the handlers apply them; 0 if any is
+ * not (nothing changed: the handlers judge it), -1 with an exception. Clean: the shape is
+ * sound (as many counts as requests, adding up to the pages, slots none or one per page and
+ * at most the page size, pages in range and distinct within each request's part), and each
+ * request is known, in use, not ended, and owns every page of its part. */
+static int
+clean_step(Run *c, const WireHead *h)
+{
+    int found = pool_at(c, h->pool);
+    if (found <= 0)
+        return found;
+    PoolAt *p = &c->pool;
+    Py_ssize_t span[3][2] = {{0, 0}, {0, 0}, {0, 0}}, n_reqs = 0, a, b;
+    WireReader r = {c->data, h->pay_start, h->pay_end};
+    uint64_t number;
+    int wire;
+    while (wire_next(&r, &number, &wire) > 0) { /* wire_step checked the shape */
+        if (wire != 2 || number < 2 || number > 5) {
+            if (wire_skip(&r, wire) < 0)
+                return 0;
+        } else if (wire_span(&r, &a, &b, 0) < 0) {
+            return 0;
+        } else if (number == 2) {
+            n_reqs++;
+        } else {
+            span[number - 3][0] = a;
+            span[number - 3][1] = b;
+        }
+    }
+    Py_ssize_t n_counts = packed_count(c->data, span[0][0], span[0][1]);
+    Py_ssize_t n_pages = packed_count(c->data, span[1][0], span[1][1]);
+    Py_ssize_t n_slots = packed_count(c->data, span[2][0], span[2][1]);
+    if (n_counts != n_reqs || (n_slots && n_slots != n_pages))
+        return 0;
+    /* One block: the parts' bounds and request indices, the pages, the slots. */
+    size_t bytes = (size_t)n_reqs * (sizeof(Py_ssize_t) + sizeof(uint32_t)) +
+                   (size_t)n_pages * (sizeof(npy_intp) + 2 * sizeof(uint32_t)) + 1;
+    char *block = PyMem_Malloc(bytes);
+    if (block == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t *idx = (Py_ssize_t *)block;
+    npy_intp *pages = (npy_intp *)(idx + n_reqs);
+    uint32_t *counts = (uint32_t *)(pages + n_pages), *raw = counts + n_reqs, *slots = raw + n_pages;
+    int rc = 0;
+    Py_ssize_t marked, total = 0;
+    if (packed_u32(c->data, span[0][0], span[0][1], counts, n_reqs) != n_reqs ||
+        packed_u32(c->data, span[1][0], span[1][1], raw, n_pages) != n_pages ||
+        (n_slots && packed_u32(c->data, span[2][0], span[2][1], slots, n_pages) != n_pages))
+        goto out;
+    for (Py_ssize_t i = 0; i < n_reqs; i++)
+        total += counts[i];
+    if (total != n_pages)
+        goto out;
+    for (Py_ssize_t i = 0; i < n_pages; i++) {
+        if (raw[i] >= (uint64_t)p->num_pages || (n_slots && slots[i] > (uint64_t)p->page_size))
+            goto out;
+        pages[i] = raw[i];
+    }
+    /* The requests: known, in use, not ended, owning their parts' pages, each listed once. */
+    r = (WireReader){c->data, h->pay_start, h->pay_end};
+    Py_ssize_t k = 0, at = 0;
+    while (wire_next(&r, &number, &wire) > 0) {
+        if (number != 2) {
+            if (wire_skip(&r, wire) < 0)
+                goto out;
+            continue;
+        }
+        if (wire_span(&r, &a, &b, 0) < 0 || a == b)
+            goto out;
+        PyObject *name = PyUnicode_DecodeUTF8((const char *)c->data + a, b - a, NULL);
+        if (name == NULL) {
+            PyErr_Clear();
+            goto out;
+        }
+        PyObject *found_idx = PyDict_GetItemWithError(c->req_index, name); /* borrowed */
+        Py_DECREF(name);
+        if (found_idx == NULL) {
+            rc = PyErr_Occurred() ? -1 : 0;
+            goto out;
+        }
+        Py_ssize_t x = PyLong_AsSsize_t(found_idx);
+        if (x == -1 && PyErr_Occurred()) {
+            rc = -1;
+            goto out;
+        }
+        if (x <= NOBODY || x >= c->n_reqs || (c->reqs[x].flags & RETIRED) || c->reqs[x].state >= ENDED)
+            goto out;
+        const npy_intp *part = pages + at;
+        int twice = 0;
+        for (marked = 0; marked < (Py_ssize_t)counts[k] && !twice; marked++) { /* distinct within the part */
+            twice = p->state[part[marked]].seen;
+            p->state[part[marked]].seen = 1;
+        }
+        for (Py_ssize_t j = 0; j < marked; j++) /* the scratch is zero again between calls */
+            p->state[part[j]].seen = 0;
+        if (twice || not_owned(p->state, part, counts[k], (long)x))
+            goto out;
+        idx[k++] = x;
+        at += counts[k - 1];
+    }
+    /* Clean: applied from here on. */
+    at = 0;
+    for (k = 0; k < n_reqs; at += counts[k], k++) {
+        Req *req = &c->reqs[idx[k]];
+        req->last = c->applied;
+        land_pages(p->state, pages + at, counts[k], (long)idx[k], n_slots ? slots + at : NULL, (uint32_t)p->page_size);
+        req->written_pages += counts[k];
+    }
+    c->transitions += n_pages;
+    rc = 1;
+out:
+    PyMem_Free(block);
+    return rc;
 }
 
 /* Head i of the run: 1 if it was the clean common case and is applied, 0 if it is not
  * (nothing changed: it is for the Python handlers), -1 with an exception. Clean: an alloc,
- * write (whole pages), free or one-entry read of the run's node, next in its sequence, of a
- * pool it reported, its pages valid (and distinct, but a read's), of a request the ledger
- * knows (an alloc of one it does not know is its first event: `make` makes it and the run goes
- * on), in use (not retired) and not ended (a free may come after
+ * write (whole pages), free, one-entry read or step (clean_step) of the run's node and epoch,
+ * next in its sequence, of a pool it reported, its pages valid (and distinct, but a read's),
+ * of a request the ledger knows (an alloc of one it does not know is its first event: `make`
+ * makes it and the run goes on), in use (not retired) and not ended (a free may come after
  * the end), whose pages need no judgment (grant_busy, not_owned, read_is_clean); an alloc of
  * a request with no bootstrap and fewer than grant_runs grants kept on the pool; no sweep
  * due after it. Applied as the handlers apply it, in the same order. */
@@ -140,8 +295,16 @@ clean_event(Run *c, Py_ssize_t i)
     const WireHead *h = &c->heads[i];
     if (!h->plain || h->node_end - h->node_start != c->name_len ||
         memcmp(c->data + h->node_start, c->name, (size_t)c->name_len) != 0 || h->seq == 0 || h->seq <= c->last_seq ||
-        c->applied + 1 == c->next_sweep || h->req_end == h->req_start ||
-        ((h->kind == WIRE_FREE || h->kind == WIRE_READ) && c->wire))
+        c->applied + 1 == c->next_sweep ||
+        ((h->kind == WIRE_FREE || h->kind == WIRE_READ) && c->wire) || h->epoch != c->epoch)
+        return 0;
+    if (h->kind == WIRE_STEP) {
+        int rc = clean_step(c, h);
+        if (rc == 1)
+            ran(c, h);
+        return rc;
+    }
+    if (h->req_end == h->req_start)
         return 0;
     int found = pool_at(c, h->pool);
     if (found <= 0)
@@ -263,13 +426,8 @@ clean_event(Run *c, Py_ssize_t i)
     default:
         r->reads += 1;
     }
-    c->kinds[kind_index(h->kind)]++;
     c->transitions += count;
-    c->last_missing = (long long)(h->seq - c->last_seq - 1);
-    c->missing += c->last_missing;
-    c->last_seq = h->seq;
-    c->last_ts = h->ts;
-    c->applied += 1;
+    ran(c, h);
     rc = 1;
 out:
     Py_DECREF(array);
@@ -279,7 +437,7 @@ out:
 }
 
 /* apply_clean(data, heads, start, stop, node, last_seq, applied, next_sweep, wire, pools,
- *             req_index, reqs, grant_runs, joined, make)
+ *             req_index, reqs, grant_runs, joined, make, epoch)
  *   -> (at, last_seq, last_ts, applied, transitions, missing, last_missing, kinds, error)
  * Applies the events of heads[start:stop] (HEAD records of `data`: a batch of `node`'s
  * stream; heads None: `data` is one event, [start, stop) is [0, 1)) in order, for as long as each is the clean common case (clean_event), as the
@@ -287,7 +445,8 @@ out:
  * and the node's and the
  * ledger's counts after what it applied: the last sequence number and time, the applied
  * events' count, page transitions, missing sequence numbers (all, and before the last), and
- * per kind (alloc, write, free, read) how many. `pools`: the node's pools by id, each (state,
+ * per kind (alloc, write, free, read, step) how many; only events of the node's `epoch` are
+ * applied (a new epoch is the ledger's to begin). `pools`: the node's pools by id, each (state,
  * page_size, timed, live, grants); `req_index`: request name -> index into `reqs` (REQ
  * records); `wire`: frees and reads wait (a probe's verdict is pending); every (request,
  * pool) whose first grants entry it made is appended to `joined`; `make(name, applied)` makes
@@ -297,8 +456,8 @@ PyObject *
 kvg_apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 15)
-        return PyErr_Format(PyExc_TypeError, "apply_clean() takes 15 arguments (%zd given)", nargs);
+    if (nargs != 16)
+        return PyErr_Format(PyExc_TypeError, "apply_clean() takes 16 arguments (%zd given)", nargs);
     Run c;
     memset(&c, 0, sizeof(c));
     if (!PyBytes_Check(args[0]))
@@ -326,6 +485,7 @@ kvg_apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     c.next_sweep = PyLong_AsLongLong(args[7]);
     c.wire = PyObject_IsTrue(args[8]);
     c.grant_runs = PyLong_AsSsize_t(args[12]);
+    c.epoch = PyLong_AsUnsignedLongLong(args[15]);
     if (PyErr_Occurred())
         return NULL;
     if (start < 0 || stop > n_heads || start > stop)
@@ -367,8 +527,8 @@ kvg_apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (value != NULL)
             Py_SETREF(error, value);
     }
-    return Py_BuildValue("(nKLLLLL(LLLL)N)", i, (unsigned long long)c.last_seq, (long long)c.last_ts,
+    return Py_BuildValue("(nKLLLLL(LLLLL)N)", i, (unsigned long long)c.last_seq, (long long)c.last_ts,
                          c.applied, c.transitions, c.missing, c.last_missing, c.kinds[0], c.kinds[1], c.kinds[2],
-                         c.kinds[3], error);
+                         c.kinds[3], c.kinds[4], error);
 }
 

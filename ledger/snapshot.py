@@ -34,7 +34,7 @@ from kvguard.ledger.requests import REQ, Request
 from kvguard.ledger.transfers import Posted, Seen, Side, Transfer
 from kvguard.proto import pb
 
-FORMAT = 3  # 3: the ledger split by concept; requests' numbers in one table, grants kept by pool
+FORMAT = 4  # 3: the ledger split by concept, requests' numbers in one table; 4: nodes' epochs
 SETTINGS = ("dedupe", "clock_skew_ns", "retire_idle", "forget_idle")  # a ledger's constructor arguments
 _PAGE_ARRAYS = (
     "gen",
@@ -186,7 +186,10 @@ def _dump(ledger: Ledger) -> bytes:
                     "pages": [key, pool.pages.num_pages, pool.pages.page_size],
                 }
             )
-        nodes.append([node.name, node.last_seq, node.last_ts_ns, node.agent_version, node.dropped, pools])
+        previous = sorted([pool_id, _message(r)] for pool_id, r in node.previous.items())
+        nodes.append(
+            [node.name, node.last_seq, node.last_ts_ns, node.agent_version, node.dropped, pools, node.epoch, previous]
+        )
     book = ledger.requests
     big["requests"] = book.table[: len(book.objects)]
     requests: list[Any] = []
@@ -316,8 +319,10 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
     for name, value in saved.items():
         if name not in ("events", "bad", "findings"):
             setattr(stats, name, _typed(f"stats {name}", value, int))
-    for name, last_seq, last_ts, version, dropped, pools in state["nodes"]:
-        node = ledger.nodes[name] = Node(name, last_seq, last_ts, {}, version, dropped)
+    for name, last_seq, last_ts, version, dropped, pools, epoch, previous in state["nodes"]:
+        node = ledger.nodes[name] = Node(
+            name, last_seq, last_ts, epoch, {}, {k: _report(r) for k, r in previous}, version, dropped
+        )
         for p in pools:
             key, num_pages, page_size = p["pages"]
             pages = PoolPages(num_pages, page_size)

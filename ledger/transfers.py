@@ -121,6 +121,18 @@ class Transfers:
             if t is not None:
                 self._wire_verdict(r, t)
 
+    def node_restarted(self, name: str) -> None:
+        """Node `name`'s engine restarted: the verdicts that waited on its transfers are settled
+        now, and RDMA writes posted into its old memory can no longer be judged (counted)."""
+        for idx, t in list(self.pending.items()):
+            if name in (t.send.node if t.send else "", t.recv.node if t.recv else ""):
+                r = self.requests[idx]
+                del self.pending[idx]
+                if r is not None:
+                    self._wire_verdict(r, t)
+        for _, posted in self.posted.pop(name, ()):
+            self.stats.remote_unjudged += len(posted.addr)
+
     def holds(self, r: Request) -> bool:
         """Whether a verdict still waits on one of r's transfers."""
         return r.idx in self.pending or any(t.req == r.id for w in self.posted.values() for t, _ in w)

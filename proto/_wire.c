@@ -4,8 +4,9 @@
  * - head(body): one event's head (wire.h), or None where protobuf must read it;
  * - batch(data, wrapped): the heads of a batch's events, one pass over its bytes, as HEAD
  *   records (the events stay where they are in `data`);
- * - encode(kind, node, seq, ts, req, pool, pages, slots): an alloc, write or free event's
- *   bytes, as protobuf would serialize it, from int64 arrays (no Python int per page).
+ * - encode(kind, node, seq, ts, epoch, req, pool, pages, slots): an alloc, write or free
+ *   event's bytes, as protobuf would serialize it, from int64 arrays (no Python int per page);
+ * - encode_step(node, seq, ts, epoch, pool, reqs, counts, pages, slots): a step's bytes.
  *
  * Invariant: what is read here is what protobuf reads of the same bytes, and what is written
  * is what protobuf writes; anything else is left to protobuf (wire.h).
@@ -20,7 +21,7 @@
 
 static PyArray_Descr *head_descr; /* HEAD: WireHead as a NumPy dtype */
 
-/* head(body) -> (kind, node, seq, ts_ns, req, pool, tokens, start, end) or None
+/* head(body) -> (kind, node, seq, ts_ns, req, pool, tokens, start, end, epoch) or None
  * The plain shape only (an alloc, a write without slots, a free, a one-entry read): [start,
  * end) are the payload's bytes (a read's entry), whose field 3 lists the pages. None for any
  * other event, unusual bytes, or a node or req that is not UTF-8. */
@@ -35,7 +36,7 @@ head(PyObject *self, PyObject *body)
     if (PyBytes_GET_SIZE(body) > (Py_ssize_t)UINT32_MAX)
         Py_RETURN_NONE;
     wire_head((const uint8_t *)base, 0, PyBytes_GET_SIZE(body), &h);
-    if (!h.plain)
+    if (!h.plain || h.kind == WIRE_STEP)
         Py_RETURN_NONE;
     PyObject *node = PyUnicode_DecodeUTF8(base + h.node_start, h.node_end - h.node_start, NULL);
     PyObject *req = node ? PyUnicode_DecodeUTF8(base + h.req_start, h.req_end - h.req_start, NULL) : NULL;
@@ -44,8 +45,9 @@ head(PyObject *self, PyObject *body)
         Py_XDECREF(node);
         Py_RETURN_NONE;
     }
-    return Py_BuildValue("(iNKLNKKII)", h.kind, node, (unsigned long long)h.seq, (long long)h.ts, req,
-                         (unsigned long long)h.pool, (unsigned long long)h.tokens, h.pay_start, h.pay_end);
+    return Py_BuildValue("(iNKLNKKIIK)", h.kind, node, (unsigned long long)h.seq, (long long)h.ts, req,
+                         (unsigned long long)h.pool, (unsigned long long)h.tokens, h.pay_start, h.pay_end,
+                         (unsigned long long)h.epoch);
 }
 
 /* single(body) -> HEAD array of one: the head of the event `body` (kind 0 where protobuf must
@@ -186,7 +188,74 @@ int64_data(PyObject *o, Py_ssize_t *n, const char *what)
     return PyArray_DATA((PyArrayObject *)o);
 }
 
-/* encode(kind, node, seq, ts, req, pool, pages, slots) -> bytes
+/* An event's envelope as encode() and encode_step() take it: node, seq, ts, epoch. */
+typedef struct {
+    const char *node;
+    Py_ssize_t node_len;
+    uint64_t seq, epoch;
+    int64_t ts;
+} Envelope;
+
+static int
+envelope(PyObject *const *args, Envelope *env)
+{
+    env->seq = PyLong_AsUnsignedLongLong(args[1]);
+    env->ts = PyLong_AsLongLong(args[2]);
+    env->epoch = PyLong_AsUnsignedLongLong(args[3]);
+    if (PyErr_Occurred())
+        return -1;
+    env->node = PyUnicode_AsUTF8AndSize(args[0], &env->node_len);
+    return env->node == NULL ? -1 : 0;
+}
+
+static Py_ssize_t
+envelope_size(const Envelope *env)
+{
+    Py_ssize_t size = 0;
+    if (env->node_len)
+        size += 1 + wire_varint_size((uint64_t)env->node_len) + env->node_len;
+    if (env->seq)
+        size += 1 + wire_varint_size(env->seq);
+    if (env->ts)
+        size += 1 + wire_varint_size((uint64_t)env->ts);
+    if (env->epoch)
+        size += 1 + wire_varint_size(env->epoch);
+    return size;
+}
+
+/* The envelope's fields in their order (defaults left out, as protobuf does). */
+static void
+put_envelope(Out *o, const Envelope *env)
+{
+    if (env->node_len)
+        put_bytes(o, 1, env->node, env->node_len);
+    if (env->seq) {
+        put_varint(o, 2 << 3);
+        put_varint(o, env->seq);
+    }
+    if (env->ts) {
+        put_varint(o, 3 << 3);
+        put_varint(o, (uint64_t)env->ts);
+    }
+    if (env->epoch) {
+        put_varint(o, 4 << 3);
+        put_varint(o, env->epoch);
+    }
+}
+
+/* Field `number`, packed: n values of `size` bytes as varints (nothing when n is 0). */
+static void
+put_packed(Out *o, uint64_t number, const int64_t *values, Py_ssize_t n, Py_ssize_t size)
+{
+    if (!n)
+        return;
+    put_varint(o, number << 3 | 2);
+    put_varint(o, (uint64_t)size);
+    for (Py_ssize_t i = 0; i < n; i++)
+        put_varint(o, (uint64_t)values[i]);
+}
+
+/* encode(kind, node, seq, ts, epoch, req, pool, pages, slots) -> bytes
  * An Event whose payload (field `kind`: alloc, write, free, hold, release, share, scrub: the
  * payloads whose fields 1-3 are req, pool, pages) holds req, pool and the packed `pages`, and
  * for a write the packed `slots` (None: none), byte for byte as protobuf serializes it
@@ -195,11 +264,13 @@ static PyObject *
 encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 8)
-        return PyErr_Format(PyExc_TypeError, "encode() takes 8 arguments (%zd given)", nargs);
+    if (nargs != 9)
+        return PyErr_Format(PyExc_TypeError, "encode() takes 9 arguments (%zd given)", nargs);
     long kind = PyLong_AsLong(args[0]);
-    uint64_t seq = PyLong_AsUnsignedLongLong(args[2]);
-    int64_t ts = PyLong_AsLongLong(args[3]);
+    Envelope env;
+    if (envelope(args + 1, &env) < 0)
+        return NULL;
+    args += 1; /* what follows the epoch is where it was */
     unsigned long pool = PyLong_AsUnsignedLong(args[5]);
     if (PyErr_Occurred())
         return NULL;
@@ -207,9 +278,8 @@ encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return PyErr_Format(PyExc_ValueError, "encode: payload field %ld", kind);
     if (pool > UINT32_MAX)
         return PyErr_Format(PyExc_ValueError, "encode: pool %lu is not a uint32", pool);
-    Py_ssize_t node_len, req_len, n_pages, n_slots = 0;
-    const char *node = PyUnicode_AsUTF8AndSize(args[1], &node_len);
-    const char *req = node ? PyUnicode_AsUTF8AndSize(args[4], &req_len) : NULL;
+    Py_ssize_t req_len, n_pages, n_slots = 0;
+    const char *req = PyUnicode_AsUTF8AndSize(args[4], &req_len);
     if (req == NULL)
         return NULL;
     const int64_t *pages = int64_data(args[6], &n_pages, "pages"), *slots = NULL;
@@ -230,27 +300,12 @@ encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         payload += 1 + wire_varint_size((uint64_t)pages_size) + pages_size;
     if (n_slots)
         payload += 1 + wire_varint_size((uint64_t)slots_size) + slots_size;
-    Py_ssize_t total = 2 + wire_varint_size((uint64_t)payload) + payload;
-    if (node_len)
-        total += 1 + wire_varint_size((uint64_t)node_len) + node_len;
-    if (seq)
-        total += 1 + wire_varint_size(seq);
-    if (ts)
-        total += 1 + wire_varint_size((uint64_t)ts);
+    Py_ssize_t total = envelope_size(&env) + wire_varint_size((uint64_t)kind << 3 | 2) + wire_varint_size((uint64_t)payload) + payload;
     PyObject *bytes = PyBytes_FromStringAndSize(NULL, total);
     if (bytes == NULL)
         return NULL;
     Out o = {(uint8_t *)PyBytes_AS_STRING(bytes)};
-    if (node_len)
-        put_bytes(&o, 1, node, node_len);
-    if (seq) {
-        put_varint(&o, 2 << 3);
-        put_varint(&o, seq);
-    }
-    if (ts) {
-        put_varint(&o, 3 << 3);
-        put_varint(&o, (uint64_t)ts);
-    }
+    put_envelope(&o, &env);
     put_varint(&o, (uint64_t)kind << 3 | 2);
     put_varint(&o, (uint64_t)payload);
     if (req_len)
@@ -279,12 +334,89 @@ encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return bytes;
 }
 
+/* encode_step(node, seq, ts, epoch, pool, reqs, counts, pages, slots) -> bytes
+ * A step event: reqs a list of str, counts, pages and slots (None: none) contiguous int64
+ * arrays, byte for byte as protobuf serializes it. ValueError naming what does not fit. */
+static PyObject *
+encode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 9)
+        return PyErr_Format(PyExc_TypeError, "encode_step() takes 9 arguments (%zd given)", nargs);
+    Envelope env;
+    if (envelope(args, &env) < 0)
+        return NULL;
+    unsigned long pool = PyLong_AsUnsignedLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (pool > UINT32_MAX)
+        return PyErr_Format(PyExc_ValueError, "encode_step: pool %lu is not a uint32", pool);
+    PyObject *reqs = args[5];
+    if (!PyList_Check(reqs))
+        return PyErr_Format(PyExc_TypeError, "encode_step: reqs must be a list of str, not %.80s",
+                            Py_TYPE(reqs)->tp_name);
+    Py_ssize_t n_reqs = PyList_GET_SIZE(reqs), n_counts, n_pages, n_slots = 0;
+    const int64_t *counts = int64_data(args[6], &n_counts, "counts"), *pages = NULL, *slots = NULL;
+    if (counts == NULL || !(pages = int64_data(args[7], &n_pages, "pages")))
+        return NULL;
+    if (args[8] != Py_None && !(slots = int64_data(args[8], &n_slots, "slots")))
+        return NULL;
+    Py_ssize_t payload = 0, size;
+    for (Py_ssize_t i = 0; i < n_reqs; i++) {
+        if (!PyUnicode_Check(PyList_GET_ITEM(reqs, i)))
+            return PyErr_Format(PyExc_TypeError, "encode_step: reqs[%zd] is %.80s, not str", i,
+                                Py_TYPE(PyList_GET_ITEM(reqs, i))->tp_name);
+        if (PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(reqs, i), &size) == NULL)
+            return NULL;
+        payload += 1 + wire_varint_size((uint64_t)size) + size;
+    }
+    Py_ssize_t counts_size = packed_size(counts, n_counts, "counts");
+    Py_ssize_t pages_size = counts_size < 0 ? -1 : packed_size(pages, n_pages, "pages");
+    Py_ssize_t slots_size = pages_size < 0 ? -1 : packed_size(slots, n_slots, "slots");
+    if (slots_size < 0)
+        return NULL;
+    if (pool)
+        payload += 1 + wire_varint_size(pool);
+    if (n_counts)
+        payload += 1 + wire_varint_size((uint64_t)counts_size) + counts_size;
+    if (n_pages)
+        payload += 1 + wire_varint_size((uint64_t)pages_size) + pages_size;
+    if (n_slots)
+        payload += 1 + wire_varint_size((uint64_t)slots_size) + slots_size;
+    Py_ssize_t total = envelope_size(&env) + wire_varint_size((uint64_t)WIRE_STEP << 3 | 2) + wire_varint_size((uint64_t)payload) + payload;
+    PyObject *bytes = PyBytes_FromStringAndSize(NULL, total);
+    if (bytes == NULL)
+        return NULL;
+    Out o = {(uint8_t *)PyBytes_AS_STRING(bytes)};
+    put_envelope(&o, &env);
+    put_varint(&o, (uint64_t)WIRE_STEP << 3 | 2);
+    put_varint(&o, (uint64_t)payload);
+    if (pool) {
+        put_varint(&o, 1 << 3);
+        put_varint(&o, pool);
+    }
+    for (Py_ssize_t i = 0; i < n_reqs; i++) {
+        const char *name = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(reqs, i), &size); /* cached above */
+        put_bytes(&o, 2, name, size);
+    }
+    put_packed(&o, 3, counts, n_counts, counts_size);
+    put_packed(&o, 4, pages, n_pages, pages_size);
+    put_packed(&o, 5, slots, n_slots, slots_size);
+    if ((char *)o.at != PyBytes_AS_STRING(bytes) + total) { /* a bug: the sizes above disagree */
+        Py_DECREF(bytes);
+        return PyErr_Format(PyExc_SystemError, "encode_step: wrote %zd of %zd bytes",
+                            (Py_ssize_t)((char *)o.at - PyBytes_AS_STRING(bytes)), total);
+    }
+    return bytes;
+}
+
 static PyMethodDef methods[] = {
     {"head", (PyCFunction)head, METH_O, "One event's head, for the plain shape."},
     {"single", (PyCFunction)single, METH_O, "One event's head, as a batch of one."},
     {"batch", (PyCFunction)(void (*)(void))batch, METH_FASTCALL, "The heads of a batch's events."},
     {"of_node", (PyCFunction)(void (*)(void))of_node, METH_FASTCALL, "Which events are a node's."},
     {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL, "A page event's bytes."},
+    {"encode_step", (PyCFunction)(void (*)(void))encode_step, METH_FASTCALL, "A step event's bytes."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -305,12 +437,13 @@ PyInit__wire(void)
         return NULL;
 #define OFFSET(field) ((Py_ssize_t)offsetof(WireHead, field))
     PyObject *spec = Py_BuildValue(
-        "{s:[sssssssssssssss],s:[sssssssssssssss],s:[nnnnnnnnnnnnnnn],s:n}", "names", "kind", "plain", "batched",
+        "{s:[ssssssssssssssss],s:[ssssssssssssssss],s:[nnnnnnnnnnnnnnnn],s:n}", "names", "kind", "plain", "batched",
         "start", "end", "node_start", "node_end", "req_start", "req_end", "pay_start", "pay_end", "pool", "seq", "ts",
-        "tokens", "formats", "u1", "u1", "<u2", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u8",
-        "<i8", "<u8", "offsets", OFFSET(kind), OFFSET(plain), OFFSET(batched), OFFSET(start), OFFSET(end),
-        OFFSET(node_start), OFFSET(node_end), OFFSET(req_start), OFFSET(req_end), OFFSET(pay_start), OFFSET(pay_end),
-        OFFSET(pool), OFFSET(seq), OFFSET(ts), OFFSET(tokens), "itemsize", (Py_ssize_t)sizeof(WireHead));
+        "tokens", "epoch", "formats", "u1", "u1", "<u2", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4", "<u4",
+        "<u8", "<i8", "<u8", "<u8", "offsets", OFFSET(kind), OFFSET(plain), OFFSET(batched), OFFSET(start),
+        OFFSET(end), OFFSET(node_start), OFFSET(node_end), OFFSET(req_start), OFFSET(req_end), OFFSET(pay_start),
+        OFFSET(pay_end), OFFSET(pool), OFFSET(seq), OFFSET(ts), OFFSET(tokens), OFFSET(epoch), "itemsize",
+        (Py_ssize_t)sizeof(WireHead));
 #undef OFFSET
     if (spec == NULL || !PyArray_DescrConverter(spec, &head_descr) ||
         PyModule_AddObjectRef(m, "HEAD", (PyObject *)head_descr) < 0) {

@@ -16,14 +16,23 @@
 #include <string.h>
 
 /* Payload field numbers of kvguard.v1.Event (events.proto). */
-enum { WIRE_FIRST_PAYLOAD = 10, WIRE_ALLOC = 16, WIRE_WRITE = 17, WIRE_FREE = 18, WIRE_READ = 22, WIRE_LAST_PAYLOAD = 29 };
+enum {
+    WIRE_FIRST_PAYLOAD = 10,
+    WIRE_ALLOC = 16,
+    WIRE_WRITE = 17,
+    WIRE_FREE = 18,
+    WIRE_READ = 22,
+    WIRE_STEP = 29,
+    WIRE_LAST_PAYLOAD = 29
+};
 #define WIRE_PAGES 3 /* `pages` in Alloc, Write, Free and ReadEntry */
 
-/* One event as found in its bytes: the layout of proto/wire.py's HEAD (64 bytes). Offsets are
+/* One event as found in its bytes: the layout of proto/wire.py's HEAD (72 bytes). Offsets are
  * into the bytes the head was read from (an event, or the batch that holds it). */
 typedef struct {
     uint8_t kind;   /* the payload's field number; 0: the envelope is not read here */
-    uint8_t plain;  /* an alloc, a write without slots, a free or a one-entry read: its fields are read */
+    uint8_t plain;  /* an alloc, a write without slots, a free, a one-entry read, or a step whose
+                       fields are each in their own shape: its fields are read (a step's: pool) */
     uint16_t batched; /* read from a batch: the event's field (tag, length) lies right before `start` */
     uint32_t start, end;           /* the event's bytes */
     uint32_t node_start, node_end; /* Event.node */
@@ -33,9 +42,10 @@ typedef struct {
     uint64_t seq;
     int64_t ts;
     uint64_t tokens; /* plain read: the entry's tokens */
+    uint64_t epoch;  /* Event.epoch: the engine process's incarnation (0: none given) */
 } WireHead;
 
-_Static_assert(sizeof(WireHead) == 64, "a head is one cache line");
+_Static_assert(sizeof(WireHead) == 72, "a head is one cache line and the epoch");
 
 typedef struct {
     const uint8_t *data;
@@ -266,6 +276,35 @@ wire_payload(WireReader r, int kind, WireHead *h)
     return got;
 }
 
+/* A step's payload in [start, end): its pool (1) read into h; the requests (2, strings), counts
+ * (3), pages (4) and slots (5) each in its own wire type, the packed ones given at most once
+ * (as protobuf writes them); 0 if so, -1 if anything else is there. */
+static inline int
+wire_step(const uint8_t *data, Py_ssize_t start, Py_ssize_t end, WireHead *h)
+{
+    WireReader r = {data, start, end};
+    uint64_t number, value;
+    int wire, got, seen = 0;
+    while ((got = wire_next(&r, &number, &wire)) > 0) {
+        if (number == 1 && wire == 0 && !(seen & 1)) {
+            if (wire_varint(r.data, r.end, &r.pos, &value) < 0 || value > UINT32_MAX)
+                return -1;
+            h->pool = (uint32_t)value;
+            seen |= 1;
+        } else if (number == 2 && wire == 2) {
+            if (wire_skip(&r, wire) < 0)
+                return -1;
+        } else if (number >= 3 && number <= 5 && wire == 2 && !(seen & (1 << number))) {
+            if (wire_skip(&r, wire) < 0)
+                return -1;
+            seen |= 1 << number;
+        } else if (number <= 5 || wire_skip(&r, wire) < 0) {
+            return -1;
+        }
+    }
+    return got;
+}
+
 /* The head of the event at data[start, end): its envelope (node, seq, ts and exactly one
  * payload: kind) and, for the plain shape of the events every request makes (an alloc, a
  * write without slots, a free, a read of one entry), its payload's fields (plain). Unusual
@@ -297,11 +336,15 @@ wire_head(const uint8_t *data, Py_ssize_t start, Py_ssize_t end, WireHead *h)
                 return;
             h->ts = (int64_t)ts;
             seen |= 4;
+        } else if (number == 4 && wire == 0 && !(seen & 8)) {
+            if (wire_varint(r.data, r.end, &r.pos, &h->epoch) < 0)
+                return;
+            seen |= 8;
         } else if (number >= WIRE_FIRST_PAYLOAD && number <= WIRE_LAST_PAYLOAD && wire == 2 && !kind) {
             if (wire_span(&r, &pay_start, &pay_end, 0) < 0)
                 return;
             kind = (int)number;
-        } else if (number <= 3 || (number >= WIRE_FIRST_PAYLOAD && number <= WIRE_LAST_PAYLOAD)) {
+        } else if (number <= 4 || (number >= WIRE_FIRST_PAYLOAD && number <= WIRE_LAST_PAYLOAD)) {
             return; /* a field twice, a wire type not its own, a second payload */
         } else if (wire_skip(&r, wire) < 0) {
             return;
@@ -310,6 +353,14 @@ wire_head(const uint8_t *data, Py_ssize_t start, Py_ssize_t end, WireHead *h)
     if (got < 0 || !kind)
         return;
     h->kind = (uint8_t)kind;
+    if (kind == WIRE_STEP) {
+        if (wire_step(data, pay_start, pay_end, h) == 0) {
+            h->pay_start = (uint32_t)pay_start;
+            h->pay_end = (uint32_t)pay_end;
+            h->plain = 1;
+        }
+        return;
+    }
     if (kind != WIRE_ALLOC && kind != WIRE_WRITE && kind != WIRE_FREE && kind != WIRE_READ)
         return;
     if (kind == WIRE_READ) { /* Read: exactly one entry (field 1) */

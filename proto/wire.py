@@ -20,10 +20,10 @@ from google.protobuf.message import DecodeError
 from kvguard.proto import _wire, pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
-HEAD: np.dtype = _wire.HEAD  # one event's head, one cache line (wire.h: WireHead)
+HEAD: np.dtype = _wire.HEAD  # one event's head (wire.h: WireHead)
 PAYLOAD = {f.name: f.number for f in pb.Event.DESCRIPTOR.oneofs_by_name["payload"].fields}
 KIND_OF = {number: name for name, number in PAYLOAD.items()}
-PLAIN = ("alloc", "write", "free", "read")  # the payloads read from their bytes (with `plain`)
+PLAIN = ("alloc", "write", "free", "read", "step")  # the payloads read from their bytes (with `plain`)
 PAGES = 3  # the field number of `pages` in Alloc, Write, Free and ReadEntry
 ENCODED = ("alloc", "write", "free")  # the payloads encode() writes
 
@@ -124,17 +124,43 @@ def frame(bodies: Sequence[bytes]) -> bytes:
     return svc.RawAgentMessage(batch=svc.RawEventBatch(events=bodies)).SerializeToString()
 
 
-def event_head(body: bytes) -> tuple[int, str, int, int, str, int, int, int, int] | None:
-    """(kind, node, seq, ts_ns, req, pool, tokens, start, end) of one event of the plain shape
+def event_head(body: bytes) -> tuple[int, str, int, int, str, int, int, int, int, int] | None:
+    """(kind, node, seq, ts_ns, req, pool, tokens, start, end, epoch) of one event of the plain shape
     (`PLAIN`, a read of one entry, a write without slots), where [start, end) are its
     payload's bytes (a read's entry), whose field 3 lists the pages; None for anything else."""
     return _wire.head(body)
 
 
 def encode(
-    kind: str, node: str, seq: int, ts: int, req: str, pool: int, pages: np.ndarray, slots: np.ndarray | None
+    kind: str,
+    node: str,
+    seq: int,
+    ts: int,
+    req: str,
+    pool: int,
+    pages: np.ndarray,
+    slots: np.ndarray | None,
+    epoch: int = 0,
 ) -> bytes:
     """An alloc, write or free event's bytes (`pages`, `slots`: int64 arrays; slots only for a
     write, None for full pages), as protobuf serializes the same event. ValueError for a page
     or slot count that is not a uint32."""
-    return _wire.encode(PAYLOAD[kind], node, seq, ts, req, pool, pages, slots)
+    return _wire.encode(PAYLOAD[kind], node, seq, ts, epoch, req, pool, pages, slots)
+
+
+def encode_step(
+    node: str,
+    seq: int,
+    ts: int,
+    epoch: int,
+    pool: int,
+    reqs: list[str],
+    counts: np.ndarray,
+    pages: np.ndarray,
+    slots: np.ndarray | None,
+) -> bytes:
+    """A step event's bytes (`counts`, `pages`, `slots`: int64 arrays; slots None for full
+    pages), as protobuf serializes the same event: one pass in C, however large the batch.
+    ValueError for a count, page or slot that is not a uint32; TypeError for a request that
+    is not a str."""
+    return _wire.encode_step(node, seq, ts, epoch, pool, reqs, counts, pages, slots)

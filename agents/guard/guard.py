@@ -117,10 +117,13 @@ class Guard:
         on_kill: Callable[[str, str], None] | None = None,
         on_quarantine: Callable[[int, list[int]], None] | None = None,
         clock: Callable[[], int] | None = None,
+        epoch: int | None = None,
     ) -> None:
         if mode not in ("monitor", "enforce"):
             raise ValueError(f"guard mode {mode!r} is not monitor or enforce")
         self.node = node
+        # This engine process's incarnation: a restarted engine's events begin a new one.
+        self.epoch = time.time_ns() if epoch is None else epoch
         self.mode = mode
         self.rule_modes = dict(rule_modes or {})
         self.ruleset = ruleset if ruleset is not None else load_ruleset()
@@ -157,7 +160,15 @@ class Guard:
             seq, ts = self._next()
             try:
                 body = wire.encode(
-                    kind, self.node, seq, ts, req, pool, page_array, None if slots is None else _int64(slots)
+                    kind,
+                    self.node,
+                    seq,
+                    ts,
+                    req,
+                    pool,
+                    page_array,
+                    None if slots is None else _int64(slots),
+                    self.epoch,
                 )
                 found = self.ledger.apply_serialized(body, self.node)
             except (BadEvent, ValueError) as exc:
@@ -176,7 +187,7 @@ class Guard:
             if req:
                 fields["req"] = req
             try:
-                event = pb.Event(node=self.node, seq=seq, ts_ns=ts, **{payload: fields})
+                event = pb.Event(node=self.node, seq=seq, ts_ns=ts, epoch=self.epoch, **{payload: fields})
                 found = self.ledger.apply(event)
             except (BadEvent, ValueError, TypeError) as exc:
                 who = [req] if req else [entry["req"] for entry in fields.get("reads", ())]
@@ -389,6 +400,64 @@ class Guard:
         found = tags.check(pp.own, pp.valid, block_tables, context_lens, readers, pp.page_size)
         return self.ledger.clean_given_tags(readers, found > 0, found == 2)
 
+    def step(
+        self,
+        pool: int,
+        reqs: Sequence[str],
+        pages: Iterable[int] | np.ndarray,
+        slots: Iterable[int] | np.ndarray | None = None,
+        *,
+        counts: Iterable[int] | np.ndarray | None = None,
+        block_tables: Any = None,
+        context_lens: Any = None,
+    ) -> Verdict:
+        """One forward step of a batch, in one call: the KV it wrote, as one `step` event
+        (request reqs[i] wrote the next counts[i] entries of `pages`, with their `slots`, the
+        valid slots of each page after the write; counts None: one page each, as in decode;
+        slots None: full pages), applied in C and handed to the sink as bytes; then, with
+        block_tables and context_lens, the check before the attention that reads it
+        (check_attention's). The engine must drop the requests in `kill` from this step."""
+        with self._lock:
+            names = reqs if isinstance(reqs, list) else list(reqs)
+            page_array = _int64(pages)
+            count_array = np.ones(len(names), np.int64) if counts is None else _int64(counts)
+            if self._device_tags:
+                tags = self._device_tags.get(pool)
+                if tags is not None:
+                    tags.touch(page_array)
+            seq, ts = self._next()
+            try:
+                body = wire.encode_step(
+                    self.node,
+                    seq,
+                    ts,
+                    self.epoch,
+                    pool,
+                    names,
+                    count_array,
+                    page_array,
+                    None if slots is None else _int64(slots),
+                )
+                found = self.ledger.apply_serialized(body, self.node)
+            except (BadEvent, ValueError, TypeError) as exc:
+                verdict = self._refused("step", exc, [str(r) for r in names])
+            else:
+                self.sink.put(body)
+                verdict = self._judge(found) if found else CLEAN
+            if block_tables is None:
+                return verdict
+            checked = self._check(pool, names, block_tables, context_lens)
+            if checked is CLEAN:
+                return verdict
+            if verdict is CLEAN:
+                return checked
+            verdict.findings += checked.findings
+            for req, finding in checked.kill.items():
+                verdict.kill.setdefault(req, finding)
+            verdict.quarantine |= checked.quarantine
+            verdict.deny |= checked.deny
+            return verdict
+
     def check_attention(
         self, pool: int, reqs: Sequence[str], block_tables: np.ndarray, context_lens: np.ndarray
     ) -> Verdict:
@@ -396,23 +465,24 @@ class Guard:
         padding beyond each context ignored), context_lens [B]. The engine must drop the
         requests in `kill` from this launch; the rest of the batch goes on."""
         with self._lock:
-            if hasattr(block_tables, "__cuda_array_interface__"):
-                clean = self._clean_on_device(pool, reqs, block_tables, context_lens)
-            else:
-                clean = self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens)
-            if clean.all():
-                return CLEAN
-            tables, lens = _host(block_tables), _host(context_lens)  # the failing few, on the host
-            page_size = self.ledger.nodes[self.node].pools[pool].pages.page_size
-            reads = []
-            for i in np.flatnonzero(~clean).tolist():
-                need = -(-int(lens[i]) // page_size)
-                reads.append(
-                    {"req": reqs[i], "pool": pool, "pages": tables[i, :need].tolist(), "tokens": int(lens[i])}
-                )
-            verdict = self._emit("read", reads=reads)
-            for entry in reads:  # a request killed earlier that is still batched stays out
-                req = entry["req"]
-                if req in self.killed and req not in verdict.kill:
-                    verdict.kill[req] = self.killed[req]
-            return verdict
+            return self._check(pool, reqs, block_tables, context_lens)
+
+    def _check(self, pool: int, reqs: Sequence[str], block_tables: Any, context_lens: Any) -> Verdict:
+        if hasattr(block_tables, "__cuda_array_interface__"):
+            clean = self._clean_on_device(pool, reqs, block_tables, context_lens)
+        else:
+            clean = self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens)
+        if clean.all():
+            return CLEAN
+        tables, lens = _host(block_tables), _host(context_lens)  # the failing few, on the host
+        page_size = self.ledger.nodes[self.node].pools[pool].pages.page_size
+        reads = []
+        for i in np.flatnonzero(~clean).tolist():
+            need = -(-int(lens[i]) // page_size)
+            reads.append({"req": reqs[i], "pool": pool, "pages": tables[i, :need].tolist(), "tokens": int(lens[i])})
+        verdict = self._emit("read", reads=reads)
+        for entry in reads:  # a request killed earlier that is still batched stays out
+            req = entry["req"]
+            if req in self.killed and req not in verdict.kill:
+                verdict.kill[req] = self.killed[req]
+        return verdict

@@ -82,13 +82,17 @@ class Record(NamedTuple):
 
 
 def indexed(event: pb.Event) -> tuple[str, str, tuple[str, ...]]:
-    """An event's index columns: its request (a read launch's first), its tenant, and the
-    other requests it names."""
+    """An event's index columns: its request (a read launch's or a step's first), its tenant,
+    and the other requests it names."""
     kind = event.WhichOneof("payload") or ""
     if kind == "read":
         reads = event.read.reads
         first = reads[0].req if reads else ""  # the others go to `named`
         return first, "", _read_others(reads) if len(reads) > 1 else ()
+    if kind == "step":  # a batch's forward step: its first request, the others to `named`
+        reqs = event.step.reqs
+        first = reqs[0] if reqs else ""
+        return first, "", tuple(sorted(set(reqs) - {first, ""}))
     if not kind:
         return "", "", ()
     payload = getattr(event, kind)

@@ -57,7 +57,8 @@ def head_of(event: pb.Event) -> tuple[object, ...] | None:
     head = wire.event_head(body)
     if head is None:
         return None
-    *fields, start, end = head
+    *fields, start, end, epoch = head
+    assert epoch == event.epoch
     return (*fields, PoolPages(1 << 20, 16).page_list(body, 3, distinct=False, within=(start, end)).tolist())
 
 
@@ -80,6 +81,7 @@ def test_event_head_reads_the_events_every_request_makes() -> None:
     read = pb.Read(reads=[pb.ReadEntry(req="r", pool=2, pages=[4, 4], tokens=20)])
     assert head_of(ev(read=read)) == (22, "décode-0", 7, -5, "r", 2, 20, [4, 4])
     assert head_of(pb.Event(alloc=pb.Alloc())) == (16, "", 0, 0, "", 0, 0, [])
+    assert head_of(pb.Event(epoch=2**64 - 1, free=pb.Free(req="r"))) == (18, "", 0, 0, "r", 0, 0, [])
     # Anything else is protobuf's to read.
     two = pb.Read(reads=[pb.ReadEntry(req="a"), pb.ReadEntry(req="b")])
     for other in (
@@ -87,6 +89,7 @@ def test_event_head_reads_the_events_every_request_makes() -> None:
         ev(read=two),
         ev(read=pb.Read()),
         ev(admit=pb.Admit(req="r")),
+        ev(step=pb.Step(reqs=["r"], counts=[1], pages=[2])),  # read in C by the ledger, not here
         ev(),
     ):
         assert head_of(other) is None, other
@@ -203,7 +206,8 @@ def test_events_are_written_as_protobuf_writes_them(
 ) -> None:
     slots = [p % 17 for p in pages] if with_slots and kind == "write" else None
     fields = {"req": req, "pool": pool, "pages": pages} | ({"slots": slots} if slots else {})
-    want = pb.Event(node=node, seq=seq, ts_ns=ts, **{kind: fields}).SerializeToString()
+    epoch = (seq * 7919) % 2**64
+    want = pb.Event(node=node, seq=seq, ts_ns=ts, epoch=epoch, **{kind: fields}).SerializeToString()
     got = wire.encode(
         kind,
         node,
@@ -211,6 +215,25 @@ def test_events_are_written_as_protobuf_writes_them(
         ts,
         req,
         pool,
+        np.array(pages, np.int64),
+        None if slots is None else np.array(slots, np.int64),
+        epoch,
+    )
+    assert got == want
+    # A batch of such requests' writes as one step: the same bytes as protobuf's too.
+    reqs = [req, node, ""][: len(pages) % 4]
+    counts = [len(pages) // max(len(reqs), 1)] * len(reqs)
+    counts[-1:] = [len(pages) - sum(counts[:-1])] if reqs else []
+    step = {"pool": pool, "reqs": reqs, "counts": counts, "pages": pages} | ({"slots": slots} if slots else {})
+    want = pb.Event(node=node, seq=seq, ts_ns=ts, epoch=epoch, step=step).SerializeToString()
+    got = wire.encode_step(
+        node,
+        seq,
+        ts,
+        epoch,
+        pool,
+        reqs,
+        np.array(counts, np.int64),
         np.array(pages, np.int64),
         None if slots is None else np.array(slots, np.int64),
     )
@@ -224,3 +247,8 @@ def test_a_page_that_is_no_uint32_is_refused_by_name() -> None:
         wire.encode("write", "n", 1, 1, "r", 0, np.array([3], np.int64), np.array([2**32], np.int64))
     with pytest.raises(TypeError, match="int64"):
         wire.encode("free", "n", 1, 1, "r", 0, np.array([3], np.int32), None)
+    one = np.array([1], np.int64)
+    with pytest.raises(ValueError, match="counts: -1 at 0 is not a uint32"):
+        wire.encode_step("n", 1, 1, 0, 0, ["r"], -one, one, None)
+    with pytest.raises(TypeError, match=r"reqs\[0\] is int, not str"):
+        wire.encode_step("n", 1, 1, 0, 0, [7], one, one, None)

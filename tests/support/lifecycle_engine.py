@@ -336,14 +336,26 @@ class Engine:
 
     def decode_step(self, node: str, batch: list[Req]) -> None:
         """One forward over a batch: each request writes its new token (into a new page when
-        its last one is full), then one attention launch reads every context."""
+        its last one is full; the writes as a write each, or as one step), then one attention
+        launch reads every context."""
         reads = []
+        stepped = self.rng.random() < 0.5  # the batch's writes as one step event, or one write each
+        written: list[tuple[str, int, int]] = []
         for r in batch:
             if r.ctx % self.ps == 0:
                 self.alloc(node, r, 1)
-            self.write(node, r, [r.own[node][-1]], [r.ctx % self.ps + 1])
+            page, slot = r.own[node][-1], r.ctx % self.ps + 1
+            if stepped:  # the pool's view changes when the step is reported
+                written.append((r.id, page, slot))
+            else:
+                self.write(node, r, [page], [slot])
             r.ctx += 1
             reads.append(self.read_entry(node, r))
+        if written:
+            for req, page, slot in written:
+                self.pools[node].write(req, [page], [slot])
+            reqs, pages, slots = (list(column) for column in zip(*written, strict=True))
+            self.emit(node, "step", pool=0, reqs=reqs, counts=[1] * len(reqs), pages=pages, slots=slots)
         self.emit(node, "read", reads=reads)
 
     def decode(self, node: str, r: Req) -> Iterator[Wait]:
