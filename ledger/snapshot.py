@@ -187,9 +187,8 @@ def _dump(ledger: Ledger) -> bytes:
                 }
             )
         previous = sorted([pool_id, _message(r)] for pool_id, r in node.previous.items())
-        nodes.append(
-            [node.name, node.last_seq, node.last_ts_ns, node.agent_version, node.dropped, pools, node.epoch, previous]
-        )
+        head = [node.name, node.last_seq, node.last_ts_ns, node.agent_version, node.dropped]
+        nodes.append([*head, pools, node.epoch, previous])
     book = ledger.requests
     big["requests"] = book.table[: len(book.objects)]
     requests: list[Any] = []

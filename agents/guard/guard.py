@@ -479,7 +479,8 @@ class Guard:
         reads = []
         for i in np.flatnonzero(~clean).tolist():
             need = -(-int(lens[i]) // page_size)
-            reads.append({"req": reqs[i], "pool": pool, "pages": tables[i, :need].tolist(), "tokens": int(lens[i])})
+            pages = tables[i, :need].tolist()
+            reads.append({"req": reqs[i], "pool": pool, "pages": pages, "tokens": int(lens[i])})
         verdict = self._emit("read", reads=reads)
         for entry in reads:  # a request killed earlier that is still batched stays out
             req = entry["req"]

@@ -224,7 +224,8 @@ def test_events_are_written_as_protobuf_writes_them(
     reqs = [req, node, ""][: len(pages) % 4]
     counts = [len(pages) // max(len(reqs), 1)] * len(reqs)
     counts[-1:] = [len(pages) - sum(counts[:-1])] if reqs else []
-    step = {"pool": pool, "reqs": reqs, "counts": counts, "pages": pages} | ({"slots": slots} if slots else {})
+    step = {"pool": pool, "reqs": reqs, "counts": counts, "pages": pages}
+    step |= {"slots": slots} if slots else {}
     want = pb.Event(node=node, seq=seq, ts_ns=ts, epoch=epoch, step=step).SerializeToString()
     got = wire.encode_step(
         node,
