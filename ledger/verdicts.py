@@ -26,6 +26,13 @@ Invariants:
 - what is reported depends only on the events and their order, never on how they were
   applied (one by one, or in C runs: Ledger._clean stops a run before the event that makes a
   verdict due, `due_by`) nor on a snapshot (the heaps are rebuilt from `waits`).
+
+Cost: `pending` (which makes C runs leave frees and reads to Python) is as before, non-empty
+only between a receipt and the settling. A node's heap is non-empty from a short report of a
+transfer it is involved in until its clock passes the last deadline (about clock_skew_ns of
+its events): meanwhile its C runs stop once per deadline passed, and its single events
+(apply_serialized) take the Python path. Stale entries of a node that stops speaking stay
+until it speaks again or its incarnation ends.
 """
 
 from __future__ import annotations
