@@ -171,6 +171,10 @@ class Verdicts:
             if r is not None and w.t.send is not None and (node is None or node in w.nodes):
                 at(w.t.send.node)
                 self.close(r, w.t, why)
+        if node is None:  # nothing waits any more: every heap entry left is stale
+            self.due.clear()
+        else:
+            self.due.pop(node, None)
         for t in transfers.values():
             send = t.send
             if send is None or not send.done or t.recv is not None or t.closed:
