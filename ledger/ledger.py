@@ -219,6 +219,9 @@ class Ledger:
         at = self.pools.nodes.get(node)
         if at is None or node in self.transfers.posted:  # its first event; a verdict waits on it
             return start
+        stop = self.transfers.due_by(node, heads, start, stop)  # before its clock settles a verdict
+        if stop == start:
+            return start
         requests = self.requests
         joined: list[tuple[int, int]] = []
         done, last_seq, last_ts, applied, moved, missing, last_missing, kinds, error = _pages.apply_clean(
@@ -267,6 +270,12 @@ class Ledger:
                 self.apply_serialized(batch.event(at), node)
                 at += 1
 
+    def end_capture(self) -> list[Finding]:
+        """The capture ends (`kvguard replay`, rule fixtures): every verdict still waiting is
+        settled (Transfers.settle_all); their findings, each naming its node, with no sequence
+        number (no event raised them). The ledger may go on applying events afterwards."""
+        return self.transfers.settle_all()
+
     def _parse(self, body: bytes) -> pb.Event:
         try:
             return pb.Event.FromString(body)
@@ -300,6 +309,8 @@ class Ledger:
         node.last_seq, node.last_ts_ns = seq, self.findings.ts
         if node.name in self.transfers.posted:
             self.transfers.judge_posted(node)
+        if node.name in self.transfers.due:
+            self.transfers.settle_due(node)
         self.stats.events[kind] += 1
         self.requests.applied += 1
         if self.requests.applied == self.next_sweep:

@@ -62,7 +62,7 @@ class Lifecycle:
 
     def on_finish(self, node: Node, x: pb.Finish) -> None:
         r = self.requests.of_event(x.req, "finish")
-        self.transfers.settle(r)
+        self.transfers.settle(r, "finished")
         self.requests.finished(r, x.output_tokens)
 
     def on_heartbeat(self, node: Node, x: pb.Heartbeat) -> None:

@@ -186,7 +186,7 @@ class Ownership:
     def free(self, node: Node, pool: Pool, pages: np.ndarray, req: str) -> None:
         pp = pool.pages
         r = self.requests.of_event(req, "free")
-        self.transfers.settle(r)
+        self.transfers.settle(r, "freed its pages")
         since = self._since(pool)
         n_mine = len(pages)
         if others := pp.end_grant(pages, r.idx, since):  # shares ending, or a double free
@@ -247,7 +247,7 @@ class Ownership:
             raise BadEvent(f"release: holder {h.holder!r} is not one of {', '.join(HOLDERS)}")
         held = pool.pages.holds[k, pages] > 0
         r = self.requests.of_event(h.req, "release")
-        self.transfers.settle(r)
+        self.transfers.settle(r, f"released its {h.holder} hold")
         if not held.all():
             self._found.report(
                 "double_free",
@@ -322,7 +322,7 @@ class Ownership:
     def read(self, node: Node, checked: list[tuple[Request, Pool, np.ndarray, int]]) -> None:
         """An attention launch whose every entry is valid: (reader, pool, pages it covers, tokens)."""
         for r, pool, pages, tokens in checked:
-            self.transfers.settle(r)
+            self.transfers.settle(r, "read its pages")
             if r.ended:
                 self._found.progress(r, f"read (attention) on {node.name}")
             self.requests.add(r, "reads", 1)

@@ -34,7 +34,7 @@ from kvguard.ledger.requests import REQ, Request
 from kvguard.ledger.transfers import Posted, Seen, Side, Transfer
 from kvguard.proto import pb
 
-FORMAT = 4  # 3: the ledger split by concept, requests' numbers in one table; 4: nodes' epochs
+FORMAT = 4  # 4: nodes' epochs, and the verdicts that wait with their deadlines (3: the ledger split by concept)
 SETTINGS = ("dedupe", "clock_skew_ns", "retire_idle", "forget_idle")  # a ledger's constructor arguments
 _PAGE_ARRAYS = (
     "gen",
@@ -209,8 +209,9 @@ def _dump(ledger: Ledger) -> bytes:
             t.req,
             side(t.send),
             side(t.recv),
-            [[probe, s.bytes, s.calls, s.complete] for probe, s in t.wire.items()],
+            [[probe, s.bytes, s.calls, s.complete, s.node, s.judged] for probe, s in t.wire.items()],
             [posted(p) for p in t.posted],
+            t.closed,
         ]
         for t in xfers.by_id.values()
     ]
@@ -234,6 +235,7 @@ def _dump(ledger: Ledger) -> bytes:
         "reported": sorted((_fact(f) for f in ledger.findings.reported), key=orjson.dumps),
         "drift_pairs": sorted(list(p) for p in ledger.pools.drift_pairs),
         "wire_pending": [[idx, t.xfer] for idx, t in xfers.pending.items()],
+        "wire_waits": [[x, w.deadline, list(w.nodes)] for x, w in xfers.verdicts.waits.items()],
         "orphans": list(xfers.orphans.items()),
         "posted": [
             [node, [[t.xfer, posted(p)] for t, p in waiting]] for node, waiting in xfers.posted.items()
@@ -380,13 +382,15 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
     book.retired = {idx: objects[idx] for idx in state["retired"]}
     book.free = list(state["free"])
     xfers = ledger.transfers
-    for xfer, req, send, recv, wire, waiting in state["transfers"]:
-        t = xfers.by_id[xfer] = Transfer(xfer, req, side(send), side(recv))
-        t.wire = {probe: Seen(nbytes, calls, complete) for probe, nbytes, calls, complete in wire}
+    for xfer, req, send, recv, wire, waiting, closed in state["transfers"]:
+        t = xfers.by_id[xfer] = Transfer(xfer, req, side(send), side(recv), closed=closed)
+        t.wire = {probe: Seen(*seen) for probe, *seen in wire}
         t.posted = [posted(p) for p in waiting]
     ledger.findings.reported = {_tuple(f) for f in state["reported"]}
     ledger.pools.drift_pairs = {tuple(p) for p in state["drift_pairs"]}
-    xfers.pending = {idx: xfers.by_id[xfer] for idx, xfer in state["wire_pending"]}
+    xfers.pending.update((idx, xfers.by_id[xfer]) for idx, xfer in state["wire_pending"])
+    waits = state["wire_waits"]
+    xfers.verdicts.restore([(xfers.by_id[x], deadline, tuple(nodes)) for x, deadline, nodes in waits])
     xfers.orphans = {xfer: last for xfer, last in state["orphans"]}
     xfers.posted = {
         node: [(xfers.by_id[xfer], posted(p)) for xfer, p in waiting] for node, waiting in state["posted"]

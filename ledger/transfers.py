@@ -5,7 +5,14 @@ a probe saw posted judged against the receiver's pages.
 Invariants (Transfers is the only writer of transfers and of the verdicts that wait):
 - a transfer is compared as soon as two sides have spoken; bytes a probe saw beyond the
   sender's claim are wrong at once, a shortfall once the probe saw the transfer end, else it
-  waits (`pending`) and is settled at the request's next read, free, release or finish;
+  waits (verdicts.py: settled at the request's next use after receipt, by the nodes' clocks,
+  or at the end of a capture);
+- at the end of a capture (`settle_all`), a send reported done that its receiver never
+  confirmed is reported (transfer_mismatch, what=unconfirmed: low severity, rule
+  transfer_unconfirmed) when the receiver is a node that reported events: a decode engine
+  that reports learns of its transfers, so a receipt it never reported is worth a look, not
+  proof of a leak. No clock settles this one: a receiver may report its receipt late (when
+  its scheduler polls for it), and an unguarded receiver never does;
 - a posted RDMA write is judged only where the receiver's page state has not changed since
   before it was posted (allowing clock_skew_ns), and only once the receiver's own events have
   passed that time; what cannot be decided is counted (remote_unjudged), never guessed;
@@ -21,10 +28,11 @@ from typing import Any
 import numpy as np
 
 from kvguard.ledger.access import Access
-from kvguard.ledger.findings import BadEvent, Findings
+from kvguard.ledger.findings import BadEvent, Finding, Findings
 from kvguard.ledger.pages import HOLDER_INDEX
 from kvguard.ledger.pools import Node, Pool, Pools
 from kvguard.ledger.requests import Request, Requests
+from kvguard.ledger.verdicts import Verdicts
 from kvguard.proto import pb
 
 STATUSES = ("done", "failed", "refused")  # refused: the receiver kept the KV out of its pages
@@ -59,6 +67,8 @@ class Seen:
     bytes: int = 0
     calls: int = 0
     complete: bool = False  # the probe saw the transfer end: `bytes` is all it carried
+    node: str = ""  # the node whose stream reported it (a node involved in the transfer)
+    judged: bool = False  # its shortfall was settled (verdicts.py): it waits no more
 
 
 @dataclass(slots=True)
@@ -85,6 +95,7 @@ class Transfer:
     recv: Side | None = None
     wire: dict[str, Seen] = field(default_factory=dict)  # by probe
     posted: list[Posted] = field(default_factory=list)  # until its request and receiver are known
+    closed: bool = False  # reported unconfirmed: no receiver's report is awaited any more
 
 
 class Transfers:
@@ -99,7 +110,9 @@ class Transfers:
         self.by_id: dict[str, Transfer] = {}
         # Transfers only a probe has named so far -> when one last did, oldest first.
         self.orphans: dict[str, int] = {}
-        self.pending: dict[int, Transfer] = {}  # request -> transfer a probe saw short so far
+        self.verdicts = Verdicts(pools, requests, findings, clock_skew_ns)  # the verdicts that wait
+        self.pending = self.verdicts.pending  # request -> its transfer a probe saw short so far
+        self.due = self.verdicts.due  # node -> deadlines of the verdicts that wait on it
         # receiver node -> RDMA writes waiting for its events to pass the time they were posted
         self.posted: dict[str, list[tuple[Transfer, Posted]]] = {}
         self.clock_skew_ns = clock_skew_ns
@@ -114,12 +127,24 @@ class Transfers:
 
     # ------------------------------------------------------------------ what waits
 
-    def settle(self, r: Request) -> None:
-        """A verdict that waited on r's transfer is due (it reads, frees, releases, finishes)."""
+    def settle(self, r: Request, why: str) -> None:
+        """A verdict that waited on r's transfer is due: r `why` (read, freed, released its
+        pages, finished), after the receiver reported the transfer."""
         if self.pending:
-            t = self.pending.pop(r.idx, None)
-            if t is not None:
-                self._wire_verdict(r, t)
+            self.verdicts.settle(r, why)
+
+    def settle_due(self, node: Node) -> None:
+        """The verdicts that wait on `node` whose deadline its event (just applied) passed."""
+        self.verdicts.settle_due(node.name, node.last_ts_ns)
+
+    def due_by(self, node: str, heads: np.ndarray | None, start: int, stop: int) -> int:
+        """Where a C run of node's events [start, stop) must stop for a verdict to fall due."""
+        return self.verdicts.due_by(node, heads, start, stop)
+
+    def settle_all(self, node: str | None = None, why: str = "end of capture") -> list[Finding]:
+        """Settle every verdict that waits, or (`node`) those that node is involved in: see
+        Verdicts.settle_all. The end of a capture, or of a node's incarnation."""
+        return self.verdicts.settle_all(self.by_id, self._receiver, node, why)
 
     def node_restarted(self, name: str) -> None:
         """Node `name`'s engine restarted: the verdicts that waited on its transfers are settled
@@ -135,7 +160,11 @@ class Transfers:
 
     def holds(self, r: Request) -> bool:
         """Whether a verdict still waits on one of r's transfers."""
-        return r.idx in self.pending or any(t.req == r.id for w in self.posted.values() for t, _ in w)
+        return (
+            r.idx in self.pending
+            or any(x in self.verdicts.waits for x in r.xfers)
+            or any(t.req == r.id for w in self.posted.values() for t, _ in w)
+        )
 
     def forget(self, r: Request) -> None:
         for xfer in r.xfers:
@@ -287,6 +316,7 @@ class Transfers:
         seen.bytes += w.bytes
         seen.calls += w.calls
         seen.complete |= w.complete
+        seen.node = node.name
         if posted is not None:
             t.posted.append(posted)
         r = self.requests.get(t.req) if t.req else None
@@ -313,12 +343,15 @@ class Transfers:
             return None
         return Posted(w.probe, addr, addr + size, w.first_write_ns, f"{self._found.node}#{self._found.seq}")
 
-    def _route(self, r: Request, t: Transfer) -> None:
-        """A transfer's posted writes wait, under its receiver, for the receiver's events."""
-        # Who received it, as the receiver, the sender or the bootstrap says (in that order).
+    def _receiver(self, r: Request, t: Transfer) -> str:
+        """Who received t, as the receiver, the sender or the bootstrap says (in that order)."""
         receiver = (t.recv.node if t.recv else "") or (t.send.peer if t.send else "")
         boot = r.bootstrap
-        receiver = receiver or (boot[1] if boot else "")
+        return receiver or (boot[1] if boot else "")
+
+    def _route(self, r: Request, t: Transfer) -> None:
+        """A transfer's posted writes wait, under its receiver, for the receiver's events."""
+        receiver = self._receiver(r, t)
         if receiver:
             self.posted.setdefault(receiver, []).extend((t, p) for p in t.posted)
             t.posted = []
@@ -413,43 +446,24 @@ class Transfers:
         if send and recv and send.done and recv.done:
             self._compare(r, t, send, recv)
         # Bytes beyond the claim are wrong at once, and so is a shortfall once a probe saw the
-        # transfer end. Otherwise a shortfall is only suspected at receipt: the rest of the
-        # probe's report may still be on its way from the sender's node. It is judged at the
-        # request's next attention, release, free or finish, i.e. before its KV is used.
+        # transfer end. Otherwise a shortfall is only suspected: the rest of the probe's report
+        # may still be on its way. It waits (verdicts.py), at the latest until the request's
+        # next attention, release, free or finish after receipt, i.e. before its KV is used.
         if not (t.wire and send and send.done):
             return
         waiting = False
         for probe, seen in t.wire.items():
+            if seen.judged:  # settled short already
+                continue
             if seen.bytes < send.bytes and not seen.complete:
                 waiting = True
             elif seen.bytes != send.bytes:
-                self._wire_verdict(r, t, probe)
-        if waiting and recv is not None:
-            self.pending[r.idx] = t
+                self.verdicts.report(r, t, probe)
+        if waiting:
+            involved = {send.node, self._receiver(r, t), *(seen.node for seen in t.wire.values())}
+            self.verdicts.wait(r, t, tuple(sorted(involved - {""})))
         else:
-            self.pending.pop(r.idx, None)
-
-    def _wire_verdict(self, r: Request, t: Transfer, probe: str | None = None) -> None:
-        """Each probe (or the one named) whose bytes differ from the sender's claim."""
-        send = t.send
-        if send is None:
-            return
-        for name, seen in t.wire.items():
-            if (probe is None or name == probe) and seen.bytes != send.bytes:
-                self._found.report(
-                    "transfer_mismatch",
-                    f"transfer {t.xfer} of {r.id}: sender reported {send.bytes} bytes, the wire probe "
-                    f"({name or 'probe'}) saw {seen.bytes} in {seen.calls} call(s)",
-                    req=r,
-                    details={
-                        "xfer": t.xfer,
-                        "what": "wire_bytes",
-                        "expected": send.bytes,
-                        "observed": seen.bytes,
-                        "probe": name,
-                    },
-                    key=(t.xfer, "wire_bytes", name),
-                )
+            self.verdicts.drop(r, t)
 
 
 def pages_written(regions: np.ndarray, num_pages: int, addr: np.ndarray, end: np.ndarray) -> np.ndarray:

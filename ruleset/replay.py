@@ -2,7 +2,8 @@
 
 Invariant: every line of the capture is accounted for exactly once in the summary, as an
 applied event, a repeat that was skipped, or a bad line reported with its number and reason;
-a bad line never stops the replay, and nothing valid is dropped.
+a bad line never stops the replay, and nothing valid is dropped. The capture's end settles
+every verdict still waiting (Ledger.end_capture): nothing is left pending silently.
 """
 
 from __future__ import annotations
@@ -61,10 +62,22 @@ def replay(
     on_error: Callable[[CaptureError], None],
     ledger: Ledger | None = None,
 ) -> ReplaySummary:
-    """Apply each line of a capture; report findings and bad lines through the callbacks."""
+    """Apply each line of a capture; report findings and bad lines through the callbacks. At
+    its end, the verdicts still waiting are settled and reported as well."""
     ledger = ledger if ledger is not None else Ledger()
     summary = ReplaySummary()
     started = time.perf_counter()
+
+    def judged(findings: Iterable[Finding]) -> None:
+        for raw in findings:
+            finding = ruleset.evaluate(raw)
+            if finding is None:
+                summary.suppressed += 1
+                continue
+            summary.findings[finding.finding] += 1
+            summary.severities[finding.severity] += 1
+            on_finding(finding)
+
     for number, item in read_capture(lines):
         summary.lines += 1
         if isinstance(item, CaptureError):
@@ -90,14 +103,8 @@ def replay(
                     "are missing or were rejected (the event was applied)",
                 )
             )
-        for raw in findings:
-            finding = ruleset.evaluate(raw)
-            if finding is None:
-                summary.suppressed += 1
-                continue
-            summary.findings[finding.finding] += 1
-            summary.severities[finding.severity] += 1
-            on_finding(finding)
+        judged(findings)
+    judged(ledger.end_capture())
     summary.page_transitions = ledger.stats.page_transitions
     summary.seconds = time.perf_counter() - started
     return summary

@@ -64,6 +64,101 @@ def test_replay_json_lines() -> None:
     assert "leak" in leak[0]["tags"]
 
 
+def test_the_end_of_a_capture_settles_what_waits(tmp_path: Path) -> None:
+    # The probe saw 1024 of the 4096 bytes p0 claims, d0 reported the receipt, and the capture
+    # ends with no further use of the pages and nothing past the clock skew; q0 sent to d1,
+    # which reports events but never reported receiving it.
+    lines = [
+        {"node": "p0", "pool": {"role": "prefill", "page_size": 16, "num_pages": 32, "context_len": 512}},
+        {"node": "d0", "pool": {"role": "decode", "page_size": 16, "num_pages": 32, "context_len": 512}},
+        {"node": "d0", "alloc": {"req": "g1", "pages": [4, 5]}},
+        {"node": "p0", "admit": {"req": "g1", "tenant": "globex", "prompt_tokens": 32, "stage": "prefill"}},
+        {"node": "p0", "alloc": {"req": "g1", "pages": [0, 1]}},
+        {"node": "p0", "write": {"req": "g1", "pages": [0, 1]}},
+        {
+            "node": "p0",
+            "xfer_send": {
+                "req": "g1",
+                "xfer": "x1",
+                "peer_node": "d0",
+                "pages": [0, 1],
+                "tokens": 32,
+                "bytes": 4096,
+                "status": "done",
+            },
+        },
+        {
+            "node": "p0/ebpf",
+            "wire": {"xfer": "x1", "peer_node": "d0", "bytes": 1024, "calls": 2, "probe": "ebpf"},
+        },
+        {
+            "node": "d0",
+            "xfer_recv": {
+                "req": "g1",
+                "xfer": "x1",
+                "peer_node": "p0",
+                "pages": [4, 5],
+                "tokens": 32,
+                "bytes": 4096,
+                "status": "done",
+            },
+        },
+        {"node": "q0", "pool": {"role": "prefill", "page_size": 16, "num_pages": 32, "context_len": 512}},
+        {"node": "d1", "pool": {"role": "decode", "page_size": 16, "num_pages": 32, "context_len": 512}},
+        {"node": "q0", "alloc": {"req": "a1", "pages": [3]}},
+        {"node": "q0", "write": {"req": "a1", "pages": [3]}},
+        {
+            "node": "q0",
+            "xfer_send": {
+                "req": "a1",
+                "xfer": "x2",
+                "peer_node": "d1",
+                "pages": [3],
+                "tokens": 16,
+                "bytes": 2048,
+                "status": "done",
+            },
+        },
+    ]
+    seqs: dict[str, int] = {}
+    for ts, line in enumerate(lines, 1):
+        line |= {"seq": seqs.setdefault(line["node"], 0) + 1, "ts_ns": ts * 1000}
+        seqs[line["node"]] = line["seq"]
+    path = tmp_path / "capture.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = kvguard("replay", str(path), "-o", "json")
+    assert run.returncode == 1, run.stderr
+    short, unconfirmed = (json.loads(line) for line in run.stdout.splitlines())
+    assert {k: short[k] for k in ("finding", "rule", "severity", "node", "req", "tenant", "ts_ns")} == {
+        "finding": "transfer_mismatch",
+        "rule": "transfer_mismatch",
+        "severity": "critical",
+        "node": "p0",
+        "req": "g1",
+        "tenant": "globex",
+        "ts_ns": 7000,  # p0's last event
+    }
+    assert "seq" not in short  # no event raised it: the capture's end did
+    assert short["details"] | {"xfer": "x1", "what": "wire_bytes", "expected": "4096"} == short["details"]
+    assert short["details"]["observed"] == "1024" and short["details"]["settled"] == "end of capture"
+    assert (
+        "the wire probe (ebpf) saw 1024 in 2 call(s); settled as short now: end of capture"
+        in short["message"]
+    )
+    assert {k: unconfirmed[k] for k in ("finding", "rule", "severity", "action", "node", "req")} == {
+        "finding": "transfer_mismatch",
+        "rule": "transfer_unconfirmed",
+        "severity": "low",
+        "action": "alert",
+        "node": "d1",
+        "req": "a1",
+    }
+    assert (
+        "sender q0 reported 16 tokens (2048 bytes) sent to d1, which never reported" in unconfirmed["message"]
+    )
+    assert "2 finding(s) (1 critical, 1 low)" in run.stderr
+
+
 def test_clean_capture_from_standard_input() -> None:
     run = kvguard("replay", "-", stdin=NEAR_MISS.read_text())
     assert (run.returncode, run.stdout) == (0, "")

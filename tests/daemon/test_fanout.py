@@ -18,6 +18,7 @@ from kvguard.cli.send import send_capture
 from kvguard.daemon import fanout, service
 from kvguard.daemon.daemon import Daemon
 from kvguard.daemon.store import Store
+from kvguard.ledger.findings import Finding
 from kvguard.proto.builder import EventLog
 from kvguard.proto.capture import read_capture
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -242,3 +243,64 @@ def test_a_late_rdma_write_is_acted_on_where_the_pages_are(daemon: Service) -> N
         "p0/ebpf#1",
     )
     assert counters["ledger_remote_unjudged"] == 1  # page 9
+
+
+def test_a_short_wire_count_nothing_else_settles_is_alerted_once_the_clocks_pass_it(daemon: Service) -> None:
+    # p0 claims 8192 bytes sent to d0, d0 reports the receipt, p0's probe saw 4096 of them and
+    # no more; the request never uses the pages again. d0's later events (other requests'),
+    # past the clock-skew allowance (10 ms) after the last word about the transfer, settle
+    # it: the alert arrives with the event that passed the deadline. An unrelated node's
+    # clock settles nothing.
+    ms = 1_000_000
+    now = 1000 * ms
+    log = EventLog(clock=lambda: now)
+    log.add("p0", "pool", pool=0, role="prefill", page_size=16, num_pages=16)
+    log.add("d0", "pool", pool=0, role="decode", page_size=16, num_pages=16)
+    log.add("p0", "admit", req="a", tenant="acme", prompt_tokens=32, stage="prefill")
+    log.add("p0", "alloc", req="a", pool=0, pages=[1, 2])
+    log.add("p0", "write", req="a", pool=0, pages=[1, 2])
+    log.add("d0", "alloc", req="a", pool=0, pages=[3, 4])
+    send = {"req": "a", "xfer": "x1", "peer_node": "d0", "pool": 0, "pages": [1, 2], "tokens": 32}
+    log.add("p0", "xfer_send", **send, bytes=8192, status="done")
+    recv = {"req": "a", "xfer": "x1", "peer_node": "p0", "pool": 0, "pages": [3, 4], "tokens": 32}
+    log.add("d0", "xfer_recv", **recv, bytes=8192, status="done")
+    log.add("p0/ebpf", "wire", xfer="x1", probe="ebpf:tcp", bytes=4096, calls=1)
+    now += 50 * ms
+    log.add("n9", "pool", pool=0, role="decode", page_size=16, num_pages=16)  # not involved
+    for i in range(6):  # d0 goes on with other requests, 4 ms apart
+        now += 4 * ms
+        log.add("d0", "alloc", req=f"o{i}", pool=0, pages=[8 + i])
+    with grpc.insecure_channel(daemon.address) as channel:
+        alerts = svc_grpc.AlertServiceStub(channel).Subscribe(svc.AlertFilter())
+        streams: dict[str, AgentStream] = {}
+        for event in log.events:
+            stream = streams.get(event.node) or streams.setdefault(
+                event.node, AgentStream(channel, event.node)
+            )
+            stream.send([event])
+        alert = next(alerts)
+        alerts.cancel()
+        for stream in streams.values():
+            stream.close()
+    f = alert.finding
+    assert (f.finding, f.rule, f.severity, f.node, f.req, f.tenant) == (
+        "transfer_mismatch",
+        "transfer_mismatch",
+        "critical",
+        "d0",
+        "a",
+        "acme",
+    )
+    assert f.seq == 4  # d0's first event over 10 ms after the probe's report (1000 ms): at 1054 ms
+    assert dict(f.details) == {
+        "xfer": "x1",
+        "what": "wire_bytes",
+        "expected": "8192",
+        "observed": "4096",
+        "probe": "ebpf:tcp",
+        "settled": f"no word for 10 ms by the nodes' clocks (d0's clock at {1054 * ms} ns)",
+    }
+    assert "the wire probe (ebpf:tcp) saw 4096 in 1 call(s); settled as short now: no word" in f.message
+    assert [(s.finding, s.seq) for s in map(Finding.from_proto, stored_findings(daemon.store))] == [
+        ("transfer_mismatch", 4)
+    ]
