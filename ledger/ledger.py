@@ -291,9 +291,10 @@ class Ledger:
         if seq == 0:
             raise BadEvent(f"{kind} event of node {name} has no sequence number (they start at 1)")
         if self.incarnations.check(node, kind, epoch):
-            self.findings.at(name, seq, ts)
+            self.findings.at(name, seq, ts)  # the verdicts the restart settles are this event's
             self.incarnations.begin(node, epoch)
-        elif seq <= node.last_seq:
+            return node
+        if seq <= node.last_seq:
             raise BadEvent(
                 f"sequence number {seq} of node {name} repeats (last applied: {node.last_seq})", "repeat"
             )

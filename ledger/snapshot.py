@@ -34,7 +34,7 @@ from kvguard.ledger.requests import REQ, Request
 from kvguard.ledger.transfers import Posted, Seen, Side, Transfer
 from kvguard.proto import pb
 
-FORMAT = 4  # 4: nodes' epochs, and the verdicts that wait with their deadlines (3: the ledger split by concept)
+FORMAT = 4  # 4: nodes' epochs, verdicts that wait and their deadlines (3: the ledger split by concept)
 SETTINGS = ("dedupe", "clock_skew_ns", "retire_idle", "forget_idle")  # a ledger's constructor arguments
 _PAGE_ARRAYS = (
     "gen",

@@ -141,20 +141,19 @@ class Transfers:
         """Where a C run of node's events [start, stop) must stop for a verdict to fall due."""
         return self.verdicts.due_by(node, heads, start, stop)
 
-    def settle_all(self, node: str | None = None, why: str = "end of capture") -> list[Finding]:
+    def settle_all(
+        self, node: str | None = None, why: str = "end of capture", *, unconfirmed: bool = True
+    ) -> list[Finding]:
         """Settle every verdict that waits, or (`node`) those that node is involved in: see
         Verdicts.settle_all. The end of a capture, or of a node's incarnation."""
-        return self.verdicts.settle_all(self.by_id, self._receiver, node, why)
+        return self.verdicts.settle_all(self.by_id, self._receiver, node, why, unconfirmed)
 
     def node_restarted(self, name: str) -> None:
-        """Node `name`'s engine restarted: the verdicts that waited on its transfers are settled
-        now, and RDMA writes posted into its old memory can no longer be judged (counted)."""
-        for idx, t in list(self.pending.items()):
-            if name in (t.send.node if t.send else "", t.recv.node if t.recv else ""):
-                r = self.requests[idx]
-                del self.pending[idx]
-                if r is not None:
-                    self._wire_verdict(r, t)
+        """Node `name`'s engine restarted: the verdicts that waited on it are settled now (a
+        probe's short count is still the sender's word against the wire), a send to it that it
+        never confirmed is closed unreported (its memory is gone: nothing of it can be read),
+        and RDMA writes posted into its old memory can no longer be judged (counted)."""
+        self.settle_all(name, f"the engine of {name} restarted", unconfirmed=False)
         for _, posted in self.posted.pop(name, ()):
             self.stats.remote_unjudged += len(posted.addr)
 

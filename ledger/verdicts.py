@@ -148,12 +148,14 @@ class Verdicts:
         receiver_of: Callable[[Request, Transfer], str],
         node: str | None,
         why: str,
+        unconfirmed: bool = True,
     ) -> list[Finding]:
         """Settle every verdict that waits (node None: the end of a capture) or those `node`
         is involved in (its incarnation ended: call it while applying the event that says so,
         which stamps the findings; `why` says what happened). Of `transfers`, a send reported
         done that its receiver (receiver_of), a node that reported events, never confirmed is
-        reported too (with `node`: those to `node`). Returns the findings; with node None each
+        reported too (with `node`: those to `node`), or, not `unconfirmed`, closed unreported
+        (the receiver restarted: what was sent to it is gone with its memory). Returns the findings; with node None each
         is stamped with the node it concerns (the sender for a probe's count, the receiver for
         a missing receipt) at its last time, with no sequence number: no event raised it."""
         found: list[Finding] = []
@@ -182,6 +184,9 @@ class Verdicts:
             r = self.requests.get(t.req)
             receiver = receiver_of(r, t) if r is not None else ""
             if r is not None and receiver in self.pools.nodes and node in (None, receiver):
+                if not unconfirmed:
+                    t.closed = True
+                    continue
                 at(receiver)
                 self.unconfirmed(r, t, receiver, why)
         if node is not None:

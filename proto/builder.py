@@ -18,6 +18,7 @@ class EventLog:
 
     def __init__(self, clock: Callable[[], int] | None = None, step_ns: int = 1000) -> None:
         self._seq: dict[str, int] = {}
+        self._epoch: dict[str, int] = {}
         self._ts = 0
         self._step = step_ns
         self._clock = clock
@@ -31,9 +32,14 @@ class EventLog:
         else:
             self._ts += self._step
             ts = self._ts
-        event = pb.Event(node=node, seq=seq, ts_ns=ts, **{payload: fields})
+        event = pb.Event(node=node, seq=seq, ts_ns=ts, epoch=self._epoch.get(node, 0), **{payload: fields})
         self.lines.append(event)
         return event
+
+    def restart(self, node: str, epoch: int) -> None:
+        """The node's engine restarts: its next events are of `epoch`, numbered from 1 again."""
+        self._epoch[node] = epoch
+        self._seq[node] = 0
 
     def comment(self, text: str) -> None:
         self.lines.extend(f"# {line}".rstrip() for line in text.splitlines())
