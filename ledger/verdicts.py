@@ -155,9 +155,10 @@ class Verdicts:
         which stamps the findings; `why` says what happened). Of `transfers`, a send reported
         done that its receiver (receiver_of), a node that reported events, never confirmed is
         reported too (with `node`: those to `node`), or, not `unconfirmed`, closed unreported
-        (the receiver restarted: what was sent to it is gone with its memory). Returns the findings; with node None each
-        is stamped with the node it concerns (the sender for a probe's count, the receiver for
-        a missing receipt) at its last time, with no sequence number: no event raised it."""
+        (the receiver restarted: what was sent to it is gone with its memory). Returns the
+        findings; with node None each is stamped with the node it concerns (the sender for a
+        probe's count, the receiver for a missing receipt) at its last time, with no sequence
+        number: no event raised it."""
         found: list[Finding] = []
         if node is None:
             self._found.at("", 0, 0)  # the last event's findings were returned with it
