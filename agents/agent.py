@@ -35,7 +35,7 @@ from kvguard.agents.probes import (
     parse_sglang_log,
     parse_vllm_log,
 )
-from kvguard.agents.spool import Source, Spool
+from kvguard.agents.spool import Position, Source, Spool
 from kvguard.agents.upstream import AgentStream, DaemonRefused
 from kvguard.cuda_hooks.shim import PROBE as SHIM_PROBE
 from kvguard.cuda_hooks.shim import ShimListener, ShimRecord
@@ -179,7 +179,7 @@ class NodeAgent:
                         f"kvguard agent: the guard of {node} sent {foreign} event(s) of other nodes; refused",
                         file=sys.stderr,
                     )
-                spool.append([batch.event(i) for i in mine], batch.seqs(mine))
+                spool.append([batch.event(i) for i in mine], batch.positions(mine))
                 self.counters["events"] += len(mine)
         except (DecodeError, ValueError, ConnectionError) as exc:
             # A misbehaving peer on the local socket: say who and why, count it, drop it.
@@ -278,16 +278,17 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ spool -> daemon
 
-    def _acknowledged(self, node: str, spool: Spool, batch: list[int], ack: svc.Ack | None) -> None:
-        """The daemon settled a whole batch (its sequence numbers: stored it, had it, or
-        refused it for good)."""
+    def _acknowledged(self, node: str, spool: Spool, batch: list[Position], ack: svc.Ack | None) -> None:
+        """The daemon settled a whole batch (its positions: stored it, had it, or refused it
+        for good)."""
         assert ack is not None
-        rejected = {r.seq for r in ack.rejected}
+        rejected = {(r.epoch, r.seq) for r in ack.rejected}
         for r in ack.rejected:
-            print(f"kvguard agent: the daemon refused {node} seq {r.seq}: {r.reason}", file=sys.stderr)
+            at = f"epoch {r.epoch} seq {r.seq}" if r.epoch else f"seq {r.seq}"
+            print(f"kvguard agent: the daemon refused {node} {at}: {r.reason}", file=sys.stderr)
         self.counters["rejected"] += len(rejected)
         self.counters["acked"] += ack.accepted + ack.repeats
-        spool.ack(max(ack.durable_seq, batch[-1]), rejected)
+        spool.ack(max((ack.durable_epoch, ack.durable_seq), batch[-1]), rejected)
 
     def _upstream(self, node: str, spool: Spool) -> None:
         """The node's spool to the daemon: up to IN_FLIGHT batches sent ahead of their acks
@@ -301,9 +302,9 @@ class NodeAgent:
             try:
                 relay = functools.partial(self._relay, node)  # commands go to the guard as they come
                 stream = AgentStream(self._channel, node, AGENT, on_command=relay, on_ack=spool.wake)
-                spool.ack(stream.durable_seq)
+                spool.ack(stream.durable)
                 delay = 0.1
-                in_flight: deque[list[int]] = deque()  # sent, not acknowledged, oldest first: their seqs
+                in_flight: deque[list[Position]] = deque()  # sent, not acknowledged, oldest first
                 while not self.stopping.is_set():
                     full = len(in_flight) >= IN_FLIGHT
                     ack = stream.next_ack(timeout=0.2 if full else 0) if in_flight else None
@@ -312,7 +313,7 @@ class NodeAgent:
                         continue
                     if full:
                         continue
-                    after = in_flight[-1][-1] if in_flight else 0
+                    after = in_flight[-1][-1] if in_flight else (0, 0)
                     batch, bodies = spool.take(self.batch, MAX_BATCH_BYTES, 0.2, after, bool(in_flight))
                     if not batch:
                         continue
@@ -327,7 +328,7 @@ class NodeAgent:
                             file=sys.stderr,
                         )
                         self.counters["oversized"] += 1
-                        spool.ack(0, {batch[0]})
+                        spool.ack((0, 0), {batch[0]})
                         continue
                     stream.post(bodies)
                     in_flight.append(batch)

@@ -4,7 +4,8 @@ until the daemon says they are durable; and the events the agent itself originat
 Invariants: an event a guard handed over survives a crash of the agent or the daemon (it is
 in the spool file, fsynced, before the guard's next frame is read, and stays until the
 daemon acknowledges it); events are kept as the bytes the guard sent (never decoded into
-objects and written again), with their sequence numbers, which only grow.
+objects and written again), with their positions in the node's stream, (epoch, seq), which
+only grow: a restarted engine's events are of a new epoch, numbered from 1 again.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from urllib.parse import quote
 from kvguard.proto import pb, wire
 
 _LEN = struct.Struct(">I")
+Position = tuple[int, int]  # (epoch, seq): where an event lies in its node's stream
 # A batch goes ahead of an ack once AHEAD_MIN events wait, or the oldest has waited
 # AHEAD_AFTER_S: a stalled commit (a slow disk) then holds no event, so no kill, for longer
 # than that, while under load sends stay as large as with one batch in flight (a message per
@@ -36,7 +38,7 @@ class Spool:
 
     def __init__(self, directory: Path, node: str) -> None:
         self.path = directory / f"{quote(node, safe='')}.spool"  # a probe's source is node/probe
-        self.pending: deque[int] = deque()  # the sequence number of each pending event
+        self.pending: deque[Position] = deque()  # the (epoch, seq) of each pending event
         self.bodies: deque[bytes] = deque()  # each pending event's bytes: sent and spooled as is
         self.arrived: deque[float] = deque()  # when each pending event reached the spool (monotonic)
         self.cond = threading.Condition()
@@ -50,14 +52,14 @@ class Spool:
                 if offset + _LEN.size + n > len(data):
                     break  # a torn last write: that event never reached the spool whole
                 body = data[offset + _LEN.size : offset + _LEN.size + n]
-                self.pending.append(wire.single(body).seq(0))
+                self.pending.append(wire.single(body).position(0))
                 self.bodies.append(body)
                 self.arrived.append(0.0)  # from before a restart: long waiting
                 offset += _LEN.size + n
         self._file = self.path.open("ab")
 
-    def append(self, bodies: list[bytes], seqs: list[int]) -> None:
-        """Spool events (their bytes, as received) and their sequence numbers, durably."""
+    def append(self, bodies: list[bytes], seqs: list[Position]) -> None:
+        """Spool events (their bytes, as received) and their positions, durably."""
         if not bodies:
             return
         blob = b"".join(_LEN.pack(len(b)) + b for b in bodies)
@@ -71,9 +73,9 @@ class Spool:
             self.cond.notify_all()
 
     def take(
-        self, limit: int, max_bytes: int, timeout: float, after: int = 0, ahead: bool = False
-    ) -> tuple[list[int], list[bytes]]:
-        """The sequence numbers and bytes of the oldest unacknowledged events numbered after
+        self, limit: int, max_bytes: int, timeout: float, after: Position = (0, 0), ahead: bool = False
+    ) -> tuple[list[Position], list[bytes]]:
+        """The positions and bytes of the oldest unacknowledged events after
         `after` (those up to it are sent and not yet acknowledged), at most `limit` of them and `max_bytes` of
         bytes (but always the first), waiting up to `timeout` for one or for wake(). `ahead`
         (they would go ahead of an ack): only once AHEAD_MIN events wait or the oldest of
@@ -107,8 +109,8 @@ class Spool:
                 list(itertools.islice(self.bodies, skip, skip + n)),
             )
 
-    def _sent(self, after: int) -> int:
-        """How many pending events are numbered up to `after` (a prefix: numbers increase)."""
+    def _sent(self, after: Position) -> int:
+        """How many pending events lie up to `after` (a prefix: positions increase)."""
         n = 0
         for seq in self.pending:
             if seq > after:
@@ -122,9 +124,10 @@ class Spool:
             self._woken = True
             self.cond.notify_all()
 
-    def ack(self, durable_seq: int, rejected: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def ack(self, durable: Position, rejected: set[Position] = frozenset()) -> None:  # type: ignore[assignment]
+        """Drop what the daemon holds: every event up to `durable`, and those it refused."""
         with self.cond:
-            while self.pending and (self.pending[0] <= durable_seq or self.pending[0] in rejected):
+            while self.pending and (self.pending[0] <= durable or self.pending[0] in rejected):
                 self.pending.popleft()
                 self.bodies.popleft()
                 self.arrived.popleft()
@@ -165,4 +168,4 @@ class Source:
             # (reported), never a number used twice (which the daemon would refuse as a repeat).
             self._path.write_text(str(self._seq))
             event = pb.Event(node=self.name, seq=self._seq, ts_ns=time.time_ns(), **payload)
-            self.spool.append([event.SerializeToString()], [self._seq])
+            self.spool.append([event.SerializeToString()], [(0, self._seq)])

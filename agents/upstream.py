@@ -53,8 +53,14 @@ class AgentStream:
         threading.Thread(target=self._read, name=f"kvguard-stream-{node}", daemon=True).start()
         hello = svc.AgentMessage(hello=svc.Hello(node=node, agent_version=agent_version))
         self._out.put(hello.SerializeToString())
-        self.durable_seq = 0  # what the daemon has of this node: the hello's ack says, then each ack
+        # What the daemon has of this node, as (epoch, seq): the hello's ack says, then each ack.
+        self.durable = (0, 0)
         self.next_ack()  # no timeout: the hello's ack, or the stream's end (raised)
+
+    @property
+    def durable_seq(self) -> int:
+        """The last sequence number of the node's current epoch that the daemon holds."""
+        return self.durable[1]
 
     def _read(self) -> None:
         """The daemon's messages as they arrive: commands handed over, acks queued for send()."""
@@ -90,7 +96,7 @@ class AgentStream:
         if isinstance(ack, Exception):
             self._acks.put(ack)  # the stream is over: every later call fails the same way
             raise ack
-        self.durable_seq = ack.durable_seq
+        self.durable = (ack.durable_epoch, ack.durable_seq)
         return ack
 
     def post(self, bodies: list[bytes]) -> None:

@@ -104,8 +104,12 @@ class Daemon:
         self.commands.send(node, command)
 
     def durable_seq(self, node: str) -> int:
-        """The last sequence number of `node` that the store holds (0: none)."""
-        return self.pipeline.durable.get(node, 0)
+        """The last sequence number of `node`'s current epoch that the store holds (0: none)."""
+        return self.durable(node)[1]
+
+    def durable(self, node: str) -> tuple[int, int]:
+        """The last (epoch, seq) of `node` that the store holds ((0, 0): none)."""
+        return self.pipeline.durable.get(node, (0, 0))
 
     def save_snapshot(self) -> int:
         """Store the ledger's state as of the last committed record (call once the loop has
@@ -137,6 +141,8 @@ class Daemon:
                     last_ts_ns=node.last_ts_ns,
                     connected=name in self.commands.outboxes,
                     dropped=node.dropped,
+                    epoch=node.epoch,
+                    restarts=node.restarts,
                 )
                 for pool in node.pools.values():
                     ns.pools.add(node=name, report=pool.report, pages_in_use=int((pool.pages.use > 0).sum()))

@@ -101,9 +101,11 @@ class Ingest:
         self.counters = counters
         self.loop = loop
         self.lock = threading.Lock()  # the ledger, against readers on other threads (fleet state)
-        # node -> the last sequence number the store holds (what a new stream is told); moves
-        # only when a group commits, while the ledger runs ahead by the groups in flight.
-        self.durable: dict[str, int] = {name: node.last_seq for name, node in ledger.nodes.items()}
+        # node -> the last (epoch, seq) the store holds (what a new stream is told); moves only
+        # when a group commits, while the ledger runs ahead by the groups in flight.
+        self.durable: dict[str, tuple[int, int]] = {
+            name: (node.epoch, node.last_seq) for name, node in ledger.nodes.items()
+        }
         self._inbox: deque[Batch] = deque()  # received, not yet applied (the head is next)
         self._apply_due = False  # _apply_next is scheduled
         self._next = Group()  # events applied since the last submit
@@ -189,7 +191,7 @@ class Ingest:
         for batch in group.ended:
             ack = batch.ack
             assert ack is not None
-            self.durable[ack.node] = ack.durable_seq
+            self.durable[ack.node] = (ack.durable_epoch, ack.durable_seq)
             batch.reply(svc.DaemonMessage(ack=ack))
             self.latencies.record("ack", now - batch.received)
         self._submit()
@@ -262,7 +264,8 @@ class Ingest:
             if run >= 0:
                 group.add(EventRun(m, run, len(events)))
             known = self.ledger.nodes.get(node)
-            ack.durable_seq = known.last_seq if known else 0
+            if known is not None:
+                ack.durable_epoch, ack.durable_seq = known.epoch, known.last_seq
             group.ended.append(batch)
             self.counters["events"] += ack.accepted
         return True
@@ -270,19 +273,34 @@ class Ingest:
     def _apply_event(self, node: str, events: wire.Batch, i: int, ack: svc.Ack) -> Sequence[Finding] | None:
         """Event i of `node`'s batch to the ledger: its findings, or None (and why, in the ack)
         if it was not applied (another node's event among them)."""
+        known = self.ledger.nodes.get(node)
+        epoch = known.epoch if known is not None else None
         try:
-            return self.ledger.apply_serialized(events.event(i), node)
+            found = self.ledger.apply_serialized(events.event(i), node)
         except BadEvent as exc:
             self.counters[exc.kind] += 1
             if exc.kind == "repeat":
                 ack.repeats += 1
             else:
-                ack.rejected.add(seq=events.seq(i), reason=str(exc))
+                at, seq = events.position(i)
+                ack.rejected.add(seq=seq, epoch=at, reason=str(exc))
+            found = None
         except Exception as exc:  # a bug must not take the daemon or the stream down
             self.counters["internal"] += 1
-            ack.rejected.add(seq=events.seq(i), reason=f"internal error applying the event: {exc!r}")
+            at, seq = events.position(i)
+            ack.rejected.add(seq=seq, epoch=at, reason=f"internal error applying the event: {exc!r}")
             traceback.print_exc(file=sys.stderr)
-        return None
+            return None
+        now = self.ledger.nodes.get(node)
+        if now is not None and epoch is not None and now.epoch != epoch:  # its engine restarted
+            self.counters["restarts"] += 1
+            print(
+                f"kvguard daemon: node {node} restarted (epoch {epoch} -> {now.epoch}): what its previous "
+                "engine held is released; its pools are judged afresh",
+                file=sys.stderr,
+                flush=True,
+            )
+        return found
 
     def _judge(self, found: Sequence[Finding], out: Group, received: float) -> None:
         """The ruleset's verdict on each finding of an event (of a batch received at

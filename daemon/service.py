@@ -101,8 +101,8 @@ class AgentSession:
             self._fail("identity", f"node {name!r} is already connected on another stream")
             return False
         self.node = name
-        durable = self.daemon.durable_seq(name)
-        self.out.put_nowait(svc.DaemonMessage(ack=svc.Ack(node=name, durable_seq=durable)))
+        epoch, seq = self.daemon.durable(name)
+        self.out.put_nowait(svc.DaemonMessage(ack=svc.Ack(node=name, durable_seq=seq, durable_epoch=epoch)))
         return True
 
     async def read(self, requests: AsyncIterator[bytes]) -> None:

@@ -51,6 +51,7 @@ class Incarnations:
         """Node's incarnation `epoch` begins: the previous one's state ends (see the module)."""
         if node.last_seq or node.pools:
             self.stats.restarts += 1
+            node.restarts += 1
         self.transfers.node_restarted(node.name)
         gone: set[int] = set()
         for pool in node.pools.values():

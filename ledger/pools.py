@@ -99,6 +99,7 @@ class Node:
     last_seq: int = 0  # in the current epoch
     last_ts_ns: int = 0
     epoch: int = 0  # the engine process's incarnation (Event.epoch)
+    restarts: int = 0  # incarnations begun after a first one
     pools: dict[int, Pool] = field(default_factory=dict)
     previous: dict[int, pb.PoolReport] = field(default_factory=dict)  # pools of earlier incarnations
     agent_version: str = ""

@@ -188,7 +188,7 @@ def _dump(ledger: Ledger) -> bytes:
             )
         previous = sorted([pool_id, _message(r)] for pool_id, r in node.previous.items())
         head = [node.name, node.last_seq, node.last_ts_ns, node.agent_version, node.dropped]
-        nodes.append([*head, pools, node.epoch, previous])
+        nodes.append([*head, pools, node.epoch, node.restarts, previous])
     book = ledger.requests
     big["requests"] = book.table[: len(book.objects)]
     requests: list[Any] = []
@@ -320,9 +320,16 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
     for name, value in saved.items():
         if name not in ("events", "bad", "findings"):
             setattr(stats, name, _typed(f"stats {name}", value, int))
-    for name, last_seq, last_ts, version, dropped, pools, epoch, previous in state["nodes"]:
+    for name, last_seq, last_ts, version, dropped, pools, epoch, restarts, previous in state["nodes"]:
         node = ledger.nodes[name] = Node(
-            name, last_seq, last_ts, epoch, {}, {k: _report(r) for k, r in previous}, version, dropped
+            name,
+            last_seq=last_seq,
+            last_ts_ns=last_ts,
+            epoch=epoch,
+            restarts=restarts,
+            previous={k: _report(r) for k, r in previous},
+            agent_version=version,
+            dropped=dropped,
         )
         for p in pools:
             key, num_pages, page_size = p["pages"]

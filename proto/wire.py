@@ -60,6 +60,25 @@ class Batch(NamedTuple):
         ours = np.flatnonzero(mine)
         return ours.tolist(), len(mine) - len(ours)
 
+    def positions(self, events: Sequence[int]) -> list[tuple[int, int]]:
+        """The (epoch, seq) of events at these indices: where each lies in its node's stream
+        ((0, 0) where the bytes are no event)."""
+        heads = self.heads[events]
+        out = list(zip(heads["epoch"].tolist(), heads["seq"].tolist(), strict=True))
+        for j in np.flatnonzero(heads["kind"] == 0).tolist():
+            out[j] = self.position(events[j])
+        return out
+
+    def position(self, i: int) -> tuple[int, int]:
+        """Event i's (epoch, seq) ((0, 0) if its bytes are not an event)."""
+        if self.heads[i]["kind"]:
+            return int(self.heads[i]["epoch"]), int(self.heads[i]["seq"])
+        try:
+            event = pb.Event.FromString(self.event(i))
+        except DecodeError:
+            return 0, 0
+        return event.epoch, event.seq
+
     def seqs(self, events: Sequence[int]) -> list[int]:
         """The sequence numbers of events at these indices (0 where the bytes are no event)."""
         known = self.heads["kind"][events] > 0

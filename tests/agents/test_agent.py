@@ -267,30 +267,48 @@ def test_the_spool_hands_out_batches_by_count_and_by_bytes(tmp_path: Path) -> No
         for i, n in enumerate([300, 300, 300, 2000, 10])
     ]
     bodies = [e.SerializeToString() for e in events]
-    spool.append(bodies, [e.seq for e in events])
+    spool.append(bodies, [(0, e.seq) for e in events])
     sizes = [len(b) for b in bodies]
-    assert spool.take(10, sizes[0] + sizes[1], timeout=0) == ([1, 2], bodies[:2])  # the bytes as given
-    assert spool.take(2, 1 << 20, timeout=0)[0] == [1, 2]
+    assert spool.take(10, sizes[0] + sizes[1], timeout=0) == ([(0, 1), (0, 2)], bodies[:2])  # the bytes as given
+    assert spool.take(2, 1 << 20, timeout=0)[0] == [(0, 1), (0, 2)]
     # Sent ahead of their acks: the next take starts after the last event sent.
-    assert spool.take(2, 1 << 20, timeout=0, after=2)[0] == [3, 4]
-    spool.ack(3)
-    assert spool.take(10, 100, timeout=0)[0] == [4]  # alone, however big
+    assert spool.take(2, 1 << 20, timeout=0, after=(0, 2))[0] == [(0, 3), (0, 4)]
+    spool.ack((0, 3))
+    assert spool.take(10, 100, timeout=0)[0] == [(0, 4)]  # alone, however big
     # Nothing beyond what was sent: a take waits, until wake() (an ack came) ends it early.
     threading.Timer(0.2, spool.wake).start()
     started = time.monotonic()
-    assert spool.take(10, 1 << 20, timeout=30, after=5) == ([], [])
+    assert spool.take(10, 1 << 20, timeout=30, after=(0, 5)) == ([], [])
     assert time.monotonic() - started < 10
     # Ahead of an ack, a few events wait a little (AHEAD_AFTER_S), not for the ack.
     sixth = pb.Event(node="d0", seq=6, alloc=pb.Alloc(req="r6", pool=0, pages=[1])).SerializeToString()
-    spool.append([sixth], [6])
-    assert spool.take(10, 1 << 20, timeout=0, after=5, ahead=True) == ([], [])
+    spool.append([sixth], [(0, 6)])
+    assert spool.take(10, 1 << 20, timeout=0, after=(0, 5), ahead=True) == ([], [])
     started = time.monotonic()
-    assert spool.take(10, 1 << 20, timeout=30, after=5, ahead=True)[0] == [6]
+    assert spool.take(10, 1 << 20, timeout=30, after=(0, 5), ahead=True)[0] == [(0, 6)]
     assert time.monotonic() - started < 10
     spool.close()
     again = Spool(tmp_path, "d0")  # after a restart: the same events, from the file
-    again.ack(3)  # what the daemon's hello says it has
-    assert again.take(10, sizes[3] + sizes[4], timeout=0) == ([4, 5], bodies[3:5])
+    again.ack((0, 3))  # what the daemon's hello says it has
+    assert again.take(10, sizes[3] + sizes[4], timeout=0) == ([(0, 4), (0, 5)], bodies[3:5])
+    again.close()
+
+
+def test_a_restarted_engines_events_are_not_taken_for_ones_the_daemon_has(tmp_path: Path) -> None:
+    # The engine restarted: its new epoch numbers its events from 1 again. The daemon holding
+    # (epoch 0, seq 3) of the old run says nothing of the new run's seq 1 and 2.
+    spool = Spool(tmp_path, "d0")
+    old = [pb.Event(node="d0", seq=i, heartbeat=pb.Heartbeat()).SerializeToString() for i in (1, 2, 3)]
+    new = [pb.Event(node="d0", seq=i, epoch=7, heartbeat=pb.Heartbeat()).SerializeToString() for i in (1, 2)]
+    spool.append(old + new, [(0, 1), (0, 2), (0, 3), (7, 1), (7, 2)])
+    spool.ack((0, 3))
+    assert spool.take(10, 1 << 20, timeout=0) == ([(7, 1), (7, 2)], new)
+    spool.close()
+    again = Spool(tmp_path, "d0")  # read back from the file: the positions from the bytes
+    again.ack((0, 2))
+    assert again.take(10, 1 << 20, timeout=0)[0] == [(0, 3), (7, 1), (7, 2)]
+    again.ack((7, 1), {(7, 2)})
+    assert again.take(10, 1 << 20, timeout=0) == ([], [])
     again.close()
 
 

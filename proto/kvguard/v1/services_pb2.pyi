@@ -30,26 +30,30 @@ class AgentMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
 
 class Rejected(_message.Message):
-    __slots__ = ("seq", "reason")
+    __slots__ = ("seq", "reason", "epoch")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     seq: int
     reason: str
-    def __init__(self, seq: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, seq: _Optional[int] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("node", "durable_seq", "accepted", "repeats", "rejected")
+    __slots__ = ("node", "durable_seq", "accepted", "repeats", "rejected", "durable_epoch")
     NODE_FIELD_NUMBER: _ClassVar[int]
     DURABLE_SEQ_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REPEATS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     node: str
     durable_seq: int
     accepted: int
     repeats: int
     rejected: _containers.RepeatedCompositeFieldContainer[Rejected]
-    def __init__(self, node: _Optional[str] = ..., durable_seq: _Optional[int] = ..., accepted: _Optional[int] = ..., repeats: _Optional[int] = ..., rejected: _Optional[_Iterable[_Union[Rejected, _Mapping]]] = ...) -> None: ...
+    durable_epoch: int
+    def __init__(self, node: _Optional[str] = ..., durable_seq: _Optional[int] = ..., accepted: _Optional[int] = ..., repeats: _Optional[int] = ..., rejected: _Optional[_Iterable[_Union[Rejected, _Mapping]]] = ..., durable_epoch: _Optional[int] = ...) -> None: ...
 
 class KillRequest(_message.Message):
     __slots__ = ("req", "finding", "rule", "message")
@@ -198,20 +202,24 @@ class PoolState(_message.Message):
     def __init__(self, node: _Optional[str] = ..., report: _Optional[_Union[_events_pb2.PoolReport, _Mapping]] = ..., pages_in_use: _Optional[int] = ...) -> None: ...
 
 class NodeState(_message.Message):
-    __slots__ = ("node", "last_seq", "last_ts_ns", "connected", "dropped", "pools")
+    __slots__ = ("node", "last_seq", "last_ts_ns", "connected", "dropped", "pools", "epoch", "restarts")
     NODE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     LAST_TS_NS_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     node: str
     last_seq: int
     last_ts_ns: int
     connected: bool
     dropped: int
     pools: _containers.RepeatedCompositeFieldContainer[PoolState]
-    def __init__(self, node: _Optional[str] = ..., last_seq: _Optional[int] = ..., last_ts_ns: _Optional[int] = ..., connected: _Optional[bool] = ..., dropped: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ...) -> None: ...
+    epoch: int
+    restarts: int
+    def __init__(self, node: _Optional[str] = ..., last_seq: _Optional[int] = ..., last_ts_ns: _Optional[int] = ..., connected: _Optional[bool] = ..., dropped: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ..., epoch: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class StageLatency(_message.Message):
     __slots__ = ("stage", "count", "p50_ms", "p99_ms", "max_ms")
