@@ -230,9 +230,9 @@ update_args(PyObject *const *args, Py_ssize_t nargs, const char *fn, Update *u)
 }
 
 /* grant(pages, state, req, ts, judged) -> busy
- * Counts the pages still in use. If none, or once the ledger has judged them (judged true),
- * grants every page to req (grant_pages; since = ts unless ts is None). Else changes
- * nothing. Returns the count. */
+ * Counts the pages still in use or reserved. If none, or once the ledger has judged them
+ * (judged true), grants every page to req (grant_pages; since = ts unless ts is None). Else
+ * changes nothing. Returns the count. */
 static PyObject *
 grant(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -489,12 +489,16 @@ PyInit__pages(void)
         return NULL;
     /* PAGE and REQ from the structs themselves: the Python side can never disagree with the layout. */
 #define OFFSET(field) ((Py_ssize_t)offsetof(Page, field))
+#define STR(x) #x
+#define HOLDS_FORMAT(n) "(" STR(n) ",)<u4"
     kvg_page_descr = dtype(Py_BuildValue(
-        "{s:[sssssssssss],s:[sssssssssss],s:[nnnnnnnnnnn],s:n}", "names", "owner", "own", "use", "gen", "writer",
-        "wgen", "valid", "prior", "since", "holds", "seen", "formats", "<i4", "<i4", "<u4", "<u4", "<i4", "<u4",
-        "<u4", "<i4", "<i8", "(4,)<u4", "u1", "offsets", OFFSET(owner), OFFSET(own), OFFSET(use), OFFSET(gen),
-        OFFSET(writer), OFFSET(wgen), OFFSET(valid), OFFSET(prior), OFFSET(since), OFFSET(holds), OFFSET(seen),
-        "itemsize", (Py_ssize_t)sizeof(Page)));
+        "{s:[ssssssssssss],s:[ssssssssssss],s:[nnnnnnnnnnnn],s:n}", "names", "owner", "own", "use", "gen",
+        "writer", "wgen", "valid", "prior", "since", "holds", "seen", "reserved", "formats", "<i4", "<i4", "<u4",
+        "<u4", "<i4", "<u4", "<u4", "<i4", "<i8", HOLDS_FORMAT(HOLD_KINDS), "u1", "u1", "offsets", OFFSET(owner),
+        OFFSET(own), OFFSET(use), OFFSET(gen), OFFSET(writer), OFFSET(wgen), OFFSET(valid), OFFSET(prior),
+        OFFSET(since), OFFSET(holds), OFFSET(seen), OFFSET(reserved), "itemsize", (Py_ssize_t)sizeof(Page)));
+#undef HOLDS_FORMAT
+#undef STR
 #undef OFFSET
 #define OFFSET(field) ((Py_ssize_t)offsetof(Req, field))
     kvg_req_descr = dtype(Py_BuildValue(

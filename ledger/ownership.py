@@ -1,13 +1,29 @@
 """Who owns, holds and reads each page (`Ownership`): the handlers of the page events (alloc,
 write, free, hold, release, share, scrub, read) and their detectors: early release (a page
-handed out while still in use), double free, late write, use after free, stale and foreign
-reads, cross-tenant prefix sharing, and progress of a request that must only drain.
+handed out while still in use, or a reserved one handed out at all), double free, late write,
+use after free, stale and foreign reads, cross-tenant prefix sharing, and progress of a
+request that must only drain.
 
 Invariants: an event is validated whole before anything changes; the page state changes only
 through PoolPages, a request's numbers only through Requests; a pool's `live` counts are the
 pages each request is granted there now, and `grants` every page it ever was (what tells a
 use after free from a foreign read). The clean common case of alloc, write, free and read is
 also applied by the C clean path (runs.c, apply_clean), which must leave the same state.
+
+Prefix caches as engines run them: a `share` is granted (one more user of each page, so it
+stays out of the free pool; the sharer's reads of the origin's KV are clean) for a page still
+granted to someone, and for a cache hit: a freed page whose content is still origin_req's
+under the generation the page still has (writer == origin, wgen == gen: nobody was granted it
+since the origin wrote it, and it was not scrubbed), as vLLM revives freed blocks from its free
+queue and SGLang's radix tree keeps them (under a prefix_cache hold) until eviction. Any other
+page given as a prefix is a use after free (a page handed out and rewritten since: the
+eviction race). A tenant the policy keeps apart is a cross_tenant_share either way.
+
+Reserved pages (PoolReport.reserved_pages: SGLang's padding page 0, vLLM's null block) are
+never handed out by a sound engine, which keeps using them (CUDA graphs write the padded
+entries' KV into page 0; block tables are padded with it). A grant of one is therefore an
+early_release with no victim ("reserved"): reported, and the grant applied as the engine made
+it, so that the request's own events on the page are judged as usual.
 """
 
 from __future__ import annotations
@@ -18,7 +34,7 @@ import numpy as np
 
 from kvguard.ledger.access import Access, Shared
 from kvguard.ledger.findings import NOBODY, BadEvent, Findings
-from kvguard.ledger.pages import HOLDER_INDEX, HOLDERS, check_tags
+from kvguard.ledger.pages import HOLDER_INDEX, HOLDERS, check_tags, live_grants
 from kvguard.ledger.pools import Node, Pool, Pools
 from kvguard.ledger.requests import FIRST_ENDED, Request, Requests
 from kvguard.ledger.transfers import Transfers
@@ -59,8 +75,22 @@ class Ownership:
         if r.ended:
             self._found.progress(r, f"alloc of {len(pages)} page(s) on {node.name}")
         since = self._since(pool)
-        if pp.grant(pages, r.idx, since):  # some still in use: judged, then granted
-            self._early_release(r, pool, pages, pp.use[pages])
+        if pp.grant(pages, r.idx, since):  # some still in use, or reserved: judged, then granted
+            busy = pp.use[pages]
+            if busy.any():
+                self._early_release(r, pool, pages, busy)
+            reserved = pages[pp.reserved[pages] != 0]
+            if len(reserved):
+                self._found.report(
+                    "early_release",
+                    f"{len(reserved)} reserved page(s) of pool {pool.pool} on {pool.node} were handed to "
+                    f"{r.id}: the engine never hands them out and keeps using them (padding)",
+                    req=r,
+                    pool=pool.pool,
+                    pages=reserved,
+                    details={"users": "reserved"},
+                    key=(pool.pool, "reserved"),
+                )
             pp.grant(pages, r.idx, since, judged=True)
         grants = pool.grants.get(r.idx)
         if grants is None:
@@ -81,13 +111,18 @@ class Ownership:
 
     def _early_release(self, r: Request, pool: Pool, pages: np.ndarray, busy: np.ndarray) -> None:
         """Pages handed out while still in use: by a live grant (the previous grantee, or
-        prefix sharers) or by a holder (offload, transfer, abort path)."""
+        prefix sharers: of a freed page, a sharer is the victim) or by a holder (offload,
+        transfer, abort path, prefix cache)."""
         pp = pool.pages
         sel = pages[busy > 0]
         refs, owner = pp.refs(sel), pp.owner[sel]
         kind = np.argmax(pp.holds[:, sel] > 0, axis=0)  # the first kind of hold still on each page
         holder = pp.holders(kind, sel)
         victims = np.where(refs > 0, np.where(owner >= 0, owner, ~owner), holder)
+        freed = (refs > 0) & (owner < 0)  # only sharers still use it: a cache hit on a freed page
+        if freed.any():
+            sharer = self._sharers(pool, sel[freed])
+            victims[freed] = np.where(sharer != NOBODY, sharer, victims[freed])
         for victim in np.unique(victims):
             mask = victims == victim
             held = pp.holds[:, sel[mask]].any(axis=1)
@@ -109,6 +144,21 @@ class Ownership:
         prev = pp.owner[sel]
         for victim in np.unique(prev[prev >= 0]).tolist():
             pool.live[victim] -= int(np.count_nonzero(prev == victim))
+
+    def _sharers(self, pool: Pool, pages: np.ndarray) -> np.ndarray:
+        """For each of `pages`, a request that shares it now as a prefix (NOBODY if none): a
+        scan of the requests, for the rare finding that needs it."""
+        found = np.full(len(pages), NOBODY, np.int32)
+        key, gen = (pool.node, pool.pool), pool.pages.gen[pages]
+        for r in self.requests.objects:
+            shared = r.shared.get(key) if r is not None else None
+            if shared is None or not len(shared.pages):
+                continue
+            current, _ = shared.lookup(pages, gen)
+            found[current & (found == NOBODY)] = r.idx
+            if (found != NOBODY).all():
+                break
+        return found
 
     # ------------------------------------------------------------------ content
 
@@ -273,19 +323,28 @@ class Ownership:
         if r.ended:
             self._found.progress(r, f"share of {len(pages)} prefix page(s) on {node.name}")
         pp = pool.pages
-        live = pp.refs(pages) > 0
-        if not live.all():
-            self._found.report(
-                "use_after_free",
-                f"{r.id} was given {int((~live).sum())} prefix page(s) of {origin.id} that are no longer "
-                f"granted to anyone (pool {pool.pool} on {pool.node})",
-                req=r,
-                victim=origin.idx,
-                pool=pool.pool,
-                pages=pages[~live],
-                key=(pool.pool, "share"),
-            )
-            pages = pages[live]
+        state = pp.state[pages]
+        writer = state["writer"]
+        # Granted to someone still, or a cache hit: freed, its KV still the origin's under the
+        # page's current generation (nobody was granted it since; a scrub clears the writer).
+        given = (live_grants(state) > 0) | ((writer == origin.idx) & (state["wgen"] == state["gen"]))
+        if not given.all():
+            # Whose KV the sharer would read: the page's writer since (the eviction race), else the origin's.
+            victims = np.where((writer != NOBODY) & (writer != origin.idx), writer, origin.idx)[~given]
+            for victim in sorted(set(victims.tolist())):
+                sel = pages[~given][victims == victim]
+                self._found.report(
+                    "use_after_free",
+                    f"{r.id} was given {len(sel)} prefix page(s) of {origin.id} that are no longer "
+                    f"granted to anyone and no longer hold its KV (pool {pool.pool} on {pool.node})"
+                    + (f": they hold {self._found.name(victim)}'s" if victim != origin.idx else ""),
+                    req=r,
+                    victim=victim,
+                    pool=pool.pool,
+                    pages=sel,
+                    key=(pool.pool, "share"),
+                )
+            pages = pages[given]
         if origin.tenant and r.tenant and origin.tenant != r.tenant:
             self._found.report(
                 "cross_tenant_share",

@@ -21,12 +21,14 @@
 #include <stdint.h>
 
 #define NOBODY 0
-#define HOLD_KINDS 4 /* pages.HOLDERS */
+#define HOLD_KINDS 5 /* pages.HOLDERS */
 
 /* A page's state, one cache line: an event's pages are scattered over the pool, so a page
  * costs one miss however many of its fields the event touches. pages.py documents the
  * fields; `seen` is page_list's scratch (zero between calls), kept here so that checking a
- * page list also brings in the lines the update that follows will touch. */
+ * page list also brings in the lines the update that follows will touch; `reserved` is 1 for
+ * the ids the engine never hands out (PoolReport.reserved_pages: 0..reserved_pages-1), so
+ * that a grant of one is never the clean case (grant_busy). */
 typedef struct {
     int32_t owner, own;
     uint32_t use, gen;
@@ -35,8 +37,8 @@ typedef struct {
     int32_t prior;
     int64_t since;
     uint32_t holds[HOLD_KINDS];
-    uint8_t seen;
-    uint8_t pad[7];
+    uint8_t seen, reserved;
+    uint8_t pad[2];
 } Page;
 
 _Static_assert(sizeof(Page) == 64, "a page's record is one cache line");
@@ -75,13 +77,14 @@ PyObject *kvg_check_tags(PyObject *self, PyObject *const *args, Py_ssize_t nargs
  * and for one the ledger has judged). grant, land, end_grant and read_clean below, and
  * apply_clean, are built from these: each update exists once. */
 
-/* Pages still in use (a live grant or a hold): handed out early. */
+/* Pages still in use (a live grant or a hold), or reserved (never to be handed out): handed
+ * out early. */
 static inline long
 grant_busy(const Page *state, const npy_intp *pages, npy_intp count)
 {
     long busy = 0;
     for (npy_intp i = 0; i < count; i++)
-        busy += state[pages[i]].use != 0;
+        busy += (state[pages[i]].use | state[pages[i]].reserved) != 0;
     return busy;
 }
 

@@ -15,6 +15,8 @@ Invariants, for every page p (`use` and `holds` count live users; `owner` is sig
   where a write may land (owner, transfer_recv holds); 0: unknown.
 - holder_req[k, p] is who holds p in kind k while one hold of that kind is on it; a page held
   more than once in a kind has its holders counted in `shared_holds` instead (rare).
+- reserved[p] == 1 exactly for the ids the engine never hands out (0..reserved_pages-1, e.g.
+  SGLang's padding page 0, vLLM's null block): a grant of one is never the clean case.
 The updates every request makes (grant, land, end_grant) and the read checks are one C loop
 each (pages.h); the rest is NumPy. Page arrays passed in are distinct intp indices in range
 (`page_list` checks an event's).
@@ -29,7 +31,8 @@ import numpy as np
 from kvguard.ledger import _pages
 from kvguard.ledger.findings import NOBODY
 
-HOLDERS: tuple[str, ...] = ("offload", "transfer_send", "transfer_recv", "abort")
+# prefix_cache: a prefix cache (SGLang's radix tree) keeps the pages after their request ends.
+HOLDERS: tuple[str, ...] = ("offload", "transfer_send", "transfer_recv", "abort", "prefix_cache")
 HOLDER_INDEX: dict[str, int] = {name: i for i, name in enumerate(HOLDERS)}
 RECV_HOLD = HOLDER_INDEX["transfer_recv"]
 MAX_PAGES = 1 << 24
@@ -63,6 +66,7 @@ class PoolPages:
         "owner",
         "page_size",
         "prior",
+        "reserved",
         "shared_holds",
         "since",
         "state",
@@ -80,6 +84,7 @@ class PoolPages:
         for name in COLUMNS:
             setattr(self, name, self.state[name])
         self.holds = self.state["holds"].T  # (kinds, pages), as NumPy code indexes it
+        self.reserved = self.state["reserved"]
         # Per kind: who holds the page (one hold of that kind). Apart: only holds and releases touch it.
         self.holder_req = np.zeros((len(HOLDERS), num_pages), np.int32)
         # (kind, page) -> {holder: its holds}, for a page held more than once in a kind
@@ -103,8 +108,8 @@ class PoolPages:
 
     def grant(self, pages: np.ndarray, req: int, ts: int | None, *, judged: bool = False) -> int:
         """Grant `pages` to req (since = ts unless ts is None): use = 1 + holds, gen + 1,
-        owner req, own NOBODY, prior = writer. Returns how many pages were still in use; if
-        some were and not `judged`, nothing changed."""
+        owner req, own NOBODY, prior = writer. Returns how many pages were still in use or
+        reserved; if some were and not `judged`, nothing changed."""
         return _pages.grant(pages, self.state, req, ts, judged)
 
     def land(self, pages: np.ndarray, req: int, slots: np.ndarray | None, *, judged: bool = False) -> int:
@@ -120,7 +125,8 @@ class PoolPages:
         return _pages.end_grant(pages, self.state, req, ts, judged)
 
     def share(self, pages: np.ndarray) -> None:
-        """A prefix sharer reads `pages` (pages still granted): one more user each."""
+        """A prefix sharer reads `pages` (still granted, or a cache hit on freed pages whose KV
+        is still the origin's): one more user each, so they stay out of the free pool."""
         self.use[pages] += 1
 
     def unshare(self, pages: np.ndarray) -> None:
@@ -167,6 +173,11 @@ class PoolPages:
         self.valid[pages] = 0
         self.own[pages] = NOBODY
         self.prior[pages] = NOBODY
+
+    def reserve(self, count: int) -> None:
+        """Ids 0..count-1 are reserved (never handed out by the engine); the others are not."""
+        self.reserved[:] = 0
+        self.reserved[:count] = 1
 
     def timed_from(self, ts: int) -> None:
         """The pool's memory was just registered: changes are timed from `ts` on (before it,

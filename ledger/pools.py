@@ -5,9 +5,16 @@ disagree on how KV is laid out.
 Invariants (Pools is the only writer of nodes, pools and their reports):
 - a pool's pages (PoolPages) are made when it is first reported, and made anew only when a
   report changes its size or its page size (a new engine, a new pool);
+- a pool holds page_size x (num_pages - reserved_pages) tokens: ids 0..reserved_pages-1 are
+  never handed out (SGLang's padding page 0, vLLM's null block); its pages mark them reserved
+  as of its latest report;
 - every report is kept in the pool's history with the event that made it;
 - a pool registered for RDMA (`regions`) times its page changes from the report on;
-- a pair of nodes' drift on one field is reported once.
+- a prefill and a decode pool of the same model (named) in the same cluster that disagree on
+  page_size or kv_dtype are drift as soon as both are reported; pools of different clusters
+  are never compared (they never exchange KV); a bootstrap compares the pools of the two
+  nodes it pairs (same pool id) whatever their clusters: they are about to exchange KV;
+- a pair of pools' drift on one field is reported once (`drift_pairs`).
 A Pool also holds what its requests were granted there (`live`, `grants`): the ownership
 handlers and the C clean path write those, through the `view` handed to C.
 """
@@ -62,7 +69,8 @@ class Pool:
 
     @property
     def tokens(self) -> int:
-        return self.pages.page_size * self.pages.num_pages
+        """The KV tokens the pool holds: reserved pages hold none of a request's."""
+        return pool_tokens(self.report)
 
     def page_array(self, message: Any, payload: str, *, distinct: bool = True) -> np.ndarray:
         """The page list of an event's payload (`message`) as an index array, checked against
@@ -142,6 +150,10 @@ class Pools:
             raise BadEvent(f"pool: page_size {rep.page_size} is not in 1..{MAX_PAGE_SIZE}")
         if not 1 <= rep.num_pages <= MAX_PAGES:
             raise BadEvent(f"pool: num_pages {rep.num_pages} is not in 1..{MAX_PAGES}")
+        if rep.reserved_pages >= rep.num_pages:
+            raise BadEvent(
+                f"pool: reserved_pages {rep.reserved_pages} leaves none of its {rep.num_pages} pages to grant"
+            )
         regions = _regions(rep)
         report = pb.PoolReport()
         report.CopyFrom(rep)
@@ -177,10 +189,13 @@ class Pools:
             pool.report = report
         if regions is not None and not timed:
             pages.timed_from(ts)  # from now on changes are timed; before now, nothing is known of them
+        pages.reserve(rep.reserved_pages)
         pool.reset(pages, regions)
         node.views[pool.pool] = pool.view
         pool.history.append((found.seq, ts, report))
-        tokens = rep.page_size * rep.num_pages
+        tokens = pool.tokens
+        usable = rep.num_pages - rep.reserved_pages
+        reserved = f", {rep.reserved_pages} reserved" if rep.reserved_pages else ""
         for limit, what in (
             (rep.context_len, "context length"),
             (rep.max_prompt_tokens, "maximum prompt length"),
@@ -188,13 +203,14 @@ class Pools:
             if limit > tokens:
                 found.report(
                     "config_drift",
-                    f"KV pool {rep.pool} on {node.name} holds {tokens} tokens ({rep.num_pages} pages of "
-                    f"{rep.page_size}), less than the advertised {what} of {limit}: a prompt that does not "
-                    "fit must be rejected and must go no further",
+                    f"KV pool {rep.pool} on {node.name} holds {tokens} tokens ({usable} pages of "
+                    f"{rep.page_size}{reserved}), less than the advertised {what} of {limit}: a prompt that "
+                    "does not fit must be rejected and must go no further",
                     pool=pool.pool,
                     details={"pool_tokens": tokens, "limit": limit, "what": what},
                     key=("undersized", rep.pool, what, tokens, limit),
                 )
+        self._check_cluster(node, pool)
 
     def check_pairing(self, r: Any, prefill_node: str, decode_node: str) -> None:
         """A bootstrap pairs two nodes: pools of the same id that disagree on page_size or
@@ -204,22 +220,56 @@ class Pools:
             return
         for p in prefill.pools.values():
             d = decode.pools.get(p.pool)
-            if d is None:
+            if d is not None:
+                self._compare(p, d, p.pool, f"(first seen with request {r.id})", {"first_req": r.id})
+
+    def _check_cluster(self, node: Node, pool: Pool) -> None:
+        """A prefill or decode pool of a named model was reported: every pool of the other role,
+        the same model and the same cluster must lay KV out as it does."""
+        rep = pool.report
+        other = {"prefill": "decode", "decode": "prefill"}.get(rep.role)
+        if other is None or not rep.model:
+            return
+        for peer in self.nodes.values():
+            for q in peer.pools.values():
+                if q.report.role == other and q.report.model == rep.model and q.report.cluster == rep.cluster:
+                    prefill, decode = (pool, q) if rep.role == "prefill" else (q, pool)
+                    where = f"(model {rep.model}, cluster {rep.cluster or '(default)'}), before any transfer"
+                    details = {"model": rep.model, "cluster": rep.cluster}
+                    self._compare(prefill, decode, pool.pool, where, details)
+
+    def _compare(self, p: Pool, d: Pool, at: int, context: str, details: dict[str, Any]) -> None:
+        """Prefill pool p and decode pool d must agree on page_size and kv_dtype: drift once per
+        pair of pools and field, as a finding of pool `at` (of the node whose event found it)."""
+        for name in ("page_size", "kv_dtype"):
+            a, c = getattr(p.report, name), getattr(d.report, name)
+            pair = (p.node, d.node, f"{p.pool}:{d.pool}:{name}")
+            if a == c or pair in self.drift_pairs:
                 continue
-            for name in ("page_size", "kv_dtype"):
-                a, c = getattr(p.report, name), getattr(d.report, name)
-                pair = (prefill_node, decode_node, f"{p.pool}:{name}")
-                if a != c and pair not in self.drift_pairs:
-                    self.drift_pairs.add(pair)
-                    self._found.report(
-                        "config_drift",
-                        f"prefill {prefill_node} and decode {decode_node} disagree on {name} of pool "
-                        f"{p.pool}: {a!r} vs {c!r}; KV sent between them would be misread (first seen "
-                        f"with request {r.id})",
-                        pool=p.pool,
-                        details={"field": name, "prefill": a, "decode": c, "first_req": r.id},
-                        key=pair,
-                    )
+            self.drift_pairs.add(pair)
+            which = f"pool {p.pool}" if p.pool == d.pool else f"pools {p.pool} and {d.pool}"
+            self._found.report(
+                "config_drift",
+                f"prefill {p.node} and decode {d.node} disagree on {name} of {which}: {a!r} vs {c!r}; KV "
+                f"sent between them would be misread {context}",
+                pool=at,
+                details={
+                    "field": name,
+                    "prefill": a,
+                    "decode": c,
+                    "prefill_node": p.node,
+                    "decode_node": d.node,
+                    "prefill_pool": p.pool,
+                    "decode_pool": d.pool,
+                    **details,
+                },
+                key=pair,
+            )
+
+
+def pool_tokens(rep: pb.PoolReport) -> int:
+    """Tokens a reported pool holds: page_size x (num_pages - reserved_pages)."""
+    return rep.page_size * (rep.num_pages - rep.reserved_pages)
 
 
 def _regions(rep: pb.PoolReport) -> np.ndarray | None:

@@ -34,7 +34,10 @@ from kvguard.ledger.requests import REQ, Request
 from kvguard.ledger.transfers import Posted, Seen, Side, Transfer
 from kvguard.proto import pb
 
-FORMAT = 4  # 4: nodes' epochs, verdicts that wait and their deadlines (3: the ledger split by concept)
+# 3: the ledger split by concept; requests' numbers in one table, grants kept by pool.
+# 4: nodes' epochs; verdicts that wait and their deadlines; a fifth kind of hold
+# (prefix_cache) and reserved pages in the page records; drift pairs name both pools.
+FORMAT = 4
 SETTINGS = ("dedupe", "clock_skew_ns", "retire_idle", "forget_idle")  # a ledger's constructor arguments
 _PAGE_ARRAYS = (
     "gen",
@@ -48,6 +51,7 @@ _PAGE_ARRAYS = (
     "own",
     "prior",
     "since",
+    "reserved",
 )
 
 

@@ -269,7 +269,8 @@ def test_the_spool_hands_out_batches_by_count_and_by_bytes(tmp_path: Path) -> No
     bodies = [e.SerializeToString() for e in events]
     spool.append(bodies, [(0, e.seq) for e in events])
     sizes = [len(b) for b in bodies]
-    assert spool.take(10, sizes[0] + sizes[1], timeout=0) == ([(0, 1), (0, 2)], bodies[:2])  # the bytes as given
+    # the bytes as given
+    assert spool.take(10, sizes[0] + sizes[1], timeout=0) == ([(0, 1), (0, 2)], bodies[:2])
     assert spool.take(2, 1 << 20, timeout=0)[0] == [(0, 1), (0, 2)]
     # Sent ahead of their acks: the next take starts after the last event sent.
     assert spool.take(2, 1 << 20, timeout=0, after=(0, 2))[0] == [(0, 3), (0, 4)]

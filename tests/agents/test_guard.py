@@ -154,3 +154,35 @@ def test_events_are_stamped_with_a_wall_clock_that_never_steps_back(monkeypatch:
     assert clock() == first
     monkeypatch.undo()
     assert clock() >= first
+
+
+def test_a_prefix_hit_on_freed_pages_goes_on_and_an_evicted_one_is_caught(tmp_path: Path) -> None:
+    # vLLM: a1's blocks go back to the free queue with their KV; a2's prompt hits them. The
+    # guard lets a2 share and attend (no kill, no finding). g1 then gets page 2 (evicted)
+    # while a2 still reads it: the early release names a2, and a2's next launch is stopped.
+    sink = CaptureSink(tmp_path / "d0.jsonl")
+    guard = decode_guard(sink=sink)
+    serve(guard, "a1", "acme", [1, 2], 32)
+    assert guard.finish("a1", 1).ok and guard.free("a1", 0, [1, 2]).ok
+    assert guard.admit("a2", "acme", 40, "decode").ok
+    hit = guard.share("a2", 0, [1, 2], "a1")
+    assert hit.ok and not hit.deny and not hit.findings
+    assert guard.alloc("a2", 0, [3]).ok and guard.write("a2", 0, [3], [8]).ok
+    assert guard.check_attention(0, ["a2"], np.array([[1, 2, 3]]), np.array([40])).ok
+    assert guard.admit("g1", "globex", 16, "decode").ok
+    early = guard.alloc("g1", 0, [2])
+    assert [(f.finding, f.req, f.victim_req, f.victim_tenant, f.pages) for f in early.findings] == [
+        ("early_release", "g1", "a2", "acme", (2,))
+    ]
+    assert guard.write("g1", 0, [2]).ok
+    verdict = guard.check_attention(0, ["a2"], np.array([[1, 2, 3]]), np.array([40]))
+    assert list(verdict.kill) == ["a2"]
+    assert [(f.finding, f.victim_req, f.pages) for f in verdict.findings] == [("foreign_read", "g1", (2,))]
+    sink.flush()
+    sink.close()
+    replayed: list = []
+    summary = replay(sink.path.read_text().splitlines(), RULES, replayed.append, replayed.append, Ledger())
+    assert summary.bad == 0
+    assert [(f.finding, f.req, f.victim_req, f.pages) for f in replayed] == [
+        (f.finding, f.req, f.victim_req, f.pages) for f in guard.findings
+    ]

@@ -40,6 +40,22 @@ def test_the_daemon_stores_what_a_local_replay_finds(
     assert len(local_findings()) == 11
 
 
+def test_prefix_hits_on_freed_pages_store_nothing_and_cluster_drift_is_stored_at_once(
+    daemon: Service,
+) -> None:
+    """vLLM's freed blocks revived by a prefix hit (node n0) are no finding; prefill p0 and
+    decode d0 of one model and cluster that disagree on kv_dtype are drift before any pairing."""
+    hit = (DEFAULT_FIXTURES_DIR / "use_after_free-near-miss-prefix-hit" / "capture.jsonl").read_text()
+    drift = (DEFAULT_FIXTURES_DIR / "config_drift-cluster" / "capture.jsonl").read_text()
+    lines = hit.splitlines() + drift.splitlines()
+    summary = send_capture(lines, daemon.address)
+    assert (summary.events, summary.rejected) == (21, [])
+    stored = stored_findings(daemon.store)
+    assert [(f.finding, f.node, f.seq, f.details["field"], f.details["prefill_node"]) for f in stored] == [
+        ("config_drift", "d0", 1, "kv_dtype", "p0")
+    ]
+
+
 def test_the_daemon_reports_its_own_latency_by_stage(daemon: Service) -> None:
     """FleetService.State says how long the daemon took from a batch's receipt to each
     finding's verdict and alert and to each batch's ack: one sample per finding and per batch

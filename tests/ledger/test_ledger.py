@@ -1,8 +1,9 @@
 """The ledger's own guarantees, beyond the rule fixtures: sequence handling, bad events that
 change nothing, de-duplication, per-request accounting, and the less common page paths.
 
-Transfers between nodes, RDMA writes seen from outside, retirement and snapshots have files
-of their own (test_transfers.py, test_remote_writes.py, test_retirement.py, test_snapshot.py)."""
+Transfers between nodes, RDMA writes seen from outside, retirement, snapshots and prefix caches
+have files of their own (test_transfers.py, test_remote_writes.py, test_retirement.py,
+test_snapshot.py, test_prefix_cache.py)."""
 
 from __future__ import annotations
 
@@ -281,19 +282,6 @@ class TestPages:
         self.run("free", req="a2", pool=0, pages=[1, 2])
         pages = self.ledger.nodes["n0"].pools[0].pages
         assert pages.use[2] == 1 and pages.use[1] == 1
-
-    def test_a_share_of_a_freed_page(self) -> None:
-        self.start()
-        self.run("alloc", req="a1", pool=0, pages=[1])
-        self.run("write", req="a1", pool=0, pages=[1])
-        self.run("free", req="a1", pool=0, pages=[1])
-        (finding,) = self.run("share", req="a2", pool=0, pages=[1], origin_req="a1")
-        assert (finding.finding, finding.req, finding.victim_req, finding.pages) == (
-            "use_after_free",
-            "a2",
-            "a1",
-            (1,),
-        )
 
     def test_a_sender_may_only_send_what_it_wrote(self) -> None:
         self.start()

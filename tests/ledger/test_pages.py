@@ -39,11 +39,12 @@ def random_pool(rng: np.random.Generator) -> PoolPages:
     pp.valid[:] = rng.choice([PAGE, PAGE, 0, 3], N)
     pp.prior[:] = rng.integers(0, 9, N)
     pp.since[:] = rng.integers(0, 1000, N)
+    pp.reserved[:] = rng.random(N) < 0.1
     return pp
 
 
 def state(pp: PoolPages) -> dict[str, np.ndarray]:
-    return {name: getattr(pp, name).copy() for name in (*COLUMNS, "holds", "holder_req")} | {
+    return {name: getattr(pp, name).copy() for name in (*COLUMNS, "holds", "holder_req", "reserved")} | {
         "seen": pp.state["seen"].copy()
     }
 
@@ -75,10 +76,10 @@ def judged_count(pp: PoolPages, want: dict[str, np.ndarray], update: Callable[..
 def test_grant_equals_numpy(seed: int) -> None:
     rng = np.random.default_rng(seed)
     pp = random_pool(rng)
-    pages = pages_of(rng, seed % 2 == 0, pp, pp.use == 0)
+    pages = pages_of(rng, seed % 2 == 0, pp, (pp.use == 0) & (pp.reserved == 0))
     ts = None if seed % 3 == 0 else 12345
     want = state(pp)
-    busy = int(np.count_nonzero(want["use"][pages]))
+    busy = int(np.count_nonzero(want["use"][pages] | want["reserved"][pages]))  # in use, or reserved
     judged_count(pp, want, lambda **j: pp.grant(pages, REQ, ts, **j), busy)
     # A page in use keeps its holds; one not in use has none (use counts them), so they are not read.
     want["use"][pages] = np.where(want["use"][pages] > 0, 1 + want["holds"][:, pages].sum(axis=0), 1)
@@ -350,7 +351,7 @@ def test_each_page_is_one_cache_line_and_the_fields_are_views_of_it() -> None:
     assert (record["owner"], record["own"], record["use"], record["gen"]) == (REQ, REQ, 1, 1)
     assert (record["writer"], record["valid"], record["since"]) == (REQ, PAGE, 77)
     pp.holds[HOLDERS.index("abort"), 5] = 3  # a NumPy write through a field's view lands in the record
-    assert pp.state[5]["holds"].tolist() == [0, 0, 0, 3]
+    assert pp.state[5]["holds"].tolist() == [0, 0, 0, 3, 0]
     assert pp.owner[6] == ~NOBODY and not pp.state["seen"].any()
 
 

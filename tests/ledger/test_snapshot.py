@@ -69,9 +69,9 @@ def test_a_snapshot_sets_data_only_and_a_bad_one_is_refused_by_name(
     good = snapshot.dump(ledger)
     assert snapshot.dump(snapshot.load(good)) == good
 
-    def altered(change: object) -> bytes:
+    def altered(change: object, arrays_changed: dict[str, np.ndarray] | None = None) -> bytes:
         files = np.load(io.BytesIO(good), allow_pickle=False)
-        arrays = {name: files[name] for name in files.files}
+        arrays = {name: files[name] for name in files.files} | (arrays_changed or {})
         state = orjson.loads(bytes(arrays["state"]))
         change(state)  # type: ignore[operator]
         arrays["state"] = np.frombuffer(orjson.dumps(state), np.uint8)
@@ -88,12 +88,20 @@ def test_a_snapshot_sets_data_only_and_a_bad_one_is_refused_by_name(
     def newer(state: dict) -> None:  # type: ignore[type-arg]
         state["format"] = 99
 
+    def older(state: dict) -> None:  # type: ignore[type-arg]
+        state["format"] = snapshot.FORMAT - 1  # 3: four kinds of hold a page, no reserved pages
+
     for change, reason in (
         (tenant, r"tenant = \['not', 'a', 'name'\] is not a str"),
         (bootstrap, r"bootstrap = \['p0', 3\] is not \(prefill node, decode node\)"),
         (newer, f"snapshot format 99, this kvguard reads {snapshot.FORMAT}"),
+        (older, f"snapshot format {snapshot.FORMAT - 1}, this kvguard reads {snapshot.FORMAT}"),
     ):
         with pytest.raises(snapshot.SnapshotError, match=reason):
             snapshot.load(altered(change))
     with pytest.raises(snapshot.SnapshotError, match="cannot be read"):
         snapshot.load(good[: len(good) // 2])
+    # Format 3's page records held four kinds of hold: such holds, however labelled, do not fit.
+    holds = np.load(io.BytesIO(good), allow_pickle=False)["pool0.holds"]
+    with pytest.raises(snapshot.SnapshotError, match="its holds array does not fit the pool"):
+        snapshot.load(altered(lambda state: None, {"pool0.holds": holds[:4]}))
