@@ -12,8 +12,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
+from daemon_helpers import stored_findings
 
 from kvguard.agents import agent as agent_module
 from kvguard.agents.agent import NodeAgent
@@ -28,6 +30,7 @@ from kvguard.daemon.store import Store
 from kvguard.daemon.writer import InlineWriter
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 from kvguard.proto.local import MAX_FRAME, send_frame
 from kvguard.ruleset import load_ruleset
 
@@ -439,3 +442,47 @@ def test_a_shim_record_is_kept_read_before_its_guards_hello_or_after_it_has_gone
         shim.close()
         agent.stop()
         daemon.stop()
+
+
+def test_an_engine_restarted_mid_traffic_loses_nothing_and_is_judged_afresh(
+    tmp_path: Path, store_url: str
+) -> None:
+    # `kvguard testbed up` twice on one agent and daemon: the second engine has the same node
+    # name, numbers its events from 1 again, and reuses the first one's request names, on
+    # pages the first still held when it went away; its pool is smaller than its context.
+    daemon, address = start_daemon(store_url)
+    agent = start_agent(tmp_path, address)
+    sink = AgentSink(tmp_path / "agent.sock", "d0")
+    first = Guard("d0", ruleset=RULES, sink=sink, epoch=1)
+    first.pool(0, "decode", page_size=16, num_pages=64, context_len=1024)
+    try:
+        traffic(first, 10)
+        for i in range(3):  # mid-traffic: admitted, granted, written, never freed
+            first.admit(f"r{i}", "acme", 32, "decode")
+            first.alloc(f"r{i}", 0, [10 + i])
+            first.write(f"r{i}", 0, [10 + i])
+        assert sink.flush()
+        second = Guard("d0", ruleset=RULES, sink=sink, epoch=2)  # the restarted engine
+        second.pool(0, "decode", page_size=16, num_pages=32, context_len=1024)
+        traffic(second, 12)  # pages 10-12 and names r0-r2 again
+        assert [f.finding for f in second.findings] == ["config_drift"]  # its own pool, at start
+        assert sink.flush()
+        total = first._seq + second._seq
+        assert wait_for(lambda: len(stored(store_url)) == total, timeout=30)
+        with grpc.insecure_channel(address) as channel:
+            fleet = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest(), timeout=10)
+    finally:
+        sink.close()
+        agent.stop()
+        daemon.stop()
+    events = stored(store_url)
+    assert sorted((e.epoch, e.seq) for e in events) == [(1, s) for s in range(1, first._seq + 1)] + [
+        (2, s) for s in range(1, second._seq + 1)
+    ]
+    findings = sorted(stored_findings(store_url), key=lambda f: f.message)
+    assert [(f.finding, f.node, f.seq) for f in findings] == [("config_drift", "d0", 1)] * 2
+    assert "holds 512 tokens" in findings[0].message and "context length of 1024" in findings[0].message
+    assert "changed since before the engine restarted: num_pages 64 -> 32" in findings[1].message
+    (node,) = [n for n in fleet.nodes if n.node == "d0"]
+    assert (node.epoch, node.restarts, node.last_seq) == (2, 1, second._seq)
+    assert [p.report.num_pages for p in node.pools] == [32]
