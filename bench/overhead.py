@@ -1,13 +1,15 @@
 """Decode-step time of the testbed's transformer with the in-engine guard off and on.
 
 A random-weight TinyTransformer (4 layers, d_model 512, 8 heads, MLP 2048, pages of 16)
-decodes a batch whose KV is already in the pool. Guard on means what the testbed engine does
-every step: a `write` event per request for its new token (and an `alloc` when it needs a new
-page), then the check before attention over the whole batch. Steps with the guard off and on
+decodes a batch whose KV is already in the pool. Guard on means what an engine does every
+step: an `alloc` where a request needs a new page, then one `step` call (the batch's new
+tokens as one event, and the check before attention over the whole batch). Steps with the guard off and on
 alternate in one run, on the same batch, so drift on this shared machine hits both alike;
-the figure is the ratio of the medians.
+the figure is the ratio of the medians. Then the guard's own host cost a decode step, the
+per-request API against the step API side by side (bench/guard_step.py: batch 32-256,
+contexts 1k-8k), with the check before attention alone in ns per block-table entry.
 
-    python bench/overhead.py [--steps N] [--grid B:CTX,...]
+    python bench/overhead.py [--steps N] [--grid B:CTX,...] [--api-steps N] [--api-grid B:CTX,...]
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 
 import numpy as np
 import torch
+from guard_step import DEFAULT_GRID as API_GRID
+from guard_step import table as api_table
 
 from kvguard.agents.guard import Guard
 from kvguard.ruleset import load_ruleset
@@ -54,16 +58,17 @@ class Batch:
         self.granted = np.full(batch, -(-context // self.ps), dtype=np.int64)
 
     def guard_step(self) -> None:
-        """The guard's part of one step: the new token's write, then the check before attention."""
+        """The guard's part of one step: a grant where a request needs a new page, then one
+        step call (every request's new token, and the check before attention)."""
         ps = self.ps
-        for i, req in enumerate(self.reqs):
-            pos = int(self.lens[i])
-            page = pos // ps
-            if page >= self.granted[i]:
-                self.guard.alloc(req, 0, self.tables[i, page : page + 1])
-                self.granted[i] += 1
-            self.guard.write(req, 0, self.tables[i, page : page + 1], [pos % ps + 1])
-        verdict = self.guard.check_attention(0, self.reqs, self.tables, self.lens + 1)
+        at = self.lens // ps
+        for i in np.flatnonzero(at >= self.granted).tolist():
+            self.guard.alloc(self.reqs[i], 0, self.tables[i, at[i] : at[i] + 1])
+            self.granted[i] += 1
+        pages = self.tables[np.arange(len(self.reqs)), at]
+        verdict = self.guard.step(
+            0, self.reqs, pages, self.lens % ps + 1, block_tables=self.tables, context_lens=self.lens + 1
+        )
         if not verdict.ok:
             raise SystemExit(f"the guard rejected a correct batch: {verdict.findings}")
 
@@ -108,6 +113,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="measured steps per variant and configuration")
     parser.add_argument("--grid", default=DEFAULT_GRID, help="batch:context pairs")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--api-steps", type=int, default=64, help="steps per API in the guard's own table")
+    parser.add_argument("--api-grid", default=API_GRID, help="batch:context pairs of the guard's own table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -128,6 +135,8 @@ def main() -> None:
             f"{r['ratio']:>7.4f} {r['share']:>7.4f}",
             flush=True,
         )
+    print()
+    api_table(args.api_steps, args.api_grid)
 
 
 if __name__ == "__main__":

@@ -294,9 +294,16 @@ class DecodeWorker(Worker):
         live = [i for i, r in enumerate(batch) if r.state == "running"]
         rows = self.slot_tables[[batch[i].slot for i in live]]
         self.model.append(self.pool, torch.from_numpy(rows), torch.from_numpy(lens[live]), tokens[live])
+        # The batch's new tokens: one step event (the guard's per-step cost, not per request).
+        positions = lens[live]
+        written = self.guard.step(
+            0, [batch[i].req for i in live], rows[np.arange(len(live)), positions // ps], positions % ps + 1
+        )
         for i in live:
-            r, pos = batch[i], int(lens[i])
-            self.guard.write(r.req, 0, [int(rows[live.index(i), pos // ps])], [pos % ps + 1])
+            r = batch[i]
+            if r.req in written.kill:
+                self._fail(r, written.reason(r.req))
+                continue
             r.generated.append(int(tokens[i]))
             if len(r.generated) >= r.max_tokens:
                 self.guard.finish(r.req, len(r.generated))

@@ -58,6 +58,16 @@ class NullGuard:
     def free(self, req: str, pool: int, pages: Iterable[int]) -> Verdict:
         return CLEAN
 
+    def step(
+        self,
+        pool: int,
+        reqs: Sequence[str],
+        pages: Iterable[int] | np.ndarray,
+        slots: Iterable[int] | np.ndarray | None = None,
+        **arrays: Any,
+    ) -> Verdict:
+        return CLEAN
+
     def hold(self, req: str, pool: int, pages: Iterable[int], holder: str) -> Verdict:
         return CLEAN
 

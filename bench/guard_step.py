@@ -1,0 +1,134 @@
+"""The guard's whole host cost per decode step, per-request API against the step API, side by side.
+
+A guard (NullSink: the bytes are made and handed over, nowhere sent) holds a decode batch
+whose contexts are already written. Every step, each request writes its next token and, every
+`page_size` tokens, is granted a new page (the contexts are staggered, so a step makes about
+batch / page_size grants, as a running engine does); then the check before attention reads
+every context. The per-request API makes that a `write` call per request and a
+`check_attention`; the step API one `step` call that also runs the check. Both make the same
+`alloc` calls. The two alternate step by step on twin guards, so the machine's drift hits both
+alike. Reported: median µs a step for each, the goal (20 µs + 0.2 µs a request, for the writes
+and the check), and the check alone in ns per block-table entry (C, on the host).
+
+    python bench/guard_step.py [--steps N] [--grid B:CTX,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from kvguard.agents.guard import Guard
+from kvguard.ruleset import load_ruleset
+
+DEFAULT_GRID = "32:1024,32:8192,128:1024,128:4096,256:1024,256:8192"
+PAGE = 16
+
+
+class Decode:
+    """One guard and its decode batch: request i owns pages [i * per, (i + 1) * per)."""
+
+    def __init__(self, batch: int, context: int, steps: int) -> None:
+        self.per = -(-(context + PAGE + steps + 1) // PAGE)
+        self.guard = Guard("d0", ruleset=RULES, epoch=1)
+        self.guard.pool(0, "decode", page_size=PAGE, num_pages=batch * self.per, context_len=1 << 20)
+        self.reqs = [f"r{i}" for i in range(batch)]
+        self.lens = context + np.arange(batch) % PAGE  # staggered: grants spread over the steps
+        self.tables = np.arange(batch * self.per, dtype=np.int32).reshape(batch, self.per)
+        for i, req in enumerate(self.reqs):
+            have = -(-int(self.lens[i]) // PAGE)
+            pages = self.tables[i, :have]
+            self.guard.admit(req, "acme", int(self.lens[i]), "decode")
+            self.guard.alloc(req, 0, pages)
+            slots = np.full(have, PAGE, np.int64)
+            slots[-1] = int(self.lens[i]) - (have - 1) * PAGE
+            self.guard.write(req, 0, pages, slots)
+
+    def grants(self) -> tuple[np.ndarray, np.ndarray]:
+        """The grants this step needs (a request whose last page is full), then where each
+        request's token lands: its page and the slots valid after it."""
+        at = self.lens // PAGE
+        for i in np.flatnonzero(self.lens % PAGE == 0).tolist():
+            self.guard.alloc(self.reqs[i], 0, self.tables[i, at[i] : at[i] + 1])
+        pages = self.tables[np.arange(len(self.reqs)), at]
+        return pages, self.lens % PAGE + 1
+
+    def per_request(self) -> None:
+        pages, slots = self.grants()
+        for i, req in enumerate(self.reqs):
+            self.guard.write(req, 0, pages[i : i + 1], slots[i : i + 1])
+        self.lens += 1
+        verdict = self.guard.check_attention(0, self.reqs, self.tables, self.lens)
+        assert verdict.ok and not self.guard.errors, (verdict, self.guard.errors)
+
+    def stepped(self) -> None:
+        pages, slots = self.grants()
+        self.lens += 1
+        verdict = self.guard.step(
+            0, self.reqs, pages, slots, block_tables=self.tables, context_lens=self.lens
+        )
+        assert verdict.ok and not self.guard.errors, (verdict, self.guard.errors)
+
+
+RULES = load_ruleset()
+
+
+def measure(batch: int, context: int, steps: int) -> dict[str, float]:
+    a, b = Decode(batch, context, steps + 2), Decode(batch, context, steps + 2)
+    a.per_request()  # warm-up
+    b.stepped()
+    per_request, stepped = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        a.per_request()
+        t1 = time.perf_counter_ns()
+        b.stepped()
+        t2 = time.perf_counter_ns()
+        per_request.append(t1 - t0)
+        stepped.append(t2 - t1)
+    ledger = b.guard.ledger
+    entries = int(np.sum(-(-b.lens // PAGE)))
+    checks = []
+    for _ in range(max(3, steps // 2)):
+        t0 = time.perf_counter_ns()
+        clean = ledger.batch_clean("d0", 0, b.reqs, b.tables, b.lens)
+        checks.append(time.perf_counter_ns() - t0)
+        assert clean.all()
+    return {
+        "per_request_us": statistics.median(per_request) / 1e3,
+        "step_us": statistics.median(stepped) / 1e3,
+        "goal_us": 20 + 0.2 * batch,
+        "check_ns_entry": statistics.median(checks) / entries,
+        "grants": batch / PAGE,
+    }
+
+
+def table(steps: int, grid: str) -> None:
+    print("guard host cost a decode step (writes, grants, check), per-request API against step API")
+    print(
+        f"{'batch':>5} {'context':>7} {'grants':>6} {'per-req µs':>11} {'step µs':>9} {'ratio':>6} "
+        f"{'goal µs':>8} {'check ns/entry':>15}"
+    )
+    for item in grid.split(","):
+        batch, context = (int(x) for x in item.split(":"))
+        r = measure(batch, context, steps)
+        print(
+            f"{batch:>5} {context:>7} {r['grants']:>6.1f} {r['per_request_us']:>11.1f} {r['step_us']:>9.1f} "
+            f"{r['per_request_us'] / r['step_us']:>6.1f} {r['goal_us']:>8.1f} {r['check_ns_entry']:>15.2f}",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=64, help="measured steps per API and configuration")
+    parser.add_argument("--grid", default=DEFAULT_GRID, help="batch:context pairs")
+    args = parser.parse_args()
+    table(args.steps, args.grid)
+
+
+if __name__ == "__main__":
+    main()
