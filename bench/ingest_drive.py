@@ -66,7 +66,7 @@ def batch_times(
     per second): when it is due, the agents starting spread over one batch interval, not all
     at once. Closed loop (per_agent 0): now, i.e. when the last one was acknowledged."""
     due = started + (k / agents * max(w.transitions) / per_agent if per_agent else 0.0)
-    for i in range(len(w.batches)):
+    for i in range(len(w.bodies)):
         now = time.perf_counter()
         if now >= deadline:
             return
@@ -124,8 +124,8 @@ def drive(
                 sent_at[req] = t0
             ack = stream.send_serialized(w.bodies[i])
             acks.append(time.perf_counter() - t0)
-            check_ack(ack, len(w.batches[i]))
-            events += len(w.batches[i])
+            check_ack(ack, len(w.bodies[i]))
+            events += len(w.bodies[i])
             transitions += w.transitions[i]
             planted += req is not None
         return events, transitions, planted, acks
@@ -181,7 +181,9 @@ def drive(
                     "kvguard-bench",
                     on_command=lambda c: killed_at.setdefault(c.kill.req, time.perf_counter()),
                 )
-                check_ack(stream.send_serialized([w.setup]), 1)  # its engine started: the pool report
+                check_ack(
+                    stream.send_serialized(w.opening), len(w.opening)
+                )  # its engine started: the pool report
             except Exception as exc:
                 ready.abort()  # the run cannot start: release the others
                 with lock:
@@ -196,7 +198,7 @@ def drive(
             finally:
                 stream.close()
         with lock:
-            run.setup += 1
+            run.setup += len(w.opening)
             run.events += sent[0]
             run.transitions += sent[1]
             run.planted_sent += sent[2]
@@ -323,8 +325,8 @@ async def _drive_aio(
                 sent_at[req] = t0
             ack = await stream.send(w.bodies[i])
             run.acks.append(time.perf_counter() - t0)
-            check_ack(ack, len(w.batches[i]))
-            run.events += len(w.batches[i])
+            check_ack(ack, len(w.bodies[i]))
+            run.events += len(w.bodies[i])
             run.transitions += w.transitions[i]
             run.planted_sent += req is not None
         return time.perf_counter()
@@ -335,8 +337,10 @@ async def _drive_aio(
         try:
             for channel, w in zip(channels, workloads, strict=True):
                 streams.append(await AioStream.open(channel, w.node, killed))
-                check_ack(await streams[-1].send([w.setup]), 1)  # its engine started: the pool report
-                run.setup += 1
+                check_ack(
+                    await streams[-1].send(w.opening), len(w.opening)
+                )  # its engine started: the pool report
+                run.setup += len(w.opening)
         except Exception as exc:
             raise SystemExit(f"the agents could not start: {type(exc).__name__}: {exc}") from None
         started = time.perf_counter()
