@@ -158,7 +158,19 @@ def daemon_run(
         py_spy = Path(sys.executable).with_name("py-spy")
         spy.mkdir(parents=True, exist_ok=True)
         out = spy / f"daemon-{tag}.txt"
-        cmd = [str(py_spy), "record", "--nonblocking", "--gil", "--format", "raw", "-o", str(out), "--", *cmd]
+        cmd = [
+            str(py_spy),
+            "record",
+            "--nonblocking",
+            "--gil",
+            "--subprocesses",
+            "--format",
+            "raw",
+            "-o",
+            str(out),
+            "--",
+            *cmd,
+        ]
     daemon = start(cmd, store_dir / f"daemon-{tag}.log")
     address = f"127.0.0.1:{daemon.port}"
     try:
