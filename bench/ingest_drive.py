@@ -10,7 +10,7 @@ import selectors
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +91,7 @@ def drive(
     alerts: Alerts | None,
     paced: float = 0.0,
     as_agent: bool = False,
+    on_start: Callable[[], None] = lambda: None,
 ) -> Run:
     """Each agent on its own thread and channel sends its batches, one at a time, each waiting
     for its ack, until its batches or `seconds` run out. Closed loop (paced=0): the next batch
@@ -107,7 +108,12 @@ def drive(
     sent_at: dict[str, float] = {}
     killed_at: dict[str, float] = {}  # planted request -> when its kill reached the agent's stream
     started = [0.0]
-    ready = threading.Barrier(len(workloads) + 1, action=lambda: started.__setitem__(0, time.perf_counter()))
+
+    def start() -> None:  # every stream open and its opening acknowledged: the clock starts
+        on_start()
+        started[0] = time.perf_counter()
+
+    ready = threading.Barrier(len(workloads) + 1, action=start)
     finished: list[float] = []
     streams = [w.stream() for w in workloads] if as_agent else []
 
@@ -294,7 +300,12 @@ class OnTimeSelector(selectors.EpollSelector):
 
 
 def drive_aio(
-    address: str, workloads: list[Workload], seconds: float, alerts: Alerts | None, paced: float = 0.0
+    address: str,
+    workloads: list[Workload],
+    seconds: float,
+    alerts: Alerts | None,
+    paced: float = 0.0,
+    on_start: Callable[[], None] = lambda: None,
 ) -> Run:
     """drive()'s batches (closed loop or paced), every agent a task on one asyncio loop of this
     thread, with a channel (one TCP connection) each. On a cluster the agents are processes on
@@ -302,11 +313,16 @@ def drive_aio(
     gRPC's request-iterator thread, a reader thread and a channel's polling thread an agent)
     costs ~4x the CPU of this one, taken from the daemon's cores."""
     with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(OnTimeSelector())) as runner:
-        return runner.run(_drive_aio(address, workloads, seconds, alerts, paced))
+        return runner.run(_drive_aio(address, workloads, seconds, alerts, paced, on_start))
 
 
 async def _drive_aio(
-    address: str, workloads: list[Workload], seconds: float, alerts: Alerts | None, paced: float
+    address: str,
+    workloads: list[Workload],
+    seconds: float,
+    alerts: Alerts | None,
+    paced: float,
+    on_start: Callable[[], None],
 ) -> Run:
     run = Run()
     per_agent = paced / len(workloads)
@@ -343,6 +359,7 @@ async def _drive_aio(
                 run.setup += len(w.opening)
         except Exception as exc:
             raise SystemExit(f"the agents could not start: {type(exc).__name__}: {exc}") from None
+        on_start()
         started = time.perf_counter()
         cpu = time.process_time()
         ends = await asyncio.gather(

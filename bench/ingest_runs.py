@@ -177,11 +177,17 @@ def daemon_run(
         alerts = Alerts(address)
         try:
             probe(address, alerts)
-            before, ticks = cpu_seconds(daemon.target), machine_ticks()
+            before: dict[str, float] = {}
+            ticks: dict[str, int] = {}
+
+            def on_start() -> None:  # the CPU the run uses, not its streams' opening (a fleet's: its batch)
+                before.update(cpu_seconds(daemon.target))
+                ticks.update(machine_ticks())
+
             if as_agent or client == "threads":
-                run = drive(address, workloads, seconds, alerts, paced, as_agent)
+                run = drive(address, workloads, seconds, alerts, paced, as_agent, on_start)
             else:
-                run = drive_aio(address, workloads, seconds, alerts, paced)
+                run = drive_aio(address, workloads, seconds, alerts, paced, on_start)
             used = {k: v - before[k] for k, v in cpu_seconds(daemon.target).items()}
             run.cpu = used | run.cpu
             run.machine = machine_share(ticks, machine_ticks())
