@@ -16,11 +16,16 @@ stolen time; each is repeated --repeat times and judged on the run least stolen 
 the daemon's --cpu-latency-us off and 0 in turn. --py-spy DIR records the daemon. Machines
 are shared and noisy: compare ratios measured side by side in one run, not absolute rates.
 bench/ab_ingest.py runs the paced goal run against this tree's daemon and another checkout's.
+--fleet NODES,... measures a decode fleet instead (bench/ingest_fleet.py): one `step` event a
+forward pass of each node's --batch requests, in request-steps/s beside the floor, closed loop
+and paced at --steps-per-s a node, with planted stale reads timed to their alerts.
 
     python bench/ingest.py [--agents 1,4,16] [--seconds N] [--batch-events N] [--pages N]
                            [--req-pages R,...] [--paced TRANS_PER_S,...]
                            [--paced-as batches|agent|both] [--client aio|threads]
                            [--cpu-latency-us US|off,...] [--py-spy DIR]
+    python bench/ingest.py --fleet 16,64 --batch 32,128,256 [--steps-per-s 61] [--tokens 512]
+                           [--prompt 512] [--seconds N] [--repeat N] [--fleet-paced-only]
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import grpc
 import numpy as np
 from ingest_alerts import subscriber
 from ingest_drive import Run
+from ingest_fleet import GOAL_STEPS, measure_fleet
 from ingest_runs import daemon_run, floor_run, floor_server
 from ingest_workload import PLANTED, Workload, build_agent, first_plant
 
@@ -335,6 +341,25 @@ def make_parser() -> argparse.ArgumentParser:
         help="paced runs: each this many times; the goal is judged on the run the hypervisor stole "
         "the least CPU time from (every run is printed)",
     )
+    parser.add_argument(
+        "--fleet",
+        metavar="NODES,...",
+        help="the decode-fleet workload instead (bench/ingest_fleet.py): this many nodes, each decoding a "
+        "full batch, one step event a forward pass; a run for each of --batch at each count",
+    )
+    parser.add_argument("--batch", default="256", metavar="N,...", help="--fleet: decode batch sizes")
+    parser.add_argument(
+        "--steps-per-s",
+        type=float,
+        default=61.0,
+        help=f"--fleet: forward passes a second a node in the paced runs (default: 64 nodes x batch 256 "
+        f"offer ~{GOAL_STEPS / 1e6:g} M request-steps/s)",
+    )
+    parser.add_argument("--tokens", type=int, default=512, help="--fleet: output tokens a request")
+    parser.add_argument("--prompt", type=int, default=512, help="--fleet: prompt tokens a request (0.5-1.5x)")
+    parser.add_argument(
+        "--fleet-paced-only", action="store_true", help="--fleet: no closed-loop runs (nor their floor)"
+    )
     parser.add_argument("--store-dir", type=Path, help="where the SQLite stores go (default: a temp dir)")
     parser.add_argument("--py-spy", type=Path, metavar="DIR", help="record the daemon with py-spy into DIR")
     parser.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
@@ -361,6 +386,18 @@ def main() -> None:
     # 5 ms GIL switch interval one woken by its ack would wait for the others' turns, and that
     # wait would be counted as the daemon's latency. The daemon runs with the same 0.5 ms.
     sys.setswitchinterval(0.0005)
+    if args.fleet:
+        if args.paced_as != "batches":
+            parser.error("--fleet sends each forward pass as one batch: --paced-as batches")
+        print(
+            f"python {sys.version.split()[0]}, grpcio {grpc.__version__}, {os.cpu_count()} cores; daemon: "
+            f"`python -m kvguard daemon`, SQLite store; decode fleet: {args.tokens} output tokens a request, "
+            f"prompts ~{args.prompt}, one planted {PLANTED} per {args.plant_every} passes a node, "
+            f"{args.steps_per_s:g} passes/s a node paced; each run capped at {args.seconds:g} s"
+        )
+        if measure_fleet(args, wakes):
+            raise SystemExit(1)
+        return
     counts = [int(a) for a in args.agents.split(",")]
     sizes = [int(p) for p in args.req_pages.split(",")]
     print(

@@ -10,7 +10,7 @@ import selectors
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +66,7 @@ def batch_times(
     per second): when it is due, the agents starting spread over one batch interval, not all
     at once. Closed loop (per_agent 0): now, i.e. when the last one was acknowledged."""
     due = started + (k / agents * max(w.transitions) / per_agent if per_agent else 0.0)
-    for i in range(len(w.batches)):
+    for i in range(len(w.bodies)):
         now = time.perf_counter()
         if now >= deadline:
             return
@@ -91,6 +91,7 @@ def drive(
     alerts: Alerts | None,
     paced: float = 0.0,
     as_agent: bool = False,
+    on_start: Callable[[], None] = lambda: None,
 ) -> Run:
     """Each agent on its own thread and channel sends its batches, one at a time, each waiting
     for its ack, until its batches or `seconds` run out. Closed loop (paced=0): the next batch
@@ -107,7 +108,12 @@ def drive(
     sent_at: dict[str, float] = {}
     killed_at: dict[str, float] = {}  # planted request -> when its kill reached the agent's stream
     started = [0.0]
-    ready = threading.Barrier(len(workloads) + 1, action=lambda: started.__setitem__(0, time.perf_counter()))
+
+    def start() -> None:  # every stream open and its opening acknowledged: the clock starts
+        on_start()
+        started[0] = time.perf_counter()
+
+    ready = threading.Barrier(len(workloads) + 1, action=start)
     finished: list[float] = []
     streams = [w.stream() for w in workloads] if as_agent else []
 
@@ -124,8 +130,8 @@ def drive(
                 sent_at[req] = t0
             ack = stream.send_serialized(w.bodies[i])
             acks.append(time.perf_counter() - t0)
-            check_ack(ack, len(w.batches[i]))
-            events += len(w.batches[i])
+            check_ack(ack, len(w.bodies[i]))
+            events += len(w.bodies[i])
             transitions += w.transitions[i]
             planted += req is not None
         return events, transitions, planted, acks
@@ -181,7 +187,9 @@ def drive(
                     "kvguard-bench",
                     on_command=lambda c: killed_at.setdefault(c.kill.req, time.perf_counter()),
                 )
-                check_ack(stream.send_serialized([w.setup]), 1)  # its engine started: the pool report
+                check_ack(
+                    stream.send_serialized(w.opening), len(w.opening)
+                )  # its engine started: the pool report
             except Exception as exc:
                 ready.abort()  # the run cannot start: release the others
                 with lock:
@@ -196,7 +204,7 @@ def drive(
             finally:
                 stream.close()
         with lock:
-            run.setup += 1
+            run.setup += len(w.opening)
             run.events += sent[0]
             run.transitions += sent[1]
             run.planted_sent += sent[2]
@@ -292,7 +300,12 @@ class OnTimeSelector(selectors.EpollSelector):
 
 
 def drive_aio(
-    address: str, workloads: list[Workload], seconds: float, alerts: Alerts | None, paced: float = 0.0
+    address: str,
+    workloads: list[Workload],
+    seconds: float,
+    alerts: Alerts | None,
+    paced: float = 0.0,
+    on_start: Callable[[], None] = lambda: None,
 ) -> Run:
     """drive()'s batches (closed loop or paced), every agent a task on one asyncio loop of this
     thread, with a channel (one TCP connection) each. On a cluster the agents are processes on
@@ -300,11 +313,16 @@ def drive_aio(
     gRPC's request-iterator thread, a reader thread and a channel's polling thread an agent)
     costs ~4x the CPU of this one, taken from the daemon's cores."""
     with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(OnTimeSelector())) as runner:
-        return runner.run(_drive_aio(address, workloads, seconds, alerts, paced))
+        return runner.run(_drive_aio(address, workloads, seconds, alerts, paced, on_start))
 
 
 async def _drive_aio(
-    address: str, workloads: list[Workload], seconds: float, alerts: Alerts | None, paced: float
+    address: str,
+    workloads: list[Workload],
+    seconds: float,
+    alerts: Alerts | None,
+    paced: float,
+    on_start: Callable[[], None],
 ) -> Run:
     run = Run()
     per_agent = paced / len(workloads)
@@ -323,8 +341,8 @@ async def _drive_aio(
                 sent_at[req] = t0
             ack = await stream.send(w.bodies[i])
             run.acks.append(time.perf_counter() - t0)
-            check_ack(ack, len(w.batches[i]))
-            run.events += len(w.batches[i])
+            check_ack(ack, len(w.bodies[i]))
+            run.events += len(w.bodies[i])
             run.transitions += w.transitions[i]
             run.planted_sent += req is not None
         return time.perf_counter()
@@ -335,10 +353,13 @@ async def _drive_aio(
         try:
             for channel, w in zip(channels, workloads, strict=True):
                 streams.append(await AioStream.open(channel, w.node, killed))
-                check_ack(await streams[-1].send([w.setup]), 1)  # its engine started: the pool report
-                run.setup += 1
+                check_ack(
+                    await streams[-1].send(w.opening), len(w.opening)
+                )  # its engine started: the pool report
+                run.setup += len(w.opening)
         except Exception as exc:
             raise SystemExit(f"the agents could not start: {type(exc).__name__}: {exc}") from None
+        on_start()
         started = time.perf_counter()
         cpu = time.process_time()
         ends = await asyncio.gather(

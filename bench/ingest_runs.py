@@ -158,18 +158,36 @@ def daemon_run(
         py_spy = Path(sys.executable).with_name("py-spy")
         spy.mkdir(parents=True, exist_ok=True)
         out = spy / f"daemon-{tag}.txt"
-        cmd = [str(py_spy), "record", "--nonblocking", "--gil", "--format", "raw", "-o", str(out), "--", *cmd]
+        cmd = [
+            str(py_spy),
+            "record",
+            "--nonblocking",
+            "--gil",
+            "--subprocesses",
+            "--format",
+            "raw",
+            "-o",
+            str(out),
+            "--",
+            *cmd,
+        ]
     daemon = start(cmd, store_dir / f"daemon-{tag}.log")
     address = f"127.0.0.1:{daemon.port}"
     try:
         alerts = Alerts(address)
         try:
             probe(address, alerts)
-            before, ticks = cpu_seconds(daemon.target), machine_ticks()
+            before: dict[str, float] = {}
+            ticks: dict[str, int] = {}
+
+            def on_start() -> None:  # the CPU the run uses, not its streams' opening (a fleet's: its batch)
+                before.update(cpu_seconds(daemon.target))
+                ticks.update(machine_ticks())
+
             if as_agent or client == "threads":
-                run = drive(address, workloads, seconds, alerts, paced, as_agent)
+                run = drive(address, workloads, seconds, alerts, paced, as_agent, on_start)
             else:
-                run = drive_aio(address, workloads, seconds, alerts, paced)
+                run = drive_aio(address, workloads, seconds, alerts, paced, on_start)
             used = {k: v - before[k] for k, v in cpu_seconds(daemon.target).items()}
             run.cpu = used | run.cpu
             run.machine = machine_share(ticks, machine_ticks())

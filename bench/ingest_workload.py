@@ -33,6 +33,13 @@ class Workload:
     bodies: list[list[bytes]]  # each batch's events serialized, as the agent's spool keeps them
     transitions: list[int]  # page transitions per batch
     planted: dict[int, str] = field(default_factory=dict)  # batch index -> planted request
+    # Sent after the pool report, before the clock starts: what the engine held when the run began
+    warm: list[bytes] = field(default_factory=list)
+
+    @property
+    def opening(self) -> list[bytes]:
+        """What the agent sends before the clock starts: the pool report, then `warm`."""
+        return [self.setup, *self.warm]
 
     def stream(self) -> tuple[list[bytes], np.ndarray, dict[int, str]]:
         """The same events as one stream: their bytes, the page transitions each one makes,
