@@ -199,9 +199,7 @@ class Ownership:
         if len(counts) != len(s.reqs):
             raise BadEvent(f"step: {len(s.reqs)} requests with {len(counts)} counts (must match)")
         if int(counts.sum()) != len(pages):
-            raise BadEvent(
-                f"step: the counts add up to {int(counts.sum())} entries, pages lists {len(pages)}"
-            )
+            raise BadEvent(f"step: the counts add up to {int(counts.sum())}, pages lists {len(pages)}")
         slots = None
         if s.slots:
             if len(s.slots) != len(pages):

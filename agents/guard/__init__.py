@@ -12,9 +12,10 @@ This package is the guard's whole public surface; engines import from here only.
   the node's witnesses.
 """
 
-from kvguard.agents.guard.guard import Guard, Mode, Verdict, WallClock
+from kvguard.agents.guard.guard import Guard, Mode
 from kvguard.agents.guard.null import NullGuard
 from kvguard.agents.guard.sink import AgentSink, CaptureSink, EventSink, NullSink
+from kvguard.agents.guard.verdict import Verdict, WallClock
 from kvguard.cuda_hooks.kernels import CHECKSUM_MULTIPLIER, page_checksums
 from kvguard.cuda_hooks.shim import CopyLabel as TransferLabel
 

@@ -20,60 +20,20 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from kvguard.agents.guard.sink import EventSink, NullSink
+from kvguard.agents.guard.verdict import CLEAN, RANK, Verdict, WallClock
 from kvguard.cuda_hooks.kernels import DeviceTags
-from kvguard.ledger.findings import KILL_ACTIONS, SEVERITIES, BadEvent, Finding
+from kvguard.ledger.findings import KILL_ACTIONS, BadEvent, Finding
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb, wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.ruleset import Ruleset, load_ruleset
 
 Mode = Literal["monitor", "enforce"]
-
-
-class WallClock:
-    """Event timestamps: wall-clock nanoseconds (comparable across nodes, as the daemon's
-    judgment of RDMA writes one node saw posted into another's pages needs), never less than
-    the last one given (a clock stepped back does not reorder this node's events)."""
-
-    def __init__(self) -> None:
-        self._last = 0
-
-    def __call__(self) -> int:
-        self._last = max(self._last, time.time_ns())  # called under the guard's lock
-        return self._last
-
-
-@dataclass(slots=True)
-class Verdict:
-    """What the engine must do after a guard call: terminate the requests in `kill` (each
-    with the finding that condemned it, or None for a call the guard could not check), keep
-    the pages in `quarantine` out of circulation, and refuse the prefix share when `deny`.
-    Each is set only by findings whose rule is enforced (the guard's mode, or the rule's)."""
-
-    findings: list[Finding] = field(default_factory=list)
-    kill: dict[str, Finding | None] = field(default_factory=dict)
-    quarantine: set[int] = field(default_factory=set)
-    deny: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.kill
-
-    def reason(self, req: str) -> str:
-        finding = self.kill.get(req)
-        if finding is None:
-            return "kvguard could not verify this request"
-        return f"{finding.finding} ({finding.rule}): {finding.message}"
-
-
-CLEAN = Verdict()
-_RANK = {severity: i for i, severity in enumerate(SEVERITIES)}
 
 
 def _host(values: Any) -> np.ndarray:
@@ -220,7 +180,7 @@ class Guard:
                 continue
             if finding.action in KILL_ACTIONS and finding.req:
                 known = verdict.kill.get(finding.req)
-                if known is None or _RANK[finding.severity] < _RANK[known.severity]:
+                if known is None or RANK[finding.severity] < RANK[known.severity]:
                     verdict.kill[finding.req] = finding  # the gravest reason is the one given
             if "quarantine" in finding.action:
                 verdict.quarantine.update(finding.pages)
@@ -301,6 +261,76 @@ class Guard:
 
     def free(self, req: str, pool: int, pages: Iterable[int]) -> Verdict:
         return self._pages_event("free", req, pool, pages)
+
+    def alloc_each(
+        self, pool: int, reqs: Sequence[str], pages: Iterable[int] | np.ndarray, counts: Any = None
+    ) -> Verdict:
+        """Grants to several requests at once (a decode step's new pages): request reqs[i] is
+        granted the next counts[i] of `pages` (counts None: one each). One `alloc` event each,
+        as alloc() makes them, applied in one pass over their bytes; the verdict of them all."""
+        with self._lock:
+            names = list(reqs)
+            page_array = _int64(pages)
+            count_array = np.ones(len(names), np.int64) if counts is None else _int64(counts)
+            if len(count_array) != len(names) or int(count_array.sum()) != len(page_array):
+                return self._refused(
+                    "alloc",
+                    ValueError(f"{len(names)} requests, {len(count_array)} counts, {len(page_array)} pages"),
+                    names,
+                )
+            if self._device_tags:
+                tags = self._device_tags.get(pool)
+                if tags is not None:
+                    tags.touch(page_array)
+            bounds = np.concatenate(([0], np.cumsum(count_array))).tolist()
+            first = self._seq
+            try:
+                bodies = [
+                    wire.encode(
+                        "alloc", self.node, *self._next(), req, pool, page_array[a:b], None, self.epoch
+                    )
+                    for req, a, b in zip(names, bounds, bounds[1:], strict=False)
+                ]
+            except (ValueError, TypeError):  # one of them is not an event: each alone says which
+                self._seq = first
+                return self._each(pool, names, page_array, bounds)
+            batch, found, at = wire.batch_of(bodies), [], 0
+            while at < len(bodies):
+                clean = self.ledger.apply_clean(batch, at, len(bodies), self.node)
+                for body in bodies[at:clean]:
+                    self.sink.put(body)
+                at = clean
+                if at == len(bodies):
+                    break
+                try:
+                    found += self.ledger.apply_serialized(bodies[at], self.node)
+                except BadEvent:  # refused: numbered again from here, one at a time
+                    self._seq = first + at
+                    verdict = self._each(pool, names[at:], page_array, bounds[at:])
+                    return self._merged(self._judge(found) if found else CLEAN, verdict)
+                self.sink.put(bodies[at])
+                at += 1
+            return self._judge(found) if found else CLEAN
+
+    def _each(self, pool: int, names: list[str], pages: np.ndarray, bounds: list[int]) -> Verdict:
+        verdict = CLEAN
+        for req, a, b in zip(names, bounds, bounds[1:], strict=False):
+            verdict = self._merged(verdict, self._pages_event("alloc", req, pool, pages[a:b]))
+        return verdict
+
+    @staticmethod
+    def _merged(verdict: Verdict, other: Verdict) -> Verdict:
+        """Both verdicts as one (the first's reason for a request it already kills is kept)."""
+        if other is CLEAN:
+            return verdict
+        if verdict is CLEAN:
+            return other
+        verdict.findings += other.findings
+        for req, finding in other.kill.items():
+            verdict.kill.setdefault(req, finding)
+        verdict.quarantine |= other.quarantine
+        verdict.deny |= other.deny
+        return verdict
 
     def hold(self, req: str, pool: int, pages: Iterable[int], holder: str) -> Verdict:
         return self._emit("hold", req, pool=pool, pages=_ints(pages), holder=holder)
@@ -446,17 +476,7 @@ class Guard:
                 verdict = self._judge(found) if found else CLEAN
             if block_tables is None:
                 return verdict
-            checked = self._check(pool, names, block_tables, context_lens)
-            if checked is CLEAN:
-                return verdict
-            if verdict is CLEAN:
-                return checked
-            verdict.findings += checked.findings
-            for req, finding in checked.kill.items():
-                verdict.kill.setdefault(req, finding)
-            verdict.quarantine |= checked.quarantine
-            verdict.deny |= checked.deny
-            return verdict
+            return self._merged(verdict, self._check(pool, names, block_tables, context_lens))
 
     def check_attention(
         self, pool: int, reqs: Sequence[str], block_tables: np.ndarray, context_lens: np.ndarray

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from kvguard.agents.guard.guard import CLEAN, Verdict
 from kvguard.agents.guard.sink import NullSink
+from kvguard.agents.guard.verdict import CLEAN, Verdict
 from kvguard.ledger.findings import Finding
 
 
@@ -56,6 +56,9 @@ class NullGuard:
         return CLEAN
 
     def free(self, req: str, pool: int, pages: Iterable[int]) -> Verdict:
+        return CLEAN
+
+    def alloc_each(self, pool: int, reqs: Sequence[str], pages: Any, counts: Any = None) -> Verdict:
         return CLEAN
 
     def step(

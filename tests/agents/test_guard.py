@@ -186,3 +186,88 @@ def test_a_prefix_hit_on_freed_pages_goes_on_and_an_evicted_one_is_caught(tmp_pa
     assert [(f.finding, f.req, f.victim_req, f.pages) for f in replayed] == [
         (f.finding, f.req, f.victim_req, f.pages) for f in guard.findings
     ]
+
+
+def decode_batch(guard: Guard) -> None:
+    serve(guard, "a1", "acme", [1], 15)
+    serve(guard, "a2", "acme", [2], 16)
+    serve(guard, "g1", "globex", [3], 3)
+
+
+def test_a_step_is_the_batchs_writes_in_one_event_and_one_pass(tmp_path: Path) -> None:
+    # One step call does what a write per request and a check would: same state, same events'
+    # meaning, and the events are one step (in the capture) instead of three writes.
+    stepped = decode_guard(sink=CaptureSink(tmp_path / "step.jsonl"), epoch=1)
+    written = decode_guard(epoch=1)
+    for guard in (stepped, written):
+        decode_batch(guard)
+    grants = stepped.alloc_each(0, ["a2"], [4])
+    assert grants.ok and written.alloc("a2", 0, [4]).ok
+    reqs, pages, slots = ["a1", "a2", "g1"], [1, 4, 3], [16, 1, 4]
+    tables, lens = np.array([[1, 0], [2, 4], [3, 0]]), np.array([16, 17, 4])
+    verdict = stepped.step(0, reqs, pages, slots, block_tables=tables, context_lens=lens)
+    assert verdict.ok and not verdict.findings and not stepped.errors
+    for req, page, slot in zip(reqs, pages, slots, strict=True):
+        assert written.write(req, 0, [page], [slot]).ok
+    assert written.check_attention(0, reqs, tables, lens).ok
+    one, other = stepped.ledger.nodes["d0"].pools[0].pages, written.ledger.nodes["d0"].pools[0].pages
+    assert (one.state == other.state).all()
+    stepped.sink.close()
+    events = [e for _, e in read_capture((tmp_path / "step.jsonl").read_text().splitlines())]
+    step = events[-1]
+    assert (step.epoch, step.seq, list(step.step.reqs), list(step.step.pages), list(step.step.slots)) == (
+        1,
+        len(events),
+        reqs,
+        pages,
+        slots,
+    )
+    assert events[-2].alloc.req == "a2" and list(events[-2].alloc.pages) == [4]
+
+
+def test_a_step_that_writes_into_anothers_page_kills_only_the_writer() -> None:
+    guard = decode_guard()
+    decode_batch(guard)
+    # g1 writes into page 2, a2's: a late write; a1 and a2 (which wrote nothing) go on.
+    verdict = guard.step(0, ["a1", "g1", "a2"], [1, 2], [16, 4], counts=[1, 1, 0])
+    assert list(verdict.kill) == ["g1"]
+    (finding,) = verdict.findings
+    assert (finding.finding, finding.req, finding.victim_req, finding.pages) == (
+        "late_write",
+        "g1",
+        "a2",
+        (2,),
+    )
+    # The check in the same call: g1, killed, is dropped again if it is still batched.
+    tables, lens = np.array([[1], [3]]), np.array([16, 4])
+    again = guard.step(0, ["a1", "g1"], [1, 3], [16, 4], block_tables=tables, context_lens=lens)
+    assert "g1" in again.kill and "a1" not in again.kill
+
+
+def test_a_step_the_guard_cannot_check_goes_no_further() -> None:
+    guard = decode_guard()
+    decode_batch(guard)
+    seq = guard._seq
+    refused = guard.step(0, ["a1", "g1"], [1, 99], [16, 4])  # page 99 is outside the pool of 32
+    assert set(refused.kill) == {"a1", "g1"} and "page 99 out of range" in guard.errors[-1]
+    refused = guard.step(0, ["a1"], [1, 3], counts=[1])  # the counts cover one page of two
+    assert "counts add up to 1, pages lists 2" in guard.errors[-1]
+    assert guard._seq == seq + 2  # the kills' records; the refused steps took no number
+
+
+def test_grants_to_several_requests_are_numbered_and_judged_as_one_each() -> None:
+    guard = decode_guard(epoch=3)
+    decode_batch(guard)
+    seq = guard._seq
+    verdict = guard.alloc_each(0, ["a1", "g1", "a2"], [5, 6, 2, 7], counts=[1, 2, 1])
+    # a2 is granted page 2 again while it still holds it: judged as alloc() would.
+    assert [f.finding for f in verdict.findings] == ["early_release"]
+    assert guard._seq == seq + 3
+    pages = guard.ledger.nodes["d0"].pools[0].pages
+    idx = {r: guard.ledger.request(r).idx for r in ("a1", "g1", "a2")}
+    assert pages.owner[[5, 6, 2, 7]].tolist() == [idx["a1"], idx["g1"], idx["g1"], idx["a2"]]
+    # One that cannot be applied is refused alone; the rest are numbered again, without a gap.
+    verdict = guard.alloc_each(0, ["a1", "g1", "a2"], [8, 99, 9])
+    assert list(verdict.kill) == ["g1"] and guard._seq == seq + 3 + 2 + 1  # two grants, g1's kill
+    assert guard.ledger.nodes["d0"].last_seq == guard._seq
+    assert guard.ledger.stats.missing == 0
