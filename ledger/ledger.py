@@ -256,6 +256,8 @@ class Ledger:
             r.pools.append((node, pool_id))
         if error is not None:
             raise error
+        if done > start and requests.applied == self.next_sweep:  # the run ended for it
+            self._sweep()
         return done
 
     def replay(self, batch: wire.Batch, node: str, start: int = 0) -> None:

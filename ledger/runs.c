@@ -287,15 +287,15 @@ out:
  * of a request the ledger knows (an alloc of one it does not know is its first event: `make`
  * makes it and the run goes on), in use (not retired) and not ended (a free may come after
  * the end), whose pages need no judgment (grant_busy, not_owned, read_is_clean); an alloc of
- * a request with no bootstrap and fewer than grant_runs grants kept on the pool; no sweep
- * due after it. Applied as the handlers apply it, in the same order. */
+ * a request with no bootstrap and fewer than grant_runs grants kept on the pool. Applied as
+ * the handlers apply it, in the same order; the run ends after an event that makes a sweep
+ * due (the ledger sweeps, then goes on). */
 static int
 clean_event(Run *c, Py_ssize_t i)
 {
     const WireHead *h = &c->heads[i];
     if (!h->plain || h->node_end - h->node_start != c->name_len ||
         memcmp(c->data + h->node_start, c->name, (size_t)c->name_len) != 0 || h->seq == 0 || h->seq <= c->last_seq ||
-        c->applied + 1 == c->next_sweep ||
         ((h->kind == WIRE_FREE || h->kind == WIRE_READ) && c->wire) || h->epoch != c->epoch)
         return 0;
     if (h->kind == WIRE_STEP) {
@@ -510,6 +510,10 @@ kvg_apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         int applied = clean_event(&c, i);
         if (applied <= 0) {
             failed = applied < 0;
+            break;
+        }
+        if (c.applied == c.next_sweep) { /* a sweep is due: the ledger's, before the next event */
+            i++;
             break;
         }
     }

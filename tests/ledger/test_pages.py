@@ -502,9 +502,10 @@ def test_apply_clean_stops_where_judgment_begins(case: str) -> None:
     assert runs.stats.events == parsed.stats.events and runs.stats.missing == parsed.stats.missing
 
 
-def test_apply_clean_leaves_a_sweep_and_probes_waiting_to_python() -> None:
-    # A sweep due after an event, and a node whose events a probe's posted writes wait for:
-    # apply_clean applies nothing there (their work is the ledger's Python).
+def test_apply_clean_stops_for_a_sweep_and_leaves_probes_waiting_to_python() -> None:
+    # A sweep due after an event: apply_clean applies that event, stops, and the ledger sweeps
+    # before the next. A node whose events a probe's posted writes wait for: apply_clean
+    # applies nothing there (that work is the ledger's Python).
     ledger = Ledger(retire_idle=8)
     for e in START:
         ledger.apply(e)
@@ -513,6 +514,8 @@ def test_apply_clean_leaves_a_sweep_and_probes_waiting_to_python() -> None:
     )
     due = ledger.next_sweep - ledger.requests.applied  # events until the sweep
     assert 0 < due <= 2
-    assert ledger.apply_clean(batch, 0, 4, "n0") == due - 1
+    sweep = ledger.next_sweep
+    assert ledger.apply_clean(batch, 0, 4, "n0") == due
+    assert ledger.requests.applied == sweep and ledger.next_sweep == sweep + ledger.sweep_every  # swept
     ledger.transfers.posted["n0"] = []
-    assert ledger.apply_clean(batch, due - 1, 4, "n0") == due - 1
+    assert ledger.apply_clean(batch, due, 4, "n0") == due
