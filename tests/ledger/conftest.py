@@ -14,13 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from clocked import MS, Clocked
 
 from kvguard.ledger.findings import Finding
-from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
 
-MS = 1_000_000
 K_BASE, V_BASE, PAGE_BYTES = 0x7F00_0000_0000, 0x7F10_0000_0000, 4096  # decode's K and V buffers
 
 
@@ -38,7 +37,7 @@ def rdma(pages: list[int], gap: int = 0) -> list[dict[str, int]]:
     return runs
 
 
-class RemoteWrites:
+class RemoteWrites(Clocked):
     """p0 holds request a's KV for sending, d0 granted it pages 4 to 6 (K and V at K_BASE and
     V_BASE, PAGE_BYTES a page); `add` applies an event at the time given, `wire` reports the
     writes a probe saw p0 post, `claim` p0's report of the transfer."""
@@ -46,10 +45,7 @@ class RemoteWrites:
     K_BASE, V_BASE, PAGE_BYTES = K_BASE, V_BASE, PAGE_BYTES  # where decode's pages lie, for tests
 
     def __init__(self) -> None:
-        self.now = 1000 * MS
-        self.log = EventLog(clock=lambda: self.now)
-        self.ledger = Ledger()
-        self.found: list[Finding] = []
+        super().__init__(1000 * MS)
         regions = [{"base": b, "stride": PAGE_BYTES} for b in (K_BASE, V_BASE)]
         self.add("p0", "pool", pool=0, role="prefill", page_size=16, num_pages=16, context_len=256)
         self.add(
@@ -64,13 +60,6 @@ class RemoteWrites:
         self.add("p0", "hold", req="a", pool=0, pages=[1, 2, 3], holder="transfer_send")
         self.add("d0", "admit", req="a", tenant="acme", prompt_tokens=48, stage="decode")
         self.add("d0", "alloc", req="a", pool=0, pages=[4, 5, 6])
-
-    def add(self, node: str, payload: str, at_ms: float | None = None, **fields: object) -> list[Finding]:
-        if at_ms is not None:
-            self.now = int(at_ms * MS)
-        found = list(self.ledger.apply(self.log.add(node, payload, **fields)))
-        self.found += found
-        return found
 
     def wire(self, pages: list[int], posted_ms: float, claim: bool = True, **more: object) -> list[Finding]:
         """The witness's report of the transfer's writes, then (claim) prefill's report of it."""

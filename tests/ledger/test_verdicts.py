@@ -6,6 +6,7 @@ that reports ever confirmed is reported at the end of a capture. Each verdict on
 from __future__ import annotations
 
 import pytest
+from clocked import MS, Clocked
 
 from kvguard.ledger import snapshot
 from kvguard.ledger.findings import Finding
@@ -13,19 +14,14 @@ from kvguard.ledger.ledger import Ledger
 from kvguard.proto import wire
 from kvguard.proto.builder import EventLog
 
-MS = 1_000_000
 
-
-class Short:
+class Short(Clocked):
     """p0 sends request a's two pages (8192 bytes) to d0, its probe (stream p0/ebpf) has seen
     4096 of them so far, and d0 reported the receipt (unless `received` is False). The clock
     is the test's (`now`, ns); the last word about the transfer is at 10 ms."""
 
     def __init__(self, received: bool = True, ledger: Ledger | None = None) -> None:
-        self.now = 1 * MS
-        self.log = EventLog(clock=lambda: self.now)
-        self.ledger = ledger or Ledger()
-        self.found: list[Finding] = []
+        super().__init__(1 * MS, ledger)
         self.add("p0", "pool", pool=0, role="prefill", page_size=16, num_pages=16, context_len=256)
         self.add("d0", "pool", pool=0, role="decode", page_size=16, num_pages=16, context_len=256)
         self.add("q0", "pool", pool=0, role="decode", page_size=16, num_pages=16, context_len=256)
@@ -42,13 +38,6 @@ class Short:
             self.add("d0", "xfer_recv", **recv, bytes=8192, status="done")
         self.add("p0/ebpf", "wire", at_ms=10, xfer="x1", probe="ebpf:tcp", bytes=4096, calls=1)
         assert self.found == []
-
-    def add(self, node: str, payload: str, at_ms: float | None = None, **fields: object) -> list[Finding]:
-        if at_ms is not None:
-            self.now = int(at_ms * MS)
-        found = list(self.ledger.apply(self.log.add(node, payload, **fields)))
-        self.found += found
-        return found
 
 
 def is_wire_short(f: Finding, node: str, settled: str) -> bool:
