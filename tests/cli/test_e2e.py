@@ -126,3 +126,37 @@ def test_the_daemon_quarantines_pages_freed_twice(tmp_path: Path, services: tupl
     quarantined = [c.quarantine for c in commands if c.HasField("quarantine")]
     assert [(q.finding, len(q.pages)) for q in quarantined] == [("double_free", 5)]
     assert Cluster.text(results[0][1]) == SECRET[:24] and Cluster.text(globex[1]) == OTHER
+
+
+def test_a_second_testbed_on_the_same_agent_is_a_restart_not_a_replay(
+    tmp_path: Path, services: tuple[str, str]
+) -> None:
+    # `kvguard testbed up` twice with the same node names on one agent and daemon: the second
+    # run's engines number their events from 1 again, in a new epoch. Nothing of either run is
+    # dropped as already seen, nothing of the first is held against the second, and the second
+    # prefill pool, now smaller than its context, is drift (also as changed since the restart).
+    store, sock = services
+    for run, pages in ((1, None), (2, 4)):
+        options = {} if pages is None else {"prefill_pages": pages}
+        with Cluster(tmp_path / f"run{run}", guard="monitor", agent_socket=sock, **options) as c:
+            status, reply = c.complete("acme", "hello there", max_tokens=6)
+            assert status == 200 and Cluster.text(reply) == "hello there"[:6]
+            c.findings()  # flush the guards' sinks to the agent
+
+    def whole(bodies: list[bytes]) -> bool:  # both runs of both nodes, each without a gap
+        seqs: dict[tuple[str, int], list[int]] = {}
+        for body in bodies:
+            e = pb.Event.FromString(body)
+            seqs.setdefault((e.node, e.epoch), []).append(e.seq)
+        runs = sorted(seqs.items())
+        return len(runs) == 4 and all(sorted(s) == list(range(1, len(s) + 1)) for _, s in runs)
+
+    events = [pb.Event.FromString(b) for b in stored(store, "event", whole)]
+    assert whole([e.SerializeToString() for e in events])
+    epochs = {node: sorted({e.epoch for e in events if e.node == node}) for node in ("prefill-0", "decode-0")}
+    assert all(len(e) == 2 and e[0] < e[1] for e in epochs.values()), epochs
+    findings = [pb.Finding.FromString(b) for b in stored(store, "finding")]
+    assert {(f.finding, f.node) for f in findings} == {("config_drift", "prefill-0")}
+    messages = " | ".join(f.message for f in findings)
+    assert "changed since before the engine restarted" in messages and "num_pages" in messages
+    assert "less than the advertised context length" in messages
