@@ -282,7 +282,7 @@ out:
 
 /* Head i of the run: 1 if it was the clean common case and is applied, 0 if it is not
  * (nothing changed: it is for the Python handlers), -1 with an exception. Clean: an alloc,
- * write (whole pages), free, one-entry read or step (clean_step) of the run's node and epoch,
+ * write (with slots, each at most the page size, or whole pages), free, one-entry read or step (clean_step) of the run's node and epoch,
  * next in its sequence, of a pool it reported, its pages valid (and distinct, but a read's),
  * of a request the ledger knows (an alloc of one it does not know is its first event: `make`
  * makes it and the run goes on), in use (not retired) and not ended (a free may come after
@@ -320,6 +320,8 @@ clean_event(Run *c, Py_ssize_t i)
     npy_intp count = PyArray_DIM((PyArrayObject *)array, 0);
     int rc = 0;
     PyObject *req = NULL, *grants = NULL;
+    int64_t *raw = NULL; /* a write's slots as read, then as uint32 in place (`slots`) */
+    uint32_t *slots = NULL;
     if (h->kind == WIRE_READ) { /* the pages the context covers (a block table may be longer) */
         uint64_t need = h->tokens / (uint64_t)p->page_size + (h->tokens % (uint64_t)p->page_size != 0);
         if (need > (uint64_t)count)
@@ -372,6 +374,25 @@ clean_event(Run *c, Py_ssize_t i)
             goto out;
         break;
     case WIRE_WRITE:
+        if (h->plain == 2) { /* its slots: one a page, none beyond the page size */
+            const uint8_t *pay = c->data + h->pay_start;
+            Py_ssize_t len = (Py_ssize_t)(h->pay_end - h->pay_start);
+            if (wire_scan(pay, len, 4, NULL) != count)
+                goto out;
+            raw = PyMem_Malloc(sizeof(int64_t) * (size_t)(count + 1));
+            if (raw == NULL) {
+                PyErr_NoMemory();
+                rc = -1;
+                goto out;
+            }
+            wire_scan(pay, len, 4, raw);
+            slots = (uint32_t *)raw; /* in place: each slot is read before its place is written */
+            for (npy_intp j = 0; j < count; j++) {
+                if (raw[j] > p->page_size)
+                    goto out;
+                slots[j] = (uint32_t)raw[j];
+            }
+        }
         if (not_owned(p->state, pages, count, (long)at))
             goto out;
         break;
@@ -414,7 +435,7 @@ clean_event(Run *c, Py_ssize_t i)
         r->granted_pages += (uint64_t)count;
         break;
     case WIRE_WRITE:
-        land_pages(p->state, pages, count, (long)at, NULL, (uint32_t)p->page_size);
+        land_pages(p->state, pages, count, (long)at, h->plain == 2 ? slots : NULL, (uint32_t)p->page_size);
         r->written_pages += (uint64_t)count;
         break;
     case WIRE_FREE:
@@ -430,6 +451,7 @@ clean_event(Run *c, Py_ssize_t i)
     ran(c, h);
     rc = 1;
 out:
+    PyMem_Free(raw);
     Py_DECREF(array);
     Py_XDECREF(req);
     Py_XDECREF(grants);

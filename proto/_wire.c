@@ -36,7 +36,7 @@ head(PyObject *self, PyObject *body)
     if (PyBytes_GET_SIZE(body) > (Py_ssize_t)UINT32_MAX)
         Py_RETURN_NONE;
     wire_head((const uint8_t *)base, 0, PyBytes_GET_SIZE(body), &h);
-    if (!h.plain || h.kind == WIRE_STEP)
+    if (h.plain != 1 || h.kind == WIRE_STEP) /* a write's slots, a step: the ledger's C, or protobuf */
         Py_RETURN_NONE;
     PyObject *node = PyUnicode_DecodeUTF8(base + h.node_start, h.node_end - h.node_start, NULL);
     PyObject *req = node ? PyUnicode_DecodeUTF8(base + h.req_start, h.req_end - h.req_start, NULL) : NULL;

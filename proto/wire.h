@@ -31,8 +31,9 @@ enum {
  * into the bytes the head was read from (an event, or the batch that holds it). */
 typedef struct {
     uint8_t kind;   /* the payload's field number; 0: the envelope is not read here */
-    uint8_t plain;  /* an alloc, a write without slots, a free, a one-entry read, or a step whose
-                       fields are each in their own shape: its fields are read (a step's: pool) */
+    uint8_t plain;  /* an alloc, a write, a free, a one-entry read, or a step whose fields are each
+                       in their own shape: its fields are read (a step's: pool); 2: a write whose
+                       slots are given (packed, field 4, once) */
     uint16_t batched; /* read from a batch: the event's field (tag, length) lies right before `start` */
     uint32_t start, end;           /* the event's bytes */
     uint32_t node_start, node_end; /* Event.node */
@@ -240,8 +241,9 @@ wire_span(WireReader *r, Py_ssize_t *start, Py_ssize_t *end, int shortest)
 }
 
 /* The fields of an alloc, write or free payload, or of a read's entry (tokens: field 4), in
- * [r.pos, r.end): req (1), pool (2), pages (3); 0 if plain, -1 if anything else is there (a
- * field twice, a wire type not its own, a pool beyond uint32, a write's slots). */
+ * [r.pos, r.end): req (1), pool (2), pages (3), a write's slots (4, packed, once: h->plain
+ * becomes 2); 0 if plain, -1 if anything else is there (a field twice, a wire type not its
+ * own, a pool beyond uint32). */
 static inline int
 wire_payload(WireReader r, int kind, WireHead *h)
 {
@@ -267,7 +269,12 @@ wire_payload(WireReader r, int kind, WireHead *h)
             if (wire_varint(r.data, r.end, &r.pos, &h->tokens) < 0)
                 return -1;
             seen |= 4;
-        } else if (number <= 4) { /* a known field twice, a wire type not its own, slots */
+        } else if (number == 4 && kind == WIRE_WRITE && wire == 2 && !(seen & 4)) {
+            if (wire_skip(&r, wire) < 0)
+                return -1;
+            seen |= 4;
+            h->plain = 2;
+        } else if (number <= 4) { /* a known field twice, a wire type not its own */
             return -1;
         } else if (wire_skip(&r, wire) < 0) {
             return -1;
@@ -307,7 +314,7 @@ wire_step(const uint8_t *data, Py_ssize_t start, Py_ssize_t end, WireHead *h)
 
 /* The head of the event at data[start, end): its envelope (node, seq, ts and exactly one
  * payload: kind) and, for the plain shape of the events every request makes (an alloc, a
- * write without slots, a free, a read of one entry), its payload's fields (plain). Unusual
+ * write (plain 2 with slots), a free, a read of one entry), its payload's fields (plain). Unusual
  * bytes leave kind 0: protobuf decides what they are. */
 static inline void
 wire_head(const uint8_t *data, Py_ssize_t start, Py_ssize_t end, WireHead *h)
@@ -378,11 +385,14 @@ wire_head(const uint8_t *data, Py_ssize_t start, Py_ssize_t end, WireHead *h)
             return;
     }
     WireReader fields = {data, pay_start, pay_end};
-    if (wire_payload(fields, kind, h) < 0)
+    if (wire_payload(fields, kind, h) < 0) {
+        h->plain = 0;
         return;
+    }
     h->pay_start = (uint32_t)pay_start;
     h->pay_end = (uint32_t)pay_end;
-    h->plain = 1;
+    if (!h->plain)
+        h->plain = 1;
 }
 
 /* The heads of a batch's events: data[0, len) is an EventBatch (events: field 1), or, with
