@@ -28,70 +28,9 @@ add_name(PyObject *names, const uint8_t *name, Py_ssize_t len, const uint8_t **p
     return rc;
 }
 
-/* A step's requests (its payload's field 2, each a string: wire_step checked the shape). */
-static int
-add_step_names(PyObject *names, const uint8_t *data, const WireHead *h, const uint8_t **prev, Py_ssize_t *prev_len)
-{
-    WireReader r = {data, h->pay_start, h->pay_end};
-    uint64_t number;
-    int wire, got;
-    Py_ssize_t a, b;
-    while ((got = wire_next(&r, &number, &wire)) > 0) {
-        if (number == 2 && wire == 2) {
-            if (wire_span(&r, &a, &b, 0) < 0 || add_name(names, data + a, b - a, prev, prev_len) < 0)
-                return -1;
-        } else if (wire_skip(&r, wire) < 0) {
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* A step's first request ("" for none). */
-static PyObject *
-step_first(const uint8_t *data, const WireHead *h)
-{
-    WireReader r = {data, h->pay_start, h->pay_end};
-    uint64_t number;
-    int wire;
-    Py_ssize_t a, b;
-    while (wire_next(&r, &number, &wire) > 0) {
-        if (number == 2 && wire == 2) {
-            if (wire_span(&r, &a, &b, 0) < 0)
-                break;
-            return PyUnicode_DecodeUTF8((const char *)data + a, b - a, NULL);
-        }
-        if (wire_skip(&r, wire) < 0)
-            break;
-    }
-    return PyUnicode_FromStringAndSize("", 0);
-}
-
-static PyObject *run_named(const uint8_t *data, const WireHead *heads, Py_ssize_t start, Py_ssize_t stop);
-
-/* A step's requests but `first`, each once, sorted, as a tuple. */
-static PyObject *
-step_others(const uint8_t *data, const WireHead *h, PyObject *first)
-{
-    PyObject *all = run_named(data, h, 0, 1);
-    if (all == NULL)
-        return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(all), k = 0;
-    PyObject *others = PyTuple_New(n);
-    for (Py_ssize_t i = 0; others != NULL && i < n; i++) {
-        PyObject *name = PyTuple_GET_ITEM(all, i);
-        int same = PyUnicode_Compare(name, first) == 0;
-        if (!same)
-            PyTuple_SET_ITEM(others, k++, Py_NewRef(name));
-    }
-    Py_DECREF(all);
-    if (others != NULL && k < n && _PyTuple_Resize(&others, k) < 0)
-        return NULL;
-    return others;
-}
-
-/* A run's events' requests (a step's: all of its batch), each once, sorted, as a tuple; NULL
- * with an exception. */
+/* A run's events' requests, each once, sorted, as a tuple; NULL with an exception. A step's
+ * head has no request (its req span is empty): a step is not indexed by the requests of its
+ * batch (daemon/store/rows.py: indexed). */
 static PyObject *
 run_named(const uint8_t *data, const WireHead *heads, Py_ssize_t start, Py_ssize_t stop)
 {
@@ -99,11 +38,7 @@ run_named(const uint8_t *data, const WireHead *heads, Py_ssize_t start, Py_ssize
     const uint8_t *prev = NULL;
     Py_ssize_t prev_len = -1;
     for (Py_ssize_t k = start; names != NULL && k < stop; k++) {
-        int rc = heads[k].kind == WIRE_STEP
-                     ? add_step_names(names, data, &heads[k], &prev, &prev_len)
-                     : add_name(names, data + heads[k].req_start, heads[k].req_end - heads[k].req_start, &prev,
-                                &prev_len);
-        if (rc < 0)
+        if (add_name(names, data + heads[k].req_start, heads[k].req_end - heads[k].req_start, &prev, &prev_len) < 0)
             Py_CLEAR(names);
     }
     if (names != NULL && (sorted = PySequence_List(names)) != NULL && PyList_Sort(sorted) == 0)
@@ -121,7 +56,8 @@ run_named(const uint8_t *data, const WireHead *heads, Py_ssize_t start, Py_ssize
  * empty) and its bytes as `body`; a longer one the distinct requests its events name, sorted
  * (`named`, `req` ""), and as `body` their EventBatch (the bytes of the batch that hold them,
  * when they lie there back to back; else None: the caller builds it). node, seq and ts_ns are
- * the first event's. None if any event is not of the plain shape, or its node or request is
+ * the first event's. A step names no request here (none indexed: rows.py's `indexed`). None if
+ * any event is not of the plain shape, or its node or request is
  * not UTF-8: the caller reads them all with protobuf. */
 static PyObject *
 split_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -168,11 +104,7 @@ split_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         const WireHead *h = &heads[start];
         PyObject *node = PyUnicode_DecodeUTF8((const char *)data + h->node_start, h->node_end - h->node_start, NULL);
         PyObject *req = NULL, *named = NULL, *body = NULL;
-        if (stop - start == 1 && h->kind == WIRE_STEP) { /* its first request, the others named */
-            req = step_first(data, h);
-            named = req == NULL ? NULL : step_others(data, h, req);
-            body = PyBytes_FromStringAndSize((const char *)data + h->start, h->end - h->start);
-        } else if (stop - start == 1) {
+        if (stop - start == 1) { /* a step's request is "" (its head's req span is empty) */
             req = PyUnicode_DecodeUTF8((const char *)data + h->req_start, h->req_end - h->req_start, NULL);
             named = PyTuple_New(0);
             body = PyBytes_FromStringAndSize((const char *)data + h->start, h->end - h->start);

@@ -4,18 +4,28 @@ the chain is whole (`verify`).
 
 Invariants: everything is read in id order, a run's events one by one under their own ids,
 as if each were a record of its own; reading changes nothing; a filter means what
-proto/filter.py says it means (the same as on the live alert stream).
+proto/filter.py says it means (the same as on the live alert stream). A request's records are
+those indexed for it (`req`, `named`) and the steps naming it within its span on their node
+(`spans`: a step is not indexed by its batch's requests, rows.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import ColumnElement, Engine, and_, case, func, or_, select
 
 from kvguard.daemon.store.chain import GENESIS, chain
-from kvguard.daemon.store.rows import RUN_SPAN_NS, indexed, named_of, run_events, run_ids
+from kvguard.daemon.store.rows import (
+    RUN_SPAN_NS,
+    indexed,
+    named_of,
+    named_with_steps,
+    names,
+    run_events,
+    run_ids,
+)
 from kvguard.daemon.store.schema import COLUMNS, named, records
 from kvguard.proto import pb, wire
 from kvguard.proto.filter import Filter
@@ -54,22 +64,81 @@ def event_batches(engine: Engine, after: int = 0) -> Iterator[tuple[str, wire.Ba
                 yield node, wire.decode_batch(bytes(body), wrapped=False), max(0, after + 1 - record_id)
 
 
+EVENT_KINDS = ("event", "events")
+# The events after which a request holds nothing on its node: its span there ends.
+ENDS = frozenset({"free", "finish", "abort", "reject", "kill"})
+
+
+class Span(NamedTuple):
+    """Where a request's steps may lie on one node: event ids [lo, hi] (hi None: to the end of
+    the node's records), `first` the id of the record that holds lo."""
+
+    first: int
+    lo: int
+    hi: int | None
+
+
+def _hit(req: str) -> ColumnElement[bool]:
+    """The records indexed for request `req`: their own request, or one they name."""
+    c = records.c
+    return (c.req == req) | c.id.in_(select(named.c.record_id).where(named.c.req == req))
+
+
+def _indexed_for(kind: str, body: bytes, req: str) -> list[tuple[int, str]]:
+    """(position in the record, payload kind) of its events indexed for `req`."""
+    bodies = run_events(body) if kind == "events" else [body] if kind == "event" else []
+    found = []
+    for i, data in enumerate(bodies):
+        event = pb.Event.FromString(data)
+        own, _, others = indexed(event)
+        if req == own or req in others:
+            found.append((i, event.WhichOneof("payload") or ""))
+    return found
+
+
+def spans(conn: Any, req: str, node: str = "") -> dict[str, Span]:
+    """Request `req`'s span on each node (on `node` only, if given) where an event is indexed
+    for it: from its first indexed record there (a run's first event indexed for it) to its
+    last (that one's last such event, or a finding after it) if its last indexed event there is
+    a free, finish, abort, reject or kill of it; else to the end of the node's records (still
+    running there, or ended unseen). A step naming it in that span is one of its records."""
+    c = records.c
+    last_event = func.max(case((c.kind.in_(EVENT_KINDS), c.id)))
+    query = select(c.node, func.min(c.id), func.max(c.id), last_event).where(_hit(req)).group_by(c.node)
+    if node:
+        query = query.where(c.node == node)
+    found = {}
+    for name, first, last, last_ev in conn.execute(query).all():
+        if last_ev is None:  # only findings or commands name it there
+            continue
+        ends = (first, last, last_ev)
+        bodies = {
+            i: (k, bytes(b)) for i, k, b in conn.execute(select(c.id, c.kind, c.body).where(c.id.in_(ends)))
+        }
+        head = _indexed_for(*bodies[first], req)
+        lo = first + (head[0][0] if head else 0)
+        ending = _indexed_for(*bodies[last_ev], req)
+        hi = None
+        if ending and ending[-1][1] in ENDS:
+            tail = _indexed_for(*bodies[last], req)
+            hi = last + (tail[-1][0] if tail else 0)
+        found[str(name)] = Span(int(first), int(lo), hi)
+    return found
+
+
 def rows(engine: Engine, f: Filter) -> Iterator[tuple[int, str, bytes]]:
     """(id, kind, body) of the events, findings and commands the filter takes, in id order
     (after `f.after`, at most `f.limit`); a run's events one by one, each as (its id, "event",
-    its bytes). A tenant or a request matches as offender or as victim."""
+    its bytes). A tenant or a request matches as offender or as victim; a request also takes
+    the steps naming it within its spans (`spans`)."""
     c = records.c
     # Runs are selected by what may match (their first id and time, every request they
     # name), and their events filtered one by one below.
-    query = select(c.id, c.kind, c.ts_ns, c.body).order_by(c.id)
+    query = select(c.id, c.kind, c.node, c.ts_ns, c.body).order_by(c.id)
     if f.kind:
-        query = query.where(c.kind.in_(("event", "events")) if f.kind == "event" else c.kind == f.kind)
+        query = query.where(c.kind.in_(EVENT_KINDS) if f.kind == "event" else c.kind == f.kind)
     if f.tenant:
         query = query.where((c.tenant == f.tenant) | (c.victim_tenant == f.tenant) | (c.kind == "events"))
-    if f.req:  # its own request, or one it names beyond it (a read launch's batch, a victim, a run)
-        query = query.where(
-            (c.req == f.req) | c.id.in_(select(named.c.record_id).where(named.c.req == f.req))
-        )
     if f.node:
         query = query.where(c.node == f.node)
     if f.findings:
@@ -83,20 +152,38 @@ def rows(engine: Engine, f: Filter) -> Iterator[tuple[int, str, bytes]]:
     inspect = bool(f.tenant or f.req or f.since_ns or f.until_ns)  # a run's events must be decoded
     left = f.limit or -1
     with engine.connect() as conn:
+        steps: dict[str, Span] = {}
+        if f.req:  # indexed for it (its own request, or one it names), or a step in its spans
+            steps = spans(conn, f.req, f.node) if f.kind in ("", "event") else {}
+            scans = [
+                and_(c.node == node, c.id >= s.first, *([c.id <= s.hi] if s.hi is not None else []))
+                for node, s in steps.items()
+            ]
+            taken = _hit(f.req)
+            query = query.where(taken | (c.kind.in_(EVENT_KINDS) & or_(*scans)) if scans else taken)
         if f.after:
             query = query.where(c.id >= holding(conn, f.after + 1))
         with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
-            for record_id, record_kind, ts_ns, body in result:
+            for record_id, record_kind, node, ts_ns, body in result:
                 if record_kind != "events":
                     if record_id <= f.after or ts_ns < f.since_ns:
+                        continue
+                    if (
+                        record_kind == "event"
+                        and f.req
+                        and not _event_matches(body, f, steps.get(node), record_id)
+                    ):
                         continue
                     yield record_id, record_kind, body
                     left -= 1
                     if not left:
                         return
                     continue
+                span = steps.get(node)
                 for i, data in enumerate(run_events(body)):
-                    if record_id + i <= f.after or (inspect and not _event_matches(data, f)):
+                    if record_id + i <= f.after or (
+                        inspect and not _event_matches(data, f, span, record_id + i)
+                    ):
                         continue
                     yield record_id + i, "event", data
                     left -= 1
@@ -104,13 +191,18 @@ def rows(engine: Engine, f: Filter) -> Iterator[tuple[int, str, bytes]]:
                         return
 
 
-def _event_matches(data: bytes, f: Filter) -> bool:
-    """Whether an event of a run passes the filter's time, tenant and request."""
+def _event_matches(data: bytes, f: Filter, span: Span | None, event_id: int) -> bool:
+    """Whether an event (of a run, or a record of its own) passes the filter's time, tenant and
+    request: indexed for the request, or a step naming it within its `span` on the event's node."""
     event = pb.Event.FromString(data)
     if (f.since_ns and event.ts_ns < f.since_ns) or (f.until_ns and event.ts_ns > f.until_ns):
         return False
-    own, own_tenant, others = indexed(event)
-    return not ((f.tenant and own_tenant != f.tenant) or (f.req and f.req != own and f.req not in others))
+    own, own_tenant, others = names(event)
+    if (f.tenant and own_tenant != f.tenant) or (f.req and f.req != own and f.req not in others):
+        return False
+    if not f.req or event.WhichOneof("payload") != "step":
+        return True
+    return span is not None and span.lo <= event_id and (span.hi is None or event_id <= span.hi)
 
 
 def verify(
@@ -162,11 +254,15 @@ def verify(
                 )
             if chain(prev, v["id"], [v[name] for name in COLUMNS], v["body"], key) != v["hash"]:
                 return False, n, f"record {v['id']} ({v['kind']} of {v['node']}) was altered"
-            indexed = []
+            listed = []
             while pending is not None and pending[0] <= v["id"]:
-                indexed.append((pending[0], pending[1]))
+                listed.append((pending[0], pending[1]))
                 pending = next(index, None)
-            if sorted(indexed) != [(v["id"], req) for req in named_of(v["kind"], v["body"])]:
+            listed.sort()
+            if listed != [(v["id"], req) for req in named_of(v["kind"], v["body"])] and listed != [
+                (v["id"], req)
+                for req in named_with_steps(v["kind"], v["body"])  # a store written while steps were indexed
+            ]:
                 return False, n, f"record {v['id']}: the index of the requests it names was altered"
             ids = run_ids(v["kind"], v["body"])
             if v["kind"] == "events" and ids < 2:

@@ -4,8 +4,11 @@ and command, built from what the daemon already read of them (the heads of a bat
 Invariants: the consecutive events of a batch are stored as one record (kind `events`, a
 run: its body their EventBatch, as they lie in the batch received, its id the first event's,
 and one id per event); a run's events lie within RUN_SPAN_NS of its `ts_ns` and are at most
-RUN_MAX; every request a record names beyond its `req` is in `named` (indexed). The rows of
-the common events are split in C (daemon/_rows.c); any other run the same way in Python.
+RUN_MAX; every request a record names beyond its `req` is in `named` (indexed), except the
+requests of a `step` (a forward pass names its whole batch: indexing it cost a row per request
+a step, most of the writer's time in a decode fleet): a step is found by the request's span on
+its node (reads.py). The rows of the common events are split in C (daemon/_rows.c); any other
+run the same way in Python.
 """
 
 from __future__ import annotations
@@ -82,21 +85,25 @@ class Record(NamedTuple):
 
 
 def indexed(event: pb.Event) -> tuple[str, str, tuple[str, ...]]:
-    """An event's index columns: its request (a read launch's or a step's first), its tenant,
-    and the other requests it names."""
+    """An event's index columns: its request (a read launch's first), its tenant, and the other
+    requests it names (in `named`). A step is not indexed by its requests: ("", "", ())."""
     kind = event.WhichOneof("payload") or ""
     if kind == "read":
         reads = event.read.reads
         first = reads[0].req if reads else ""  # the others go to `named`
         return first, "", _read_others(reads) if len(reads) > 1 else ()
-    if kind == "step":  # a batch's forward step: its first request, the others to `named`
-        reqs = event.step.reqs
-        first = reqs[0] if reqs else ""
-        return first, "", tuple(sorted(set(reqs) - {first, ""}))
-    if not kind:
+    if not kind or kind == "step":
         return "", "", ()
     payload = getattr(event, kind)
     return (payload.req if kind in _HAS_REQ else ""), (payload.tenant if kind in _HAS_TENANT else ""), ()
+
+
+def names(event: pb.Event) -> tuple[str, str, tuple[str, ...]]:
+    """What an event names, as `indexed` spells it: the same, but a step names its batch's
+    requests (each once, sorted, as the others: it has no request of its own)."""
+    if event.WhichOneof("payload") == "step":
+        return "", "", tuple(sorted(set(event.step.reqs) - {""}))
+    return indexed(event)
 
 
 class EventHead(NamedTuple):
@@ -166,6 +173,23 @@ def named_of(kind: str, body: bytes) -> tuple[str, ...]:
         f = pb.Finding.FromString(body)
         return _victim_named(f.req, f.victim_req)
     return ()
+
+
+def named_with_steps(kind: str, body: bytes) -> tuple[str, ...]:
+    """named_of as the writer indexed a record before steps were left out of the index (a
+    step's first request its `req`, the others named): stores written then hold these rows,
+    which still read right (a step is also in its requests' spans) and verify."""
+    bodies = [body] if kind == "event" else run_events(body) if kind == "events" else []
+    steps = [e.step.reqs for e in map(pb.Event.FromString, bodies) if e.WhichOneof("payload") == "step"]
+    if not steps:
+        return named_of(kind, body)
+    found = set(named_of(kind, body))
+    for reqs in steps:
+        found.update(reqs)
+    if kind == "event":
+        found.discard(steps[0][0] if steps[0] else "")
+    found.discard("")
+    return tuple(sorted(found))
 
 
 class EventRun(NamedTuple):

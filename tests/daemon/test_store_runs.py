@@ -60,8 +60,15 @@ def workload(seed: int) -> tuple[list[wire.Batch], list[list[Record | EventRun]]
             for _ in range(rng.randint(1, 40)):
                 req += 1
                 name = f"{node}-r{rng.randint(max(1, req - 8), req)}"
-                kind = rng.choice(["admit", "alloc", "write", "read", "free"])
-                if kind == "admit":
+                kind = rng.choice(["admit", "alloc", "write", "read", "free", "step"])
+                if kind == "step":  # a batch's forward pass: not indexed, found in its requests' spans
+                    reqs = sorted(
+                        {f"{node}-r{rng.randint(max(1, req - 12), req)}" for _ in range(rng.randint(1, 5))}
+                    )
+                    events.append(
+                        log.add(node, kind, pool=0, reqs=reqs, counts=[1] * len(reqs), pages=[4] * len(reqs))
+                    )
+                elif kind == "admit":
                     events.append(log.add(node, kind, req=name, tenant=rng.choice(TENANTS)))
                 elif kind == "read":
                     entries = [
@@ -271,7 +278,7 @@ def test_a_snapshot_is_taken_only_where_a_record_ends(store_url: str, tmp_path: 
 
 
 def common_events(rng: random.Random, n: int) -> list[pb.Event]:
-    """n events of the shapes the store splits in C (alloc, write, free, a one-entry read),
+    """n events of the shapes the store splits in C (alloc, write, free, a one-entry read, step),
     requests repeating and some named in UTF-8 beyond ASCII; times mostly step 1 µs, now and
     then jump past a run's span, to its very edge, or back."""
     now = [10**15]
@@ -294,8 +301,11 @@ def common_events(rng: random.Random, n: int) -> list[pb.Event]:
     names = [f"n0-r{i}" for i in range(6)] + ["n0-ré", "n0-請求"]
     for _ in range(n):
         req = rng.choice(names)
-        kind = rng.choice(["alloc", "write", "read", "free"])
-        if kind == "read":
+        kind = rng.choice(["alloc", "write", "read", "free", "step"])
+        if kind == "step":  # its requests are not indexed: the rows name none of them
+            reqs = rng.sample(names, rng.randint(1, 4))
+            log.add("n0", kind, pool=0, reqs=reqs, counts=[1] * len(reqs), pages=[5] * len(reqs), slots=[])
+        elif kind == "read":
             log.add("n0", kind, reads=[{"req": req, "pool": 0, "pages": [2, 3], "tokens": 16}])
         else:
             log.add("n0", kind, req=req, pool=0, pages=[3])
