@@ -3,7 +3,8 @@ store lies (`store_url`).
 
 Invariant: the schema is created and changed only by the migrations; `records` is the hash
 chain (append-only, one id per event, finding or command), `named` indexes every request a
-record names beyond its `req` column (derived, outside the chain), `snapshots` and `seal` are
+record names beyond its `req` column but a step's batch (derived, outside the chain; a
+request's steps are found within its span on each node, reads.py), `snapshots` and `seal` are
 bound to the chain (store.py, chain.py).
 """
 
