@@ -104,6 +104,27 @@ add_item(PyObject *counts, PyObject *key, long long delta)
     return rc;
 }
 
+/* A request's grants kept as one int32 array once there are more than grant_runs of them
+ * (ownership.py's alloc does the same): decode grants a page at a time. */
+static int
+merge(PoolAt *p, PyObject *idx, PyObject *grants)
+{
+    PyObject *all = PyArray_Concatenate(grants, 0);
+    if (all == NULL)
+        return -1;
+    PyObject *small = PyArray_Cast((PyArrayObject *)all, NPY_INT32);
+    Py_DECREF(all);
+    PyObject *one = small == NULL ? NULL : PyList_New(1);
+    if (one == NULL) {
+        Py_XDECREF(small);
+        return -1;
+    }
+    PyList_SET_ITEM(one, 0, small);
+    int rc = PyDict_SetItem(p->grants, idx, one);
+    Py_DECREF(one);
+    return rc;
+}
+
 /* make(name, applied) -> the request table, which the new request's row may have moved. */
 static int
 make_request(Run *c, PyObject *req)
@@ -282,14 +303,16 @@ out:
 
 /* Head i of the run: 1 if it was the clean common case and is applied, 0 if it is not
  * (nothing changed: it is for the Python handlers), -1 with an exception. Clean: an alloc,
- * write (with slots, each at most the page size, or whole pages), free, one-entry read or step (clean_step) of the run's node and epoch,
- * next in its sequence, of a pool it reported, its pages valid (and distinct, but a read's),
- * of a request the ledger knows (an alloc of one it does not know is its first event: `make`
- * makes it and the run goes on), in use (not retired) and not ended (a free may come after
- * the end), whose pages need no judgment (grant_busy, not_owned, read_is_clean); an alloc of
- * a request with no bootstrap and fewer than grant_runs grants kept on the pool. Applied as
- * the handlers apply it, in the same order; the run ends after an event that makes a sweep
- * due (the ledger sweeps, then goes on). */
+ * a write (with slots, each at most the page size, or whole pages), a free, a one-entry read
+ * or a step (clean_step) of the run's node and epoch, next in its sequence, of a pool it
+ * reported, its pages valid (and distinct, but a read's), of a request the ledger knows (an
+ * alloc of one it does not know is its first event: `make` makes it and the run goes on), in
+ * use (not retired) and not ended (a free may come after the end), whose pages need no
+ * judgment (grant_busy, not_owned, read_is_clean); an alloc of a request not waiting for the
+ * transfer it was bootstrapped for (before receipt a grant is a reservation, which the
+ * handlers count). Applied as the handlers apply it, in the same order (a request's grants
+ * merged as they merge them); the run ends after an event that makes a sweep due (the ledger
+ * sweeps, then goes on). */
 static int
 clean_event(Run *c, Py_ssize_t i)
 {
@@ -361,7 +384,7 @@ clean_event(Run *c, Py_ssize_t i)
         goto out;
     switch (h->kind) {
     case WIRE_ALLOC:
-        if (r->flags & BOOTSTRAPPED)
+        if ((r->flags & BOOTSTRAPPED) && r->received_tokens == 0) /* a decode reservation: counted */
             goto out;
         grants = PyDict_GetItemWithError(p->grants, idx);
         if (grants == NULL && PyErr_Occurred()) {
@@ -369,8 +392,7 @@ clean_event(Run *c, Py_ssize_t i)
             goto out;
         }
         Py_XINCREF(grants);
-        if ((grants != NULL && (!PyList_Check(grants) || PyList_GET_SIZE(grants) >= c->grant_runs)) ||
-            grant_busy(p->state, pages, count))
+        if ((grants != NULL && !PyList_Check(grants)) || grant_busy(p->state, pages, count))
             goto out;
         break;
     case WIRE_WRITE:
@@ -415,7 +437,8 @@ clean_event(Run *c, Py_ssize_t i)
     case WIRE_ALLOC:
         grant_pages(p->state, pages, count, (long)at, h->ts, p->timed);
         if (grants != NULL) {
-            if (PyList_Append(grants, array) < 0)
+            if (PyList_Append(grants, array) < 0 ||
+                (PyList_GET_SIZE(grants) > c->grant_runs && merge(p, idx, grants) < 0))
                 goto out;
         } else {
             PyObject *one = PyList_New(1);
