@@ -220,45 +220,46 @@ class Ledger:
         if at is None or node in self.transfers.posted:  # its first event; a verdict waits on it
             return start
         stop = self.transfers.due_by(node, heads, start, stop)  # before its clock settles a verdict
-        if stop == start:
-            return start
         requests = self.requests
-        joined: list[tuple[int, int]] = []
-        done, last_seq, last_ts, applied, moved, missing, last_missing, kinds, error = _pages.apply_clean(
-            data,
-            heads,
-            start,
-            stop,
-            node,
-            at.last_seq,
-            requests.applied,
-            self.next_sweep,
-            bool(self.transfers.pending),
-            at.views,
-            requests.index,
-            requests.table,
-            GRANT_RUNS,
-            joined,
-            requests.make_at,  # a new request's first alloc: made, then applied in C
-            at.epoch,
-        )
-        if done > start:  # what the applied events did to their node and the counts
-            at.last_seq, at.last_ts_ns, requests.applied = last_seq, last_ts, applied
-            self.last_missing = last_missing
-            self.stats.page_transitions += moved
-            self.stats.missing += missing
-            for kind, n in zip(wire.PLAIN, kinds, strict=True):
-                if n:
-                    self.stats.events[kind] += n
-        for idx, pool_id in joined:  # the pools its requests were first granted pages in
-            r = requests[idx]
-            assert r is not None
-            r.pools.append((node, pool_id))
-        if error is not None:
-            raise error
-        if done > start and requests.applied == self.next_sweep:  # the run ended for it
-            self._sweep()
-        return done
+        while start < stop:
+            joined: list[tuple[int, int]] = []
+            done, last_seq, last_ts, applied, moved, missing, last_missing, kinds, error = _pages.apply_clean(
+                data,
+                heads,
+                start,
+                stop,
+                node,
+                at.last_seq,
+                requests.applied,
+                self.next_sweep,
+                bool(self.transfers.pending),
+                at.views,
+                requests.index,
+                requests.table,
+                GRANT_RUNS,
+                joined,
+                requests.make_at,  # a new request's first alloc: made, then applied in C
+                at.epoch,
+            )
+            if done > start:  # what the applied events did to their node and the counts
+                at.last_seq, at.last_ts_ns, requests.applied = last_seq, last_ts, applied
+                self.last_missing = last_missing
+                self.stats.page_transitions += moved
+                self.stats.missing += missing
+                for kind, n in zip(wire.PLAIN, kinds, strict=True):
+                    if n:
+                        self.stats.events[kind] += n
+            for idx, pool_id in joined:  # the pools its requests were first granted pages in
+                r = requests[idx]
+                assert r is not None
+                r.pools.append((node, pool_id))
+            if error is not None:
+                raise error
+            if done == start or requests.applied != self.next_sweep:
+                return done
+            self._sweep()  # the run ended for it; then it goes on
+            start = done
+        return start
 
     def replay(self, batch: wire.Batch, node: str, start: int = 0) -> None:
         """Apply events batch[start:] of `node`, accepted before, in order (the store's, when

@@ -255,6 +255,123 @@ put_packed(Out *o, uint64_t number, const int64_t *values, Py_ssize_t n, Py_ssiz
         put_varint(o, (uint64_t)values[i]);
 }
 
+/* A page event's payload: req, pool, the packed pages (pages_size bytes) and slots. */
+typedef struct {
+    const char *req;
+    Py_ssize_t req_len;
+    unsigned long pool;
+    const int64_t *pages, *slots;
+    Py_ssize_t n_pages, n_slots, pages_size, slots_size;
+} PagePayload;
+
+static Py_ssize_t
+payload_size(const PagePayload *p)
+{
+    Py_ssize_t size = 0;
+    if (p->req_len)
+        size += 1 + wire_varint_size((uint64_t)p->req_len) + p->req_len;
+    if (p->pool)
+        size += 1 + wire_varint_size(p->pool);
+    if (p->n_pages)
+        size += 1 + wire_varint_size((uint64_t)p->pages_size) + p->pages_size;
+    if (p->n_slots)
+        size += 1 + wire_varint_size((uint64_t)p->slots_size) + p->slots_size;
+    return size;
+}
+
+/* The whole event's size: the envelope, the payload's tag, length and bytes. */
+static Py_ssize_t
+event_size(const Envelope *env, long kind, Py_ssize_t payload)
+{
+    return envelope_size(env) + wire_varint_size((uint64_t)kind << 3 | 2) + wire_varint_size((uint64_t)payload) +
+           payload;
+}
+
+static void
+put_event(Out *o, const Envelope *env, long kind, const PagePayload *p, Py_ssize_t payload)
+{
+    put_envelope(o, env);
+    put_varint(o, (uint64_t)kind << 3 | 2);
+    put_varint(o, (uint64_t)payload);
+    if (p->req_len)
+        put_bytes(o, 1, p->req, p->req_len);
+    if (p->pool) {
+        put_varint(o, 2 << 3);
+        put_varint(o, p->pool);
+    }
+    put_packed(o, WIRE_PAGES, p->pages, p->n_pages, p->pages_size);
+    put_packed(o, 4, p->slots, p->n_slots, p->slots_size);
+}
+
+/* encode_allocs(node, seq, ts, epoch, reqs, pool, pages, counts) -> bytes
+ * An EventBatch of one alloc event a request: reqs[i] granted the next counts[i] of `pages`,
+ * numbered seq, seq + 1, ..., each as encode() writes it, framed as protobuf frames them.
+ * reqs a list of str; pages, counts contiguous int64 arrays (counts adding up to the pages). */
+static PyObject *
+encode_allocs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 8)
+        return PyErr_Format(PyExc_TypeError, "encode_allocs() takes 8 arguments (%zd given)", nargs);
+    Envelope env;
+    if (envelope(args, &env) < 0)
+        return NULL;
+    unsigned long pool = PyLong_AsUnsignedLong(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (pool > UINT32_MAX)
+        return PyErr_Format(PyExc_ValueError, "encode_allocs: pool %lu is not a uint32", pool);
+    PyObject *reqs = args[4];
+    if (!PyList_Check(reqs))
+        return PyErr_Format(PyExc_TypeError, "encode_allocs: reqs must be a list of str");
+    Py_ssize_t n = PyList_GET_SIZE(reqs), n_pages, n_counts;
+    const int64_t *pages = int64_data(args[6], &n_pages, "pages"), *counts = NULL;
+    if (pages == NULL || !(counts = int64_data(args[7], &n_counts, "counts")))
+        return NULL;
+    if (n_counts != n)
+        return PyErr_Format(PyExc_ValueError, "encode_allocs: %zd requests, %zd counts", n, n_counts);
+    Py_ssize_t total = 0, at = 0;
+    uint64_t seq = env.seq;
+    for (Py_ssize_t i = 0; i < n; i++) { /* first the sizes, checking every value */
+        PagePayload p = {.pool = pool, .pages = pages + at, .n_pages = counts[i]};
+        if (!PyUnicode_Check(PyList_GET_ITEM(reqs, i)))
+            return PyErr_Format(PyExc_TypeError, "encode_allocs: reqs[%zd] is not a str", i);
+        if (counts[i] < 0 || counts[i] > n_pages - at)
+            return PyErr_Format(PyExc_ValueError, "encode_allocs: the counts run past the %zd pages", n_pages);
+        if (!(p.req = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(reqs, i), &p.req_len)) ||
+            (p.pages_size = packed_size(p.pages, p.n_pages, "pages")) < 0)
+            return NULL;
+        env.seq = seq + (uint64_t)i;
+        Py_ssize_t size = event_size(&env, WIRE_ALLOC, payload_size(&p));
+        total += 1 + wire_varint_size((uint64_t)size) + size;
+        at += counts[i];
+    }
+    if (at != n_pages)
+        return PyErr_Format(PyExc_ValueError, "encode_allocs: the counts add up to %zd of %zd pages", at, n_pages);
+    PyObject *bytes = PyBytes_FromStringAndSize(NULL, total);
+    if (bytes == NULL)
+        return NULL;
+    Out o = {(uint8_t *)PyBytes_AS_STRING(bytes)};
+    at = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PagePayload p = {.pool = pool, .pages = pages + at, .n_pages = counts[i]};
+        p.req = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(reqs, i), &p.req_len); /* cached above */
+        p.pages_size = packed_size(p.pages, p.n_pages, "pages");
+        env.seq = seq + (uint64_t)i;
+        Py_ssize_t payload = payload_size(&p);
+        put_varint(&o, 1 << 3 | 2); /* EventBatch.events */
+        put_varint(&o, (uint64_t)event_size(&env, WIRE_ALLOC, payload));
+        put_event(&o, &env, WIRE_ALLOC, &p, payload);
+        at += counts[i];
+    }
+    if ((char *)o.at != PyBytes_AS_STRING(bytes) + total) { /* a bug: the sizes above disagree */
+        Py_DECREF(bytes);
+        return PyErr_Format(PyExc_SystemError, "encode_allocs: wrote %zd of %zd bytes",
+                            (Py_ssize_t)((char *)o.at - PyBytes_AS_STRING(bytes)), total);
+    }
+    return bytes;
+}
+
 /* encode(kind, node, seq, ts, epoch, req, pool, pages, slots) -> bytes
  * An Event whose payload (field `kind`: alloc, write, free, hold, release, share, scrub: the
  * payloads whose fields 1-3 are req, pool, pages) holds req, pool and the packed `pages`, and
@@ -417,6 +534,7 @@ static PyMethodDef methods[] = {
     {"of_node", (PyCFunction)(void (*)(void))of_node, METH_FASTCALL, "Which events are a node's."},
     {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL, "A page event's bytes."},
     {"encode_step", (PyCFunction)(void (*)(void))encode_step, METH_FASTCALL, "A step event's bytes."},
+    {"encode_allocs", (PyCFunction)(void (*)(void))encode_allocs, METH_FASTCALL, "Alloc events as a batch."},
     {NULL, NULL, 0, NULL},
 };
 

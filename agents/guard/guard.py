@@ -54,6 +54,11 @@ def _int64(values: Iterable[int] | np.ndarray) -> np.ndarray:
     return np.fromiter(values, np.int64)
 
 
+def _bounds(counts: np.ndarray) -> list[int]:
+    """Where each request's part of a page list starts (and the last one ends)."""
+    return np.concatenate(([0], np.cumsum(counts))).tolist()
+
+
 def _ints(values: Any) -> list[int]:
     if hasattr(values, "tolist"):
         return values.tolist()  # numpy arrays and torch tensors: one conversion, not per item
@@ -282,31 +287,28 @@ class Guard:
                 tags = self._device_tags.get(pool)
                 if tags is not None:
                     tags.touch(page_array)
-            bounds = np.concatenate(([0], np.cumsum(count_array))).tolist()
             first = self._seq
             try:
-                bodies = [
-                    wire.encode(
-                        "alloc", self.node, *self._next(), req, pool, page_array[a:b], None, self.epoch
-                    )
-                    for req, a, b in zip(names, bounds, bounds[1:], strict=False)
-                ]
+                batch = wire.encode_allocs(
+                    self.node, first + 1, self._clock(), self.epoch, names, pool, page_array, count_array
+                )
             except (ValueError, TypeError):  # one of them is not an event: each alone says which
-                self._seq = first
-                return self._each(pool, names, page_array, bounds)
-            batch, found, at = wire.batch_of(bodies), [], 0
-            while at < len(bodies):
-                clean = self.ledger.apply_clean(batch, at, len(bodies), self.node)
+                return self._each(pool, names, page_array, _bounds(count_array))
+            self._seq += len(names)
+            found: list[Finding] = []
+            bodies, at = batch.events(), 0
+            while at < len(names):
+                clean = self.ledger.apply_clean(batch, at, len(names), self.node)
                 for body in bodies[at:clean]:
                     self.sink.put(body)
                 at = clean
-                if at == len(bodies):
+                if at == len(names):
                     break
                 try:
                     found += self.ledger.apply_serialized(bodies[at], self.node)
                 except BadEvent:  # refused: numbered again from here, one at a time
                     self._seq = first + at
-                    verdict = self._each(pool, names[at:], page_array, bounds[at:])
+                    verdict = self._each(pool, names[at:], page_array, _bounds(count_array)[at:])
                     return self._merged(self._judge(found) if found else CLEAN, verdict)
                 self.sink.put(bodies[at])
                 at += 1

@@ -220,6 +220,24 @@ def test_events_are_written_as_protobuf_writes_them(
         epoch,
     )
     assert got == want
+    # Grants to several requests at once: each event as protobuf writes it, numbered on.
+    first = seq % 2**63 + 1
+    grants = wire.encode_allocs(
+        node,
+        first,
+        ts,
+        epoch,
+        [req, node],
+        pool,
+        np.array(pages + pages, np.int64),
+        np.array([len(pages)] * 2),
+    )
+    assert grants.events() == [
+        pb.Event(
+            node=node, seq=first + i, ts_ns=ts, epoch=epoch, alloc={"req": name, "pool": pool, "pages": pages}
+        ).SerializeToString()
+        for i, name in enumerate([req, node])
+    ]
     # A batch of such requests' writes as one step: the same bytes as protobuf's too.
     reqs = [req, node, ""][: len(pages) % 4]
     counts = [len(pages) // max(len(reqs), 1)] * len(reqs)
@@ -251,5 +269,7 @@ def test_a_page_that_is_no_uint32_is_refused_by_name() -> None:
     one = np.array([1], np.int64)
     with pytest.raises(ValueError, match="counts: -1 at 0 is not a uint32"):
         wire.encode_step("n", 1, 1, 0, 0, ["r"], -one, one, None)
+    with pytest.raises(ValueError, match="the counts add up to 1 of 2 pages"):
+        wire.encode_allocs("n", 1, 1, 0, ["r"], 0, np.array([1, 2], np.int64), one)
     with pytest.raises(TypeError, match=r"reqs\[0\] is int, not str"):
         wire.encode_step("n", 1, 1, 0, 0, [7], one, one, None)
