@@ -502,9 +502,9 @@ def test_apply_clean_stops_where_judgment_begins(case: str) -> None:
     assert runs.stats.events == parsed.stats.events and runs.stats.missing == parsed.stats.missing
 
 
-def test_apply_clean_stops_for_a_sweep_and_leaves_probes_waiting_to_python() -> None:
-    # A sweep due after an event: apply_clean applies that event, stops, and the ledger sweeps
-    # before the next. A node whose events a probe's posted writes wait for: apply_clean
+def test_apply_clean_sweeps_on_its_way_and_leaves_probes_waiting_to_python() -> None:
+    # A sweep due after an event: the C run stops after that event, the ledger sweeps, and the
+    # run goes on in C. A node whose events a probe's posted writes wait for: apply_clean
     # applies nothing there (that work is the ledger's Python).
     ledger = Ledger(retire_idle=8)
     for e in START:
@@ -515,7 +515,10 @@ def test_apply_clean_stops_for_a_sweep_and_leaves_probes_waiting_to_python() -> 
     due = ledger.next_sweep - ledger.requests.applied  # events until the sweep
     assert 0 < due <= 2
     sweep = ledger.next_sweep
-    assert ledger.apply_clean(batch, 0, 4, "n0") == due
-    assert ledger.requests.applied == sweep and ledger.next_sweep == sweep + ledger.sweep_every  # swept
+    assert ledger.apply_clean(batch, 0, 2, "n0") == 2
+    assert ledger.next_sweep == sweep + ledger.sweep_every  # swept, after event `due`
     ledger.transfers.posted["n0"] = []
-    assert ledger.apply_clean(batch, due, 4, "n0") == due
+    assert ledger.apply_clean(batch, 2, 4, "n0") == 2
+    del ledger.transfers.posted["n0"]
+    assert ledger.apply_clean(batch, 2, 4, "n0") == 4
+    assert [ledger.request(f"s{k}").granted_pages for k in range(4)] == [1, 1, 1, 1]
