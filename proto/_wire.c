@@ -387,62 +387,28 @@ encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Envelope env;
     if (envelope(args + 1, &env) < 0)
         return NULL;
-    args += 1; /* what follows the epoch is where it was */
-    unsigned long pool = PyLong_AsUnsignedLong(args[5]);
+    unsigned long pool = PyLong_AsUnsignedLong(args[6]);
     if (PyErr_Occurred())
         return NULL;
     if (kind < WIRE_FIRST_PAYLOAD || kind > WIRE_LAST_PAYLOAD)
         return PyErr_Format(PyExc_ValueError, "encode: payload field %ld", kind);
     if (pool > UINT32_MAX)
         return PyErr_Format(PyExc_ValueError, "encode: pool %lu is not a uint32", pool);
-    Py_ssize_t req_len, n_pages, n_slots = 0;
-    const char *req = PyUnicode_AsUTF8AndSize(args[4], &req_len);
-    if (req == NULL)
+    PagePayload p = {.pool = pool};
+    if (!(p.req = PyUnicode_AsUTF8AndSize(args[5], &p.req_len)) ||
+        !(p.pages = int64_data(args[7], &p.n_pages, "pages")))
         return NULL;
-    const int64_t *pages = int64_data(args[6], &n_pages, "pages"), *slots = NULL;
-    if (pages == NULL)
+    if (args[8] != Py_None && !(p.slots = int64_data(args[8], &p.n_slots, "slots")))
         return NULL;
-    if (args[7] != Py_None && !(slots = int64_data(args[7], &n_slots, "slots")))
+    if ((p.pages_size = packed_size(p.pages, p.n_pages, "pages")) < 0 ||
+        (p.slots_size = packed_size(p.slots, p.n_slots, "slots")) < 0)
         return NULL;
-    Py_ssize_t pages_size = packed_size(pages, n_pages, "pages");
-    Py_ssize_t slots_size = pages_size < 0 ? -1 : packed_size(slots, n_slots, "slots");
-    if (slots_size < 0)
-        return NULL;
-    Py_ssize_t payload = 0;
-    if (req_len)
-        payload += 1 + wire_varint_size((uint64_t)req_len) + req_len;
-    if (pool)
-        payload += 1 + wire_varint_size(pool);
-    if (n_pages)
-        payload += 1 + wire_varint_size((uint64_t)pages_size) + pages_size;
-    if (n_slots)
-        payload += 1 + wire_varint_size((uint64_t)slots_size) + slots_size;
-    Py_ssize_t total = envelope_size(&env) + wire_varint_size((uint64_t)kind << 3 | 2) + wire_varint_size((uint64_t)payload) + payload;
+    Py_ssize_t payload = payload_size(&p), total = event_size(&env, kind, payload);
     PyObject *bytes = PyBytes_FromStringAndSize(NULL, total);
     if (bytes == NULL)
         return NULL;
     Out o = {(uint8_t *)PyBytes_AS_STRING(bytes)};
-    put_envelope(&o, &env);
-    put_varint(&o, (uint64_t)kind << 3 | 2);
-    put_varint(&o, (uint64_t)payload);
-    if (req_len)
-        put_bytes(&o, 1, req, req_len);
-    if (pool) {
-        put_varint(&o, 2 << 3);
-        put_varint(&o, pool);
-    }
-    if (n_pages) {
-        put_varint(&o, WIRE_PAGES << 3 | 2);
-        put_varint(&o, (uint64_t)pages_size);
-        for (Py_ssize_t i = 0; i < n_pages; i++)
-            put_varint(&o, (uint64_t)pages[i]);
-    }
-    if (n_slots) {
-        put_varint(&o, 4 << 3 | 2);
-        put_varint(&o, (uint64_t)slots_size);
-        for (Py_ssize_t i = 0; i < n_slots; i++)
-            put_varint(&o, (uint64_t)slots[i]);
-    }
+    put_event(&o, &env, kind, &p, payload);
     if ((char *)o.at != PyBytes_AS_STRING(bytes) + total) { /* a bug: the sizes above disagree */
         Py_DECREF(bytes);
         return PyErr_Format(PyExc_SystemError, "encode: wrote %zd of %zd bytes",
@@ -500,7 +466,7 @@ encode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         payload += 1 + wire_varint_size((uint64_t)pages_size) + pages_size;
     if (n_slots)
         payload += 1 + wire_varint_size((uint64_t)slots_size) + slots_size;
-    Py_ssize_t total = envelope_size(&env) + wire_varint_size((uint64_t)WIRE_STEP << 3 | 2) + wire_varint_size((uint64_t)payload) + payload;
+    Py_ssize_t total = event_size(&env, WIRE_STEP, payload);
     PyObject *bytes = PyBytes_FromStringAndSize(NULL, total);
     if (bytes == NULL)
         return NULL;
