@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kvguard.agents.guard.sink import EventSink, NullSink
-from kvguard.agents.guard.verdict import CLEAN, RANK, Verdict, WallClock
+from kvguard.agents.guard.verdict import CLEAN, RANK, Verdict, WallClock, merged
 from kvguard.cuda_hooks.kernels import DeviceTags
 from kvguard.ledger.findings import KILL_ACTIONS, BadEvent, Finding
 from kvguard.ledger.ledger import Ledger
@@ -108,6 +108,14 @@ class Guard:
 
     # ------------------------------------------------------------------ core
 
+    def _stale_on_device(self, pool: int, pages: Any) -> None:
+        """The device copy of these pages' tags is stale after this event (once the pool is
+        checked on the GPU)."""
+        if self._device_tags:
+            tags = self._device_tags.get(pool)
+            if tags is not None:
+                tags.touch(pages)
+
     def _next(self) -> tuple[int, int]:
         self._seq += 1
         return self._seq, self._clock()
@@ -118,10 +126,7 @@ class Guard:
         """An alloc, write or free: written to bytes from the engine's arrays, applied from them."""
         with self._lock:
             page_array = _int64(pages)
-            if self._device_tags:
-                tags = self._device_tags.get(pool)
-                if tags is not None:  # the device copy of these pages' tags is stale after this
-                    tags.touch(page_array)
+            self._stale_on_device(pool, page_array)
             seq, ts = self._next()
             try:
                 body = wire.encode(
@@ -144,10 +149,8 @@ class Guard:
     def _emit(self, payload: str, req: str = "", **fields: Any) -> Verdict:
         """Any other event, built as an object (they are few) and handed on as bytes."""
         with self._lock:
-            if self._device_tags and "pages" in fields:
-                tags = self._device_tags.get(fields.get("pool", -1))
-                if tags is not None:
-                    tags.touch(fields["pages"])
+            if "pages" in fields:
+                self._stale_on_device(fields.get("pool", -1), fields["pages"])
             seq, ts = self._next()
             if req:
                 fields["req"] = req
@@ -283,10 +286,7 @@ class Guard:
                     ValueError(f"{len(names)} requests, {len(count_array)} counts, {len(page_array)} pages"),
                     names,
                 )
-            if self._device_tags:
-                tags = self._device_tags.get(pool)
-                if tags is not None:
-                    tags.touch(page_array)
+            self._stale_on_device(pool, page_array)
             first = self._seq
             try:
                 batch = wire.encode_allocs(
@@ -309,7 +309,7 @@ class Guard:
                 except BadEvent:  # refused: numbered again from here, one at a time
                     self._seq = first + at
                     verdict = self._each(pool, names[at:], page_array, _bounds(count_array)[at:])
-                    return self._merged(self._judge(found) if found else CLEAN, verdict)
+                    return merged(self._judge(found) if found else CLEAN, verdict)
                 self.sink.put(bodies[at])
                 at += 1
             return self._judge(found) if found else CLEAN
@@ -317,21 +317,7 @@ class Guard:
     def _each(self, pool: int, names: list[str], pages: np.ndarray, bounds: list[int]) -> Verdict:
         verdict = CLEAN
         for req, a, b in zip(names, bounds, bounds[1:], strict=False):
-            verdict = self._merged(verdict, self._pages_event("alloc", req, pool, pages[a:b]))
-        return verdict
-
-    @staticmethod
-    def _merged(verdict: Verdict, other: Verdict) -> Verdict:
-        """Both verdicts as one (the first's reason for a request it already kills is kept)."""
-        if other is CLEAN:
-            return verdict
-        if verdict is CLEAN:
-            return other
-        verdict.findings += other.findings
-        for req, finding in other.kill.items():
-            verdict.kill.setdefault(req, finding)
-        verdict.quarantine |= other.quarantine
-        verdict.deny |= other.deny
+            verdict = merged(verdict, self._pages_event("alloc", req, pool, pages[a:b]))
         return verdict
 
     def hold(self, req: str, pool: int, pages: Iterable[int], holder: str) -> Verdict:
@@ -453,10 +439,7 @@ class Guard:
             names = reqs if isinstance(reqs, list) else list(reqs)
             page_array = _int64(pages)
             count_array = np.ones(len(names), np.int64) if counts is None else _int64(counts)
-            if self._device_tags:
-                tags = self._device_tags.get(pool)
-                if tags is not None:
-                    tags.touch(page_array)
+            self._stale_on_device(pool, page_array)
             seq, ts = self._next()
             try:
                 body = wire.encode_step(
@@ -478,7 +461,7 @@ class Guard:
                 verdict = self._judge(found) if found else CLEAN
             if block_tables is None:
                 return verdict
-            return self._merged(verdict, self._check(pool, names, block_tables, context_lens))
+            return merged(verdict, self._check(pool, names, block_tables, context_lens))
 
     def check_attention(
         self, pool: int, reqs: Sequence[str], block_tables: np.ndarray, context_lens: np.ndarray

@@ -50,3 +50,18 @@ class Verdict:
 
 CLEAN = Verdict()
 RANK = {severity: i for i, severity in enumerate(SEVERITIES)}
+
+
+def merged(verdict: Verdict, other: Verdict) -> Verdict:
+    """Both verdicts as one (the first's reason for a request it already kills is kept); the
+    first is extended in place unless it is CLEAN, which is never changed."""
+    if other is CLEAN:
+        return verdict
+    if verdict is CLEAN:
+        return other
+    verdict.findings += other.findings
+    for req, finding in other.kill.items():
+        verdict.kill.setdefault(req, finding)
+    verdict.quarantine |= other.quarantine
+    verdict.deny |= other.deny
+    return verdict
