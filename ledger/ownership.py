@@ -165,16 +165,7 @@ class Ownership:
     def on_write(self, node: Node, w: pb.Write) -> None:
         pool = self.pools.pool(node, w.pool, "write")
         pages = pool.page_array(w, "write")
-        slots = None
-        if w.slots:
-            if len(w.slots) != len(pages):
-                raise BadEvent(
-                    f"write: {len(w.slots)} slots for {len(pages)} pages (must match, or be empty)"
-                )
-            slots = np.array(w.slots, dtype=np.uint32)
-            if int(slots.max()) > pool.pages.page_size:
-                raise BadEvent(f"write: {int(slots.max())} valid slots in a page of {pool.pages.page_size}")
-        self.write(node, pool, pages, slots, w.req)
+        self.write(node, pool, pages, _slots(pool, w.slots, len(pages), "write"), w.req)
 
     def write(
         self,
@@ -200,13 +191,7 @@ class Ownership:
             raise BadEvent(f"step: {len(s.reqs)} requests with {len(counts)} counts (must match)")
         if int(counts.sum()) != len(pages):
             raise BadEvent(f"step: the counts add up to {int(counts.sum())}, pages lists {len(pages)}")
-        slots = None
-        if s.slots:
-            if len(s.slots) != len(pages):
-                raise BadEvent(f"step: {len(s.slots)} slots for {len(pages)} pages (must match, or be empty)")
-            slots = np.array(s.slots, dtype=np.uint32)
-            if int(slots.max()) > pool.pages.page_size:
-                raise BadEvent(f"step: {int(slots.max())} valid slots in a page of {pool.pages.page_size}")
+        slots = _slots(pool, s.slots, len(pages), "step")
         bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
         parts = []
         for i, req in enumerate(s.reqs):
@@ -421,3 +406,16 @@ class Ownership:
         r = self.requests.index.get(req, NOBODY)
         owner = pp.owner[idx]
         return bool(r != NOBODY and ((owner == r) | pp.draining(r, idx, owner)).all())
+
+
+def _slots(pool: Pool, values: Sequence[int], pages: int, payload: str) -> np.ndarray | None:
+    """A write's (or a step's) valid slots, one a page and none beyond the page size; None when
+    absent (full pages). BadEvent otherwise."""
+    if not values:
+        return None
+    if len(values) != pages:
+        raise BadEvent(f"{payload}: {len(values)} slots for {pages} pages (must match, or be empty)")
+    slots = np.array(values, dtype=np.uint32)
+    if int(slots.max()) > pool.pages.page_size:
+        raise BadEvent(f"{payload}: {int(slots.max())} valid slots in a page of {pool.pages.page_size}")
+    return slots
