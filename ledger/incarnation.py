@@ -65,9 +65,8 @@ class Incarnations:
                 if r is None:
                     continue
                 r.pools = [p for p in r.pools if p != key]
-                r.shared.pop(key, None)
                 gone.add(idx)
-        for r in self.requests.recent.values():  # sharers of the node's pages
+        for r in self.requests.recent.values():  # every share of the node's pages (a retired one has none)
             for key in [k for k in r.shared if k[0] == node.name]:
                 del r.shared[key]
         node.pools.clear()
