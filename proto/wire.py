@@ -83,15 +83,6 @@ class Batch(NamedTuple):
             return 0, 0
         return event.epoch, event.seq
 
-    def seqs(self, events: Sequence[int]) -> list[int]:
-        """The sequence numbers of events at these indices (0 where the bytes are no event)."""
-        known = self.heads["kind"][events] > 0
-        seqs = self.heads["seq"][events].tolist()
-        if not known.all():
-            for j in np.flatnonzero(~known).tolist():
-                seqs[j] = self.seq(events[j])
-        return seqs
-
     def __reduce__(self) -> tuple[object, tuple[bytes, bytes]]:
         # To the store's writer process: the heads as their raw bytes. Pickling the record
         # array itself would carry its dtype's description with every batch, at many times
@@ -100,12 +91,7 @@ class Batch(NamedTuple):
 
     def seq(self, i: int) -> int:
         """Event i's sequence number (0 if its bytes are not an event)."""
-        if self.heads[i]["kind"]:
-            return int(self.heads[i]["seq"])
-        try:
-            return pb.Event.FromString(self.event(i)).seq
-        except DecodeError:
-            return 0
+        return self.position(i)[1]
 
 
 def _batch_of_raw(data: bytes, heads: bytes) -> Batch:
