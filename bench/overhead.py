@@ -58,13 +58,14 @@ class Batch:
         self.granted = np.full(batch, -(-context // self.ps), dtype=np.int64)
 
     def guard_step(self) -> None:
-        """The guard's part of one step: a grant where a request needs a new page, then one
-        step call (every request's new token, and the check before attention)."""
+        """The guard's part of one step, two calls: the grants where requests need a new page
+        (alloc_each), then the step (every request's new token, and the check before attention)."""
         ps = self.ps
         at = self.lens // ps
-        for i in np.flatnonzero(at >= self.granted).tolist():
-            self.guard.alloc(self.reqs[i], 0, self.tables[i, at[i] : at[i] + 1])
-            self.granted[i] += 1
+        due = np.flatnonzero(at >= self.granted)
+        if len(due):
+            self.guard.alloc_each(0, [self.reqs[i] for i in due.tolist()], self.tables[due, at[due]])
+            self.granted[due] += 1
         pages = self.tables[np.arange(len(self.reqs)), at]
         verdict = self.guard.step(
             0, self.reqs, pages, self.lens % ps + 1, block_tables=self.tables, context_lens=self.lens + 1
