@@ -2,9 +2,9 @@
 
 A random-weight TinyTransformer (4 layers, d_model 512, 8 heads, MLP 2048, pages of 16)
 decodes a batch whose KV is already in the pool. Guard on means what an engine does every
-step: an `alloc` where a request needs a new page, then one `step` call (the batch's new
-tokens as one event, and the check before attention over the whole batch). Steps with the guard off and on
-alternate in one run, on the same batch, so drift on this shared machine hits both alike;
+step: one `step` call (an `alloc` where a request needs a new page, the batch's new tokens as
+one event, and the check before attention over the whole batch). Steps with the guard off
+and on alternate in one run, on the same batch, so drift on this shared machine hits both alike;
 the figure is the ratio of the medians. Then the guard's own host cost a decode step, the
 per-request API against the step API side by side (bench/guard_step.py: batch 32-256,
 contexts 1k-8k), with the check before attention alone in ns per block-table entry.
@@ -58,17 +58,21 @@ class Batch:
         self.granted = np.full(batch, -(-context // self.ps), dtype=np.int64)
 
     def guard_step(self) -> None:
-        """The guard's part of one step, two calls: the grants where requests need a new page
-        (alloc_each), then the step (every request's new token, and the check before attention)."""
+        """The guard's part of one step, one call: the grants where requests need a new page,
+        every request's new token, and the check before attention."""
         ps = self.ps
         at = self.lens // ps
-        due = np.flatnonzero(at >= self.granted)
-        if len(due):
-            self.guard.alloc_each(0, [self.reqs[i] for i in due.tolist()], self.tables[due, at[due]])
-            self.granted[due] += 1
+        new = (at >= self.granted).astype(np.int64)
+        self.granted += new
         pages = self.tables[np.arange(len(self.reqs)), at]
         verdict = self.guard.step(
-            0, self.reqs, pages, self.lens % ps + 1, block_tables=self.tables, context_lens=self.lens + 1
+            0,
+            self.reqs,
+            pages,
+            self.lens % ps + 1,
+            grants=new,
+            block_tables=self.tables,
+            context_lens=self.lens + 1,
         )
         if not verdict.ok:
             raise SystemExit(f"the guard rejected a correct batch: {verdict.findings}")

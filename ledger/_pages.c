@@ -458,6 +458,7 @@ static PyMethodDef methods[] = {
     {"mark_named", (PyCFunction)(void (*)(void))mark_named, METH_FASTCALL, "Requests the page tags name."},
     {"apply_clean", (PyCFunction)(void (*)(void))kvg_apply_clean, METH_FASTCALL, "A run of clean events applied."},
     {"check_tags", (PyCFunction)(void (*)(void))kvg_check_tags, METH_FASTCALL, "The check before attention."},
+    {"batch_clean", (PyCFunction)(void (*)(void))kvg_batch_clean, METH_FASTCALL, "A decode batch's whole check."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -246,9 +246,10 @@ class Ledger:
                 self.last_missing = last_missing
                 self.stats.page_transitions += moved
                 self.stats.missing += missing
+                events = self.stats.events
                 for kind, n in zip(wire.PLAIN, kinds, strict=True):
                     if n:
-                        self.stats.events[kind] += n
+                        events[kind] += n
             for idx, pool_id in joined:  # the pools its requests were first granted pages in
                 r = requests[idx]
                 assert r is not None

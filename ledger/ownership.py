@@ -34,7 +34,7 @@ import numpy as np
 
 from kvguard.ledger.access import Access, Shared
 from kvguard.ledger.findings import NOBODY, BadEvent, Findings
-from kvguard.ledger.pages import HOLDER_INDEX, HOLDERS, check_tags, live_grants
+from kvguard.ledger.pages import HOLDER_INDEX, HOLDERS, batch_clean, live_grants
 from kvguard.ledger.pools import Node, Pool, Pools
 from kvguard.ledger.requests import FIRST_ENDED, Request, Requests
 from kvguard.ledger.transfers import Transfers
@@ -383,9 +383,11 @@ class Ownership:
         which accepts them). block_tables: [B, P] page ids (entries beyond a request's context
         are ignored); context_lens: [B] tokens each request attends to."""
         pp = self.pools.nodes[node].pools[pool].pages
-        readers = self.requests.readers(reqs)
-        tags_clean = check_tags(pp.own, pp.valid, block_tables, context_lens, readers, pp.page_size)
-        return self.clean_given_tags(readers, tags_clean, np.asarray(context_lens) == 0)
+        names = reqs if isinstance(reqs, list) else list(reqs)
+        requests = self.requests
+        return batch_clean(
+            pp.state, block_tables, context_lens, names, requests.index, requests.table, pp.page_size
+        )
 
     def clean_given_tags(
         self, readers: np.ndarray, tags_clean: np.ndarray, reads_nothing: np.ndarray

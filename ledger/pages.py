@@ -256,6 +256,23 @@ def check_tags(
     return _pages.check_tags(own, valid, tables, lens, np.asarray(readers, dtype=np.int64), page_size)
 
 
+def batch_clean(
+    state: np.ndarray,
+    tables: Any,
+    lens: Any,
+    reqs: list[str],
+    index: dict[str, int],
+    requests: np.ndarray,
+    page_size: int,
+) -> np.ndarray:
+    """The whole check before attention of a batch on the host, in one pass in C: check_tags
+    over the pool's page records (`state`), the readers found by name in `index` (into the
+    REQ records `requests`; a name not there reads nothing as its own), and a reader that was
+    rejected, aborted or killed is not clean whatever its pages hold; one that reads nothing
+    is clean."""
+    return _pages.batch_clean(state, _indices(tables), _indices(lens), reqs, index, requests, page_size)
+
+
 def _indices(values: Any) -> np.ndarray:
     """An engine's int32 or int64 array as it is (no copy); anything else as int64."""
     array = np.asarray(values)

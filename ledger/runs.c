@@ -243,6 +243,7 @@ clean_step(Run *c, const WireHead *h)
         if (raw[i] >= (uint64_t)p->num_pages || (n_slots && slots[i] > (uint64_t)p->page_size))
             goto out;
         pages[i] = raw[i];
+        PREFETCH(&p->state[raw[i]]); /* the misses overlap, not one after another */
     }
     /* The requests: known, in use, not ended, owning their parts' pages, each listed once. */
     r = (WireReader){c->data, h->pay_start, h->pay_end};

@@ -1,7 +1,9 @@
 /* The check before attention over a batch, from the page tags alone
  * (kvguard.ledger._pages.check_tags; ledger/pages.py check_tags says what it answers, and
- * cuda_hooks/kernels.py is its GPU twin). One pass over the block tables: a row stops at its
- * first page that fails and reads no entry beyond its context; no temporary array.
+ * cuda_hooks/kernels.py is its GPU twin), and the whole check of a decode batch on the host
+ * (batch_clean: the readers named and their states read here too). One pass over the block
+ * tables: a row stops at its first page that fails and reads no entry beyond its context; no
+ * temporary array.
  */
 #include "pages.h"
 
@@ -28,6 +30,34 @@ entry(const char *base, npy_intp stride, npy_intp i, int wide)
 {
     const char *at = base + i * stride;
     return wide ? *(const int64_t *)at : (int64_t)*(const int32_t *)at;
+}
+
+/* A batch's block tables: row b's entry c is at base + b * row_stride + c * col_stride. */
+typedef struct {
+    const char *base;
+    npy_intp row_stride, col_stride, width;
+    int wide;
+} Table;
+
+/* Whether every slot of row b's context (len > 0 tokens) holds reader's own KV, written under
+ * its current grant: own == reader and valid >= the slots read, page by page. */
+static inline int
+row_clean(const Table *t, npy_intp b, int64_t len, int64_t reader, const char *own, npy_intp own_stride,
+          const char *valid, npy_intp valid_stride, npy_intp n_pages, int64_t page_size)
+{
+    if (reader == NOBODY || len > (int64_t)t->width * page_size) /* no reader; a table too short */
+        return 0;
+    int ok = 1;
+    const char *row = t->base + b * t->row_stride;
+    for (npy_intp c = 0; ok && len > (int64_t)c * page_size; c++) {
+        int64_t need = len - (int64_t)c * page_size; /* slots read in this page */
+        if (need > page_size)
+            need = page_size;
+        int64_t page = entry(row, t->col_stride, c, t->wide);
+        ok = page >= 0 && page < (int64_t)n_pages && (int64_t) * (const int32_t *)(own + page * own_stride) == reader &&
+             (int64_t) * (const uint32_t *)(valid + page * valid_stride) >= need;
+    }
+    return ok;
 }
 
 /* check_tags(own: int32[N], valid: uint32[N], tables: int32|int64[B, P], lens: int32|int64[B],
@@ -69,27 +99,77 @@ kvg_check_tags(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (out == NULL)
         return NULL;
     npy_bool *clean = PyArray_DATA((PyArrayObject *)out);
+    Table t = {table_base, row_stride, col_stride, width, wide_tables};
     for (npy_intp b = 0; b < batch; b++) {
         int64_t len = entry(lens, lens_stride, b, wide_lens);
         int64_t reader = entry(readers, readers_stride, b, 1);
+        clean[b] = (npy_bool)(len == 0 || row_clean(&t, b, len, reader, own, own_stride, valid, valid_stride,
+                                                    n_own, page_size));
+    }
+    return out;
+}
+
+/* batch_clean(state: PAGE[N], tables: int32|int64[B, P], lens: int32|int64[B], reqs: list[str],
+ *             req_index: dict, req_table: REQ[M], page_size) -> bool[B]
+ * check_tags with the readers found here (req_index: name -> index into req_table; a name not
+ * there reads as NOBODY) and, for each, its state: a request that was rejected, aborted or
+ * killed is not clean, whatever its pages hold; one that reads nothing is. */
+PyObject *
+kvg_batch_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 7)
+        return PyErr_Format(PyExc_TypeError, "batch_clean() takes 7 arguments (%zd given)", nargs);
+    npy_intp n_pages, n_reqs, n_lens, lens_stride;
+    const Page *state = kvg_records(args[0], kvg_page_descr, &n_pages, "state", "PAGE");
+    const Req *req_table = state ? kvg_records(args[5], kvg_req_descr, &n_reqs, "req_table", "REQ") : NULL;
+    if (req_table == NULL)
+        return NULL;
+    PyObject *tables = args[1], *reqs = args[3], *index = args[4];
+    if (!PyArray_Check(tables) || PyArray_NDIM((PyArrayObject *)tables) != 2 ||
+        (PyArray_TYPE((PyArrayObject *)tables) != NPY_INT64 && PyArray_TYPE((PyArrayObject *)tables) != NPY_INT32))
+        return PyErr_Format(PyExc_TypeError, "batch_clean: tables must be a 2-d array of int32 or int64");
+    if (!PyList_Check(reqs) || !PyDict_Check(index))
+        return PyErr_Format(PyExc_TypeError, "batch_clean: reqs must be a list, req_index a dict");
+    int wide_lens;
+    const char *lens = column(args[2], NPY_INT64, &wide_lens, &n_lens, &lens_stride, "lens", "int32 or int64");
+    if (lens == NULL)
+        return NULL;
+    long long page_size = PyLong_AsLongLong(args[6]);
+    if (page_size == -1 && PyErr_Occurred())
+        return NULL;
+    npy_intp batch = PyArray_DIM((PyArrayObject *)tables, 0);
+    if (page_size <= 0 || n_lens != batch || PyList_GET_SIZE(reqs) != batch)
+        return PyErr_Format(PyExc_ValueError, "batch_clean: a batch of %zd tables, %zd lens, %zd requests, pages of %lld",
+                            (Py_ssize_t)batch, (Py_ssize_t)n_lens, PyList_GET_SIZE(reqs), page_size);
+    Table t = {PyArray_BYTES((PyArrayObject *)tables), PyArray_STRIDE((PyArrayObject *)tables, 0),
+               PyArray_STRIDE((PyArrayObject *)tables, 1), PyArray_DIM((PyArrayObject *)tables, 1),
+               PyArray_TYPE((PyArrayObject *)tables) == NPY_INT64};
+    npy_intp dims[1] = {batch};
+    PyObject *out = PyArray_ZEROS(1, dims, NPY_BOOL, 0);
+    if (out == NULL)
+        return NULL;
+    npy_bool *clean = PyArray_DATA((PyArrayObject *)out);
+    const char *own = (const char *)&state->own, *valid = (const char *)&state->valid;
+    for (npy_intp b = 0; b < batch; b++) {
+        int64_t len = entry(lens, lens_stride, b, wide_lens);
         if (len == 0) { /* reads nothing */
             clean[b] = 1;
             continue;
         }
-        if (reader == NOBODY || len > (int64_t)width * page_size) /* no reader; a table too short */
-            continue;
-        int ok = 1;
-        const char *row = table_base + b * row_stride;
-        for (npy_intp c = 0; ok && len > (int64_t)c * page_size; c++) {
-            int64_t need = len - (int64_t)c * page_size; /* slots read in this page */
-            if (need > page_size)
-                need = page_size;
-            int64_t page = entry(row, col_stride, c, wide_tables);
-            ok = page >= 0 && page < (int64_t)n_own &&
-                 (int64_t) * (const int32_t *)(own + page * own_stride) == reader &&
-                 (int64_t) * (const uint32_t *)(valid + page * valid_stride) >= need;
+        PyObject *found = PyDict_GetItemWithError(index, PyList_GET_ITEM(reqs, b));
+        if (found == NULL && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
         }
-        clean[b] = (npy_bool)ok;
+        long reader = found == NULL ? NOBODY : PyLong_AsLong(found);
+        if (reader == -1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        if (reader <= NOBODY || reader >= n_reqs || req_table[reader].state >= ENDED)
+            continue;
+        clean[b] = (npy_bool)row_clean(&t, b, len, reader, own, sizeof(Page), valid, sizeof(Page), n_pages, page_size);
     }
     return out;
 }

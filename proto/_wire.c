@@ -6,7 +6,8 @@
  *   records (the events stay where they are in `data`);
  * - encode(kind, node, seq, ts, epoch, req, pool, pages, slots): an alloc, write or free
  *   event's bytes, as protobuf would serialize it, from int64 arrays (no Python int per page);
- * - encode_step(node, seq, ts, epoch, pool, reqs, counts, pages, slots): a step's bytes.
+ * - encode_step(node, seq, ts, epoch, pool, reqs, counts, pages, slots): a step's bytes;
+ * - encode_allocs, encode_pass: a batch of alloc events (and the step after them).
  *
  * Invariant: what is read here is what protobuf reads of the same bytes, and what is written
  * is what protobuf writes; anything else is left to protobuf (wire.h).
@@ -303,6 +304,17 @@ put_event(Out *o, const Envelope *env, long kind, const PagePayload *p, Py_ssize
     put_packed(o, 4, p->slots, p->n_slots, p->slots_size);
 }
 
+/* A bug, if the bytes written are not the bytes sized: SystemError, the bytes dropped. */
+static PyObject *
+written(PyObject *bytes, const Out *o, Py_ssize_t total, const char *what)
+{
+    Py_ssize_t wrote = (Py_ssize_t)((char *)o->at - PyBytes_AS_STRING(bytes));
+    if (wrote == total)
+        return bytes;
+    Py_DECREF(bytes);
+    return PyErr_Format(PyExc_SystemError, "%s: wrote %zd of %zd bytes", what, wrote, total);
+}
+
 /* encode_allocs(node, seq, ts, epoch, reqs, pool, pages, counts) -> bytes
  * An EventBatch of one alloc event a request: reqs[i] granted the next counts[i] of `pages`,
  * numbered seq, seq + 1, ..., each as encode() writes it, framed as protobuf frames them.
@@ -364,12 +376,7 @@ encode_allocs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         put_event(&o, &env, WIRE_ALLOC, &p, payload);
         at += counts[i];
     }
-    if ((char *)o.at != PyBytes_AS_STRING(bytes) + total) { /* a bug: the sizes above disagree */
-        Py_DECREF(bytes);
-        return PyErr_Format(PyExc_SystemError, "encode_allocs: wrote %zd of %zd bytes",
-                            (Py_ssize_t)((char *)o.at - PyBytes_AS_STRING(bytes)), total);
-    }
-    return bytes;
+    return written(bytes, &o, total, "encode_allocs");
 }
 
 /* encode(kind, node, seq, ts, epoch, req, pool, pages, slots) -> bytes
@@ -409,12 +416,87 @@ encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     Out o = {(uint8_t *)PyBytes_AS_STRING(bytes)};
     put_event(&o, &env, kind, &p, payload);
-    if ((char *)o.at != PyBytes_AS_STRING(bytes) + total) { /* a bug: the sizes above disagree */
-        Py_DECREF(bytes);
-        return PyErr_Format(PyExc_SystemError, "encode: wrote %zd of %zd bytes",
-                            (Py_ssize_t)((char *)o.at - PyBytes_AS_STRING(bytes)), total);
+    return written(bytes, &o, total, "encode");
+}
+
+/* A step's payload: pool, the requests' names, and counts, pages and slots (packed). */
+typedef struct {
+    unsigned long pool;
+    PyObject *reqs; /* a list of str */
+    const int64_t *counts, *pages, *slots;
+    Py_ssize_t n_reqs, n_counts, n_pages, n_slots, counts_size, pages_size, slots_size, size;
+} StepPayload;
+
+/* A step's payload from args pool, reqs, counts, pages, slots (None: none), every value
+ * checked and its size found; -1 with TypeError or ValueError naming what does not fit. */
+static int
+step_payload(PyObject *const *args, StepPayload *p, const char *what)
+{
+    p->pool = PyLong_AsUnsignedLong(args[0]);
+    if (PyErr_Occurred())
+        return -1;
+    if (p->pool > UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: pool %lu is not a uint32", what, p->pool);
+        return -1;
     }
-    return bytes;
+    p->reqs = args[1];
+    if (!PyList_Check(p->reqs)) {
+        PyErr_Format(PyExc_TypeError, "%s: reqs must be a list of str, not %.80s", what, Py_TYPE(p->reqs)->tp_name);
+        return -1;
+    }
+    p->n_reqs = PyList_GET_SIZE(p->reqs);
+    p->n_slots = 0;
+    p->slots = NULL;
+    if (!(p->counts = int64_data(args[2], &p->n_counts, "counts")) ||
+        !(p->pages = int64_data(args[3], &p->n_pages, "pages")))
+        return -1;
+    if (args[4] != Py_None && !(p->slots = int64_data(args[4], &p->n_slots, "slots")))
+        return -1;
+    Py_ssize_t payload = 0, size;
+    for (Py_ssize_t i = 0; i < p->n_reqs; i++) {
+        if (!PyUnicode_Check(PyList_GET_ITEM(p->reqs, i))) {
+            PyErr_Format(PyExc_TypeError, "%s: reqs[%zd] is %.80s, not str", what, i,
+                         Py_TYPE(PyList_GET_ITEM(p->reqs, i))->tp_name);
+            return -1;
+        }
+        if (PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(p->reqs, i), &size) == NULL)
+            return -1;
+        payload += 1 + wire_varint_size((uint64_t)size) + size;
+    }
+    if ((p->counts_size = packed_size(p->counts, p->n_counts, "counts")) < 0 ||
+        (p->pages_size = packed_size(p->pages, p->n_pages, "pages")) < 0 ||
+        (p->slots_size = packed_size(p->slots, p->n_slots, "slots")) < 0)
+        return -1;
+    if (p->pool)
+        payload += 1 + wire_varint_size(p->pool);
+    if (p->n_counts)
+        payload += 1 + wire_varint_size((uint64_t)p->counts_size) + p->counts_size;
+    if (p->n_pages)
+        payload += 1 + wire_varint_size((uint64_t)p->pages_size) + p->pages_size;
+    if (p->n_slots)
+        payload += 1 + wire_varint_size((uint64_t)p->slots_size) + p->slots_size;
+    p->size = payload;
+    return 0;
+}
+
+static void
+put_step(Out *o, const Envelope *env, const StepPayload *p)
+{
+    put_envelope(o, env);
+    put_varint(o, (uint64_t)WIRE_STEP << 3 | 2);
+    put_varint(o, (uint64_t)p->size);
+    if (p->pool) {
+        put_varint(o, 1 << 3);
+        put_varint(o, p->pool);
+    }
+    for (Py_ssize_t i = 0; i < p->n_reqs; i++) {
+        Py_ssize_t size;
+        const char *name = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(p->reqs, i), &size); /* cached */
+        put_bytes(o, 2, name, size);
+    }
+    put_packed(o, 3, p->counts, p->n_counts, p->counts_size);
+    put_packed(o, 4, p->pages, p->n_pages, p->pages_size);
+    put_packed(o, 5, p->slots, p->n_slots, p->slots_size);
 }
 
 /* encode_step(node, seq, ts, epoch, pool, reqs, counts, pages, slots) -> bytes
@@ -427,70 +509,87 @@ encode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (nargs != 9)
         return PyErr_Format(PyExc_TypeError, "encode_step() takes 9 arguments (%zd given)", nargs);
     Envelope env;
-    if (envelope(args, &env) < 0)
+    StepPayload p;
+    if (envelope(args, &env) < 0 || step_payload(args + 4, &p, "encode_step") < 0)
         return NULL;
-    unsigned long pool = PyLong_AsUnsignedLong(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (pool > UINT32_MAX)
-        return PyErr_Format(PyExc_ValueError, "encode_step: pool %lu is not a uint32", pool);
-    PyObject *reqs = args[5];
-    if (!PyList_Check(reqs))
-        return PyErr_Format(PyExc_TypeError, "encode_step: reqs must be a list of str, not %.80s",
-                            Py_TYPE(reqs)->tp_name);
-    Py_ssize_t n_reqs = PyList_GET_SIZE(reqs), n_counts, n_pages, n_slots = 0;
-    const int64_t *counts = int64_data(args[6], &n_counts, "counts"), *pages = NULL, *slots = NULL;
-    if (counts == NULL || !(pages = int64_data(args[7], &n_pages, "pages")))
-        return NULL;
-    if (args[8] != Py_None && !(slots = int64_data(args[8], &n_slots, "slots")))
-        return NULL;
-    Py_ssize_t payload = 0, size;
-    for (Py_ssize_t i = 0; i < n_reqs; i++) {
-        if (!PyUnicode_Check(PyList_GET_ITEM(reqs, i)))
-            return PyErr_Format(PyExc_TypeError, "encode_step: reqs[%zd] is %.80s, not str", i,
-                                Py_TYPE(PyList_GET_ITEM(reqs, i))->tp_name);
-        if (PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(reqs, i), &size) == NULL)
-            return NULL;
-        payload += 1 + wire_varint_size((uint64_t)size) + size;
-    }
-    Py_ssize_t counts_size = packed_size(counts, n_counts, "counts");
-    Py_ssize_t pages_size = counts_size < 0 ? -1 : packed_size(pages, n_pages, "pages");
-    Py_ssize_t slots_size = pages_size < 0 ? -1 : packed_size(slots, n_slots, "slots");
-    if (slots_size < 0)
-        return NULL;
-    if (pool)
-        payload += 1 + wire_varint_size(pool);
-    if (n_counts)
-        payload += 1 + wire_varint_size((uint64_t)counts_size) + counts_size;
-    if (n_pages)
-        payload += 1 + wire_varint_size((uint64_t)pages_size) + pages_size;
-    if (n_slots)
-        payload += 1 + wire_varint_size((uint64_t)slots_size) + slots_size;
-    Py_ssize_t total = event_size(&env, WIRE_STEP, payload);
+    Py_ssize_t total = event_size(&env, WIRE_STEP, p.size);
     PyObject *bytes = PyBytes_FromStringAndSize(NULL, total);
     if (bytes == NULL)
         return NULL;
     Out o = {(uint8_t *)PyBytes_AS_STRING(bytes)};
-    put_envelope(&o, &env);
-    put_varint(&o, (uint64_t)WIRE_STEP << 3 | 2);
-    put_varint(&o, (uint64_t)payload);
-    if (pool) {
-        put_varint(&o, 1 << 3);
-        put_varint(&o, pool);
+    put_step(&o, &env, &p);
+    return written(bytes, &o, total, "encode_step");
+}
+
+/* encode_pass(node, seq, ts, epoch, pool, reqs, counts, pages, slots, grants) -> bytes
+ * A forward pass as an EventBatch: first an alloc event for each request i with grants[i] > 0
+ * (the last grants[i] of its counts[i] pages, in request order, each as encode() writes it),
+ * numbered from seq; then the step (encode_step's) with the next number. grants: a contiguous
+ * int64 array, one count a request, none above its count. */
+static PyObject *
+encode_pass(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 10)
+        return PyErr_Format(PyExc_TypeError, "encode_pass() takes 10 arguments (%zd given)", nargs);
+    Envelope env;
+    StepPayload step;
+    Py_ssize_t n_grants;
+    const int64_t *grants;
+    if (envelope(args, &env) < 0 || step_payload(args + 4, &step, "encode_pass") < 0 ||
+        !(grants = int64_data(args[9], &n_grants, "grants")))
+        return NULL;
+    if (step.n_counts != step.n_reqs || n_grants != step.n_reqs)
+        return PyErr_Format(PyExc_ValueError, "encode_pass: %zd requests, %zd counts, %zd grants", step.n_reqs,
+                            step.n_counts, n_grants);
+    uint64_t seq = env.seq;
+    Py_ssize_t total = 0, at = 0;
+    for (int pass = 0; pass < 2; pass++) { /* the sizes first, checking every value; then the bytes */
+        PyObject *bytes = NULL;
+        Out o = {NULL};
+        if (pass) {
+            if (!(bytes = PyBytes_FromStringAndSize(NULL, total)))
+                return NULL;
+            o.at = (uint8_t *)PyBytes_AS_STRING(bytes);
+        }
+        env.seq = seq;
+        at = 0;
+        for (Py_ssize_t i = 0; i < step.n_reqs; i++) {
+            int64_t count = step.counts[i], granted = grants[i];
+            if (!pass && (count < 0 || count > step.n_pages - at))
+                return PyErr_Format(PyExc_ValueError, "encode_pass: the counts run past the %zd pages", step.n_pages);
+            if (!pass && (granted < 0 || granted > count))
+                return PyErr_Format(PyExc_ValueError, "encode_pass: grants[%zd] is %lld of %lld pages", i,
+                                    (long long)granted, (long long)count);
+            at += count;
+            if (!granted)
+                continue;
+            PagePayload p = {.pool = step.pool, .pages = step.pages + at - granted, .n_pages = granted};
+            p.req = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(step.reqs, i), &p.req_len); /* checked above */
+            p.pages_size = packed_size(p.pages, p.n_pages, "pages");
+            Py_ssize_t payload = payload_size(&p), size = event_size(&env, WIRE_ALLOC, payload);
+            if (pass) {
+                put_varint(&o, 1 << 3 | 2); /* EventBatch.events */
+                put_varint(&o, (uint64_t)size);
+                put_event(&o, &env, WIRE_ALLOC, &p, payload);
+            } else
+                total += 1 + wire_varint_size((uint64_t)size) + size;
+            env.seq++;
+        }
+        if (!pass && at != step.n_pages)
+            return PyErr_Format(PyExc_ValueError, "encode_pass: the counts add up to %zd of %zd pages", at,
+                                step.n_pages);
+        Py_ssize_t size = event_size(&env, WIRE_STEP, step.size);
+        if (!pass) {
+            total += 1 + wire_varint_size((uint64_t)size) + size;
+            continue;
+        }
+        put_varint(&o, 1 << 3 | 2);
+        put_varint(&o, (uint64_t)size);
+        put_step(&o, &env, &step);
+        return written(bytes, &o, total, "encode_pass");
     }
-    for (Py_ssize_t i = 0; i < n_reqs; i++) {
-        const char *name = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(reqs, i), &size); /* cached above */
-        put_bytes(&o, 2, name, size);
-    }
-    put_packed(&o, 3, counts, n_counts, counts_size);
-    put_packed(&o, 4, pages, n_pages, pages_size);
-    put_packed(&o, 5, slots, n_slots, slots_size);
-    if ((char *)o.at != PyBytes_AS_STRING(bytes) + total) { /* a bug: the sizes above disagree */
-        Py_DECREF(bytes);
-        return PyErr_Format(PyExc_SystemError, "encode_step: wrote %zd of %zd bytes",
-                            (Py_ssize_t)((char *)o.at - PyBytes_AS_STRING(bytes)), total);
-    }
-    return bytes;
+    return NULL; /* not reached */
 }
 
 static PyMethodDef methods[] = {
@@ -500,6 +599,7 @@ static PyMethodDef methods[] = {
     {"of_node", (PyCFunction)(void (*)(void))of_node, METH_FASTCALL, "Which events are a node's."},
     {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL, "A page event's bytes."},
     {"encode_step", (PyCFunction)(void (*)(void))encode_step, METH_FASTCALL, "A step event's bytes."},
+    {"encode_pass", (PyCFunction)(void (*)(void))encode_pass, METH_FASTCALL, "A pass's grants and step, as a batch."},
     {"encode_allocs", (PyCFunction)(void (*)(void))encode_allocs, METH_FASTCALL, "Alloc events as a batch."},
     {NULL, NULL, 0, NULL},
 };

@@ -192,3 +192,25 @@ def encode_step(
     ValueError for a count, page or slot that is not a uint32; TypeError for a request that
     is not a str."""
     return _wire.encode_step(node, seq, ts, epoch, pool, reqs, counts, pages, slots)
+
+
+def encode_pass(
+    node: str,
+    seq: int,
+    ts: int,
+    epoch: int,
+    pool: int,
+    reqs: list[str],
+    counts: np.ndarray,
+    pages: np.ndarray,
+    slots: np.ndarray | None,
+    grants: np.ndarray,
+) -> Batch:
+    """A forward pass as a batch: an alloc event for each request granted pages in it (reqs[i]
+    the last grants[i] of its counts[i] pages, as encode() writes it), numbered from `seq` in
+    request order, then its step (encode_step's) with the next number; one pass in C.
+    ValueError for grants or counts that do not fit, or a value that is not a uint32."""
+    data = _wire.encode_pass(node, seq, ts, epoch, pool, reqs, counts, pages, slots, grants)
+    heads = _wire.batch(data, False)
+    assert heads is not None  # framed as protobuf frames an EventBatch: always read here
+    return Batch(data, heads)

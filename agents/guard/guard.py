@@ -103,6 +103,7 @@ class Guard:
         self._clock = clock if clock is not None else WallClock()
         self._seq = 0
         self._lock = threading.RLock()
+        self._ones_of: dict[int, np.ndarray] = {}
         self._device_tags: dict[int, DeviceTags] = {}  # pool -> its tags on the GPU, once checked there
         self.sink.listen(self.command)
 
@@ -294,25 +295,37 @@ class Guard:
                 )
             except (ValueError, TypeError):  # one of them is not an event: each alone says which
                 return self._each(pool, names, page_array, _bounds(count_array))
-            self._seq += len(names)
-            found: list[Finding] = []
-            bodies, at = batch.events(), 0
-            while at < len(names):
-                clean = self.ledger.apply_clean(batch, at, len(names), self.node)
-                for body in bodies[at:clean]:
-                    self.sink.put(body)
-                at = clean
-                if at == len(names):
-                    break
-                try:
-                    found += self.ledger.apply_serialized(bodies[at], self.node)
-                except BadEvent:  # refused: numbered again from here, one at a time
-                    self._seq = first + at
-                    verdict = self._each(pool, names[at:], page_array, _bounds(count_array)[at:])
-                    return merged(self._judge(found) if found else CLEAN, verdict)
-                self.sink.put(bodies[at])
-                at += 1
-            return self._judge(found) if found else CLEAN
+            found, done = self._apply_run(batch)
+            verdict = self._judge(found) if found else CLEAN
+            if done < len(names):  # refused: numbered again from there, one at a time
+                self._seq = first + done
+                verdict = merged(
+                    verdict, self._each(pool, names[done:], page_array, _bounds(count_array)[done:])
+                )
+            return verdict
+
+    def _apply_run(self, batch: wire.Batch) -> tuple[list[Finding], int]:
+        """Apply a batch of this guard's events, numbered from its next sequence number: the
+        clean runs in C, the rest one at a time, each handed to the sink once applied. (Their
+        findings, how many were applied before one was refused: len(batch) when none was.)"""
+        self._seq += len(batch)
+        found: list[Finding] = []
+        bodies, at, stop = batch.events(), 0, len(batch)
+        put = self.sink.put
+        while at < stop:
+            clean = self.ledger.apply_clean(batch, at, stop, self.node)
+            for body in bodies[at:clean]:
+                put(body)
+            at = clean
+            if at == stop:
+                break
+            try:
+                found += self.ledger.apply_serialized(bodies[at], self.node)
+            except BadEvent:
+                return found, at
+            put(bodies[at])
+            at += 1
+        return found, stop
 
     def _each(self, pool: int, names: list[str], pages: np.ndarray, bounds: list[int]) -> Verdict:
         verdict = CLEAN
@@ -426,42 +439,83 @@ class Guard:
         slots: Iterable[int] | np.ndarray | None = None,
         *,
         counts: Iterable[int] | np.ndarray | None = None,
+        grants: Iterable[int] | np.ndarray | None = None,
         block_tables: Any = None,
         context_lens: Any = None,
     ) -> Verdict:
         """One forward step of a batch, in one call: the KV it wrote, as one `step` event
         (request reqs[i] wrote the next counts[i] entries of `pages`, with their `slots`, the
         valid slots of each page after the write; counts None: one page each, as in decode;
-        slots None: full pages), applied in C and handed to the sink as bytes; then, with
+        slots None: full pages); with `grants`, the pages granted for it first (the last
+        grants[i] of request i's part are new to it: one `alloc` event each, as alloc_each
+        makes them), all applied in one run in C and handed to the sink as bytes; then, with
         block_tables and context_lens, the check before the attention that reads it
         (check_attention's). The engine must drop the requests in `kill` from this step."""
         with self._lock:
             names = reqs if isinstance(reqs, list) else list(reqs)
             page_array = _int64(pages)
-            count_array = np.ones(len(names), np.int64) if counts is None else _int64(counts)
+            count_array = self._ones(len(names)) if counts is None else _int64(counts)
+            slot_array = None if slots is None else _int64(slots)
             self._stale_on_device(pool, page_array)
-            seq, ts = self._next()
-            try:
-                body = wire.encode_step(
-                    self.node,
-                    seq,
-                    ts,
-                    self.epoch,
-                    pool,
-                    names,
-                    count_array,
-                    page_array,
-                    None if slots is None else _int64(slots),
-                )
-                found = self.ledger.apply_serialized(body, self.node)
-            except (BadEvent, ValueError, TypeError) as exc:
-                verdict = self._refused("step", exc, [str(r) for r in names])
+            if grants is None:
+                verdict = self._step_event(pool, names, count_array, page_array, slot_array)
             else:
-                self.sink.put(body)
-                verdict = self._judge(found) if found else CLEAN
+                verdict = self._pass(pool, names, count_array, page_array, slot_array, _int64(grants))
             if block_tables is None:
                 return verdict
             return merged(verdict, self._check(pool, names, block_tables, context_lens))
+
+    def _ones(self, n: int) -> np.ndarray:
+        """A count of one page for each of n requests (a decode step's), made once per size."""
+        ones = self._ones_of.get(n)
+        if ones is None:
+            ones = self._ones_of[n] = np.ones(n, np.int64)
+            ones.flags.writeable = False
+        return ones
+
+    def _step_event(
+        self, pool: int, names: list[str], counts: np.ndarray, pages: np.ndarray, slots: np.ndarray | None
+    ) -> Verdict:
+        seq, ts = self._next()
+        try:
+            body = wire.encode_step(self.node, seq, ts, self.epoch, pool, names, counts, pages, slots)
+            found = self.ledger.apply_serialized(body, self.node)
+        except (BadEvent, ValueError, TypeError) as exc:
+            return self._refused("step", exc, [str(r) for r in names])
+        self.sink.put(body)
+        return self._judge(found) if found else CLEAN
+
+    def _pass(
+        self,
+        pool: int,
+        names: list[str],
+        counts: np.ndarray,
+        pages: np.ndarray,
+        slots: np.ndarray | None,
+        grants: np.ndarray,
+    ) -> Verdict:
+        """A step and its grants as one batch of events. One the ledger refuses: it and those
+        after it again one at a time (the grants by alloc(), the step alone), as they would
+        have been made, so each refusal names its request."""
+        first = self._seq
+        try:
+            batch = wire.encode_pass(
+                self.node, first + 1, self._clock(), self.epoch, pool, names, counts, pages, slots, grants
+            )
+        except (ValueError, TypeError) as exc:
+            return self._refused("step", exc, [str(r) for r in names])
+        found, done = self._apply_run(batch)
+        verdict = self._judge(found) if found else CLEAN
+        if done == len(batch):
+            return verdict
+        self._seq = first + done
+        ends = np.cumsum(counts).tolist()
+        granted = [
+            (names[i], pages[ends[i] - int(grants[i]) : ends[i]]) for i in np.flatnonzero(grants).tolist()
+        ]
+        for req, own in granted[done:]:
+            verdict = merged(verdict, self._pages_event("alloc", req, pool, own))
+        return merged(verdict, self._step_event(pool, names, counts, pages, slots))
 
     def check_attention(
         self, pool: int, reqs: Sequence[str], block_tables: np.ndarray, context_lens: np.ndarray

@@ -10,6 +10,7 @@ import pytest
 
 from kvguard.agents.guard import CaptureSink, Guard, WallClock
 from kvguard.ledger.ledger import Ledger
+from kvguard.proto import pb
 from kvguard.proto.capture import read_capture
 from kvguard.ruleset import load_ruleset
 from kvguard.ruleset.replay import replay
@@ -223,6 +224,57 @@ def test_a_step_is_the_batchs_writes_in_one_event_and_one_pass(tmp_path: Path) -
         slots,
     )
     assert events[-2].alloc.req == "a2" and list(events[-2].alloc.pages) == [4]
+
+
+def test_a_step_with_its_grants_is_the_grants_then_the_step(tmp_path: Path) -> None:
+    # step(grants=...) makes the events alloc_each and step make, in the same order and
+    # numbers, and leaves the ledger as they do: a2's new page 4 is granted, then written.
+    two_calls = decode_guard(sink=CaptureSink(tmp_path / "two.jsonl"), epoch=1)
+    one_call = decode_guard(sink=CaptureSink(tmp_path / "one.jsonl"), epoch=1)
+    reqs, pages, slots = ["a1", "a2", "g1"], [1, 4, 3], [16, 1, 4]
+    tables, lens = np.array([[1, 0], [2, 4], [3, 0]]), np.array([16, 17, 4])
+    for guard in (two_calls, one_call):
+        decode_batch(guard)
+    assert two_calls.alloc_each(0, ["a2"], [4]).ok
+    assert two_calls.step(0, reqs, pages, slots, block_tables=tables, context_lens=lens).ok
+    verdict = one_call.step(0, reqs, pages, slots, grants=[0, 1, 0], block_tables=tables, context_lens=lens)
+    assert verdict.ok and not one_call.errors and one_call._seq == two_calls._seq
+    one, other = one_call.ledger.nodes["d0"].pools[0].pages, two_calls.ledger.nodes["d0"].pools[0].pages
+    assert (one.state == other.state).all()
+    for guard in (two_calls, one_call):
+        guard.sink.close()
+    captured = []
+    for name in ("two.jsonl", "one.jsonl"):
+        events = [e for _, e in read_capture((tmp_path / name).read_text().splitlines())]
+        for event in events:
+            event.ts_ns = 0  # the guards' clocks differ
+        captured.append([e.SerializeToString() for e in events])
+    assert captured[0] == captured[1]
+    assert (
+        captured[1][-2]
+        == pb.Event(
+            node="d0", seq=one_call._seq - 1, epoch=1, alloc={"req": "a2", "pages": [4]}
+        ).SerializeToString()
+    )
+
+
+def test_a_grant_refused_in_a_step_is_refused_by_name_and_the_step_with_it() -> None:
+    guard = decode_guard()
+    decode_batch(guard)
+    seq = guard._seq
+    # g1's new page 99 lies outside the pool: its grant is refused by name, a2's still goes;
+    # the step, which writes page 99 too, cannot be checked: the whole batch stops.
+    verdict = guard.step(0, ["a1", "g1", "a2"], [1, 99, 4], [16, 1, 1], grants=[0, 1, 1])
+    assert set(verdict.kill) == {"a1", "g1", "a2"}
+    assert [e.split(":")[0] for e in guard.errors] == ["alloc", "step"]
+    assert "page 99 out of range" in guard.errors[0]
+    pages = guard.ledger.nodes["d0"].pools[0].pages
+    assert pages.owner[4] == guard.ledger.request("a2").idx
+    assert guard.ledger.nodes["d0"].last_seq == guard._seq and guard.ledger.stats.missing == 0
+    assert guard._seq == seq + 4  # a2's grant and the three kills; the refused took no number
+    # Grants that do not fit the step are refused with it, every request stopped.
+    refused = guard.step(0, ["a1"], [1], [16], grants=[2])
+    assert list(refused.kill) == ["a1"] and "grants[0] is 2 of 1 pages" in guard.errors[-1]
 
 
 def test_a_step_that_writes_into_anothers_page_kills_only_the_writer() -> None:

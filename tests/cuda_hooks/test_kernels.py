@@ -97,6 +97,14 @@ def test_the_ledgers_batch_check_is_the_tag_check() -> None:
     pp = ledger.nodes["n0"].pools[0].pages
     readers = ledger.reader_indices(["a", "b"])
     assert check_tags(pp.own, pp.valid, tables, np.array([8, 6]), readers, 4).tolist() == [False, True]
+    # b reads 6 tokens clean; nobody named "zz" reads anything as its own; one that reads
+    # nothing is clean; once b is killed, its own clean pages are no longer clean to read.
+    names, lens = ["b", "zz", "zz"], np.array([6, 6, 0], np.int32)
+    assert ledger.batch_clean("n0", 0, names, tables[[1, 1, 1]], lens).tolist() == [True, False, True]
+    ledger.apply(log.add("n0", "kill", req="b", finding="foreign_read", by="test"))
+    assert ledger.batch_clean("n0", 0, ["b", "b"], tables, np.array([6, 0])).tolist() == [False, True]
+    with pytest.raises(ValueError, match="a batch of 2 tables, 2 lens, 1 requests"):
+        ledger.batch_clean("n0", 0, ["b"], tables, lens[:2])
 
 
 @pytest.mark.parametrize("quads", [True, False], ids=["16-byte loads", "4-byte loads"])

@@ -257,6 +257,48 @@ def test_events_are_written_as_protobuf_writes_them(
         None if slots is None else np.array(slots, np.int64),
     )
     assert got == want
+    # A pass: each request's grants (the last of its part) as alloc events, then the step.
+    new = [(c + i) % (c + 1) for i, c in enumerate(counts)]  # 0 .. all of a part's pages
+    ends = np.cumsum(counts).tolist()
+    allocs = [
+        pb.Event(
+            node=node,
+            seq=first + k,
+            ts_ns=ts,
+            epoch=epoch,
+            alloc={"req": reqs[i], "pool": pool, "pages": pages[ends[i] - new[i] : ends[i]]},
+        )
+        for k, i in enumerate(i for i in range(len(reqs)) if new[i])
+    ]
+    stepped = pb.Event(node=node, seq=first + len(allocs), ts_ns=ts, epoch=epoch, step=step)
+    if sum(counts) != len(pages):  # a step's counts must cover its pages (the ledger checks a step's)
+        with pytest.raises(ValueError, match="the counts add up to"):
+            wire.encode_pass(
+                node,
+                first,
+                ts,
+                epoch,
+                pool,
+                reqs,
+                np.array(counts, np.int64),
+                np.array(pages, np.int64),
+                None,
+                np.array(new, np.int64),
+            )
+        return
+    passed = wire.encode_pass(
+        node,
+        first,
+        ts,
+        epoch,
+        pool,
+        reqs,
+        np.array(counts, np.int64),
+        np.array(pages, np.int64),
+        None if slots is None else np.array(slots, np.int64),
+        np.array(new, np.int64),
+    )
+    assert passed.events() == [e.SerializeToString() for e in [*allocs, stepped]]
 
 
 def test_a_page_that_is_no_uint32_is_refused_by_name() -> None:
@@ -273,3 +315,7 @@ def test_a_page_that_is_no_uint32_is_refused_by_name() -> None:
         wire.encode_allocs("n", 1, 1, 0, ["r"], 0, np.array([1, 2], np.int64), one)
     with pytest.raises(TypeError, match=r"reqs\[0\] is int, not str"):
         wire.encode_step("n", 1, 1, 0, 0, [7], one, one, None)
+    with pytest.raises(ValueError, match=r"grants\[0\] is 2 of 1 pages"):
+        wire.encode_pass("n", 1, 1, 0, 0, ["r"], one, one, None, one * 2)
+    with pytest.raises(ValueError, match="1 requests, 1 counts, 2 grants"):
+        wire.encode_pass("n", 1, 1, 0, 0, ["r"], one, one, None, np.array([0, 1], np.int64))
