@@ -4,7 +4,8 @@ before timing.
 
 Each node reports its pool, then admits a full batch of requests (admit, alloc of the prompt's
 pages, the prefill's write), sent before the clock starts: the engine was already serving.
-Every forward pass is one EventBatch, one send of the node's agent: first the requests that
+Every forward pass is one EventBatch (paced, an agent sends every pass due when its last send
+was acknowledged in one message, as the node agent's spool does): first the requests that
 finished at the last pass (finish, free of all their pages) and the new ones that take their
 places in the batch (admit, alloc, write of the prompt: their prefill); then an alloc of one page
 for each request whose next token starts a page (every PAGE_SIZE tokens); then the `step`:
@@ -250,7 +251,8 @@ def measure_fleet(args: argparse.Namespace, wakes: list[str]) -> int:
     print(
         "a pass: one forward of a node's batch, one EventBatch (the step, its allocs, the requests that "
         "finished and those admitted);\nrates: request-steps/s = passes/s x batch; closed: each node sends "
-        "its next pass when the last is acknowledged; @: paced at --steps-per-s a node, latency from the "
+        "its next pass when the last is acknowledged; @: paced at --steps-per-s a node, the passes due "
+        "when the last was acknowledged sent in one message (as the node agent does), latency from the "
         "scheduled send;\nfloor: the closed loop against a server that acknowledges without looking (gRPC, "
         "protobuf and this client);\nµs/pass: CPU of the daemon's process, of its store writer and of the "
         "agents (this process) a forward pass; idle, steal: the machine's CPU time meanwhile"
