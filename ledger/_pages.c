@@ -514,7 +514,7 @@ PyInit__pages(void)
         OFFSET(received_pages), OFFSET(received_tokens), OFFSET(received_bytes), OFFSET(reads), "itemsize",
         (Py_ssize_t)sizeof(Req)));
 #undef OFFSET
-    if (kvg_page_descr == NULL || kvg_req_descr == NULL ||
+    if (PyModule_AddIntConstant(m, "REQ_BYTES", REQ_BYTES) < 0 || kvg_page_descr == NULL || kvg_req_descr == NULL ||
         PyModule_AddObjectRef(m, "PAGE", (PyObject *)kvg_page_descr) < 0 ||
         PyModule_AddObjectRef(m, "REQ", (PyObject *)kvg_req_descr) < 0) {
         Py_DECREF(m);

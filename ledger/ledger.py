@@ -38,6 +38,7 @@ from kvguard.ledger.pools import Node, Pools
 from kvguard.ledger.requests import Request, Requests
 from kvguard.ledger.transfers import Transfers
 from kvguard.proto import pb, wire
+from kvguard.proto.limits import NODE_BYTES, SEQ_MAX, unstorable
 
 RETIRE_IDLE = 1 << 16  # applied events without news of a request before it may be retired
 FORGET_IDLE = 1 << 20  # ... before it may be forgotten
@@ -62,6 +63,7 @@ class LedgerStats:
     retired: int = 0  # requests whose history was dropped (idle, holding nothing)
     forgotten: int = 0  # retired requests no page tag named any more: gone, their index reused
     restarts: int = 0  # nodes whose engine began a new incarnation (epoch) after a first one
+    gaps_given_up: int = 0  # missing sequence numbers no longer waited for (sequence.MAX_GAPS)
 
     def totals(self) -> dict[str, int]:
         """The plain counts (not the per-kind counters), by name."""
@@ -291,6 +293,14 @@ class Ledger:
         the node's new incarnation); the event becomes the context of the findings it raises."""
         if not name:
             raise BadEvent(f"{kind} event has no node")
+        why = unstorable(name, NODE_BYTES)
+        if why:
+            raise BadEvent(f"{kind} event's node name {name[:40]!r} {why}", "out_of_range")
+        if seq > SEQ_MAX or epoch > SEQ_MAX:
+            raise BadEvent(
+                f"{kind} event of node {name}: seq {seq} or epoch {epoch} is over {SEQ_MAX} (2^63 - 1)",
+                "out_of_range",
+            )
         node = self.pools.node(name)
         if seq == 0:
             raise BadEvent(f"{kind} event of node {name} has no sequence number (they start at 1)")
@@ -298,7 +308,7 @@ class Ledger:
             self.findings.at(name, seq, ts)  # the verdicts the restart settles are this event's
             self.incarnations.begin(node, epoch)
             return node
-        if seq <= node.last_seq:
+        if seq <= node.last_seq and not node.gaps.holds(seq):
             raise BadEvent(
                 f"sequence number {seq} of node {name} repeats (last applied: {node.last_seq})", "repeat"
             )
@@ -311,7 +321,14 @@ class Ledger:
         missing = seq - node.last_seq - 1
         # Only an applied event advances its node's sequence: a malformed one, whose number
         # may be as wrong as the rest of it, must not make later valid events look repeated.
-        node.last_seq, node.last_ts_ns = seq, self.findings.ts
+        if missing < 0:  # it filled a gap (sequence.py): applied late, the sequence stays
+            node.gaps.fill(seq)
+            self.stats.missing -= 1
+            missing = 0
+        else:
+            if missing:
+                self.stats.gaps_given_up += node.gaps.open(node.last_seq + 1, seq - 1)
+            node.last_seq, node.last_ts_ns = seq, self.findings.ts
         if node.name in self.transfers.posted:
             self.transfers.judge_posted(node)
         if node.name in self.transfers.due:

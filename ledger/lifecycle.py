@@ -15,6 +15,7 @@ from kvguard.ledger.pools import Node, Pools
 from kvguard.ledger.requests import Requests
 from kvguard.ledger.transfers import Transfers
 from kvguard.proto import pb
+from kvguard.proto.limits import TENANT_BYTES, unstorable
 
 STAGES = ("prefill", "decode")
 
@@ -29,6 +30,7 @@ class Lifecycle:
     def on_admit(self, node: Node, a: pb.Admit) -> None:
         if a.stage not in STAGES:
             raise BadEvent(f"admit: stage {a.stage!r} is not one of {', '.join(STAGES)}")
+        _tenant_fits("admit", a.tenant)
         r = self.requests.of_event(a.req, "admit")
         if r.ended:
             self._found.progress(r, f"admit to {a.stage} on {node.name}")
@@ -71,8 +73,15 @@ class Lifecycle:
     def on_bootstrap(self, node: Node, b: pb.Bootstrap) -> None:
         if not b.prefill_node or not b.decode_node:
             raise BadEvent("bootstrap: prefill_node and decode_node are required")
+        _tenant_fits("bootstrap", b.tenant)
         r = self.requests.of_event(b.req, "bootstrap")
         if r.ended:
             self._found.progress(r, f"bootstrap {b.prefill_node}->{b.decode_node}")
         self.requests.bootstrapped(r, b.prefill_node, b.decode_node, b.prompt_tokens, b.tenant)
         self.pools.check_pairing(r, b.prefill_node, b.decode_node)
+
+
+def _tenant_fits(payload: str, tenant: str) -> None:
+    why = unstorable(tenant, TENANT_BYTES)
+    if why:
+        raise BadEvent(f"{payload}: tenant {tenant[:40]!r} {why}", "out_of_range")

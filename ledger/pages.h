@@ -54,6 +54,7 @@ typedef struct {
         received_bytes, reads;
 } Req;
 
+#define REQ_BYTES 256 /* proto/limits.py: a request id's bytes at most (requests.py checks they agree) */
 #define ENDED 3   /* requests.STATES: rejected, aborted and killed come from here on */
 #define RETIRED 1 /* requests' flags */
 #define BOOTSTRAPPED 2

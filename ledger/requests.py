@@ -24,6 +24,7 @@ import numpy as np
 
 from kvguard.ledger import _pages
 from kvguard.ledger.findings import NOBODY, BadEvent
+from kvguard.proto.limits import REQ_BYTES, unstorable
 
 REQ: np.dtype = _pages.REQ  # a request's numbers; its layout is ledger/pages.h's `Req`
 STATES: tuple[str, ...] = ("new", "admitted", "finished", "rejected", "aborted", "killed")
@@ -33,6 +34,8 @@ FIRST_ENDED = STATE["rejected"]  # the states from here on are ENDED (pages.h: E
 RETIRED, BOOTSTRAPPED = 1, 2  # flags (pages.h)
 GROW_MIN = 4096  # rows the table grows by at least
 COUNTS: tuple[str, ...] = tuple(n for n in REQ.names if n not in ("last", "queued", "state", "flags"))
+if _pages.REQ_BYTES != REQ_BYTES:  # the C clean path's bound on a request id (pages.h)
+    raise ImportError(f"ledger/pages.h REQ_BYTES {_pages.REQ_BYTES} is not proto/limits.py's {REQ_BYTES}")
 if STATES[FIRST_ENDED:] != ENDED:
     raise ImportError("requests.STATES must list the ended states last")
 
@@ -168,7 +171,11 @@ class Requests:
         return r
 
     def make(self, req: str) -> Request:
-        """A new request named `req` (its first event)."""
+        """A new request named `req` (its first event); BadEvent if the store could not keep
+        its name."""
+        why = unstorable(req, REQ_BYTES)
+        if why:
+            raise BadEvent(f"request id {req[:40]!r} {why}", "out_of_range")
         if self.free:
             idx = self.free.pop()
             self.table[idx] = np.zeros((), REQ)

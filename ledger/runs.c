@@ -305,7 +305,8 @@ out:
 /* Head i of the run: 1 if it was the clean common case and is applied, 0 if it is not
  * (nothing changed: it is for the Python handlers), -1 with an exception. Clean: an alloc,
  * a write (with slots, each at most the page size, or whole pages), a free, a one-entry read
- * or a step (clean_step) of the run's node and epoch, next in its sequence, of a pool it
+ * or a step (clean_step) of the run's node and epoch, next in its sequence (a gap opens, or is
+ * filled, in the ledger's handlers: sequence.py), of a pool it
  * reported, its pages valid (and distinct, but a read's), of a request the ledger knows (an
  * alloc of one it does not know is its first event: `make` makes it and the run goes on), in
  * use (not retired) and not ended (a free may come after the end), whose pages need no
@@ -319,7 +320,7 @@ clean_event(Run *c, Py_ssize_t i)
 {
     const WireHead *h = &c->heads[i];
     if (!h->plain || h->node_end - h->node_start != c->name_len ||
-        memcmp(c->data + h->node_start, c->name, (size_t)c->name_len) != 0 || h->seq == 0 || h->seq <= c->last_seq ||
+        memcmp(c->data + h->node_start, c->name, (size_t)c->name_len) != 0 || h->seq != c->last_seq + 1 || h->seq > (uint64_t)INT64_MAX ||
         ((h->kind == WIRE_FREE || h->kind == WIRE_READ) && c->wire) || h->epoch != c->epoch)
         return 0;
     if (h->kind == WIRE_STEP) {
@@ -352,6 +353,9 @@ clean_event(Run *c, Py_ssize_t i)
             goto out;
         count = (npy_intp)need;
     }
+    if (h->req_end - h->req_start > REQ_BYTES || /* the store could not keep it: the handlers refuse it */
+        memchr(c->data + h->req_start, 0, h->req_end - h->req_start) != NULL)
+        goto out;
     req = PyUnicode_DecodeUTF8((const char *)c->data + h->req_start, h->req_end - h->req_start, NULL);
     if (req == NULL) {
         PyErr_Clear();

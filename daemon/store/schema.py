@@ -17,6 +17,8 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import BigInteger, Column, Engine, Integer, LargeBinary, MetaData, String, Table
 
+from kvguard.proto.limits import NODE_BYTES, REQ_BYTES, TENANT_BYTES
+
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 
 metadata = MetaData()
@@ -25,12 +27,12 @@ records = Table(
     metadata,
     Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=False),
     Column("kind", String(16), nullable=False),
-    Column("node", String(128), nullable=False),
+    Column("node", String(NODE_BYTES), nullable=False),
     Column("seq", BigInteger(), nullable=False),
     Column("ts_ns", BigInteger(), nullable=False),
-    Column("req", String(256), nullable=False),
-    Column("tenant", String(128), nullable=False),
-    Column("victim_tenant", String(128), nullable=False),
+    Column("req", String(REQ_BYTES), nullable=False),
+    Column("tenant", String(TENANT_BYTES), nullable=False),
+    Column("victim_tenant", String(TENANT_BYTES), nullable=False),
     Column("finding", String(32), nullable=False),
     Column("severity", String(16), nullable=False),
     Column("body", LargeBinary(), nullable=False),
@@ -60,7 +62,7 @@ seal = Table(
 named = Table(
     "named",
     metadata,
-    Column("req", String(256), primary_key=True),
+    Column("req", String(REQ_BYTES), primary_key=True),
     Column("record_id", BigInteger(), primary_key=True, autoincrement=False),
     sqlite_with_rowid=False,
 )

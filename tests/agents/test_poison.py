@@ -1,0 +1,88 @@
+"""One event no store could keep, sent through a real guard sink, node agent and daemon: it is
+refused at the door with its reason, reported once, never resent, and the node's next events
+are applied and judged as if it had never come."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from kvguard.agents.guard import AgentSink, Guard
+from kvguard.cli.process import start_agent, start_daemon
+from kvguard.daemon.store import Store
+from kvguard.proto import pb
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
+from kvguard.ruleset import load_ruleset
+
+
+def stored(store: str) -> list[pb.Event]:
+    s = Store(store)
+    try:
+        return [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")]
+    finally:
+        s.close()
+
+
+def wait_for(predicate, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def counters(address: str) -> dict[str, int]:
+    with grpc.insecure_channel(address) as channel:
+        return dict(svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest()).counters)
+
+
+def test_a_poison_event_is_refused_once_and_the_node_is_judged_on(tmp_path: Path) -> None:
+    store = str(tmp_path / "audit.db")
+    daemon = start_daemon(store, 0)
+    agent = start_agent(str(tmp_path / "agent.sock"), daemon.address, str(tmp_path / "spool"))
+    try:
+        judged_on(tmp_path, store, daemon.address)
+        # Never resent: a new agent on the same spool sends nothing the daemon refuses again.
+        agent.stop()
+        agent = start_agent(str(tmp_path / "agent.sock"), daemon.address, str(tmp_path / "spool"))
+        time.sleep(1.0)
+        assert counters(daemon.address)["out_of_range"] == 1
+    finally:
+        agent.stop()
+        daemon.stop()
+
+
+def judged_on(tmp_path: Path, store: str, address: str) -> None:
+    kills: list[str] = []
+    sink = AgentSink(tmp_path / "agent.sock", "d0")
+    rules = load_ruleset()
+    guard = Guard("d0", mode="monitor", ruleset=rules, sink=sink, on_kill=lambda r, why: kills.append(r))
+    guard.pool(0, "decode", page_size=16, num_pages=64, context_len=1024)
+    guard.admit("a0", "acme", 16, "decode")
+    guard.alloc("a0", 0, [3])
+    # A uint64 sequence number the store's signed 64-bit column cannot hold (it used to stop
+    # the daemon at every start, its agent resending it), then the node's own next events.
+    poison = pb.Event(
+        node="d0", seq=2**63, epoch=guard.epoch, admit=pb.Admit(req="x", tenant="t", stage="decode")
+    )
+    assert sink.put(poison.SerializeToString())
+    # Judged on: globex's g1 attends to page 40, which holds acme's a1's KV; the daemon's
+    # verdict on the monitor-mode guard's events comes back as a kill of g1.
+    guard.admit("a1", "acme", 16, "decode")
+    guard.alloc("a1", 0, [40])
+    guard.write("a1", 0, [40])
+    guard.free("a1", 0, [40])
+    guard.admit("g1", "globex", 16, "decode")
+    guard.alloc("g1", 0, [40])
+    guard.check_attention(0, ["g1"], np.array([[40]]), np.array([16]))
+    assert wait_for(lambda: kills == ["g1"])
+    assert sink.flush()
+    assert wait_for(lambda: len(stored(store)) == guard._seq)
+    assert [e.seq for e in stored(store)] == list(range(1, guard._seq + 1))
+    assert counters(address)["out_of_range"] == 1
+    sink.close()
