@@ -23,6 +23,7 @@ from kvguard.daemon.fanout import Fanout
 from kvguard.daemon.ingest import Batch, Ingest
 from kvguard.daemon.latency import Latencies
 from kvguard.daemon.room import RESERVE, StoreRoom
+from kvguard.daemon.seen import Seen
 from kvguard.daemon.snapshots import SNAPSHOT_EVERY, Snapshots, restored
 from kvguard.daemon.store import Store
 from kvguard.daemon.writer import InlineWriter, Writer
@@ -49,8 +50,10 @@ class Daemon:
         self.ruleset = ruleset if ruleset is not None else load_ruleset()
         self.ledger, through = restored(store, Ledger(clock_skew_ns=clock_skew_ns))
         rebuilt = 0
+        self.seen = Seen()  # the last events of each node, to tell a repeat from a tampered copy
         for node, batch, skip in store.event_batches(after=through):
             self.ledger.replay(batch, node, skip)  # verdicts are already stored; this rebuilds the state
+            self.seen.record(node, batch, skip, len(batch))
             rebuilt += len(batch) - skip
         self.counters["rebuilt_events"] = rebuilt
         self.counters["snapshot_through"] = through
@@ -71,6 +74,7 @@ class Daemon:
             self.latencies,
             self.counters,
             self.loop,
+            self.seen,
         )
         try:
             self.writer.start(

@@ -8,7 +8,8 @@ step ends at the alert's event). Each finding is judged by the ruleset as its ev
 applied, and the commands it orders go out before the commit.
 
 Invariants: an acknowledged event is durable, and an alert's cursor names a durable record;
-(node, seq) is applied and stored at most once; a batch's ack goes after every event of it is
+(node, epoch, seq) is applied and stored at most once, and a repeat of it with other bytes is
+refused as tampered (seen.py); a batch's ack goes after every event of it is
 durable; an error applying a batch, or a store failure, stops the daemon (exit 70), which
 then rebuilds from the store rather than run ahead of it.
 """
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from kvguard.daemon.commands import Commands
 from kvguard.daemon.fanout import Fanout
 from kvguard.daemon.latency import Latencies
+from kvguard.daemon.seen import Seen
 from kvguard.daemon.snapshots import Snapshots
 from kvguard.daemon.store import EventRun, Record
 from kvguard.daemon.writer import Writer
@@ -90,6 +92,7 @@ class Ingest:
         latencies: Latencies,
         counters: Counter[str],
         loop: asyncio.AbstractEventLoop,
+        seen: Seen | None = None,
     ) -> None:
         self.ledger = ledger
         self.ruleset = ruleset
@@ -100,11 +103,12 @@ class Ingest:
         self.latencies = latencies
         self.counters = counters
         self.loop = loop
+        self.seen = seen if seen is not None else Seen()  # the last events applied, to tell repeats
         self.lock = threading.Lock()  # the ledger, against readers on other threads (fleet state)
         # node -> the last (epoch, seq) the store holds (what a new stream is told); moves only
         # when a group commits, while the ledger runs ahead by the groups in flight.
         self.durable: dict[str, tuple[int, int]] = {
-            name: (node.epoch, node.last_seq) for name, node in ledger.nodes.items()
+            name: (node.epoch, node.durable_seq) for name, node in ledger.nodes.items()
         }
         self._inbox: deque[Batch] = deque()  # received, not yet applied (the head is next)
         self._apply_due = False  # _apply_next is scheduled
@@ -234,6 +238,7 @@ class Ingest:
                 # finding, an error, anything less common) one at a time.
                 clean = self.ledger.apply_clean(events, i, end, node)
                 if clean > i:
+                    self.seen.record(node, events, i, clean)
                     accepted += clean - i
                     if run < 0:
                         run = i
@@ -248,6 +253,7 @@ class Ingest:
                     i += 1
                     continue
                 accepted += 1
+                self.seen.record(node, events, i, i + 1)
                 if run < 0:
                     run = i
                 if found:
@@ -265,7 +271,9 @@ class Ingest:
                 group.add(EventRun(m, run, len(events)))
             known = self.ledger.nodes.get(node)
             if known is not None:
-                ack.durable_epoch, ack.durable_seq = known.epoch, known.last_seq
+                # Up to its first gap: a number far ahead (a fault, an impostor) must not make
+                # the agent drop what it has not yet had stored.
+                ack.durable_epoch, ack.durable_seq = known.epoch, known.durable_seq
             group.ended.append(batch)
             self.counters["events"] += ack.accepted
         return True
@@ -278,12 +286,22 @@ class Ingest:
         try:
             found = self.ledger.apply_serialized(events.event(i), node)
         except BadEvent as exc:
-            self.counters[exc.kind] += 1
+            at, seq = events.position(i)
             if exc.kind == "repeat":
-                ack.repeats += 1
-            else:
-                at, seq = events.position(i)
-                ack.rejected.add(seq=seq, epoch=at, reason=str(exc))
+                body = events.event(i)
+                seen = self.seen.verdict(node, at, seq, body)
+                if seen != "differs":
+                    self.counters["repeat" if seen == "same" else "repeat_unverified"] += 1
+                    ack.repeats += 1
+                    return None
+                exc = BadEvent(
+                    f"event seq {seq} (epoch {at}) of node {node} repeats one already applied with "
+                    "different bytes: a tampered or forged copy, refused",
+                    "tampered",
+                )
+                print(f"kvguard daemon: {exc}", file=sys.stderr, flush=True)
+            self.counters[exc.kind] += 1
+            ack.rejected.add(seq=seq, epoch=at, reason=str(exc))
             found = None
         except Exception as exc:  # a bug must not take the daemon or the stream down
             self.counters["internal"] += 1

@@ -72,6 +72,7 @@ class Incarnations:
         node.pools.clear()
         node.views.clear()
         node.epoch, node.last_seq = epoch, 0
+        node.gaps.clear()
         forget = []
         for idx in sorted(gone):
             r = self.requests[idx]

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvguard.ledger.findings import BadEvent, Findings
 from kvguard.ledger.pages import MAX_PAGE_SIZE, MAX_PAGES, PoolPages
+from kvguard.ledger.sequence import Gaps
 from kvguard.proto import pb
 
 ROLES = ("prefill", "decode", "colocated")
@@ -104,7 +105,8 @@ class Pool:
 @dataclass(slots=True)
 class Node:
     name: str
-    last_seq: int = 0  # in the current epoch
+    last_seq: int = 0  # the highest applied in the current epoch
+    gaps: Gaps = field(default_factory=Gaps)  # the numbers below last_seq never applied
     last_ts_ns: int = 0
     epoch: int = 0  # the engine process's incarnation (Event.epoch)
     restarts: int = 0  # incarnations begun after a first one
@@ -113,6 +115,11 @@ class Node:
     agent_version: str = ""
     dropped: int = 0
     views: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # each pool's view, for the C clean path
+
+    @property
+    def durable_seq(self) -> int:
+        """Every event of the current epoch up to this number is applied (none missing)."""
+        return self.gaps.durable(self.last_seq)
 
     def capacity(self) -> tuple[int, int]:
         """(largest pool in tokens, smallest advertised context length); 0 if unknown."""

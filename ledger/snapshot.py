@@ -31,13 +31,15 @@ from kvguard.ledger.ledger import Ledger
 from kvguard.ledger.pages import PoolPages
 from kvguard.ledger.pools import Node, Pool
 from kvguard.ledger.requests import REQ, Request
+from kvguard.ledger.sequence import Gaps
 from kvguard.ledger.transfers import Posted, Seen, Side, Transfer
 from kvguard.proto import pb
 
 # 3: the ledger split by concept; requests' numbers in one table, grants kept by pool.
 # 4: nodes' epochs; verdicts that wait and their deadlines; a fifth kind of hold
 # (prefix_cache) and reserved pages in the page records; drift pairs name both pools.
-FORMAT = 4
+# 5: the gaps in each node's sequence numbers (sequence.py).
+FORMAT = 5
 SETTINGS = ("dedupe", "clock_skew_ns", "retire_idle", "forget_idle")  # a ledger's constructor arguments
 _PAGE_ARRAYS = (
     "gen",
@@ -192,7 +194,7 @@ def _dump(ledger: Ledger) -> bytes:
             )
         previous = sorted([pool_id, _message(r)] for pool_id, r in node.previous.items())
         head = [node.name, node.last_seq, node.last_ts_ns, node.agent_version, node.dropped]
-        nodes.append([*head, pools, node.epoch, node.restarts, previous])
+        nodes.append([*head, pools, node.epoch, node.restarts, previous, node.gaps.ranges()])
     book = ledger.requests
     big["requests"] = book.table[: len(book.objects)]
     requests: list[Any] = []
@@ -324,10 +326,11 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
     for name, value in saved.items():
         if name not in ("events", "bad", "findings"):
             setattr(stats, name, _typed(f"stats {name}", value, int))
-    for name, last_seq, last_ts, version, dropped, pools, epoch, restarts, previous in state["nodes"]:
+    for name, last_seq, last_ts, version, dropped, pools, epoch, restarts, previous, gaps in state["nodes"]:
         node = ledger.nodes[name] = Node(
             name,
             last_seq=last_seq,
+            gaps=Gaps(gaps),
             last_ts_ns=last_ts,
             epoch=epoch,
             restarts=restarts,

@@ -592,7 +592,48 @@ encode_pass(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return NULL; /* not reached */
 }
 
+/* digests(data, heads, start, stop) -> int64[stop - start]
+ * Each event's digest, as Python's hash() of its bytes (SipHash, keyed per process): the
+ * daemon tells a repeated event from a tampered copy by it. */
+static PyObject *
+digests(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 4)
+        return PyErr_Format(PyExc_TypeError, "digests() takes 4 arguments (%zd given)", nargs);
+    PyObject *array = args[1];
+    if (!PyBytes_Check(args[0]) || !PyArray_Check(array) ||
+        PyArray_ITEMSIZE((PyArrayObject *)array) != sizeof(WireHead) || PyArray_NDIM((PyArrayObject *)array) != 1 ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)array))
+        return PyErr_Format(PyExc_TypeError, "digests: bytes and a contiguous HEAD array expected");
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]), stop = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    npy_intp n = PyArray_DIM((PyArrayObject *)array, 0);
+    if (start < 0 || stop > n || start > stop)
+        return PyErr_Format(PyExc_IndexError, "digests: [%zd, %zd) outside %zd heads", start, stop, (Py_ssize_t)n);
+    const char *data = PyBytes_AS_STRING(args[0]);
+    Py_ssize_t len = PyBytes_GET_SIZE(args[0]);
+    const WireHead *heads = PyArray_DATA((PyArrayObject *)array);
+    npy_intp count = stop - start;
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, &count, NPY_INT64);
+    if (out == NULL)
+        return NULL;
+    int64_t *digest = PyArray_DATA(out);
+    for (npy_intp i = 0; i < count; i++) {
+        const WireHead *h = &heads[start + i];
+        if (h->end > (uint64_t)len || h->start > h->end) {
+            Py_DECREF(out);
+            return PyErr_Format(PyExc_ValueError, "digests: head %zd lies outside the bytes", (Py_ssize_t)(start + i));
+        }
+        Py_hash_t hash = _Py_HashBytes(data + h->start, (Py_ssize_t)(h->end - h->start));
+        digest[i] = hash == -1 ? -2 : hash; /* as hash() answers */
+    }
+    return (PyObject *)out;
+}
+
 static PyMethodDef methods[] = {
+    {"digests", (PyCFunction)(void (*)(void))digests, METH_FASTCALL, "Each event's digest (hash of its bytes)."},
     {"head", (PyCFunction)head, METH_O, "One event's head, for the plain shape."},
     {"single", (PyCFunction)single, METH_O, "One event's head, as a batch of one."},
     {"batch", (PyCFunction)(void (*)(void))batch, METH_FASTCALL, "The heads of a batch's events."},

@@ -89,9 +89,18 @@ class Batch(NamedTuple):
         # the cost of the bytes on both sides of the pipe.
         return _batch_of_raw, (self.data, self.heads.tobytes())
 
+    def digests(self, start: int, stop: int) -> np.ndarray:
+        """The digests of events [start, stop): each as hash() of its bytes (digest())."""
+        return _wire.digests(self.data, self.heads, start, stop)
+
     def seq(self, i: int) -> int:
         """Event i's sequence number (0 if its bytes are not an event)."""
         return self.position(i)[1]
+
+
+def digest(body: bytes) -> int:
+    """An event's digest: hash() of its bytes (SipHash, keyed per process), as Batch.digests."""
+    return hash(body)
 
 
 def _batch_of_raw(data: bytes, heads: bytes) -> Batch:
