@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvguard.ledger import BadEvent, Ledger, sequence
+from kvguard.ledger import BadEvent, Ledger, sequence, snapshot
 from kvguard.ledger.sequence import Gaps
 from kvguard.proto import pb
 
@@ -96,3 +96,14 @@ def test_a_too_long_request_id_in_a_grant_takes_the_handlers_path_and_is_refused
         with pytest.raises(BadEvent, match=says):
             ledger.apply_serialized(grant.SerializeToString(), "n0")
     assert ledger.nodes["n0"].last_seq == 1 and ledger.requests.index == {}
+
+
+def test_a_snapshot_keeps_the_gaps() -> None:
+    ledger = Ledger()
+    for seq in (1, 4, 9):
+        ledger.apply(admit(seq))
+    again = snapshot.load(snapshot.dump(ledger))
+    assert again.nodes["n0"].gaps.ranges() == [(2, 3), (5, 8)] and again.nodes["n0"].durable_seq == 1
+    again.apply(admit(2))  # still a gap to fill, not a repeat
+    with pytest.raises(BadEvent, match="repeats"):
+        again.apply(admit(4))
