@@ -128,9 +128,12 @@ class Daemon:
         if self._thread.is_alive():
             with contextlib.suppress(TimeoutError):
                 asyncio.run_coroutine_threadsafe(self.pipeline.drain(), self.loop).result(timeout)
+            # A forked snapshot being stored finishes first, while the loop that forked it lives
+            # (its copy dies with that thread) and reports its group durable.
+            self.snapshots.join(timeout=120)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
-        self.snapshots.join(timeout=120)  # a forked snapshot being stored finishes first
+        self.snapshots.close()  # one still at work is killed: none outlives the daemon
         self.room.close()
 
     def fleet(self) -> svc.FleetState:
