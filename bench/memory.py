@@ -24,6 +24,7 @@ import sys
 import time
 
 from kvguard.ledger import snapshot
+from kvguard.ledger.forked import Forked
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb
 
@@ -62,7 +63,7 @@ def run(requests: int, retire: bool) -> dict[str, float]:
     snapshot.load(saved)
     loaded = time.perf_counter()
     # What the daemon does under load: a forked copy dumps, the caller goes on after the fork.
-    forked = snapshot.Forked(ledger)
+    forked = Forked(ledger)
     fork_s = time.perf_counter() - loaded
     same = forked.result() == saved
     return {

@@ -17,6 +17,7 @@ from kvguard.cli.options import (
     events_count,
     microseconds,
     milliseconds,
+    positive_count,
     tls_from_args,
 )
 
@@ -32,6 +33,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from kvguard.daemon.daemon import Daemon
     from kvguard.daemon.service import serve
     from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
+    from kvguard.ledger.limits import Limits
     from kvguard.ruleset import RulesetError, load_ruleset
 
     tls = tls_from_args(args)
@@ -86,6 +88,12 @@ def cmd_daemon(args: argparse.Namespace) -> int:
             clock_skew_ns=skew,
             snapshot_every=args.snapshot_every,
             store_reserve=args.store_reserve,
+            limits=Limits(
+                pages_per_pool=args.max_pages_per_pool,
+                pools_per_node=args.max_pools_per_node,
+                pages_per_node=args.max_pages_per_node,
+                read_entries=args.max_read_entries,
+            ),
         )
     except StoreError as exc:  # its writer could not open the store: serving would lose every batch
         writer.close()
@@ -119,6 +127,7 @@ def add_parser(sub: Subcommands) -> None:
     """Add `daemon` to the `kvguard` subcommands."""
     from kvguard.daemon.snapshots import SNAPSHOT_EVERY
     from kvguard.ledger.ledger import CLOCK_SKEW_NS
+    from kvguard.ledger.limits import PAGE_BYTES, Limits
 
     p = add_command(
         sub,
@@ -175,5 +184,24 @@ def add_parser(sub: Subcommands) -> None:
         "them spooled and resend them once there is room), rather than fail a commit on a full disk; "
         "0: never (default 256M; SQLite only: a PostgreSQL server's disk is not seen from here)",
     )
+    limits = p.add_argument_group(
+        "ledger limits (a pool report or read event above them is refused, counted as `limit`; a node's "
+        f"pages cost the daemon about {PAGE_BYTES} bytes each)"
+    )
+    for flag, name, what in (
+        ("--max-pages-per-pool", "pages_per_pool", "pages one pool may report"),
+        ("--max-pools-per-node", "pools_per_node", "pools one node may report"),
+        ("--max-pages-per-node", "pages_per_node", "pages all of one node's pools may hold together"),
+        (
+            "--max-read-entries",
+            "read_entries",
+            "requests one read event may list (the guard sends at most "
+            f"{Limits().read_entries} an event: do not go below it)",
+        ),
+    ):
+        default = getattr(Limits(), name)
+        limits.add_argument(
+            flag, type=positive_count, default=default, metavar="N", help=f"{what} (default %(default)s)"
+        )
     add_tls_arguments(p)
     p.set_defaults(func=cmd_daemon)

@@ -117,6 +117,14 @@ def events_count(text: str) -> int:
     return n
 
 
+def positive_count(text: str) -> int:
+    """An argparse type: a whole number, 1 or more (a limit)."""
+    n = _number(text, int, "a whole number")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: a limit must be at least 1")
+    return n
+
+
 # ------------------------------------------------------------------------------------ mutual TLS
 
 

@@ -28,6 +28,7 @@ from kvguard.daemon.snapshots import SNAPSHOT_EVERY, Snapshots, restored
 from kvguard.daemon.store import Store
 from kvguard.daemon.writer import InlineWriter, Writer
 from kvguard.ledger import CLOCK_SKEW_NS, Ledger, snapshot
+from kvguard.ledger.limits import UNBOUNDED, Limits
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.ruleset import Ruleset, load_ruleset
 
@@ -43,18 +44,22 @@ class Daemon:
         clock_skew_ns: int = CLOCK_SKEW_NS,
         snapshot_every: int = SNAPSHOT_EVERY,
         store_reserve: int = RESERVE,
+        limits: Limits | None = None,
     ) -> None:
         self.counters: Counter[str] = Counter()
         self.commands = Commands(mode, store.count("command"), self.counters)  # checks the mode first
         self.store = store
         self.ruleset = ruleset if ruleset is not None else load_ruleset()
-        self.ledger, through = restored(store, Ledger(clock_skew_ns=clock_skew_ns))
+        # What was applied once is applied again whatever the limits are now; they bound what comes next.
+        self.ledger, through = restored(store, Ledger(clock_skew_ns=clock_skew_ns, limits=UNBOUNDED))
+        self.ledger.limits = UNBOUNDED
         rebuilt = 0
         self.seen = Seen()  # the last events of each node, to tell a repeat from a tampered copy
         for node, batch, skip in store.event_batches(after=through):
             self.ledger.replay(batch, node, skip)  # verdicts are already stored; this rebuilds the state
             self.seen.record(node, batch, skip, len(batch))
             rebuilt += len(batch) - skip
+        self.ledger.limits = limits if limits is not None else Limits()
         self.counters["rebuilt_events"] = rebuilt
         self.counters["snapshot_through"] = through
         self.latencies = Latencies()  # receipt of a batch to its verdicts, alerts and ack
@@ -127,9 +132,12 @@ class Daemon:
         if self._thread.is_alive():
             with contextlib.suppress(TimeoutError):
                 asyncio.run_coroutine_threadsafe(self.pipeline.drain(), self.loop).result(timeout)
+            # A forked snapshot being stored finishes first, while the loop that forked it lives
+            # (its copy dies with that thread) and reports its group durable.
+            self.snapshots.join(timeout=120)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
-        self.snapshots.join(timeout=120)  # a forked snapshot being stored finishes first
+        self.snapshots.close()  # one still at work is killed: none outlives the daemon
         self.room.close()
 
     def fleet(self) -> svc.FleetState:

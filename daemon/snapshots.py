@@ -3,9 +3,10 @@ forked copy of the daemon dumps while it goes on (`Snapshots`).
 
 Invariants: a snapshot is used only if it is sound, bound to the store's chain at the record it
 was taken after, and taken with this daemon's ledger settings; otherwise the whole store is
-replayed, and the reason said. A periodic snapshot is stored only once the group it follows is
-durable, at most one at a time; a failure is counted and said, and the next is due
-`every` events later.
+replayed, and the reason said in one line that names the snapshot. A periodic snapshot is
+stored only once the group it follows is durable, at most one at a time; a failure (its forked
+copy killed by a signal included) is counted and said, and the next is due `every` events
+later; the copy is always reaped, and killed when the daemon stops.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from concurrent.futures import Future
 
 from kvguard.daemon.store import Store
 from kvguard.ledger import Ledger, snapshot
+from kvguard.ledger.forked import Forked
 
 SNAPSHOT_EVERY = 1 << 22  # events after which the next group is followed by a snapshot
 
@@ -34,7 +36,7 @@ def restored(store: Store, fresh: Ledger) -> tuple[Ledger, int]:
     try:
         ledger = snapshot.load(body)
     except snapshot.SnapshotError as exc:
-        _say(f"{exc}; replaying the whole store")
+        _say(f"the snapshot taken after record {through} cannot be loaded: {exc}; replaying the whole store")
         return fresh, 0
     if snapshot.settings(ledger) != snapshot.settings(fresh):
         _say("the snapshot was taken with other ledger settings; replaying the whole store")
@@ -56,6 +58,7 @@ class Snapshots:
         self._after = start  # the applied-event count the last one was due at
         self.counters = counters
         self.saving: threading.Thread | None = None
+        self._forked: Forked | None = None  # the copy dumping the snapshot being taken
 
     def due(self, events: int) -> bool:
         return bool(self.every) and self.saving is None and events - self._after >= self.every
@@ -66,7 +69,7 @@ class Snapshots:
         bytes once the group is durable (`committed`: its first record id)."""
         self._after = events  # the next is due `every` on, whatever happens
         try:
-            forked = snapshot.Forked(ledger)
+            forked = self._forked = Forked(ledger)
         except OSError as exc:
             self.counters["snapshot_failures"] += 1
             _say(f"periodic ledger snapshot not taken: {exc}")
@@ -76,7 +79,7 @@ class Snapshots:
         )
         self.saving.start()
 
-    def _store(self, forked: snapshot.Forked, committed: Future[int], rows: int) -> None:
+    def _store(self, forked: Forked, committed: Future[int], rows: int) -> None:
         try:
             body = forked.result()
             through = committed.result() + rows - 1  # groups commit in order: all before it too
@@ -87,6 +90,8 @@ class Snapshots:
             self.counters["snapshot_failures"] += 1
             _say(f"periodic ledger snapshot not saved: {exc}")
         finally:
+            forked.stop()  # reaped, whatever happened
+            self._forked = None
             self.saving = None
 
     def join(self, timeout: float) -> None:
@@ -94,3 +99,10 @@ class Snapshots:
         saving = self.saving
         if saving is not None:
             saving.join(timeout=timeout)
+
+    def close(self) -> None:
+        """The daemon stops: a copy still dumping is killed and reaped (its snapshot is not
+        stored), so that none outlives the daemon."""
+        forked = self._forked
+        if forked is not None:
+            forked.stop()

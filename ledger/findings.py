@@ -264,8 +264,12 @@ class Findings:
         """One finding per distinct victim among `pages` (victims[i] is pages[i]'s), of `pool`
         (a Pool)."""
         distinct = sorted(set(victims.tolist()))  # usually one: cheaper than np.unique
-        for victim in distinct:
-            sel = pages if len(distinct) == 1 else pages[victims == victim]
+        if len(distinct) == 1:
+            groups: Any = [pages]
+        else:  # one sort, not a scan of every page per victim (a page each: quadratic)
+            order = np.argsort(victims, kind="stable")
+            groups = np.split(pages[order], np.flatnonzero(np.diff(victims[order])) + 1)
+        for victim, sel in zip(distinct, groups, strict=True):
             self.report(
                 kind,
                 text(victim) + f" (pool {pool.pool} on {pool.node}, {len(sel)} page(s))",

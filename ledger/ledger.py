@@ -33,6 +33,7 @@ from kvguard.ledger.access import Access
 from kvguard.ledger.findings import BadEvent, Finding, Findings
 from kvguard.ledger.incarnation import Incarnations
 from kvguard.ledger.lifecycle import Lifecycle
+from kvguard.ledger.limits import Limits
 from kvguard.ledger.ownership import GRANT_RUNS, Ownership
 from kvguard.ledger.pools import Node, Pools
 from kvguard.ledger.requests import Request, Requests
@@ -80,6 +81,7 @@ class Ledger:
         clock_skew_ns: int = CLOCK_SKEW_NS,
         retire_idle: int = RETIRE_IDLE,
         forget_idle: int = FORGET_IDLE,
+        limits: Limits | None = None,
     ) -> None:
         self.dedupe = dedupe
         self.clock_skew_ns = clock_skew_ns
@@ -88,7 +90,7 @@ class Ledger:
         self.stats = LedgerStats()
         self.requests = Requests(retire_idle)
         self.findings = Findings(dedupe, self.requests.name_of, self.stats)
-        self.pools = Pools(self.findings)
+        self.pools = Pools(self.findings, limits if limits is not None else Limits())
         access = Access(self.findings, self.stats)
         self.transfers = Transfers(self.pools, self.requests, access, self.findings, clock_skew_ns)
         self.ownership = Ownership(self.pools, self.requests, self.transfers, access, self.findings)
@@ -126,6 +128,16 @@ class Ledger:
     @property
     def nodes(self) -> dict[str, Node]:
         return self.pools.nodes
+
+    @property
+    def limits(self) -> Limits:
+        """What a node may make the ledger hold, and an event make it do (limits.py). Not part
+        of its state: a ledger restored or replayed under other limits takes them from then on."""
+        return self.pools.limits
+
+    @limits.setter
+    def limits(self, limits: Limits) -> None:
+        self.pools.limits = limits
 
     @property
     def known_requests(self) -> int:

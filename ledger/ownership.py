@@ -353,6 +353,7 @@ class Ownership:
     # ------------------------------------------------------------------ attention
 
     def on_read(self, node: Node, rd: pb.Read) -> None:
+        self.pools.limits.check_read(node.name, len(rd.reads))
         checked = []
         for entry in rd.reads:  # validate the whole launch before reporting anything
             pool = self.pools.pool(node, entry.pool, "read")

@@ -14,7 +14,8 @@ Invariants (Pools is the only writer of nodes, pools and their reports):
   page_size or kv_dtype are drift as soon as both are reported; pools of different clusters
   are never compared (they never exchange KV); a bootstrap compares the pools of the two
   nodes it pairs (same pool id) whatever their clusters: they are about to exchange KV;
-- a pair of pools' drift on one field is reported once (`drift_pairs`).
+- a pair of pools' drift on one field is reported once (`drift_pairs`);
+- a node's pools stay within `limits` (limits.py): a report beyond them is refused whole.
 A Pool also holds what its requests were granted there (`live`, `grants`): the ownership
 handlers and the C clean path write those, through the `view` handed to C.
 """
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvguard.ledger.findings import BadEvent, Findings
+from kvguard.ledger.limits import Limits
 from kvguard.ledger.pages import MAX_PAGE_SIZE, MAX_PAGES, PoolPages
 from kvguard.ledger.sequence import Gaps
 from kvguard.proto import pb
@@ -133,8 +135,9 @@ class Node:
 class Pools:
     """The nodes by name, their pools, and the drift between them."""
 
-    def __init__(self, findings: Findings) -> None:
+    def __init__(self, findings: Findings, limits: Limits) -> None:
         self.nodes: dict[str, Node] = {}
+        self.limits = limits  # what a node's pools may hold, and a read event list (limits.py)
         self.drift_pairs: set[tuple[str, str, str]] = set()
         self._found = findings
 
@@ -161,6 +164,9 @@ class Pools:
             raise BadEvent(
                 f"pool: reserved_pages {rep.reserved_pages} leaves none of its {rep.num_pages} pages to grant"
             )
+        self.limits.check_pool(
+            node.name, rep.pool, rep.num_pages, {p: q.pages.num_pages for p, q in node.pools.items()}
+        )
         regions = _regions(rep)
         report = pb.PoolReport()
         report.CopyFrom(rep)

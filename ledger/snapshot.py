@@ -6,9 +6,11 @@ property tests compare dump() of both after the same further events, byte for by
 dump() of equal states is equal bytes. The format is data only, never code: an uncompressed
 NumPy .npz (read with allow_pickle=False) holding the page arrays, the requests' table, the
 small arrays packed into one per dtype, and one JSON document for everything else; every
-value read back is checked for its type and shape. A snapshot that cannot be read raises
-SnapshotError naming the reason; the daemon then replays the store instead. `Forked` dumps a
-ledger from a forked copy of the process, so that its owner goes on at once.
+value read back is checked for its type and shape, and nothing is allocated beyond what its
+bytes hold (each array's header is checked against its stored size first). A snapshot that
+cannot be read raises SnapshotError naming the reason; the daemon then replays the store
+instead. `Forked` (forked.py) dumps a ledger from a forked copy of the process, so that its
+owner goes on at once.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import contextlib
 import gc
 import io
 import math
-import os
 import zipfile
 from collections import Counter, OrderedDict
 from typing import Any
@@ -28,7 +29,7 @@ import orjson
 
 from kvguard.ledger.access import Shared
 from kvguard.ledger.ledger import Ledger
-from kvguard.ledger.pages import PoolPages
+from kvguard.ledger.pages import MAX_PAGE_SIZE, MAX_PAGES, PoolPages
 from kvguard.ledger.pools import Node, Pool
 from kvguard.ledger.requests import REQ, Request
 from kvguard.ledger.sequence import Gaps
@@ -84,6 +85,43 @@ def _packed(kind: str) -> str:
     return "packed_" + kind.translate(str.maketrans("<>|=", "lbnn"))
 
 
+class _Arrays:
+    """The arrays of a snapshot's .npz, each read when asked for and only if its header agrees
+    with the bytes stored for it: uncompressed (np.savez's), plain data, its size as stored.
+    Nothing is allocated beyond what the snapshot's bytes hold."""
+
+    def __init__(self, data: bytes) -> None:
+        self._size = len(data)
+        self._zip = zipfile.ZipFile(io.BytesIO(data))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        try:
+            info = self._zip.getinfo(f"{name}.npy")
+        except KeyError:
+            raise SnapshotError(f"it holds no array {name!r}") from None
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size > self._size:
+            raise SnapshotError(f"its array {name!r} is compressed or larger than the snapshot")
+        with self._zip.open(info) as f:
+            version = np.lib.format.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise SnapshotError(f"its array {name!r} has an unknown header version {version}")
+            read_header = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, fortran, dtype = read_header(f)
+            if dtype.hasobject or fortran:
+                raise SnapshotError(f"its array {name!r} is not plain data in C order")
+            size = math.prod(shape) * dtype.itemsize
+            stored = info.file_size - f.tell()
+            if size != stored:
+                raise SnapshotError(
+                    f"its array {name!r} of shape {shape} needs {size} bytes, {stored} are stored"
+                )
+            return np.frombuffer(f.read(size), dtype).reshape(shape)
+
+
 class _Unpacker:
     def __init__(self, files: Any) -> None:
         self.files = files
@@ -91,6 +129,14 @@ class _Unpacker:
 
     def get(self, ref: list[Any]) -> np.ndarray:
         kind, offset, shape = ref
+        if (
+            type(kind) is not str
+            or type(offset) is not int
+            or any(type(n) is not int or n < 0 for n in shape)
+        ):
+            raise SnapshotError(
+                f"an array [{kind!r}, {offset!r}, {shape!r}] is not named by a dtype, offset and shape"
+            )
         packed = self.packed.get(kind)
         if packed is None:
             packed = self.packed[kind] = self.files[_packed(kind)]
@@ -253,50 +299,16 @@ def _dump(ledger: Ledger) -> bytes:
     return out.getvalue()
 
 
-class Forked:
-    """dump(ledger) by a forked copy of this process: the copy holds the ledger as it was at
-    the fork (copy-on-write), dumps it on another core and writes the bytes to a pipe, while
-    the caller goes on changing its own; memory grows by what either side changes meanwhile
-    (at most the ledger's size). Fork from the thread that owns the ledger, between two
-    events. The copy touches nothing but the ledger and the pipe (no locks, sockets or other
-    threads' state) and leaves by os._exit."""
-
-    def __init__(self, ledger: Ledger) -> None:
-        read_fd, write_fd = os.pipe()
-        try:
-            self.pid = os.fork()
-        except OSError:
-            os.close(read_fd)
-            os.close(write_fd)
-            raise
-        if self.pid == 0:  # the copy
-            code = 1
-            try:
-                os.close(read_fd)
-                with os.fdopen(write_fd, "wb") as out:
-                    out.write(dump(ledger))
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(write_fd)
-        self._read_fd = read_fd
-
-    def result(self) -> bytes:
-        """The snapshot's bytes, once the copy is done (SnapshotError if it failed). Once."""
-        with os.fdopen(self._read_fd, "rb") as pipe:
-            body = pipe.read()
-        status = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        if status != 0 or not body:
-            raise SnapshotError(f"the process dumping the snapshot exited with status {status}")
-        return body
-
-
 def load(data: bytes) -> Ledger:
     """A ledger in the state `data` holds (SnapshotError if it cannot be read)."""
+    if not data:
+        raise SnapshotError("the snapshot is empty (0 bytes)")
     try:
         with _no_collections():
-            files = np.load(io.BytesIO(data), allow_pickle=False)
-            state = orjson.loads(bytes(files["state"]))
+            files = _Arrays(data)
+            state = orjson.loads(files["state"].tobytes())
+            if type(state) is not dict:
+                raise SnapshotError("its state is not a JSON object")
             if state.get("format") != FORMAT:
                 raise SnapshotError(f"snapshot format {state.get('format')!r}, this kvguard reads {FORMAT}")
             return _restore(state, files)
@@ -309,6 +321,10 @@ def load(data: bytes) -> Ledger:
         IndexError,
         AttributeError,
         OSError,
+        EOFError,
+        OverflowError,
+        RecursionError,  # nested lists deeper than Python recurses
+        NotImplementedError,  # a zip member's feature zipfile does not read
         zipfile.BadZipFile,
         orjson.JSONDecodeError,
     ) as exc:
@@ -340,6 +356,11 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
         )
         for p in pools:
             key, num_pages, page_size = p["pages"]
+            owner = files[f"{key}.owner"]  # its pages' records are made only as large as what is stored
+            if type(num_pages) is not int or not 1 <= num_pages <= MAX_PAGES or owner.shape != (num_pages,):
+                raise SnapshotError(f"pool {p['pool']} of {name}: {num_pages!r} pages, {owner.shape} stored")
+            if type(page_size) is not int or not 1 <= page_size <= MAX_PAGE_SIZE:
+                raise SnapshotError(f"pool {p['pool']} of {name}: page size {page_size!r}")
             pages = PoolPages(num_pages, page_size)
             for array in _PAGE_ARRAYS:
                 value = files[f"{key}.{array}"]

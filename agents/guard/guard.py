@@ -540,7 +540,10 @@ class Guard:
             need = -(-int(lens[i]) // page_size)
             pages = tables[i, :need].tolist()
             reads.append({"req": reqs[i], "pool": pool, "pages": pages, "tokens": int(lens[i])})
-        verdict = self._emit("read", reads=reads)
+        most = self.ledger.limits.read_entries  # a larger launch's reads go as several events
+        verdict = CLEAN
+        for at in range(0, len(reads), most):
+            verdict = merged(verdict, self._emit("read", reads=reads[at : at + most]))
         for entry in reads:  # a request killed earlier that is still batched stays out
             req = entry["req"]
             if req in self.killed and req not in verdict.kill:

@@ -3,6 +3,7 @@
 - store.py: `Store` (append, snapshots, seals, the WAL's upkeep), the one writer of a store;
 - rows.py: the rows appended (`Record`; a batch's runs from its heads, `rows_of`);
 - chain.py: the hash chain, snapshot digests, seals and audit keys;
+- snapshot_rows.py: a ledger snapshot's body, stored in parts;
 - reads.py: rebuild reads, filtered queries (proto/filter.py), the chain's proof (`verify`);
 - schema.py: the tables, their migrations (daemon/migrations) and `store_url`.
 """

@@ -4,8 +4,8 @@ store lies (`store_url`).
 Invariant: the schema is created and changed only by the migrations; `records` is the hash
 chain (append-only, one id per event, finding or command), `named` indexes every request a
 record names beyond its `req` column but a step's batch (derived, outside the chain; a
-request's steps are found within its span on each node, reads.py), `snapshots` and `seal` are
-bound to the chain (store.py, chain.py).
+request's steps are found within its span on each node, reads.py), `snapshots` (their bodies
+whole or in `snapshot_parts`) and `seal` are bound to the chain (store.py, chain.py).
 """
 
 from __future__ import annotations
@@ -48,6 +48,15 @@ snapshots = Table(
     Column("created_ns", BigInteger(), nullable=False),
     Column("body", LargeBinary(), nullable=False),
     Column("digest", LargeBinary(32), nullable=False),
+    Column("parts", Integer(), nullable=False, server_default="0"),  # 0: the body is whole in `body`
+)
+# A snapshot's body in parts (migration 0008): no SQL value need hold a large ledger whole.
+snapshot_parts = Table(
+    "snapshot_parts",
+    metadata,
+    Column("snapshot_id", BigInteger(), primary_key=True, autoincrement=False),
+    Column("part", Integer(), primary_key=True, autoincrement=False),
+    Column("body", LargeBinary(), nullable=False),
 )
 SNAPSHOTS_KEPT = 2
 seal = Table(

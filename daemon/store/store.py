@@ -6,7 +6,7 @@ Invariants: records are only ever inserted; every event, finding and command has
 (chain.py), so `verify()` proves that nothing was altered, removed or reordered; one store has
 one writer (the daemon's writer process), which owns the chain and its last hash; a store
 sealed with an audit key is appended to only with that key. Snapshots are kept bound to the
-chain, the newest SNAPSHOTS_KEPT.
+chain, the newest SNAPSHOTS_KEPT, their bodies in parts (snapshot_rows.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from typing import Any
 
 from sqlalchemy import create_engine, event, func, select, text
 
-from kvguard.daemon.store import reads
+from kvguard.daemon.store import reads, snapshot_rows
 from kvguard.daemon.store.chain import GENESIS, chain, seal_tag, snapshot_digest
 from kvguard.daemon.store.rows import Record, run_ids
-from kvguard.daemon.store.schema import COLUMNS, SNAPSHOTS_KEPT, migrate, records, seal, snapshots, store_url
+from kvguard.daemon.store.schema import COLUMNS, migrate, records, seal, store_url
+from kvguard.daemon.store.snapshot_rows import SNAPSHOT_PART
 from kvguard.proto import pb, wire
 from kvguard.proto.filter import Filter
 
@@ -283,37 +284,27 @@ class Store:
         proven only with its audit key (reads.verify)."""
         return reads.verify(self.engine, self._seals, self._keys, bool(self._given))
 
-    def save_snapshot(self, body: bytes, through: int | None = None) -> int:
+    def save_snapshot(self, body: bytes, through: int | None = None, part_bytes: int = SNAPSHOT_PART) -> int:
         """Store a snapshot of the state after record `through` (default: the last record
-        committed, by any writer); returns that record's id. Keeps the newest SNAPSHOTS_KEPT."""
+        committed, by any writer), its body in parts of `part_bytes` (snapshot_rows.py); returns
+        that record's id. Keeps the newest SNAPSHOTS_KEPT."""
         mac = self.write_key()
         with self.engine.begin() as conn:
             last = _ending(conn, through)
             if through is not None and (last is None or last[0] != through):
                 raise StoreError(f"audit store {self.url}: no record ends at id {through} to snapshot after")
             through, after = last if last else (0, GENESIS)
-            digest = snapshot_digest(after, body, mac)
-            conn.execute(
-                snapshots.insert().values(
-                    through_id=through, created_ns=time.time_ns(), body=body, digest=digest
-                )
-            )
-            kept = select(snapshots.c.id).order_by(snapshots.c.id.desc()).limit(SNAPSHOTS_KEPT)
-            conn.execute(snapshots.delete().where(snapshots.c.id.not_in(kept.scalar_subquery())))
+            snapshot_rows.insert(conn, through, body, snapshot_digest(after, body, mac), part_bytes)
         return int(through)
 
     def latest_snapshot(self) -> tuple[int, bytes] | str:
         """(the last record it includes, its body) of the newest snapshot, or why there is
         none to use: a snapshot whose digest does not match the chain at its record is not."""
         with self.engine.connect() as conn:
-            row = conn.execute(
-                select(snapshots.c.through_id, snapshots.c.body, snapshots.c.digest)
-                .order_by(snapshots.c.id.desc())
-                .limit(1)
-            ).first()
-            if row is None:
-                return "no snapshot"
-            through, body, digest = row
+            found = snapshot_rows.latest(conn)
+            if isinstance(found, str):
+                return found
+            through, body, digest = found
             last = _ending(conn, through) if through else None
         if through and (last is None or last[0] != through):
             return f"the snapshot's record {through} is not in the store"
@@ -324,7 +315,7 @@ class Store:
             return "the store is sealed: checking its snapshot needs its current audit key"
         if snapshot_digest(after or GENESIS, body, key) != digest:
             return f"the snapshot taken after record {through} does not match the chain there"
-        return int(through), bytes(body)
+        return int(through), body
 
     def close(self) -> None:
         if self._closed:

@@ -118,9 +118,12 @@ def test_a_restart_loads_the_snapshot_and_replays_only_what_came_after(
     if snapshot_is == "altered":  # one byte of the stored snapshot changed
         engine = create_engine(url_of(store_url))
         with engine.begin() as conn:
-            body = conn.execute(text("SELECT body FROM snapshots ORDER BY id DESC LIMIT 1")).scalar_one()
+            newest = "snapshot_id = (SELECT max(id) FROM snapshots)"  # its body's last part
+            query = f"SELECT part, body FROM snapshot_parts WHERE {newest} ORDER BY part DESC LIMIT 1"
+            part, body = conn.execute(text(query)).one()
             body = bytes(body[:-1]) + bytes([body[-1] ^ 1])
-            conn.execute(text("UPDATE snapshots SET body = :b"), {"b": body})
+            update = f"UPDATE snapshot_parts SET body = :b WHERE {newest} AND part = :p"
+            conn.execute(text(update), {"b": body, "p": part})
         engine.dispose()
         verify = [sys.executable, "-m", "kvguard", "audit", "verify", "--store", store_url]
         said = subprocess.run(verify, capture_output=True, text=True, check=True).stdout

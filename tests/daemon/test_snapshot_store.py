@@ -1,0 +1,220 @@
+"""Where the daemon's ledger snapshots lie and how a bad one fails safe: a snapshot stored in
+parts (no SQL value holds a large ledger whole) and read back whole; one stored whole before
+parts existed still read; one that cannot be read back or loaded said in one line, by name,
+and the store replayed instead; the forked copy that dumps it reaped whatever kills it, and
+never outliving its daemon."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import zipfile
+from collections import Counter
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+from alembic import command
+from sqlalchemy import create_engine, text
+
+from kvguard.daemon.snapshots import Snapshots, restored
+from kvguard.daemon.store import Record, Store, migrations
+from kvguard.daemon.store import store_url as url_of
+from kvguard.daemon.store.chain import snapshot_digest
+from kvguard.ledger import Ledger, forked, snapshot
+from kvguard.proto.builder import EventLog
+
+
+def events() -> list:
+    log = EventLog()
+    log.add("n0", "pool", pool=0, role="colocated", page_size=16, num_pages=64)
+    for i in range(8):
+        log.add("n0", "alloc", req=f"r{i}", pool=0, pages=[i + 1])
+    return log.events
+
+
+def ledger_of(evs: list) -> Ledger:
+    ledger = Ledger()
+    for e in evs:
+        ledger.apply(e)
+    return ledger
+
+
+def parts(store_url: str) -> list[tuple[int, int]]:
+    engine = create_engine(url_of(store_url))
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT snapshot_id, part FROM snapshot_parts ORDER BY 1, 2")).all()
+            return [(int(a), int(b)) for a, b in rows]
+    finally:
+        engine.dispose()
+
+
+def test_a_snapshot_is_stored_in_parts_and_read_back_whole(store_url: str) -> None:
+    store = Store(store_url)
+    evs = events()
+    store.append([Record.of_event(e) for e in evs])
+    body = snapshot.dump(ledger_of(evs))
+    through = store.save_snapshot(body, part_bytes=1000)
+    assert store.latest_snapshot() == (through, body)
+    count = -(-len(body) // 1000)
+    assert count > 2 and [p for _, p in parts(store_url)] == list(range(count))
+    for _ in range(2):  # only the newest two are kept, parts and all
+        store.save_snapshot(body, part_bytes=len(body) // 2 + 1)
+    assert sorted(Counter(s for s, _ in parts(store_url)).values()) == [2, 2]
+    assert store.latest_snapshot() == (through, body)
+    assert snapshot.dump(snapshot.load(store.latest_snapshot()[1])) == body  # type: ignore[index]
+
+
+def test_a_snapshot_stored_whole_before_parts_existed_is_still_loaded(store_url: str) -> None:
+    store = Store(store_url)
+    evs = events()
+    store.append([Record.of_event(e) for e in evs])
+    store.close()
+    body = snapshot.dump(ledger_of(evs))
+    engine = create_engine(url_of(store_url))
+    with engine.begin() as conn:
+        command.downgrade(migrations(conn), "0007")
+        last = conn.execute(text("SELECT id, hash FROM records ORDER BY id DESC LIMIT 1")).one()
+        row = {"t": last[0], "b": body, "d": snapshot_digest(bytes(last[1]), body, None)}
+        insert = "INSERT INTO snapshots (through_id, created_ns, body, digest) VALUES (:t, 1, :b, :d)"
+        conn.execute(text(insert), row)
+    engine.dispose()
+    store = Store(store_url)  # upgraded to parts on open
+    ledger, through = restored(store, Ledger())
+    assert through == last[0] and snapshot.dump(ledger) == body
+
+
+def stored_whole(store: Store, body: bytes) -> int:
+    """A snapshot stored as a store of revision 0007 stored it (whole), with a sound digest."""
+    with store.engine.begin() as conn:
+        last = conn.execute(text("SELECT id, hash FROM records ORDER BY id DESC LIMIT 1")).one()
+        row = {"t": last[0], "b": body, "d": snapshot_digest(bytes(last[1]), body, None)}
+        insert = "INSERT INTO snapshots (through_id, created_ns, body, digest) VALUES (:t, 1, :b, :d)"
+        conn.execute(text(insert), row)
+    return int(last[0])
+
+
+@pytest.mark.parametrize("damage", ["empty body", "a part missing", "not a snapshot", "absurd sizes"])
+def test_a_snapshot_that_cannot_be_used_is_said_in_one_line_and_the_store_replayed(
+    store_url: str, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = Store(store_url)
+    evs = events()
+    store.append([Record.of_event(e) for e in evs])
+    good = snapshot.dump(ledger_of(evs))
+    if damage == "a part missing":
+        through = store.save_snapshot(good, part_bytes=1000)
+        with store.engine.begin() as conn:
+            conn.execute(text("DELETE FROM snapshot_parts WHERE part = 1"))
+        reason = f"the snapshot taken after record {through} has part 2 where part 1 of"
+    elif damage == "empty body":
+        through = stored_whole(store, b"")
+        reason = f"the snapshot taken after record {through} has an empty body"
+    else:
+        body = b"not a snapshot" * 100 if damage == "not a snapshot" else absurd(good)
+        through = stored_whole(store, body)
+        reason = f"the snapshot taken after record {through} cannot be loaded: "
+    ledger, at = restored(store, Ledger())
+    assert at == 0 and ledger.nodes == {}  # fresh: the whole store is replayed
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and reason in said and said.endswith("; replaying the whole store\n")
+
+
+def absurd(good: bytes) -> bytes:
+    """`good` with every pool's owner array claiming 2^40 pages in its header."""
+    with zipfile.ZipFile(io.BytesIO(good)) as z:
+        files = {name: z.read(name) for name in z.namelist()}
+    fmt = np.lib.format
+    for name, body in files.items():
+        if name.endswith(".owner.npy"):
+            f = io.BytesIO(body)
+            fmt.read_magic(f)
+            _, _, dtype = fmt.read_array_header_1_0(f)
+            header = io.BytesIO()
+            fields = {"descr": fmt.dtype_to_descr(dtype), "fortran_order": False, "shape": (1 << 40,)}
+            fmt.write_array_header_1_0(header, fields)
+            files[name] = header.getvalue() + body[f.tell() :]
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for name, body in files.items():
+            z.writestr(name, body)
+    return out.getvalue()
+
+
+def test_a_forked_copy_killed_by_a_signal_is_reaped_counted_and_said(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def crash(_: Ledger) -> bytes:
+        os.kill(os.getpid(), signal.SIGSEGV)
+        return b""
+
+    monkeypatch.setattr(forked, "dump", crash)
+    store = Store(str(tmp_path / "audit.db"))
+    counters: Counter[str] = Counter()
+    snaps = Snapshots(store, 1, 0, counters)
+    committed: Future[int] = Future()
+    committed.set_result(1)
+    snaps.fork(ledger_of(events()), 1, committed, 1)
+    pid = snaps._forked.pid if snaps._forked else 0
+    snaps.join(timeout=30)
+    assert counters["snapshot_failures"] == 1 and counters["snapshots"] == 0
+    assert "periodic ledger snapshot not saved: the process dumping the snapshot was killed by SIGSEGV" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(ChildProcessError):  # reaped already: no zombie left
+        os.waitpid(pid, os.WNOHANG)
+    assert not snaps.due(1) and snaps.saving is None  # the next is due `every` later, as usual
+
+
+def test_a_forked_copy_at_work_is_killed_when_its_daemon_stops_or_dies(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    monkeypatch.setattr(forked, "dump", lambda _: time.sleep(60) or b"")
+    counters: Counter[str] = Counter()
+    snaps = Snapshots(Store(str(tmp_path / "audit.db")), 1, 0, counters)
+    committed: Future[int] = Future()
+    snaps.fork(ledger_of(events()), 1, committed, 1)
+    started = time.monotonic()
+    snaps.close()  # the daemon stops: the copy is killed and reaped at once
+    snaps.join(timeout=10)
+    assert time.monotonic() - started < 5 and counters["snapshot_failures"] == 1
+    # A daemon that dies (SIGKILL, os._exit) takes its copy with it.
+    script = textwrap.dedent(
+        """
+        import os, threading, time
+        from kvguard.ledger import Ledger, forked
+        forked.dump = lambda _: time.sleep(60) or b""
+        def loop():  # the daemon's loop thread forks it
+            print(forked.Forked(Ledger()).pid, flush=True)
+            time.sleep(60)
+        threading.Thread(target=loop, daemon=True).start()
+        time.sleep(0.5)
+        os._exit(70)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid), f"the copy {pid} outlived its daemon"
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for init to reap it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_no_snapshot_thread_is_left_running() -> None:
+    assert not [t for t in threading.enumerate() if t.name == "kvguard-daemon-snapshot"]
