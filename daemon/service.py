@@ -1,8 +1,8 @@
 """The daemon's gRPC services, on the daemon's loop: AgentService (one stream per node: batches
 in, acks and commands back; `AgentSession`), AlertService (the alert feed, resumable by
 cursor), AuditService (audit queries), FleetService (the fleet state), health checking and
-reflection; mutual TLS when it is configured (`serve`); without it, loopback only unless
-told otherwise (access.py).
+reflection; mutual TLS when it is configured (`serve`), and then each call only in its
+caller's role; without it, loopback only unless told otherwise (access.py).
 
 Invariants: a stream speaks for the one node its hello names, which under mutual TLS its
 client certificate must name too, and a node has one stream at a time; a batch is refused
@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvguard.daemon.access import check_listener
+from kvguard.daemon.access import RoleCheck, check_listener
 from kvguard.daemon.daemon import Daemon
 from kvguard.daemon.fanout import Subscriber
 from kvguard.daemon.ingest import Batch
@@ -274,6 +274,8 @@ class Server:
     async def _start(self, daemon: Daemon, listen: str, tls: Tls | None) -> int:
         server = grpc.aio.server(
             migration_thread_pool=futures.ThreadPoolExecutor(max_workers=8),
+            # Under mutual TLS each call is checked against its caller's role first.
+            interceptors=[RoleCheck(daemon.counters, self.loop)] if tls is not None else None,
             options=[
                 ("grpc.max_receive_message_length", TRANSPORT_LIMIT),
                 ("grpc.max_send_message_length", TRANSPORT_LIMIT),
