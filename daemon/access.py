@@ -149,6 +149,7 @@ class RoleCheck(grpc.aio.ServerInterceptor):
             return None
         names = context.auth_context().get("x509_common_name", [])
         who = names[0].decode(errors="replace") if names else "no common name"
+        who = who if who.isprintable() else ascii(who)  # the log keeps one line per refusal
         if role is None:
             reason = f"{method} takes a client certificate"
         elif not allowed:
