@@ -30,6 +30,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from kvguard.daemon.access import ListenerError, check_listener
     from kvguard.daemon.daemon import Daemon
     from kvguard.daemon.service import serve
     from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
@@ -37,6 +38,13 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from kvguard.ruleset import RulesetError, load_ruleset
 
     tls = tls_from_args(args)
+    try:  # before anything is opened: a listener that must not serve stops the start
+        warning = check_listener(args.listen, tls=tls is not None, insecure=args.insecure)
+    except ListenerError as exc:
+        print(f"kvguard daemon: {exc}", file=sys.stderr)
+        return 2
+    if warning is not None:
+        print(f"kvguard daemon: {warning}", file=sys.stderr, flush=True)
     try:
         ruleset = load_ruleset(Path(args.rules) if args.rules else None)
     except RulesetError as exc:
@@ -99,7 +107,14 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         writer.close()
         print(f"kvguard daemon: {exc}", file=sys.stderr)
         return 2
-    server = serve(daemon, args.listen, tls)
+    try:
+        server = serve(daemon, args.listen, tls, insecure=args.insecure)
+    except OSError as exc:  # the address is taken, or not this host's
+        daemon.close()
+        writer.close()
+        store.close()
+        print(f"kvguard daemon: {exc}", file=sys.stderr)
+        return 2
     port = server.port
     print(
         f"kvguard daemon listening on port {port}; store {store.url}; ledger from the snapshot after record "
@@ -134,9 +149,20 @@ def add_parser(sub: Subcommands) -> None:
         "daemon",
         "the global ledger, audit store and alert feed over gRPC",
         "Judge all nodes' events in one ledger, keep the audit log, alert, and in enforce mode order kills.",
-        "kvguard daemon --listen 0.0.0.0:7463 --store /var/lib/kvguard/audit.db --audit-key audit.key",
+        "kvguard daemon --listen 0.0.0.0:7463 --store /var/lib/kvguard/audit.db --audit-key audit.key "
+        "--tls-ca ca.pem --tls-cert daemon.pem --tls-key daemon.key",
     )
-    p.add_argument("--listen", default="127.0.0.1:7463", help="gRPC address (host:port)")
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:7463",
+        help="gRPC address (host:port); without mutual TLS only a loopback address, unless --insecure",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plaintext gRPC on an address other hosts can reach: anyone who reaches it can read the "
+        "audit log and speak as any node (for a network you trust; said once at start)",
+    )
     p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
     p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
     p.add_argument(

@@ -1,7 +1,8 @@
 """The daemon's gRPC services, on the daemon's loop: AgentService (one stream per node: batches
 in, acks and commands back; `AgentSession`), AlertService (the alert feed, resumable by
 cursor), AuditService (audit queries), FleetService (the fleet state), health checking and
-reflection; mutual TLS when it is configured (`serve`).
+reflection; mutual TLS when it is configured (`serve`), and then each call only in its
+caller's role; without it, loopback only unless told otherwise (access.py).
 
 Invariants: a stream speaks for the one node its hello names, which under mutual TLS its
 client certificate must name too, and a node has one stream at a time; a batch is refused
@@ -24,6 +25,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvguard.daemon.access import RoleCheck, check_listener
 from kvguard.daemon.daemon import Daemon
 from kvguard.daemon.fanout import Subscriber
 from kvguard.daemon.ingest import Batch
@@ -257,9 +259,13 @@ class FleetServicer(svc_grpc.FleetServiceServicer):
 class Server:
     """The gRPC server, on the daemon's loop: the agent and alert streams run there (no thread
     per stream, so a batch never changes threads in the daemon); audit queries and fleet
-    state run in a small thread pool."""
+    state run in a small thread pool. A plaintext `listen` must be on loopback unless
+    `insecure` (ListenerError otherwise: access.check_listener)."""
 
-    def __init__(self, daemon: Daemon, listen: str, tls: Tls | None = None) -> None:
+    def __init__(
+        self, daemon: Daemon, listen: str, tls: Tls | None = None, *, insecure: bool = False
+    ) -> None:
+        check_listener(listen, tls=tls is not None, insecure=insecure)
         self.loop = daemon.loop
         self._server: grpc.aio.Server | None = None
         start = self._start(daemon, listen, tls)
@@ -268,6 +274,8 @@ class Server:
     async def _start(self, daemon: Daemon, listen: str, tls: Tls | None) -> int:
         server = grpc.aio.server(
             migration_thread_pool=futures.ThreadPoolExecutor(max_workers=8),
+            # Under mutual TLS each call is checked against its caller's role first.
+            interceptors=[RoleCheck(daemon.counters, self.loop)] if tls is not None else None,
             options=[
                 ("grpc.max_receive_message_length", TRANSPORT_LIMIT),
                 ("grpc.max_send_message_length", TRANSPORT_LIMIT),
@@ -291,10 +299,13 @@ class Server:
         for name in ["", *names]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        if tls is None:
-            port = server.add_insecure_port(listen)
-        else:
-            port = server.add_secure_port(listen, tls.server_credentials())
+        try:
+            if tls is None:
+                port = server.add_insecure_port(listen)
+            else:
+                port = server.add_secure_port(listen, tls.server_credentials())
+        except RuntimeError:  # gRPC's "Failed to bind": taken, or not an address of this host
+            port = 0
         if port == 0:
             raise OSError(f"cannot listen on {listen}")
         await server.start()
@@ -307,7 +318,7 @@ class Server:
             asyncio.run_coroutine_threadsafe(self._server.stop(grace), self.loop).result(timeout=grace + 5)
 
 
-def serve(daemon: Daemon, listen: str, tls: Tls | None = None) -> Server:
+def serve(daemon: Daemon, listen: str, tls: Tls | None = None, *, insecure: bool = False) -> Server:
     """Start the gRPC server (health checking and reflection on; mutual TLS when `tls` is
-    given, else plaintext); `.port` is where it listens."""
-    return Server(daemon, listen, tls)
+    given, else plaintext, on loopback unless `insecure`); `.port` is where it listens."""
+    return Server(daemon, listen, tls, insecure=insecure)

@@ -3,9 +3,11 @@
 stream's node identity is bound to its client's certificate.
 
 Invariants: with TLS on, the daemon serves only clients whose certificate the CA signed
-(the handshake fails otherwise, before any request is read), and an agent stream may speak
-only for a node its certificate names (the subject's CN or a DNS name among its SANs), or for
-that node's probes (`node/probe`, e.g. the agent's eBPF witness `p0/ebpf`).
+(the handshake fails otherwise, before any request is read); a certificate is a reader's if
+it carries the URI SAN READER_URI, a node's otherwise (`peer_role`; what each may call:
+daemon/access.py); and an agent stream may speak only for a node its certificate names (the
+subject's CN or a DNS name among its SANs), or for that node's probes (`node/probe`, e.g.
+the agent's eBPF witness `p0/ebpf`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ if TYPE_CHECKING:  # grpc is imported where it is used: the CLI builds its parse
 MAX_MESSAGE = 16 << 20  # the largest AgentMessage the daemon accepts
 MAX_BATCH_BYTES = MAX_MESSAGE // 2  # what an agent puts in one batch (the events' bytes), at most
 TRANSPORT_LIMIT = 64 << 20  # gRPC's own limit: beyond it gRPC refuses, before the daemon sees a byte
+
+# The roles of a client certificate: a node's streams its events; a reader's (audit, alerts,
+# fleet: a SIEM, a dashboard, an operator) reads. A URN rather than a name, so that no node's
+# name can make its certificate a reader's.
+NODE = "node"
+READER = "reader"
+READER_URI = "urn:kvguard:role:reader"
 
 
 class TlsError(ValueError):
@@ -85,3 +94,12 @@ def peer_names(context: Any) -> set[str] | None:
         return None
     names = auth.get("x509_common_name", []) + auth.get("x509_subject_alternative_name", [])
     return {name.decode(errors="replace") for name in names}
+
+
+def peer_role(context: Any) -> str | None:
+    """READER if the client's certificate carries the URI SAN READER_URI, else NODE; None on
+    plaintext."""
+    auth = context.auth_context()
+    if auth.get("transport_security_type") != [b"ssl"]:
+        return None
+    return READER if READER_URI.encode() in auth.get("peer_uri", []) else NODE

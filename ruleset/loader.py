@@ -4,7 +4,9 @@ Invariant: a rule set is either loaded whole, every rule checked, or not at all:
 any file (YAML syntax, unknown or missing field, wrong type, unknown kind, severity or action,
 duplicate id, bad CEL condition, bad template) makes `load_ruleset` raise `RulesetError` with
 all of them. Files are read with PyYAML's safe composer only (nodes keep their line numbers,
-no tag ever constructs a Python object). Rule order is file name order, then order in a file.
+no tag ever constructs a Python object), and only files of at most MAX_FILE_BYTES nested at
+most MAX_DEPTH deep: anything else is one error naming the file, never an exception out of
+PyYAML (whose composer recurses once per level). Rule order is file name order, then order in a file.
 A rule's fields (rule, description, finding, condition, severity, action, output, tags,
 exceptions, enabled): REQUIRED_FIELDS and OPTIONAL_FIELDS below, ruleset/rules/*.yaml, and
 docs/operator.md, "Rules".
@@ -33,6 +35,8 @@ DEFAULT_RULES_DIR: Path = Path(__file__).resolve().parent / "rules"
 REQUIRED_FIELDS: tuple[str, ...] = ("rule", "description", "finding", "severity", "action", "output")
 OPTIONAL_FIELDS: tuple[str, ...] = ("condition", "tags", "exceptions", "enabled")
 EXCEPTION_FIELDS: tuple[str, ...] = ("name", "condition")
+MAX_FILE_BYTES = 64 << 10  # the shipped files are a few KiB; PyYAML in pure Python is slow on big ones
+MAX_DEPTH = 32  # a rule file needs 5 levels (rules, a rule, exceptions, an exception, a value)
 _RULE_ID = re.compile(r"[a-z0-9_.-]+")
 _MISSING = object()
 _PLAIN_TAGS = frozenset(
@@ -98,6 +102,42 @@ def _suggest(name: str, known: tuple[str, ...]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+class _TooDeep(Exception):
+    """A node nested deeper than MAX_DEPTH, at `line`."""
+
+    def __init__(self, line: int) -> None:
+        super().__init__(line)
+        self.line = line
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing (with _TooDeep) to compose a node deeper than MAX_DEPTH,
+    before its recursion could reach Python's limit."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _TooDeep(self.peek_event().start_mark.line + 1)
+            return super().compose_node(parent, index)  # type: ignore[no-any-return]
+        finally:
+            self._depth -= 1
+
+
+def _read_bounded(path: Path) -> str:
+    """The file's text; ValueError if it is larger than MAX_FILE_BYTES (read no further, so
+    that neither a huge file nor a link to /dev/zero takes the memory)."""
+    with path.open("rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_FILE_BYTES} bytes: not a rule file")
+    return data.decode("utf-8")
+
+
 class _FileParser:
     """Parses one rule file, appending to `errors` and to the shared `seen_ids`."""
 
@@ -112,15 +152,21 @@ class _FileParser:
 
     def parse(self) -> list[Rule]:
         try:
-            text = self.path.read_text(encoding="utf-8")
+            text = _read_bounded(self.path)
         except UnicodeDecodeError as exc:
             self.error(0, f"not UTF-8 text ({exc.reason} at byte {exc.start})")
+            return []
+        except ValueError as exc:
+            self.error(0, str(exc))
             return []
         except OSError as exc:
             self.error(0, f"cannot read: {exc.strerror or exc}")
             return []
         try:
-            root = yaml.compose(text, Loader=yaml.SafeLoader)
+            root = yaml.compose(text, Loader=_BoundedLoader)
+        except _TooDeep as exc:
+            self.error(exc.line, f"nested deeper than {MAX_DEPTH} levels (a rule file needs 5)")
+            return []
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             reason = f"YAML syntax error: {exc.problem or exc.context}"
@@ -128,8 +174,12 @@ class _FileParser:
                 reason += f" ({exc.context}, from line {exc.context_mark.line + 1})"
             self.error(mark.line + 1 if mark else 0, reason)
             return []
+        except yaml.reader.ReaderError as exc:  # a character YAML does not take, or not UTF-8
+            line = text.count("\n", 0, exc.position) + 1
+            self.error(line, f"not YAML text: {str(exc).splitlines()[0]}")
+            return []
         except yaml.YAMLError as exc:
-            self.error(0, f"YAML error: {exc}")
+            self.error(0, f"YAML error: {str(exc).splitlines()[0]}")
             return []
         if root is None:
             return []  # an empty file holds no rules

@@ -232,6 +232,24 @@ def test_bad_rules_directory_is_refused_with_file_and_line(tmp_path: Path) -> No
     assert kvguard("rules", "check", "--rules", str(tmp_path)).returncode == 2
 
 
+def test_rules_nested_too_deep_are_refused_in_one_line_by_every_command(tmp_path: Path) -> None:
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    deep = rules / "10-deep.yaml"
+    deep.write_text("[" * 500 + "]" * 500 + "\n")
+    store = str(tmp_path / "audit.db")
+    for command in (
+        ["rules", "check", "--rules", str(rules)],
+        ["rules", "test", "--rules", str(rules)],
+        ["replay", str(INCIDENT), "--rules", str(rules)],
+        ["daemon", "--listen", "127.0.0.1:0", "--store", store, "--rules", str(rules)],
+    ):
+        run = kvguard(*command)
+        assert run.returncode == 2, (command, run.stderr)
+        assert f"{deep}:1: nested deeper than " in run.stderr, (command, run.stderr)
+        assert "Traceback" not in run.stderr and "RecursionError" not in run.stderr
+
+
 def test_custom_rules_with_an_exception(tmp_path: Path) -> None:
     for path in DEFAULT_RULES_DIR.glob("*.yaml"):
         text = path.read_text()

@@ -1,11 +1,10 @@
 """Mutual TLS on the daemon's doors, for real: certificates of a throwaway operator CA, the
 daemon and the node agent as processes, gRPC over TLS on loopback. Only clients with a
-certificate of the CA get in, and a stream speaks only for a node its certificate names."""
+certificate of the CA get in, and a stream speaks only for a node its certificate names
+(what each role may call: test_roles.py)."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import subprocess
 import sys
@@ -15,10 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from certificates import client, make_pki, tls_args
 
 from kvguard.agents.guard import AgentSink, Guard
 from kvguard.agents.upstream import AgentStream, DaemonRefused
@@ -32,65 +28,9 @@ from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 from kvguard.ruleset.fixtures import DEFAULT_FIXTURES_DIR
 
 
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _issue(
-    directory: Path,
-    stem: str,
-    cn: str,
-    issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None,
-    sans: list[x509.GeneralName] = (),  # type: ignore[assignment]
-) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A certificate (a CA's when `issuer` is None) written as <stem>.pem and <stem>.key."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(cn))
-        .issuer_name(issuer[0].subject if issuer else _name(cn))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
-    )
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
-    cert = builder.sign(issuer[1] if issuer else key, hashes.SHA256())
-    (directory / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (directory / f"{stem}.key").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return cert, key
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("pki")
-    ca = _issue(d, "ca", "kvguard test CA", None)
-    loopback = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    _issue(d, "daemon", "kvguard-daemon", ca, loopback)
-    _issue(d, "node-p0", "p0", ca, [x509.DNSName("p0"), x509.DNSName("p0-spare")])
-    _issue(d, "node-d0", "d0", ca)
-    _issue(d, "replayer", "forensics", ca, [x509.DNSName(n) for n in ("p0", "d0", "c0")])
-    rogue_ca = _issue(d, "rogue-ca", "someone else's CA", None)
-    _issue(d, "rogue-p0", "p0", rogue_ca)
-    return d
-
-
-def tls_args(pki: Path, who: str, ca: str = "ca") -> list[str]:
-    ca_pem, cert, key = (str(pki / name) for name in (f"{ca}.pem", f"{who}.pem", f"{who}.key"))
-    return ["--tls-ca", ca_pem, "--tls-cert", cert, "--tls-key", key]
-
-
-def client(pki: Path, who: str, ca: str = "ca") -> Tls:
-    tls = Tls.load(*(str(pki / name) for name in (f"{ca}.pem", f"{who}.pem", f"{who}.key")))
-    assert tls is not None
-    return tls
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture
@@ -116,6 +56,7 @@ def test_a_node_speaks_for_the_names_in_its_certificate_only(pki: Path, daemon: 
             )
             with pytest.raises(DaemonRefused, match=refused):
                 AgentStream(ch, name)
+    with channel(daemon.address, client(pki, "siem")) as ch:  # the fleet state is for readers
         counters = svc_grpc.FleetServiceStub(ch).State(svc.FleetRequest()).counters
     assert counters["stream_identity"] == 2
     assert Store(daemon.store).count("event") == 3
@@ -185,9 +126,9 @@ def test_replay_and_audit_queries_reach_a_tls_daemon(pki: Path, daemon: Service)
     assert (
         f"sent {len(events)} events from {capture} to {daemon.address}: {len(events)} stored" in replay.stderr
     )
-    wanted = ["--daemon", daemon.address, "--kind", "finding", "-o", "json", *tls_args(pki, "node-p0")]
+    wanted = ["--daemon", daemon.address, "--kind", "finding", "-o", "json"]
     query = subprocess.run(
-        [*kvguard, "audit", "query", *wanted],
+        [*kvguard, "audit", "query", *wanted, *tls_args(pki, "siem")],  # a reader's certificate
         capture_output=True,
         text=True,
         timeout=60,
@@ -195,6 +136,17 @@ def test_replay_and_audit_queries_reach_a_tls_daemon(pki: Path, daemon: Service)
     assert query.returncode == 0, query.stderr
     stale = [json.loads(line) for line in query.stdout.splitlines() if '"stale_read"' in line]
     assert {r["finding"]["victim_req"] for r in stale} == {"a1", "a2"}
+    as_node = subprocess.run(
+        [*kvguard, "audit", "query", *wanted, *tls_args(pki, "node-p0")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert as_node.returncode == 2 and as_node.stdout == ""
+    assert (
+        f"kvguard audit query: the daemon at {daemon.address}: PERMISSION_DENIED: "
+        "/kvguard.v1.AuditService/Query takes a reader's certificate" in as_node.stderr
+    )
     plain = subprocess.run(
         [*kvguard, "audit", "query", "--daemon", daemon.address], capture_output=True, text=True, timeout=60
     )

@@ -13,6 +13,7 @@ from kvguard.ruleset import (
     RulesetError,
     load_ruleset,
 )
+from kvguard.ruleset.loader import MAX_DEPTH, MAX_FILE_BYTES
 
 
 @pytest.mark.parametrize(
@@ -184,3 +185,36 @@ def test_condition_language(
     assert result is not None
     assert result.rule == ("r1" if expected else "unmatched")
     assert ruleset.counters.errors == 0
+
+
+DEEP = 500  # far past Python's recursion limit for PyYAML's composer (three frames a level)
+
+
+@pytest.mark.parametrize(
+    "nested",
+    [
+        "[" * DEEP + "]" * DEEP,  # flow lists
+        "{a: " * DEEP + "1" + "}" * DEEP,  # flow mappings
+        "- " * DEEP + "x",  # block lists
+        rule_text(append="  exceptions: " + "[" * DEEP + "]" * DEEP),  # inside a valid rule
+    ],
+    ids=["flow-lists", "flow-mappings", "block-lists", "in-a-rule"],
+)
+def test_a_file_nested_too_deep_is_one_clear_error(tmp_path: Path, nested: str) -> None:
+    path = write(tmp_path, "10-deep.yaml", nested)
+    (error,) = load_errors(tmp_path)
+    assert error.path == path
+    assert error.reason == f"nested deeper than {MAX_DEPTH} levels (a rule file needs 5)"
+    assert 1 <= error.line <= MAX_DEPTH + 1
+
+
+def test_a_file_larger_than_the_bound_is_refused_unread(tmp_path: Path) -> None:
+    path = write(tmp_path, "10-big.yaml", rule_text() + "# padding\n" * (MAX_FILE_BYTES // 10))
+    (error,) = load_errors(tmp_path)
+    assert (error.path, error.line) == (path, 0)
+    assert error.reason == f"larger than {MAX_FILE_BYTES} bytes: not a rule file"
+    # Nested as deep as the bound allows is read (and judged as rules are).
+    within = "[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1)
+    write(tmp_path, "10-big.yaml", rule_text(append="  tags: [a]") + f"- {within}\n")
+    (error,) = load_errors(tmp_path)
+    assert error.reason.startswith("each rule must be a mapping of fields, not a list")
