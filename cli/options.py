@@ -117,6 +117,22 @@ def events_count(text: str) -> int:
     return n
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type: a whole number, 1 or more (a limit that must let something through)."""
+    n = _number(text, int, "a whole number")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: it must be at least 1")
+    return n
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, more than 0 and at most a day."""
+    s = _number(text, float, "a number of seconds")
+    if not 0 < s <= 86400:
+        raise argparse.ArgumentTypeError(f"{s} s is not a duration over 0 s and up to a day")
+    return s
+
+
 # ------------------------------------------------------------------------------------ mutual TLS
 
 
