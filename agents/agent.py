@@ -400,8 +400,14 @@ class NodeAgent:
         if conn is None:
             print(f"kvguard agent: no guard of {node} connected for command {command.id}", file=sys.stderr)
             return
-        with contextlib.suppress(OSError):
+        try:
             send_frame(conn, svc.DaemonMessage(command=command))
+        except OSError as exc:  # gone, or not reading within the frame timeout: a frame may be cut
+            print(
+                f"kvguard agent: command {command.id} not delivered to {node}'s guard: {exc}", file=sys.stderr
+            )
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # the guard dials again, on a clean stream
 
     # ------------------------------------------------------------------ engine probes
 
