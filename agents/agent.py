@@ -9,7 +9,9 @@ them as durable. Commands from the daemon (kill a request) go to the guard that 
 Invariants: an event a guard handed over survives a crash of the agent or the daemon (it
 is in the spool until acknowledged, and resent after a reconnect or a restart; the daemon
 drops what it already has by (node, seq)); the agent never makes a guard wait on the
-network: the socket is read as fast as the spool can be appended to.
+network: the socket is read as fast as the spool can be appended to. The socket is its
+owner's only; who may speak for which node, and how many connect at once, is the door's
+(door.py); a frame begun must end within the frame timeout.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from urllib.parse import unquote
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvguard.agents.door import Door
 from kvguard.agents.probes import (
     PoolFacts,
     fetch_json,
@@ -44,7 +47,7 @@ from kvguard.cuda_hooks.witness import NullWitness, Witness, open_witness, wire_
 from kvguard.proto import pb, wire
 from kvguard.proto.channel import MAX_BATCH_BYTES, MAX_MESSAGE, Tls, channel
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
-from kvguard.proto.local import PEER_CLOSED, listening, peer_pid, recv_frame, send_frame
+from kvguard.proto.local import PEER_CLOSED, FrameTimeout, listening, peer_of, recv_frame, send_frame
 
 AGENT = "kvguard-agent"  # how the agent names itself to the daemon
 WITNESS = "ebpf"  # a node's witness reports as node/ebpf: its own sequence, beside the guard's
@@ -55,6 +58,12 @@ SHIM = "shim"  # and its engine's LD_PRELOAD shim as node/shim
 SHIM_GUARD_WAIT_S = 5.0
 DEPARTED_KEEP_S = 10.0
 IN_FLIGHT = 4  # batches a node's stream sends ahead of their acks (the daemon takes 8)
+# Each guard connection holds a thread: a host's engines need a few, a flood must not get more.
+MAX_GUARDS = 128
+# A guard writes a frame whole at once: one that has not arrived whole in this long (or a
+# hello that has not) is a peer holding the agent's thread, not a guard.
+FRAME_TIMEOUT_S = 5.0
+COUNTERS_EVERY_S = 300.0  # the agent says its counters this often (if they changed), and at stop
 
 
 class NodeAgent:
@@ -68,6 +77,8 @@ class NodeAgent:
         witness: bool = False,
         witness_uprobes: bool = False,
         witness_buffer_pages: int = 1024,
+        max_guards: int = MAX_GUARDS,
+        frame_timeout: float = FRAME_TIMEOUT_S,
     ) -> None:
         self.socket_path = Path(socket_path)
         self.daemon = daemon
@@ -79,10 +90,10 @@ class NodeAgent:
         self.engines: dict[int, str] = {}  # engine process -> the node its guard speaks for
         self._departed: dict[int, tuple[str, float]] = {}  # engines whose guard went: (node, when)
         self._shim_dropped: dict[int, int] = {}
-        self.guards: dict[str, socket.socket] = {}
         self.lock = threading.Lock()
         self._engines_changed = threading.Condition(self.lock)
         self.stopping = threading.Event()
+        self._sockets: tuple[socket.socket, ShimListener] | None = None  # listen()'s
         self.counters: dict[str, int] = {
             "events": 0,
             "acked": 0,
@@ -95,7 +106,12 @@ class NodeAgent:
             "shim_records": 0,
             "shim_refused": 0,
             "rdma_unlabelled": 0,
+            "frame_timeouts": 0,
+            "spool_set_aside": 0,
         }
+        self.frame_timeout = frame_timeout
+        self.door = Door(max_guards, self.counters, _say)
+        self._counters_said: dict[str, int] = {}
         self._channel = channel(daemon, tls)
         for path in sorted(self.spool_dir.glob("*.spool")):
             self._spool(unquote(path.stem))  # events of an earlier run go out first
@@ -116,6 +132,7 @@ class NodeAgent:
             spool = self.spools.get(node)
             if spool is None:
                 spool = self.spools[node] = Spool(self.spool_dir, node)
+                self.counters["spool_set_aside"] += spool.set_aside
                 threading.Thread(target=self._upstream, args=(node, spool), daemon=True).start()
             return spool
 
@@ -129,17 +146,36 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ guards -> spool
 
-    def serve(self) -> None:
-        server = listening(self.socket_path)
+    def listen(self) -> None:
+        """Open the guards' socket, the agent's user's (and root's) only, and the shims' beside
+        it; a guard may connect once this returns (OSError if the path cannot be had)."""
+        server = listening(self.socket_path, mode=0o600)
         # The engines' LD_PRELOAD shims report their transfers' CUDA copies beside it.
-        shims = ShimListener(f"{self.socket_path}.shim", self._shim_record, self._shim_refused)
+        self._sockets = (
+            server,
+            ShimListener(f"{self.socket_path}.shim", self._shim_record, self._shim_refused),
+        )
+
+    def serve(self) -> None:
+        if self._sockets is None:
+            self.listen()
+        assert self._sockets is not None
+        server, shims = self._sockets
+        said = time.monotonic()
         while not self.stopping.is_set():
             try:
                 conn, _ = server.accept()
             except TimeoutError:
                 self._check_witness()
+                if time.monotonic() - said > COUNTERS_EVERY_S:
+                    self.say_counters()
+                    said = time.monotonic()
                 continue
-            threading.Thread(target=self._guard, args=(conn,), daemon=True).start()
+            if not self.door.enter():
+                conn.setblocking(False)  # a refusal fits an empty socket buffer; never wait on it
+                _refuse(conn, "busy", f"the agent serves at most {self.door.limit} guard connections")
+                continue
+            threading.Thread(target=self._guard, args=(conn,), name="kvguard-guard", daemon=True).start()
         shims.close()
         server.close()
 
@@ -147,29 +183,40 @@ class NodeAgent:
         node = ""
         pid = 0
         watched = False
+        # Also bounds a relayed command's send: a guard that reads none cannot hold the relay.
+        conn.settimeout(self.frame_timeout)
         try:
-            hello = svc.AgentMessage.FromString(recv_frame(conn))
+            # A guard says hello as it connects.
+            frame = recv_frame(conn, self.frame_timeout, wait=self.frame_timeout)
+            hello = svc.AgentMessage.FromString(frame)
             node = hello.hello.node
             if not node:
                 raise ValueError("the first message must be hello with the guard's node")
             if "/" in node:
                 raise ValueError(f"node {node!r}: names with '/' are the agent's own probes'")
             # The guard runs inside the engine: the socket's peer is the engine process.
-            pid = peer_pid(conn)
+            peer = peer_of(conn)
+            pid = peer.pid
+            refused = self.door.claim(node, conn, peer)
+            if refused is not None:
+                _refuse(conn, "node_taken", refused)
+                return
             spool = self._spool(node)
             self.witness.watch(pid, node)
             watched = True
             # The welcome tells the engine that its connections are followed from now on. It
-            # goes before the guard is registered: no relayed command can share the socket yet.
+            # goes before the guard is welcomed at the door: no relayed command can share the
+            # socket yet.
             send_frame(conn, svc.DaemonMessage(ack=svc.Ack(node=node)))
+            self.door.welcome(node, conn)
             with self.lock:
-                self.guards[node] = conn
                 self.engines[pid] = node
                 self._departed.pop(pid, None)
                 self._engines_changed.notify_all()
             while True:
                 try:
-                    batch = wire.decode_batch(recv_frame(conn))  # the events' heads, read once
+                    # the events' heads, read once
+                    batch = wire.decode_batch(recv_frame(conn, self.frame_timeout))
                 except wire.NotABatch:
                     continue
                 mine, foreign = batch.of_node(node)
@@ -181,6 +228,9 @@ class NodeAgent:
                     )
                 spool.append([batch.event(i) for i in mine], batch.positions(mine))
                 self.counters["events"] += len(mine)
+        except FrameTimeout as exc:
+            self.counters["frame_timeouts"] += 1
+            print(f"kvguard agent: guard {node or '(no hello)'} dropped: {exc}", file=sys.stderr)
         except (DecodeError, ValueError, ConnectionError) as exc:
             # A misbehaving peer on the local socket: say who and why, count it, drop it.
             # (ConnectionError also covers a guard that simply went away: not counted.)
@@ -190,12 +240,11 @@ class NodeAgent:
         except OSError:
             pass
         finally:
+            # Only the node's current connection lets go: a guard that reconnected has
+            # registered (and is watched) again on its new one, and a refused one held nothing.
+            current = bool(node) and self.door.release(node, conn)
             with self.lock:
-                # Only the node's current connection lets go: a guard that reconnected has
-                # registered (and is watched) again on its new one.
-                current = bool(node) and self.guards.get(node) is conn
                 if current:
-                    del self.guards[node]
                     self.engines.pop(pid, None)
                     now = time.monotonic()
                     self._departed = {p: g for p, g in self._departed.items() if now - g[1] < DEPARTED_KEEP_S}
@@ -206,6 +255,7 @@ class NodeAgent:
             if release:
                 self.witness.unwatch(pid)
             conn.close()
+            self.door.leave()
 
     def _shim_record(self, pid: int, record: ShimRecord) -> None:
         """A transfer's CUDA copies as the engine's shim counted them: a wire event of the
@@ -271,8 +321,7 @@ class NodeAgent:
         """The kernel dropped witness events (its buffer was full): every watched node's
         witness says so in-band, as its heartbeat's `dropped`."""
         print(f"kvguard agent: the eBPF witness lost {lost} event(s) so far", file=sys.stderr)
-        with self.lock:
-            names = {f"{node}/{WITNESS}" for node in self.guards}
+        names = {f"{node}/{WITNESS}" for node in self.door.nodes()}
         for name in names:
             self._source(name).emit(heartbeat=pb.Heartbeat(agent_version=AGENT, dropped=lost))
 
@@ -347,13 +396,18 @@ class NodeAgent:
 
     def _relay(self, node: str, command: svc.Command) -> None:
         self.counters["commands"] += 1
-        with self.lock:
-            conn = self.guards.get(node)
+        conn = self.door.guard(node)
         if conn is None:
             print(f"kvguard agent: no guard of {node} connected for command {command.id}", file=sys.stderr)
             return
-        with contextlib.suppress(OSError):
+        try:
             send_frame(conn, svc.DaemonMessage(command=command))
+        except OSError as exc:  # gone, or not reading within the frame timeout: a frame may be cut
+            print(
+                f"kvguard agent: command {command.id} not delivered to {node}'s guard: {exc}", file=sys.stderr
+            )
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # the guard dials again, on a clean stream
 
     # ------------------------------------------------------------------ engine probes
 
@@ -386,12 +440,31 @@ class NodeAgent:
                     last = report
             self.stopping.wait(interval)
 
+    def say_counters(self) -> None:
+        """The counters on one line, if they changed since they were last said."""
+        if self.counters != self._counters_said:
+            self._counters_said = dict(self.counters)
+            line = " ".join(f"{name}={n}" for name, n in self.counters.items())
+            print(f"kvguard agent: counters: {line}", file=sys.stderr)
+
     def stop(self) -> None:
         self.stopping.set()
+        self.say_counters()
         self.witness.close()
         self._channel.close()
         for spool in self.spools.values():
             spool.close()
+
+
+def _say(line: str) -> None:
+    print(f"kvguard agent: {line}", file=sys.stderr)
+
+
+def _refuse(conn: socket.socket, code: str, reason: str) -> None:
+    """Tell a connecting guard why it is refused (it reports it), and hang up."""
+    with contextlib.suppress(OSError):
+        send_frame(conn, svc.DaemonMessage(error=svc.StreamError(code=code, message=reason)))
+    conn.close()
 
 
 def read_engine(engine: str, source: str) -> PoolFacts | None:

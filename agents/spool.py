@@ -5,24 +5,26 @@ Invariants: an event a guard handed over survives a crash of the agent or the da
 in the spool file, fsynced, before the guard's next frame is read, and stays until the
 daemon acknowledges it); events are kept as the bytes the guard sent (never decoded into
 objects and written again), with their positions in the node's stream, (epoch, seq), which
-only grow: a restarted engine's events are of a new epoch, numbered from 1 again.
+only grow: a restarted engine's events are of a new epoch, numbered from 1 again. A damaged
+spool file never stops the agent nor hides the events after the damage: each record carries
+a marker and a checksum, so reading resumes at the next whole record, and what is damaged is
+set aside (spool_file.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import struct
 import threading
 import time
 from collections import deque
 from pathlib import Path
 from urllib.parse import quote
 
-from kvguard.proto import pb, wire
+from kvguard.agents.spool_file import Position, read_records, record
+from kvguard.proto import pb
 
-_LEN = struct.Struct(">I")
-Position = tuple[int, int]  # (epoch, seq): where an event lies in its node's stream
+__all__ = ["Position", "Source", "Spool"]
 # A batch goes ahead of an ack once AHEAD_MIN events wait, or the oldest has waited
 # AHEAD_AFTER_S: a stalled commit (a slow disk) then holds no event, so no kill, for longer
 # than that, while under load sends stay as large as with one batch in flight (a message per
@@ -33,8 +35,7 @@ AHEAD_AFTER_S = 0.05
 
 class Spool:
     """A node's unacknowledged events, as their bytes and sequence numbers: in memory, and in
-    an append-only file for restarts (each event as its length, 4 bytes big-endian, and its
-    bytes)."""
+    an append-only file for restarts (each event as one record: spool_file.py)."""
 
     def __init__(self, directory: Path, node: str) -> None:
         self.path = directory / f"{quote(node, safe='')}.spool"  # a probe's source is node/probe
@@ -44,25 +45,23 @@ class Spool:
         self.cond = threading.Condition()
         self._woken = False  # wake() was called since the last take()
         self._trimmed = 0
+        self.set_aside = 0  # damaged records found in the file at start, set aside
         if self.path.exists():
-            data = self.path.read_bytes()
-            offset = 0
-            while offset + _LEN.size <= len(data):
-                (n,) = _LEN.unpack_from(data, offset)
-                if offset + _LEN.size + n > len(data):
-                    break  # a torn last write: that event never reached the spool whole
-                body = data[offset + _LEN.size : offset + _LEN.size + n]
-                self.pending.append(wire.single(body).position(0))
+            found = read_records(self.path, node)
+            self.set_aside = found.set_aside
+            for body, position in found.events:
+                self.pending.append(position)
                 self.bodies.append(body)
                 self.arrived.append(0.0)  # from before a restart: long waiting
-                offset += _LEN.size + n
+            if found.rewrite:  # the file as it should be: whole records only, appendable
+                self._rewrite()
         self._file = self.path.open("ab")
 
     def append(self, bodies: list[bytes], seqs: list[Position]) -> None:
         """Spool events (their bytes, as received) and their positions, durably."""
         if not bodies:
             return
-        blob = b"".join(_LEN.pack(len(b)) + b for b in bodies)
+        blob = b"".join(record(b) for b in bodies)
         with self.cond:
             self._file.write(blob)
             self._file.flush()
@@ -137,12 +136,19 @@ class Spool:
                 self._file.seek(0)
                 self._trimmed = 0
             elif self._trimmed > 50_000:  # rewrite the file with what is still unacknowledged
-                tmp = self.path.with_suffix(".tmp")
-                tmp.write_bytes(b"".join(_LEN.pack(len(b)) + b for b in self.bodies))
-                os.replace(tmp, self.path)
                 self._file.close()
+                self._rewrite()
                 self._file = self.path.open("ab")
                 self._trimmed = 0
+
+    def _rewrite(self) -> None:
+        """Replace the file, whole, with the pending events' records."""
+        tmp = self.path.with_suffix(".tmp")
+        with tmp.open("wb") as out:
+            out.write(b"".join(record(b) for b in self.bodies))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.path)
 
     def close(self) -> None:
         self._file.close()

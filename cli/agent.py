@@ -8,14 +8,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvguard.cli.options import Subcommands, add_command, add_tls_arguments, power_of_two, tls_from_args
+from kvguard.cli.options import (
+    Subcommands,
+    add_command,
+    add_tls_arguments,
+    positive_count,
+    power_of_two,
+    seconds,
+    tls_from_args,
+)
 
 # The agent's modules (grpc, NVML, eBPF) are imported when the command runs, so that
 # `kvguard --help` does not wait for them.
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    """Serve until SIGINT or SIGTERM: exit 0, or 2 on a --probe it cannot use."""
+    """Serve until SIGINT or SIGTERM: exit 0, or 2 on a --probe it cannot use or a --socket it
+    cannot listen on."""
     import signal
     import threading
 
@@ -31,6 +40,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         witness=args.witness or args.witness_uprobes,
         witness_uprobes=args.witness_uprobes,
         witness_buffer_pages=args.witness_buffer_pages,
+        max_guards=args.max_guards,
+        frame_timeout=args.frame_timeout,
     )
     for spec in args.probe or []:
         parts = spec.split(":", 3)
@@ -50,6 +61,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
         )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: agent.stopping.set())
+    try:
+        agent.listen()
+    except OSError as exc:
+        print(f"kvguard agent: cannot listen on --socket {args.socket}: {exc}", file=sys.stderr)
+        agent.stop()
+        return 2
     thread = threading.Thread(target=agent.serve, daemon=True)
     thread.start()
     print(
@@ -72,7 +89,27 @@ def add_parser(sub: Subcommands) -> None:
         "Take this machine's guards' events, spool them, deliver them to the daemon; carry its kills back.",
         "kvguard agent --daemon 10.0.0.5:7463 --probe p1:vllm:prefill:http://127.0.0.1:8100 --witness",
     )
-    p.add_argument("--socket", default="/run/kvguard/agent.sock", help="Unix socket the guards connect to")
+    p.add_argument(
+        "--socket",
+        default="/run/kvguard/agent.sock",
+        help="Unix socket the guards connect to (owner-only: guards run as the agent's user, or as root)",
+    )
+    p.add_argument(
+        "--max-guards",
+        type=positive_count,
+        default=128,
+        metavar="N",
+        help="guard connections served at once (each holds a thread; default 128); more are refused "
+        "and counted",
+    )
+    p.add_argument(
+        "--frame-timeout",
+        type=seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long a guard may take to say hello, or to finish a message it has begun (default 5); "
+        "a connection past it is closed and counted",
+    )
     p.add_argument("--daemon", default="127.0.0.1:7463", help="the daemon's gRPC address")
     p.add_argument("--spool", default="/var/lib/kvguard/spool", help="where unacknowledged events wait")
     p.add_argument(

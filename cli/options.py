@@ -125,6 +125,14 @@ def positive_count(text: str) -> int:
     return n
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, more than 0 and at most a day."""
+    s = _number(text, float, "a number of seconds")
+    if not 0 < s <= 86400:
+        raise argparse.ArgumentTypeError(f"{s} s is not a duration over 0 s and up to a day")
+    return s
+
+
 # ------------------------------------------------------------------------------------ mutual TLS
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.local import recv_frame, send_bytes, send_frame
 
 Command = Callable[[svc.Command], None]
+HELLO_ANSWER_S = 5.0  # an agent answers a hello at once; one that has not by then is written to anyway
+REFUSED_RETRY_S = 1.0  # after a refusal (the node has a guard already, the agent is full), dial again
 
 
 class EventSink(Protocol):
@@ -60,6 +63,15 @@ class _Redial:
 
 
 _REDIAL = _Redial()
+
+
+class _Answer:
+    """What the agent said to one connection's hello, and whether that connection is over."""
+
+    def __init__(self) -> None:
+        self.came = threading.Event()  # an answer, or the connection's end
+        self.refusal = ""
+        self.over = False
 
 
 class _QueuedSink:
@@ -145,7 +157,11 @@ class AgentSink(_QueuedSink):
     cannot be followed (its message boundaries are unknown): an engine waits for `wait_ready`
     before it opens its transfer connections (the testbed's workers do). When the agent goes
     (a restart), the sink dials again at once, not at the engine's next event, so the new
-    agent watches the engine before its next transfer if it can."""
+    agent watches the engine before its next transfer if it can.
+
+    Events go only on a connection the agent has welcomed. An agent refuses a guard whose
+    node has a guard connected already, or when it serves as many as it may: the sink says
+    why once (`refused`, counted in `refusals`), keeps the events queued, and dials again."""
 
     def __init__(
         self,
@@ -162,6 +178,9 @@ class AgentSink(_QueuedSink):
         self.connected = threading.Event()
         self.ready = threading.Event()
         self._on_command = on_command
+        self.refused = ""  # the agent's last refusal of this guard ("" if none)
+        self.refusals = 0
+        self._link = threading.Lock()  # a connection's end against its being taken as connected
         self._pending: list[bytes] = []
         self._sock: socket.socket | None = None  # the connection the command reader follows
         self._closing = threading.Event()  # close() began: the first connection stops trying
@@ -183,26 +202,54 @@ class AgentSink(_QueuedSink):
                 time.sleep(0.2)
                 continue
             self._sock = sock
-            threading.Thread(target=self._read_commands, args=(sock,), daemon=True).start()
-            self.connected.set()
-            return sock
+            answer = _Answer()
+            threading.Thread(target=self._read_commands, args=(sock, answer), daemon=True).start()
+            answer.came.wait(HELLO_ANSWER_S)
+            with self._link:
+                if not answer.over:
+                    self.connected.set()
+                    return sock
+            _hang_up(sock)
+            if answer.refusal:
+                self._refused(answer.refusal)
+                self._closing.wait(REFUSED_RETRY_S)
+            else:  # the agent went before it answered
+                time.sleep(0.2)
         raise ConnectionError("sink closed")
 
-    def _read_commands(self, sock: socket.socket) -> None:
+    def _refused(self, why: str) -> None:
+        self.refusals += 1
+        if why != self.refused:  # said once, not at every retry
+            print(f"kvguard guard: the node agent refused node {self.node}: {why}", file=sys.stderr)
+        self.refused = why
+
+    def _read_commands(self, sock: socket.socket, answer: _Answer) -> None:
         try:
             while True:
                 msg = svc.DaemonMessage.FromString(recv_frame(sock))
                 body = msg.WhichOneof("body")
                 if body == "ack" and msg.ack.node == self.node:
                     self.ready.set()
+                    answer.came.set()
+                elif body == "error":
+                    answer.refusal = f"{msg.error.code}: {msg.error.message}"
+                    break
                 elif body == "command" and self._on_command is not None:
                     self._on_command(msg.command)
         except (OSError, ConnectionError, ValueError):
-            if sock is self._sock:  # the agent went, not a connection the sink had left already
-                self.ready.clear()
-                self.connected.clear()
-                with contextlib.suppress(queue.Full):
-                    self._queue.put_nowait(_REDIAL)  # wake the sender to dial again
+            pass
+        with self._link:
+            answer.over = True
+            answer.came.set()
+            # the agent went (or refused), not a connection the sink had left already
+            redial = sock is self._sock and self.connected.is_set()
+        if redial:
+            if answer.refusal:
+                self._refused(answer.refusal)
+            self.ready.clear()
+            self.connected.clear()
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(_REDIAL)  # wake the sender to dial again
 
     def listen(self, on_command: Command) -> None:
         self._on_command = on_command
