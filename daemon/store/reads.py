@@ -146,7 +146,7 @@ def rows(engine: Engine, f: Filter) -> Iterator[tuple[int, str, bytes]]:
     if f.severities:
         query = query.where(c.severity.in_(sorted(f.severities)))
     if f.since_ns:
-        query = query.where(c.ts_ns >= f.since_ns - RUN_SPAN_NS)
+        query = query.where(c.ts_ns >= max(f.since_ns - RUN_SPAN_NS, -(1 << 63)))
     if f.until_ns:
         query = query.where(c.ts_ns <= f.until_ns)
     inspect = bool(f.tenant or f.req or f.since_ns or f.until_ns)  # a run's events must be decoded
@@ -166,7 +166,9 @@ def rows(engine: Engine, f: Filter) -> Iterator[tuple[int, str, bytes]]:
         with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
             for record_id, record_kind, node, ts_ns, body in result:
                 if record_kind != "events":
-                    if record_id <= f.after or ts_ns < f.since_ns:
+                    # since_ns 0 is no bound (proto3's unset), not the epoch: a record of a
+                    # clock before 1970 (ts_ns < 0) is still read.
+                    if record_id <= f.after or (f.since_ns and ts_ns < f.since_ns):
                         continue
                     if (
                         record_kind == "event"
