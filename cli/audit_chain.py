@@ -24,12 +24,15 @@ from kvguard.cli.options import Subcommands, add_command
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """`kvguard audit verify`: exit 0 when the chain (and every seal) is proven intact, else 1."""
-    from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
+    from kvguard.daemon.store import AuditKeyError, RowError, Store, StoreError, read_audit_key
 
     try:
         store = Store(args.store, *(read_audit_key(path) for path in args.audit_key or ()))
     except (AuditKeyError, StoreError) as exc:
         print(f"kvguard audit verify: {exc}", file=sys.stderr)
+        return 1
+    except RowError as exc:
+        print(f"kvguard audit verify: audit store {args.store}: NOT proven intact: {exc}", file=sys.stderr)
         return 1
     ok, n, problem = store.verify()
     if not ok:

@@ -31,7 +31,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     from kvguard.daemon.daemon import Daemon
     from kvguard.daemon.service import serve
-    from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
+    from kvguard.daemon.store import AuditKeyError, RowError, Store, StoreError, read_audit_key
     from kvguard.ruleset import RulesetError, load_ruleset
 
     tls = tls_from_args(args)
@@ -74,6 +74,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     except (AuditKeyError, StoreError) as exc:
         print(f"kvguard daemon: {exc}", file=sys.stderr)
         return 2
+    except RowError as exc:  # a row edited outside kvguard: the rows after it cannot be trusted to read
+        print(f"kvguard daemon: audit store {args.store}: {exc}; see `kvguard audit verify`", file=sys.stderr)
+        return 2
     # hashing and inserts run on another core, overlapping the ledger
     writer = StoreWriter(args.store, key=key)
     skew = int(args.clock_skew_ms * 1_000_000)
@@ -90,6 +93,10 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     except StoreError as exc:  # its writer could not open the store: serving would lose every batch
         writer.close()
         print(f"kvguard daemon: {exc}", file=sys.stderr)
+        return 2
+    except RowError as exc:  # met while rebuilding the ledger from the store
+        writer.close()
+        print(f"kvguard daemon: audit store {args.store}: {exc}; see `kvguard audit verify`", file=sys.stderr)
         return 2
     server = serve(daemon, args.listen, tls)
     port = server.port

@@ -25,7 +25,17 @@ from sqlalchemy import create_engine, event, func, select, text
 from kvguard.daemon.store import reads
 from kvguard.daemon.store.chain import GENESIS, chain, seal_tag, snapshot_digest
 from kvguard.daemon.store.rows import Record, run_ids
-from kvguard.daemon.store.schema import COLUMNS, SNAPSHOTS_KEPT, migrate, records, seal, snapshots, store_url
+from kvguard.daemon.store.schema import (
+    COLUMNS,
+    SNAPSHOTS_KEPT,
+    RowError,
+    checked,
+    migrate,
+    records,
+    seal,
+    snapshots,
+    store_url,
+)
 from kvguard.proto import pb, wire
 from kvguard.proto.filter import Filter
 
@@ -44,7 +54,10 @@ def _ending(conn: Any, through: int | None) -> tuple[int, bytes] | None:
     if through is not None:
         query = query.where(c.id <= through)
     row = conn.execute(query).first()
-    return (row[0] + run_ids(row[1], row[2]) - 1, row[3]) if row else None
+    if row is None:
+        return None
+    v = checked("records", f"record {row[0]}", {"id": row[0], "kind": row[1], "body": row[2], "hash": row[3]})
+    return v["id"] + run_ids(v["kind"], v["body"]) - 1, v["hash"]
 
 
 def _checkpoint(conn: Any) -> None:
@@ -101,7 +114,10 @@ class Store:
     def _sealed(self, keys: list[bytes]) -> tuple[list[tuple[int, bytes]], dict[int, bytes]]:
         with self.engine.connect() as conn:
             rows = conn.execute(select(seal.c.from_id, seal.c.tag).order_by(seal.c.id)).all()
-        seals = [(int(from_id), bytes(tag)) for from_id, tag in rows]
+        seals = [
+            tuple(checked("seal", f"seal {i + 1}", {"from_id": from_id, "tag": tag}).values())
+            for i, (from_id, tag) in enumerate(rows)
+        ]
         found: dict[int, bytes] = {}
         for key in keys:
             made = [
@@ -313,8 +329,15 @@ class Store:
             ).first()
             if row is None:
                 return "no snapshot"
-            through, body, digest = row
-            last = _ending(conn, through) if through else None
+            try:
+                through, body, digest = checked(
+                    "snapshots",
+                    "the newest snapshot",
+                    {"through_id": row[0], "body": row[1], "digest": row[2]},
+                ).values()
+                last = _ending(conn, through) if through else None
+            except RowError as exc:
+                return str(exc)
         if through and (last is None or last[0] != through):
             return f"the snapshot's record {through} is not in the store"
         after = last[1] if last else None
