@@ -198,7 +198,7 @@ def add_parser(sub: Subcommands) -> None:
 
 
 def add_parsers(audit_sub: Subcommands) -> None:
-    """Add every `kvguard audit` command: verify, seal, new-key, query, request, exposure."""
+    """Add every `kvguard audit` command: verify, seal, head, new-key, query, request, exposure."""
     audit_chain.add_parsers(audit_sub)
     p = add_command(
         audit_sub,

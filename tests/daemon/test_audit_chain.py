@@ -134,7 +134,9 @@ def test_a_sealed_chain_cannot_be_rewritten_without_its_key(store_url: str, tmp_
     with engine.begin() as db:
         db.execute(text("DELETE FROM seal"))
     engine.dispose()
-    assert audit("verify", *store).returncode == 0  # what a plain chain cannot tell
+    # What a plain chain cannot tell, its head (sealed with the key) does.
+    headless = audit("verify", *store)
+    assert headless.returncode == 1 and "sealed with a key whose seal was removed" in headless.stderr
     with pytest.raises(RuntimeError, match="is not sealed but has records: seal it once"):
         start_daemon(store_url, 0, "--audit-key", str(key))  # no new seal over a rewrite
     unsealed = audit("verify", *store, "--audit-key", str(key))
