@@ -76,6 +76,8 @@ def _run(prog: str, args: argparse.Namespace, body: Callable[[Source], int]) -> 
     import grpc
     from sqlalchemy.exc import SQLAlchemyError
 
+    from kvguard.daemon.store import RowError
+
     try:
         source = open_source(args.store, args.daemon, tls_from_args(args))
     except (UsageError, TlsError) as exc:
@@ -87,7 +89,7 @@ def _run(prog: str, args: argparse.Namespace, body: Callable[[Source], int]) -> 
         detail = exc.details() if hasattr(exc, "details") else str(exc)
         print(f"{prog}: the daemon at {source.label}: {code}: {detail}", file=sys.stderr)
         return 2
-    except SQLAlchemyError as exc:
+    except (SQLAlchemyError, RowError) as exc:
         print(f"{prog}: reading audit store {source.label} failed: {first_line(exc)}", file=sys.stderr)
         return 2
     finally:
@@ -196,7 +198,7 @@ def add_parser(sub: Subcommands) -> None:
 
 
 def add_parsers(audit_sub: Subcommands) -> None:
-    """Add every `kvguard audit` command: verify, seal, new-key, query, request, exposure."""
+    """Add every `kvguard audit` command: verify, seal, head, new-key, query, request, exposure."""
     audit_chain.add_parsers(audit_sub)
     p = add_command(
         audit_sub,

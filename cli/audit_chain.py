@@ -3,8 +3,10 @@ is chained to the one before it by its hash; a store sealed with an audit key (H
 kept off the database's machine) cannot be rewritten, chain and all, by someone without it.
 
 - `verify`: prove that no record was altered, removed or reordered (with the keys, that the
-  sealed part is the key holder's); and say whether the ledger snapshot is bound to the chain.
+  sealed part is the key holder's), and up to which record the store is complete (its head,
+  store/head.py); and say whether the ledger snapshot is bound to the chain.
 - `seal`: seal a store's chain from its next record on, or rotate its key (daemon stopped).
+- `head`: write the head for a store as it stands (one written before heads were kept).
 - `new-key`: write a new random key, mode 600.
 
 Exit codes: 0 proven / done, 1 not proven or not done (the reason on stderr).
@@ -14,7 +16,9 @@ cli/audit.py adds these commands to the `kvguard audit` group.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import Any
 
 from kvguard.cli.options import Subcommands, add_command
 
@@ -24,12 +28,16 @@ from kvguard.cli.options import Subcommands, add_command
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """`kvguard audit verify`: exit 0 when the chain (and every seal) is proven intact, else 1."""
-    from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
+    from kvguard.daemon.store import AuditKeyError, RowError, Store, StoreError, read_audit_key
 
     try:
-        store = Store(args.store, *(read_audit_key(path) for path in args.audit_key or ()))
+        keys = [read_audit_key(path) for path in args.audit_key or ()]
+        store = Store(args.store, *keys, head_file=args.audit_head)
     except (AuditKeyError, StoreError) as exc:
         print(f"kvguard audit verify: {exc}", file=sys.stderr)
+        return 1
+    except RowError as exc:
+        print(f"kvguard audit verify: audit store {args.store}: NOT proven intact: {exc}", file=sys.stderr)
         return 1
     ok, n, problem = store.verify()
     if not ok:
@@ -39,7 +47,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     sealed = "" if not seals else f", sealed with the audit key from record {seals[0]} on"
     if len(seals) > 1:
         sealed += f" (key rotated at record{'s' if len(seals) > 2 else ''} {', '.join(map(str, seals[1:]))})"
-    print(f"audit log {store.url}: {n} records, chain intact{sealed}")
+    complete = store.completeness()
+    if not complete.proven:
+        print(f"audit log {store.url}: {n} records, chain intact{sealed}")
+        print(f"audit log {store.url}: NOT proven complete: {complete.said}", file=sys.stderr)
+        return 1
+    print(f"audit log {store.url}: {n} records, chain intact{sealed}; {complete.said}")
     # The ledger snapshot a restart would load is derived data, outside the chain, but bound
     # to it: one that does not match is not loaded (the store is replayed), and is said here.
     found = store.latest_snapshot()
@@ -59,13 +72,15 @@ def cmd_seal(args: argparse.Namespace) -> int:
     try:
         key = read_audit_key(args.audit_key)
         if args.current_key:  # a rotation: the holder of the current key seals on with a new one
-            store = Store(args.store, read_audit_key(args.current_key))
+            store = Store(args.store, read_audit_key(args.current_key), head_file=args.audit_head)
+            if lost := _loss(store):
+                raise StoreError(f"audit store {store.url}: not sealed: not proven complete: {lost}")
             from_id = store.seal(key, rotate=True)
             print(
                 f"audit log {store.url}: sealed with the new audit key from record {from_id} on (key rotated)"
             )
             return 0
-        plain = Store(args.store)
+        plain = Store(args.store, head_file=args.audit_head)
         if plain.seals:
             raise StoreError(
                 f"audit store {plain.url}: sealed already (the current seal from record "
@@ -75,7 +90,9 @@ def cmd_seal(args: argparse.Namespace) -> int:
         plain.close()
         if not ok:  # sealing vouches for nothing before it, but says so only of a sound chain
             raise StoreError(f"audit store {plain.url}: not sealed: the chain is not intact ({problem})")
-        store = Store(args.store, key)
+        if lost := _loss(plain):
+            raise StoreError(f"audit store {plain.url}: not sealed: not proven complete: {lost}")
+        store = Store(args.store, key, head_file=args.audit_head)
         from_id = store.seal()
     except (AuditKeyError, StoreError) as exc:
         print(f"kvguard audit seal: {exc}", file=sys.stderr)
@@ -83,6 +100,41 @@ def cmd_seal(args: argparse.Namespace) -> int:
     print(
         f"audit log {store.url}: {n} records, chain intact; "
         f"sealed with the audit key from record {from_id} on"
+    )
+    return 0
+
+
+def _loss(store: Any) -> str:
+    """What the store's head proves missing, or "": complete, or no head yet (a store written
+    before heads were kept). Sealing, or writing a head, over a loss would cover it up."""
+    complete = store.completeness()
+    if complete.proven or store.head_file is None or not os.path.exists(store.head_file):
+        return ""
+    return str(complete.said)
+
+
+def cmd_head(args: argparse.Namespace) -> int:
+    """`kvguard audit head`: exit 0 once the head is written, 1 when it was not."""
+    from kvguard.daemon.store import AuditKeyError, RowError, Store, StoreError, read_audit_key
+
+    try:
+        keys = [read_audit_key(path) for path in args.audit_key or ()]
+        store = Store(args.store, *keys, head_file=args.audit_head)
+        ok, n, problem = store.verify()
+        if not ok:
+            raise StoreError(f"audit store {store.url}: no head written: the chain is not intact ({problem})")
+        if lost := _loss(store):
+            raise StoreError(
+                f"audit store {store.url}: no head written over one that proves records missing: {lost}; "
+                "if that loss is known and accepted, move the head file aside first"
+            )
+        through = store.adopt_head()
+    except (AuditKeyError, StoreError, RowError) as exc:
+        print(f"kvguard audit head: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"audit log {store.url}: {n} records, chain intact; "
+        f"its head, at record {through}, written to {store.head_file}"
     )
     return 0
 
@@ -100,8 +152,17 @@ def cmd_new_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def _head_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--audit-head",
+        metavar="FILE",
+        help="the chain's head file, as the daemon was given it (default: beside a SQLite store, its file "
+        "name + .head; for PostgreSQL, kvguard-audit-DATABASE.head in $STATE_DIRECTORY, else here)",
+    )
+
+
 def add_parsers(audit_sub: Subcommands) -> None:
-    """Add `verify`, `seal` and `new-key` to the `kvguard audit` subcommands."""
+    """Add `verify`, `seal`, `head` and `new-key` to the `kvguard audit` subcommands."""
     p = add_command(
         audit_sub,
         "verify",
@@ -116,6 +177,7 @@ def add_parsers(audit_sub: Subcommands) -> None:
         action="append",
         help="a key the store is sealed with (needed to prove what it sealed; once per key a rotation left)",
     )
+    _head_argument(p)
     p.set_defaults(func=cmd_verify)
 
     p = add_command(
@@ -132,7 +194,25 @@ def add_parsers(audit_sub: Subcommands) -> None:
         metavar="FILE",
         help="rotate: the key the store is sealed with now; the new one follows it",
     )
+    _head_argument(p)
     p.set_defaults(func=cmd_seal)
+
+    p = add_command(
+        audit_sub,
+        "head",
+        "write the chain's head for a store as it stands (a store written before heads were kept)",
+        "Verify the chain, then write its head (record count and last hash, sealed) beside the store.",
+        "kvguard audit head --store kvguard-audit.db --audit-key audit.key",
+    )
+    p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
+    p.add_argument(
+        "--audit-key",
+        metavar="FILE",
+        action="append",
+        help="the store's audit keys, if it is sealed (once each)",
+    )
+    _head_argument(p)
+    p.set_defaults(func=cmd_head)
 
     p = add_command(
         audit_sub,

@@ -33,7 +33,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from kvguard.daemon.access import ListenerError, check_listener
     from kvguard.daemon.daemon import Daemon
     from kvguard.daemon.service import serve
-    from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
+    from kvguard.daemon.store import AuditKeyError, RowError, Store, StoreError, read_audit_key
     from kvguard.ledger.limits import Limits
     from kvguard.ruleset import RulesetError, load_ruleset
 
@@ -69,7 +69,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     try:
         key = read_audit_key(args.audit_key) if args.audit_key else None
-        store = Store(args.store, key)
+        store = Store(args.store, key, head_file=args.audit_head)
         if key is not None and store.sealed_from is None:
             # An empty store is sealed from its first record. One with records is sealed only
             # on purpose: a seal gone missing (removed along with a rewrite) must not be
@@ -81,11 +81,22 @@ def cmd_daemon(args: argparse.Namespace) -> int:
                 )
             store.seal()
         store.write_key()  # a sealed store is written only with its key: say so now, not at the first batch
+        # A store that lost records from its end (or its head) is not written to: the next
+        # commit's head would cover the loss up.
+        complete = store.completeness()
+        if not complete.proven:
+            raise StoreError(f"audit store {store.url}: not proven complete: {complete.said}")
+        if complete.through < store.count():  # a head that lags (a crash): caught up, as a commit would
+            print(f"kvguard daemon: audit store {store.url}: {complete.said}", file=sys.stderr, flush=True)
+            store.adopt_head()
     except (AuditKeyError, StoreError) as exc:
         print(f"kvguard daemon: {exc}", file=sys.stderr)
         return 2
+    except RowError as exc:  # a row edited outside kvguard: the rows after it cannot be trusted to read
+        print(f"kvguard daemon: audit store {args.store}: {exc}; see `kvguard audit verify`", file=sys.stderr)
+        return 2
     # hashing and inserts run on another core, overlapping the ledger
-    writer = StoreWriter(args.store, key=key)
+    writer = StoreWriter(args.store, key=key, head_file=store.head_file)
     skew = int(args.clock_skew_ms * 1_000_000)
     try:
         daemon = Daemon(
@@ -106,6 +117,10 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     except StoreError as exc:  # its writer could not open the store: serving would lose every batch
         writer.close()
         print(f"kvguard daemon: {exc}", file=sys.stderr)
+        return 2
+    except RowError as exc:  # met while rebuilding the ledger from the store
+        writer.close()
+        print(f"kvguard daemon: audit store {args.store}: {exc}; see `kvguard audit verify`", file=sys.stderr)
         return 2
     try:
         server = serve(daemon, args.listen, tls, insecure=args.insecure)
@@ -191,6 +206,14 @@ def add_parser(sub: Subcommands) -> None:
         help="seal the audit chain with this key (HMAC-SHA256; `kvguard audit new-key`), kept outside the "
         "database, so that no one who can write the database but lacks the key can rewrite it unnoticed; "
         "a sealed store needs it",
+    )
+    p.add_argument(
+        "--audit-head",
+        metavar="FILE",
+        help="where the audit chain's head (its record count and last hash, sealed with the audit key) is "
+        "kept, outside the database, so that records deleted from its end are found (default: beside a "
+        "SQLite store, its file name + .head; for PostgreSQL, kvguard-audit-DATABASE.head in "
+        "$STATE_DIRECTORY, else the working directory)",
     )
     p.add_argument(
         "--cpu-latency-us",

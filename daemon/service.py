@@ -29,6 +29,7 @@ from kvguard.daemon.access import RoleCheck, check_listener
 from kvguard.daemon.daemon import Daemon
 from kvguard.daemon.fanout import Subscriber
 from kvguard.daemon.ingest import Batch
+from kvguard.daemon.store import RowError
 from kvguard.proto import pb, wire
 from kvguard.proto.channel import MAX_MESSAGE, TRANSPORT_LIMIT, Tls, peer_names
 from kvguard.proto.filter import Filter
@@ -239,13 +240,16 @@ class AuditServicer(svc_grpc.AuditServiceServicer):
         self.daemon = daemon
 
     def Query(self, request: svc.AuditQuery, context: grpc.ServicerContext) -> Iterator[svc.AuditRecord]:
-        for record_id, kind, body in self.daemon.store.rows(Filter.of(request)):
-            if kind == "event":
-                yield svc.AuditRecord(id=record_id, kind=kind, event=pb.Event.FromString(body))
-            elif kind == "finding":
-                yield svc.AuditRecord(id=record_id, kind=kind, finding=pb.Finding.FromString(body))
-            else:
-                yield svc.AuditRecord(id=record_id, kind=kind, command=svc.Command.FromString(body))
+        try:
+            for record_id, kind, body in self.daemon.store.rows(Filter.of(request)):
+                if kind == "event":
+                    yield svc.AuditRecord(id=record_id, kind=kind, event=pb.Event.FromString(body))
+                elif kind == "finding":
+                    yield svc.AuditRecord(id=record_id, kind=kind, finding=pb.Finding.FromString(body))
+                else:
+                    yield svc.AuditRecord(id=record_id, kind=kind, command=svc.Command.FromString(body))
+        except RowError as exc:  # a row edited outside kvguard: said, the daemon serves on
+            context.abort(grpc.StatusCode.DATA_LOSS, f"audit store: {exc}")
 
 
 class FleetServicer(svc_grpc.FleetServiceServicer):

@@ -8,7 +8,8 @@ Invariants: groups are committed in the order they were submitted, each in one
 transaction (shared with the groups queued behind it when the writer falls behind); each
 commit is reported, in order and only once durable, on the daemon's event loop; if the writer
 fails or dies, that is reported instead and nothing after it commits (the daemon then stops
-and rebuilds from the store). The writer exits after committing what was submitted before
+and rebuilds from the store). After each commit it writes the chain's head (store/head.py),
+made durable when it has nothing to commit. The writer exits after committing what was submitted before
 `close()`, or when the daemon dies (its end of the pipe closes). It has the store open before
 the daemon serves: otherwise the first alerts after a start wait out its start-up.
 """
@@ -27,9 +28,9 @@ from kvguard.proto.wire import Batch
 READY_TIMEOUT_S = 60.0  # for the writer process to start and open the store
 
 
-def _serve(where: str, key: bytes | None, conn: Connection) -> None:
+def _serve(where: str, key: bytes | None, head_file: str | None, conn: Connection) -> None:
     try:
-        store = Store(where, key)
+        store = Store(where, key, head_file=head_file)
     except Exception as exc:  # said to the daemon, which refuses to start
         conn.send(("error", f"the store writer cannot open the store: {exc}"))
         return
@@ -59,8 +60,9 @@ def _serve(where: str, key: bytes | None, conn: Connection) -> None:
                 first += sum(row.ids for row in group)
             if stop:
                 return
-            if not conn.poll():  # nothing waits to be committed: a moment for the WAL's upkeep
+            if not conn.poll():  # nothing waits to be committed: a moment for the WAL's and head's upkeep
                 store.restart_wal()
+                store.sync_head()
     finally:
         store.close()
 
@@ -118,13 +120,14 @@ class StoreWriter(Writer):
     """Sends groups of records to the writer process; its replies are read on the daemon's
     event loop (no thread of its own: a commit's report wakes the loop directly)."""
 
-    def __init__(self, where: str, key: bytes | None = None) -> None:
-        """`key`: the store's audit key, when it is sealed (see store.py)."""
+    def __init__(self, where: str, key: bytes | None = None, head_file: str | None = None) -> None:
+        """`key`: the store's audit key, when it is sealed (see store.py); `head_file`: where the
+        chain's head is kept (default: beside a SQLite store, store/head.py)."""
         super().__init__()
         context = multiprocessing.get_context("spawn")  # never fork a process that runs gRPC threads
         self._conn, child = context.Pipe()
         self._proc = context.Process(
-            target=_serve, args=(where, key, child), name="kvguard-store-writer", daemon=True
+            target=_serve, args=(where, key, head_file, child), name="kvguard-store-writer", daemon=True
         )
         self._proc.start()
         child.close()

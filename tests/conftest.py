@@ -59,10 +59,15 @@ def _stores_closed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+def store_url(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
     if request.param == "sqlite":
-        yield str(tmp_path / "audit.db")
+        yield str(tmp_path / "audit.db")  # its head beside it
         return
+    # The chain's head of a PostgreSQL store lies in the daemon's state directory (the
+    # test's, for the daemons it starts too, and the Stores it opens).
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path))
     admin = create_engine(PG, isolation_level="AUTOCOMMIT")
     name = f"kvguard_t_{uuid.uuid4().hex[:12]}"
     try:

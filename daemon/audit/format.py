@@ -21,37 +21,38 @@ from kvguard.proto.kvguard.v1 import services_pb2 as svc
 WALL_CLOCK_FLOOR_NS = 946_684_800 * 10**9  # 2000-01-01T00:00:00Z
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MAX_INT64 = (1 << 63) - 1
+_MIN_INT64 = -(1 << 63)
 
 # ---------------------------------------------------------------------------------------- time
 
 
 def parse_time(text: str, option: str = "TIME") -> int:
-    """Integer nanoseconds, or an ISO-8601 timestamp (naive: UTC) as nanoseconds since the epoch.
-    UsageError naming the option and the value if it is neither."""
+    """Integer nanoseconds, or an ISO-8601 timestamp (naive: UTC) as nanoseconds since the epoch;
+    before 1970 too, as negative nanoseconds (a record's ts_ns is whatever its node's clock
+    read, and every record must be reachable by time). UsageError naming the option and the
+    value if it is neither, or outside ts_ns's range (int64)."""
     value = text.strip()
-    if re.fullmatch(r"\d+", value):
+    if re.fullmatch(r"-?\d+", value):
         ns = int(value)
-        if ns > _MAX_INT64:
-            raise UsageError(f"{option} {text!r} is out of range (at most {_MAX_INT64} ns)")
-        return ns
-    frac_ns = 0
-    match = re.fullmatch(r"(.*T\d\d:\d\d:\d\d)[.,](\d+)(.*)", value)
-    if match:
-        value = match.group(1) + match.group(3)
-        frac_ns = int(match.group(2)[:9].ljust(9, "0"))
-    try:
-        when = datetime.fromisoformat(value)
-    except ValueError:
-        raise UsageError(
-            f"{option} {text!r} is not a time: give integer nanoseconds or an ISO-8601 timestamp "
-            "such as 2026-03-01T12:00:00Z"
-        ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    seconds = (when - _EPOCH) // timedelta(seconds=1)
-    if seconds < 0:
-        raise UsageError(f"{option} {text!r} is before 1970-01-01")
-    return seconds * 10**9 + frac_ns
+    else:
+        frac_ns = 0
+        match = re.fullmatch(r"(.*T\d\d:\d\d:\d\d)[.,](\d+)(.*)", value)
+        if match:
+            value = match.group(1) + match.group(3)
+            frac_ns = int(match.group(2)[:9].ljust(9, "0"))
+        try:
+            when = datetime.fromisoformat(value)
+        except ValueError:
+            raise UsageError(
+                f"{option} {text!r} is not a time: give integer nanoseconds or an ISO-8601 timestamp "
+                "such as 2026-03-01T12:00:00Z"
+            ) from None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        ns = (when - _EPOCH) // timedelta(seconds=1) * 10**9 + frac_ns
+    if not _MIN_INT64 <= ns <= _MAX_INT64:
+        raise UsageError(f"{option} {text!r} is out of range ({_MIN_INT64} to {_MAX_INT64} ns)")
+    return ns
 
 
 def format_time(ts_ns: int) -> str:

@@ -10,7 +10,7 @@
 
 from kvguard.daemon.store.chain import GENESIS, AuditKeyError, new_audit_key, read_audit_key
 from kvguard.daemon.store.rows import RUN_MAX, RUN_SPAN_NS, EventRun, Record, named_of, rows_of, run_rows
-from kvguard.daemon.store.schema import migrate, migrations, store_url
+from kvguard.daemon.store.schema import RowError, migrate, migrations, store_url
 from kvguard.daemon.store.store import Store, StoreError
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "AuditKeyError",
     "EventRun",
     "Record",
+    "RowError",
     "Store",
     "StoreError",
     "migrate",

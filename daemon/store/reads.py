@@ -11,9 +11,10 @@ those indexed for it (`req`, `named`) and the steps naming it within its span on
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
+from google.protobuf.message import DecodeError
 from sqlalchemy import ColumnElement, Engine, and_, case, func, or_, select
 
 from kvguard.daemon.store.chain import GENESIS, chain
@@ -26,7 +27,7 @@ from kvguard.daemon.store.rows import (
     run_events,
     run_ids,
 )
-from kvguard.daemon.store.schema import COLUMNS, named, records
+from kvguard.daemon.store.schema import COLUMNS, RowError, checked, named, records
 from kvguard.proto import pb, wire
 from kvguard.proto.filter import Filter
 
@@ -57,11 +58,14 @@ def event_batches(engine: Engine, after: int = 0) -> Iterator[tuple[str, wire.Ba
         query = query.where(c.id >= holding(conn, after + 1))
         with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
             for record_id, kind, node, body in result:
+                if type(body) is not bytes or type(node) is not str or type(kind) is not str:
+                    row = {"kind": kind, "node": node, "body": body}
+                    kind, node, body = checked("records", f"record {record_id}", row).values()
                 if kind == "event":
                     if record_id > after:
-                        yield node, wire.single(bytes(body)), 0
+                        yield node, wire.single(body), 0
                     continue
-                yield node, wire.decode_batch(bytes(body), wrapped=False), max(0, after + 1 - record_id)
+                yield node, wire.decode_batch(body, wrapped=False), max(0, after + 1 - record_id)
 
 
 EVENT_KINDS = ("event", "events")
@@ -113,7 +117,8 @@ def spans(conn: Any, req: str, node: str = "") -> dict[str, Span]:
             continue
         ends = (first, last, last_ev)
         bodies = {
-            i: (k, bytes(b)) for i, k, b in conn.execute(select(c.id, c.kind, c.body).where(c.id.in_(ends)))
+            i: tuple(checked("records", f"record {i}", {"kind": k, "body": b}).values())
+            for i, k, b in conn.execute(select(c.id, c.kind, c.body).where(c.id.in_(ends)))
         }
         head = _indexed_for(*bodies[first], req)
         lo = first + (head[0][0] if head else 0)
@@ -146,7 +151,7 @@ def rows(engine: Engine, f: Filter) -> Iterator[tuple[int, str, bytes]]:
     if f.severities:
         query = query.where(c.severity.in_(sorted(f.severities)))
     if f.since_ns:
-        query = query.where(c.ts_ns >= f.since_ns - RUN_SPAN_NS)
+        query = query.where(c.ts_ns >= max(f.since_ns - RUN_SPAN_NS, -(1 << 63)))
     if f.until_ns:
         query = query.where(c.ts_ns <= f.until_ns)
     inspect = bool(f.tenant or f.req or f.since_ns or f.until_ns)  # a run's events must be decoded
@@ -165,8 +170,13 @@ def rows(engine: Engine, f: Filter) -> Iterator[tuple[int, str, bytes]]:
             query = query.where(c.id >= holding(conn, f.after + 1))
         with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
             for record_id, record_kind, node, ts_ns, body in result:
+                if type(body) is not bytes or type(ts_ns) is not int or type(record_kind) is not str:
+                    row = {"kind": record_kind, "node": node, "ts_ns": ts_ns, "body": body}
+                    record_kind, node, ts_ns, body = checked("records", f"record {record_id}", row).values()
                 if record_kind != "events":
-                    if record_id <= f.after or ts_ns < f.since_ns:
+                    # since_ns 0 is no bound (proto3's unset), not the epoch: a record of a
+                    # clock before 1970 (ts_ns < 0) is still read.
+                    if record_id <= f.after or (f.since_ns and ts_ns < f.since_ns):
                         continue
                     if (
                         record_kind == "event"
@@ -205,6 +215,14 @@ def _event_matches(data: bytes, f: Filter, span: Span | None, event_id: int) -> 
     return span is not None and span.lo <= event_id and (span.hi is None or event_id <= span.hi)
 
 
+def _checked_index(rows: Iterable[Any]) -> Iterator[tuple[int, str]]:
+    """The rows of the index of named requests, each checked (RowError for a value edited in)."""
+    for record_id, req in rows:
+        if type(record_id) is not int or type(req) is not str:
+            checked("named", f"the index row ({record_id!r}, {req!r})", {"record_id": record_id, "req": req})
+        yield record_id, req
+
+
 def verify(
     engine: Engine, seals: list[tuple[int, bytes]], keys: dict[int, bytes], given: bool
 ) -> tuple[bool, int, str]:
@@ -234,40 +252,45 @@ def verify(
             select(named.c.record_id, named.c.req).order_by(named.c.record_id)
         ) as named_rows,
     ):
-        index = iter(named_rows)
-        pending = next(index, None)
-        for row in result:
-            v = row._mapping
-            if v["id"] != expected_id:
-                return False, n, f"record {expected_id} is missing (next is {v['id']})"
-            if v["prev_hash"] != prev:
-                return False, n, f"record {v['id']}: the chain is broken before it"
-            while v["id"] >= starts[segment + 1]:
-                segment += 1
-            key = keys.get(segment)
-            if segment >= 0 and key is None:
-                return (
-                    False,
-                    n,
-                    f"records from {starts[segment]} on are sealed with an audit key not given: "
-                    "proving them needs it",
-                )
-            if chain(prev, v["id"], [v[name] for name in COLUMNS], v["body"], key) != v["hash"]:
-                return False, n, f"record {v['id']} ({v['kind']} of {v['node']}) was altered"
-            listed = []
-            while pending is not None and pending[0] <= v["id"]:
-                listed.append((pending[0], pending[1]))
-                pending = next(index, None)
-            listed.sort()
-            if listed != [(v["id"], req) for req in named_of(v["kind"], v["body"])] and listed != [
-                (v["id"], req)
-                for req in named_with_steps(v["kind"], v["body"])  # a store written while steps were indexed
-            ]:
-                return False, n, f"record {v['id']}: the index of the requests it names was altered"
-            ids = run_ids(v["kind"], v["body"])
-            if v["kind"] == "events" and ids < 2:
-                return False, n, f"record {v['id']}: a run of {ids} events"
-            prev, expected_id, n = v["hash"], expected_id + ids, n + ids
+        index = _checked_index(named_rows)
+        try:
+            pending = next(index, None)
+            for row in result:
+                v = checked("records", f"record {row.id}", dict(row._mapping))
+                if v["id"] != expected_id:
+                    return False, n, f"record {expected_id} is missing (next is {v['id']})"
+                if v["prev_hash"] != prev:
+                    return False, n, f"record {v['id']}: the chain is broken before it"
+                while v["id"] >= starts[segment + 1]:
+                    segment += 1
+                key = keys.get(segment)
+                if segment >= 0 and key is None:
+                    return (
+                        False,
+                        n,
+                        f"records from {starts[segment]} on are sealed with an audit key not given: "
+                        "proving them needs it",
+                    )
+                if chain(prev, v["id"], [v[name] for name in COLUMNS], v["body"], key) != v["hash"]:
+                    return False, n, f"record {v['id']} ({v['kind']} of {v['node']}) was altered"
+                listed = []
+                while pending is not None and pending[0] <= v["id"]:
+                    listed.append((pending[0], pending[1]))
+                    pending = next(index, None)
+                listed.sort()
+                # (named_with_steps: a store written while steps were indexed)
+                if listed != [(v["id"], req) for req in named_of(v["kind"], v["body"])] and listed != [
+                    (v["id"], req) for req in named_with_steps(v["kind"], v["body"])
+                ]:
+                    return False, n, f"record {v['id']}: the index of the requests it names was altered"
+                ids = run_ids(v["kind"], v["body"])
+                if v["kind"] == "events" and ids < 2:
+                    return False, n, f"record {v['id']}: a run of {ids} events"
+                prev, expected_id, n = v["hash"], expected_id + ids, n + ids
+        except RowError as exc:  # a value its column cannot hold: edited outside kvguard
+            return False, n, str(exc)
+        except DecodeError as exc:  # a body rewritten, its hash recomputed (a chain not sealed)
+            return False, n, f"record {v['id']}: its body is not a {v['kind']} record ({exc})"
     if pending is not None:
         return False, n, f"the index of named requests lists record {pending[0]}, past the last record"
     return True, n, ""

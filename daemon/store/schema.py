@@ -1,7 +1,9 @@
 """The audit store's schema (tables), its migrations (Alembic, daemon/migrations) and where a
 store lies (`store_url`).
 
-Invariant: the schema is created and changed only by the migrations; `records` is the hash
+Invariant: the schema is created and changed only by the migrations; a value read that its
+column cannot hold (SQLite keeps any value in any column: a row edited outside kvguard) is
+refused by name (`RowError`: the row, the column, what it holds), never passed on; `records` is the hash
 chain (append-only, one id per event, finding or command), `named` indexes every request a
 record names beyond its `req` column but a step's batch (derived, outside the chain; a
 request's steps are found within its span on each node, reads.py), `snapshots` (their bodies
@@ -75,6 +77,43 @@ named = Table(
     Column("record_id", BigInteger(), primary_key=True, autoincrement=False),
     sqlite_with_rowid=False,
 )
+
+
+class RowError(ValueError):
+    """A row holding a value its column cannot (text in an integer column, ...): which row,
+    which column, what it holds. Only an edit outside kvguard makes one."""
+
+
+def _python_type(column: Column[Any]) -> type:
+    return bytes if isinstance(column.type, LargeBinary) else str if isinstance(column.type, String) else int
+
+
+# What each column of each table reads back as: int, str or bytes.
+_TYPES = {t.name: {c.name: _python_type(c) for c in t.columns} for t in (records, snapshots, seal, named)}
+_WANTED = {int: "an integer", str: "text", bytes: "a blob"}
+
+
+def _described(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, str):
+        return f"text {value[:24]!r}" + ("..." if len(value) > 24 else "")
+    if isinstance(value, bytes | memoryview):
+        return f"a blob of {len(value)} bytes"
+    return f"{type(value).__name__} {value!r}"
+
+
+def checked(table: str, label: str, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` (a row's columns of `table` by name), each of its column's type (a blob as
+    bytes), or RowError naming `label` (the row: "record 11"), the column and what it holds."""
+    types = _TYPES[table]
+    for name, value in values.items():
+        want = types[name]
+        if want is bytes and isinstance(value, memoryview):
+            values[name] = value = bytes(value)
+        if type(value) is not want:  # bool is an int, but no column reads back as one
+            raise RowError(f"{label}: column {name} holds {_described(value)}, not {_WANTED[want]}")
+    return values
 
 
 def store_url(where: str) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from kvguard.daemon.store.schema import SNAPSHOTS_KEPT, snapshot_parts, snapshots
+from kvguard.daemon.store.schema import SNAPSHOTS_KEPT, RowError, checked, snapshot_parts, snapshots
 
 SNAPSHOT_PART = 64 << 20  # bytes of a snapshot's body a row holds
 
@@ -52,6 +52,12 @@ def latest(conn: Any) -> tuple[int, bytes, bytes] | str:
     if row is None:
         return "no snapshot"
     snapshot_id, through, whole, digest, parts = row
+    try:  # a row edited outside kvguard is named, not a traceback
+        through, whole, digest = checked(
+            "snapshots", "the newest snapshot", {"through_id": through, "body": whole, "digest": digest}
+        ).values()
+    except RowError as exc:
+        return str(exc)
     name = f"the snapshot taken after record {through}"
     if not parts:
         if not whole:

@@ -4,9 +4,11 @@ in SQLite (WAL, a file: the default) or PostgreSQL (any SQLAlchemy URL).
 Invariants: records are only ever inserted; every event, finding and command has an id, 1, 2,
 3, ... without gaps; each record's hash covers its id, every column and the previous record's
 (chain.py), so `verify()` proves that nothing was altered, removed or reordered; one store has
-one writer (the daemon's writer process), which owns the chain and its last hash; a store
-sealed with an audit key is appended to only with that key. Snapshots are kept bound to the
-chain, the newest SNAPSHOTS_KEPT, their bodies in parts (snapshot_rows.py).
+one writer (the daemon's writer process), which owns the chain and its last hash, and writes
+the chain's head outside the database after each commit (head.py), so that `completeness()`
+proves that nothing was removed from its end either; a store sealed with an audit key is
+appended to only with that key. Snapshots are kept bound to the chain, the newest
+SNAPSHOTS_KEPT, their bodies in parts (snapshot_rows.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -22,10 +25,18 @@ from typing import Any
 
 from sqlalchemy import create_engine, event, func, select, text
 
-from kvguard.daemon.store import reads, snapshot_rows
+from kvguard.daemon.store import head, reads, snapshot_rows
 from kvguard.daemon.store.chain import GENESIS, chain, seal_tag, snapshot_digest
 from kvguard.daemon.store.rows import Record, run_ids
-from kvguard.daemon.store.schema import COLUMNS, migrate, records, seal, store_url
+from kvguard.daemon.store.schema import (
+    COLUMNS,
+    RowError,
+    checked,
+    migrate,
+    records,
+    seal,
+    store_url,
+)
 from kvguard.daemon.store.snapshot_rows import SNAPSHOT_PART
 from kvguard.proto import pb, wire
 from kvguard.proto.filter import Filter
@@ -45,7 +56,10 @@ def _ending(conn: Any, through: int | None) -> tuple[int, bytes] | None:
     if through is not None:
         query = query.where(c.id <= through)
     row = conn.execute(query).first()
-    return (row[0] + run_ids(row[1], row[2]) - 1, row[3]) if row else None
+    if row is None:
+        return None
+    v = checked("records", f"record {row[0]}", {"id": row[0], "kind": row[1], "body": row[2], "hash": row[3]})
+    return v["id"] + run_ids(v["kind"], v["body"]) - 1, v["hash"]
 
 
 def _checkpoint(conn: Any) -> None:
@@ -57,10 +71,15 @@ def _checkpoint(conn: Any) -> None:
 
 
 class Store:
-    def __init__(self, where: str, *keys: bytes | None) -> None:
+    def __init__(self, where: str, *keys: bytes | None, head_file: str | None = None) -> None:
         """The store at `where`, with the audit keys given (None: none), each matched to the
-        seals it made (StoreError for a key that made none of this store's seals)."""
+        seals it made (StoreError for a key that made none of this store's seals), and its
+        head in `head_file` (default: head.default_path)."""
         self.url = store_url(where)
+        self.head_file = head_file or head.default_path(self.url)
+        self._head_unsynced = False
+        self._head_synced_at = 0.0
+        self._head_failed = ""  # why the head could not be written last (said once)
         sqlite = self.url.startswith("sqlite")
         self.engine = create_engine(self.url, connect_args={"check_same_thread": False} if sqlite else {})
         if sqlite:
@@ -102,7 +121,10 @@ class Store:
     def _sealed(self, keys: list[bytes]) -> tuple[list[tuple[int, bytes]], dict[int, bytes]]:
         with self.engine.connect() as conn:
             rows = conn.execute(select(seal.c.from_id, seal.c.tag).order_by(seal.c.id)).all()
-        seals = [(int(from_id), bytes(tag)) for from_id, tag in rows]
+        seals = [
+            tuple(checked("seal", f"seal {i + 1}", {"from_id": from_id, "tag": tag}).values())
+            for i, (from_id, tag) in enumerate(rows)
+        ]
         found: dict[int, bytes] = {}
         for key in keys:
             made = [
@@ -150,6 +172,8 @@ class Store:
             conn.execute(seal.insert().values(from_id=from_id, tag=tag))
         self._seals.append((from_id, tag))
         self._keys[len(self._seals) - 1] = key
+        if self.head_file is not None:  # from now on the head is sealed too
+            head.create(self.head_file, from_id - 1, last[1] if last else GENESIS, key)
         return from_id
 
     def write_key(self) -> bytes | None:
@@ -196,6 +220,7 @@ class Store:
                     self._raw.rollback()
                 raise StoreError(f"audit store {self.url}: commit failed: {exc}") from exc
             self._next_id, self._last_hash = record_id, prev
+            self._write_head(mac)
         if self._checkpoints is not None:
             self._checkpoints.set()
         elif self.url.startswith("sqlite"):
@@ -203,6 +228,78 @@ class Store:
             name = "kvguard-store-checkpoint"
             threading.Thread(target=self._checkpoint_loop, name=name, daemon=True).start()
         return [v[0] for v in values]
+
+    def _write_head(self, key: bytes | None) -> None:
+        """After a commit: the chain's new head, beside the store. A head that cannot be written
+        fails no commit (the records are durable; verify then proves completeness only up to the
+        head it finds, and says so); it is said once."""
+        if self.head_file is None:
+            return
+        try:
+            head.write(self.head_file, self._next_id - 1, self._last_hash, key)
+        except OSError as exc:
+            if exc.strerror != self._head_failed:
+                self._head_failed = exc.strerror or str(exc)
+                print(
+                    f"kvguard: audit store {self.url}: its head file {self.head_file} cannot be written "
+                    f"({self._head_failed}): completeness is proven only up to the head it holds",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
+        self._head_failed = ""
+        self._head_unsynced = True
+
+    def sync_head(self, *, now: bool = False) -> None:
+        """Make the head written after the last commits durable: for the writer to call while it
+        has nothing to commit, at most once every head.SYNC_EVERY_S (`now`: at once). Off the
+        commit's path: a head lost to a crash of the machine lags, which verify tells apart
+        from a store that lost records."""
+        due = time.monotonic()
+        if not self._head_unsynced or self.head_file is None or (not now and due < self._head_synced_at):
+            return
+        self._head_synced_at = due + head.SYNC_EVERY_S
+        self._head_unsynced = False
+        with contextlib.suppress(OSError):  # a head that cannot be written was said at its write
+            head.sync(self.head_file)
+
+    def completeness(self) -> head.Completeness:
+        """What the head file proves of the store's end: complete through which record, or
+        what is missing (records deleted from its end, the head forged or rewritten, or no
+        head for a store that has records). A sealed store's head is proven with its current
+        audit key only."""
+        try:
+            found = head.read(self.head_file) if self.head_file is not None else None
+        except head.HeadError as exc:
+            return head.Completeness(False, 0, str(exc))
+        key = None
+        if self._seals:
+            key = self._keys.get(len(self._seals) - 1)
+            if key is None:
+                return head.Completeness(
+                    False,
+                    0,
+                    "the head is sealed with the store's current audit key: proving it needs that key",
+                )
+        with self.engine.connect() as conn:
+            end = _ending(conn, None)
+            at_head = None
+            if found is not None:
+                at_head = (0, GENESIS) if found.count == 0 else _ending(conn, found.count)
+        return head.judge(self.head_file, found, end[0] if end else 0, at_head, key)
+
+    def adopt_head(self) -> int:
+        """Write the head for the store as it stands (`kvguard audit head`: a store written
+        before heads were kept, or one whose loss of records was looked into); returns its
+        last record. Sealed with the current audit key, which a sealed store needs."""
+        if self.head_file is None:
+            raise StoreError(f"audit store {self.url}: an in-memory store has no head")
+        key = self.write_key()
+        with self.engine.connect() as conn:
+            end = _ending(conn, None)
+        count, last = end if end else (0, GENESIS)
+        head.create(self.head_file, count, last, key)
+        return count
 
     def restart_wal(self) -> bool:
         """Let SQLite write its WAL from the start again; for the writer to call while it has
@@ -305,7 +402,10 @@ class Store:
             if isinstance(found, str):
                 return found
             through, body, digest = found
-            last = _ending(conn, through) if through else None
+            try:
+                last = _ending(conn, through) if through else None
+            except RowError as exc:
+                return str(exc)
         if through and (last is None or last[0] != through):
             return f"the snapshot's record {through} is not in the store"
         after = last[1] if last else None
@@ -321,6 +421,7 @@ class Store:
         if self._closed:
             return
         self._closed = True
+        self.sync_head(now=True)
         if self._checkpoints is not None:
             self._checkpoints.set()
         self._raw.close()

@@ -368,6 +368,7 @@ def test_the_daemon_serves_command_bodies(daemon: Service, capsys: pytest.Captur
         (("query", "--since", "2026-13-01"), "--since '2026-13-01' is not a time"),
         (("query", "--since", "200", "--until", "100"), "--until '100' is before --since '200'"),
         (("query", "--limit", "-1"), "--limit -1 is not a count"),
+        (("query", "--since", "-9223372036854775809"), "--since '-9223372036854775809' is out of range"),
         (("request", ""), "the request ID is empty"),
     ],
 )
@@ -407,6 +408,9 @@ def test_bad_sources_exit_2_naming_the_source(
 
 def test_times_and_pages() -> None:
     assert parse_time("6000") == 6000
+    assert (
+        parse_time("-5") == -5 and parse_time("1969-12-31T23:59:59.5Z") == -500_000_000
+    )  # a clock before 1970
     assert parse_time("1970-01-01T00:00:01.000000001Z") == 1_000_000_001
     assert (
         parse_time("2026-03-01T12:00:00+01:00") == parse_time("2026-03-01T11:00:00") == 1_772_362_800 * 10**9
@@ -442,3 +446,41 @@ def test_kvguard_audit_exposure_as_a_user_runs_it(daemon: Service) -> None:
     assert run.stdout.splitlines()[-1].startswith(
         "acme: 4 requests of 3 other tenants (globex, initech, umbrella)"
     )
+
+
+# ------------------------------------------------------------------------------------ before 1970
+
+
+def test_records_before_1970_are_reached_by_every_query(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A node whose clock reads before the epoch stores negative ts_ns: its records are in the
+    # chain and must be read back by every query, not taken for "before --since 0".
+    shifted = []
+    for line in INCIDENT:
+        if line.startswith("{"):
+            event = json.loads(line)
+            event["ts_ns"] -= 1_000_000_000_000
+            line = json.dumps(event)
+        shifted.append(line)
+    d = start_daemon(str(tmp_path / "audit.db"))
+    try:
+        summary = send_capture(shifted, d.address)
+        assert summary.accepted == summary.events == 39 and not summary.rejected
+        total = Store(str(d.store)).count()
+        for source in (store_of(d), ("--daemon", d.address)):
+            rc, out, err = audit(capsys, "query", *source, "-o", "json")
+            assert rc == 0 and len(jsonl(out)) == total and f"{total} records from" in err
+            rc, out, err = audit(
+                capsys, "query", "--kind", "finding", "--tenant", "acme", *source, "-o", "json"
+            )
+            assert {r["finding"]["victim_req"] for r in jsonl(out)} == {"a1", "a2"}
+            rc, out, err = audit(capsys, "request", "g1", *source)
+            assert rc == 1 and "request g1 (globex): 13 event(s) on d0, p0; 10 finding(s) as offender" in err
+            rc, out, _ = audit(capsys, "exposure", "--tenant", "acme", *source)
+            assert rc == 1 and out.splitlines()[-1].startswith("acme: 1 request of 1 other tenant (globex)")
+            window = ("--since", "-1000000000000", "--until", "-999999990000")
+            rc, out, _ = audit(capsys, "exposure", "--tenant", "acme", *window, *source)
+            assert rc == 1 and "globex" in out
+    finally:
+        d.stop()

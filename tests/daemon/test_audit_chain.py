@@ -134,7 +134,9 @@ def test_a_sealed_chain_cannot_be_rewritten_without_its_key(store_url: str, tmp_
     with engine.begin() as db:
         db.execute(text("DELETE FROM seal"))
     engine.dispose()
-    assert audit("verify", *store).returncode == 0  # what a plain chain cannot tell
+    # What a plain chain cannot tell, its head (sealed with the key) does.
+    headless = audit("verify", *store)
+    assert headless.returncode == 1 and "sealed with a key whose seal was removed" in headless.stderr
     with pytest.raises(RuntimeError, match="is not sealed but has records: seal it once"):
         start_daemon(store_url, 0, "--audit-key", str(key))  # no new seal over a rewrite
     unsealed = audit("verify", *store, "--audit-key", str(key))
@@ -228,3 +230,45 @@ def test_an_audit_key_others_may_read_or_too_short_is_refused(tmp_path: Path) ->
         start_daemon(where, 0, "--audit-key", str(key))
     missing = audit("verify", "--store", where, "--audit-key", str(tmp_path / "nope"))
     assert missing.returncode == 1 and "No such file or directory" in missing.stderr
+
+
+def small_store(where: str, n: int = 30, *keys: bytes) -> Store:
+    """A store of `n` events of one node, each a record of its own (no run)."""
+    log = EventLog()
+    log.add("n0", "pool", pool=0, role="colocated", page_size=16, num_pages=16)
+    for i in range(n - 1):
+        log.add("n0", "admit", req=f"r{i}", tenant="acme", prompt_tokens=4)
+    s = Store(where, *keys)
+    if keys:
+        s.seal()
+    s.append([Record.of_event(e) for e in log.events])
+    return s
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "last"),
+    [("seq", "'abc'", False), ("ts_ns", "'12:00'", False), ("hash", "'x'", False), ("body", "'zz'", True)],
+)
+def test_a_row_edited_to_text_is_named_by_verify_and_the_daemon(
+    tmp_path: Path, column: str, value: str, last: bool
+) -> None:
+    # SQLite keeps any value in any column: an integer or blob column rewritten as text must
+    # be refused by row and column, in one line, by verify and by the daemon that reads it.
+    where = str(tmp_path / "audit.db")
+    small_store(where, 5).close()
+    engine = create_engine(url_of(where))
+    with engine.begin() as db:
+        db.execute(text(f"UPDATE records SET {column} = {value} WHERE id = {5 if last else 3}"))
+    engine.dispose()
+    said = f"record {5 if last else 3}: column {column} holds text {value}, not "
+    verify = audit("verify", "--store", where)
+    assert verify.returncode == 1 and said in verify.stderr and "Traceback" not in verify.stderr
+    assert len(verify.stderr.splitlines()) == 1
+    query = audit("query", "--store", where)
+    if column in ("ts_ns", "body"):  # what a query reads
+        assert query.returncode == 2 and said in query.stderr and "Traceback" not in query.stderr
+    if last:  # the daemon reads the last record's body at its start
+        with pytest.raises(
+            RuntimeError, match=f"audit store {where}: {said}a blob; see `kvguard audit verify`"
+        ):
+            start_daemon(where)
