@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import sys
 import threading
 from collections import Counter
 
@@ -31,6 +32,9 @@ from kvguard.ledger import CLOCK_SKEW_NS, Ledger, snapshot
 from kvguard.ledger.limits import UNBOUNDED, Limits
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.ruleset import Ruleset, load_ruleset
+
+
+REPLAY_REFUSALS_SAID = 10  # stored events refused at start that are logged one by one (all are counted)
 
 
 class Daemon:
@@ -56,7 +60,19 @@ class Daemon:
         rebuilt = 0
         self.seen = Seen()  # the last events of each node, to tell a repeat from a tampered copy
         for node, batch, skip in store.event_batches(after=through):
-            self.ledger.replay(batch, node, skip)  # verdicts are already stored; this rebuilds the state
+            # Verdicts are already stored; this rebuilds the state. An event the ledger refuses
+            # now (a store edited, or written by another version) is said and skipped, so
+            # that one stored event cannot stop every start.
+            for i, exc in self.ledger.replay(batch, node, skip):
+                self.counters["replay_refused"] += 1
+                if self.counters["replay_refused"] <= REPLAY_REFUSALS_SAID:
+                    epoch, seq = batch.position(i)
+                    print(
+                        f"kvguard daemon: stored event seq {seq} (epoch {epoch}) of node {node} cannot be "
+                        f"applied again ({exc}); skipped: see `kvguard audit verify`",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             self.seen.record(node, batch, skip, len(batch))
             rebuilt += len(batch) - skip
         self.ledger.limits = limits if limits is not None else Limits()

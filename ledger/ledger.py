@@ -276,17 +276,23 @@ class Ledger:
             start = done
         return start
 
-    def replay(self, batch: wire.Batch, node: str, start: int = 0) -> None:
+    def replay(self, batch: wire.Batch, node: str, start: int = 0) -> list[tuple[int, BadEvent]]:
         """Apply events batch[start:] of `node`, accepted before, in order (the store's, when
         the daemon restarts): as the daemon applied them, the clean runs in C and the rest one
-        at a time. Their findings were stored when they were first made; none is returned. A
-        BadEvent here means the store does not hold what was applied."""
+        at a time. Their findings were stored when they were first made; none is returned. An
+        event refused now (the store does not hold what was applied: edited, or written by
+        another version) is skipped: (its index, why) for each, for the caller to say."""
+        refused: list[tuple[int, BadEvent]] = []
         at, stop = start, len(batch)
         while at < stop:
             at = self.apply_clean(batch, at, stop, node)
             if at < stop:
-                self.apply_serialized(batch.event(at), node)
+                try:
+                    self.apply_serialized(batch.event(at), node)
+                except BadEvent as exc:
+                    refused.append((at, exc))
                 at += 1
+        return refused
 
     def end_capture(self) -> list[Finding]:
         """The capture ends (`kvguard replay`, rule fixtures): every verdict still waiting is

@@ -206,3 +206,37 @@ def test_a_crash_replays_only_what_came_after_the_last_periodic_snapshot(
     finally:
         second.stop()
     assert facts(stored_findings(store_url)) == facts(local_findings())
+
+
+def test_a_stored_event_the_ledger_refuses_at_start_is_said_and_skipped(store_url: str) -> None:
+    # A store edited by hand (or written by another version) holds an event the ledger
+    # refuses when the daemon rebuilds from it: the daemon says which and starts anyway, not
+    # a traceback at every start.
+    half = [line for line in INCIDENT if line.startswith("{")][:20]
+    first = start_daemon(store_url)
+    assert send_capture(half, first.address).accepted == 20
+    first.kill()  # no snapshot: the next start replays the store
+    engine = create_engine(url_of(store_url))
+    with engine.begin() as conn:
+        row_id, body = conn.execute(
+            text("SELECT id, body FROM records WHERE kind = 'events' ORDER BY id")
+        ).first()
+        run = svc.RawEventBatch.FromString(bytes(body))
+        edited = pb.Event.FromString(run.events[1])
+        edited.ClearField(edited.WhichOneof("payload"))
+        edited.admit.CopyFrom(pb.Admit(req="edited", stage="nowhere"))
+        events = list(run.events)
+        events[1] = edited.SerializeToString()
+        conn.execute(
+            text("UPDATE records SET body = :b WHERE id = :i"),
+            {"b": svc.RawEventBatch(events=events).SerializeToString(), "i": row_id},
+        )
+    engine.dispose()
+    second = start_daemon(store_url)
+    try:
+        counters = fleet_counters(second.address)
+        assert (counters["replay_refused"], counters["rebuilt_events"]) == (1, 20)
+    finally:
+        said = second.stop()
+    assert f"stored event seq {edited.seq} (epoch 0) of node {edited.node} cannot be applied again" in said
+    assert "stage 'nowhere' is not one of" in said and "Traceback" not in said
