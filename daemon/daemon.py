@@ -33,7 +33,6 @@ from kvguard.ledger.limits import UNBOUNDED, Limits
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.ruleset import Ruleset, load_ruleset
 
-
 REPLAY_REFUSALS_SAID = 10  # stored events refused at start that are logged one by one (all are counted)
 
 

@@ -246,10 +246,12 @@ class Ingest:
                     if i == end:
                         break
                 found = self._apply_event(node, events, i, ack)
-                if found is None:  # not applied: not stored
+                if found is None or isinstance(found, Record):  # not applied: its refusal stored
                     if run >= 0:
                         group.add(EventRun(m, run, i))
                         run = -1
+                    if found is not None:
+                        group.add(found)
                     i += 1
                     continue
                 accepted += 1
@@ -278,9 +280,11 @@ class Ingest:
             self.counters["events"] += ack.accepted
         return True
 
-    def _apply_event(self, node: str, events: wire.Batch, i: int, ack: svc.Ack) -> Sequence[Finding] | None:
-        """Event i of `node`'s batch to the ledger: its findings, or None (and why, in the ack)
-        if it was not applied (another node's event among them)."""
+    def _apply_event(
+        self, node: str, events: wire.Batch, i: int, ack: svc.Ack
+    ) -> Sequence[Finding] | Record | None:
+        """Event i of `node`'s batch to the ledger: its findings; or, if it was refused, the
+        record that keeps it in the audit log (and why, in the ack); None for a repeat."""
         known = self.ledger.nodes.get(node)
         epoch = known.epoch if known is not None else None
         try:
@@ -302,13 +306,14 @@ class Ingest:
                 print(f"kvguard daemon: {exc}", file=sys.stderr, flush=True)
             self.counters[exc.kind] += 1
             ack.rejected.add(seq=seq, epoch=at, reason=str(exc))
-            found = None
+            return self._refusal(node, events, i, exc.kind, str(exc))
         except Exception as exc:  # a bug must not take the daemon or the stream down
             self.counters["internal"] += 1
             at, seq = events.position(i)
-            ack.rejected.add(seq=seq, epoch=at, reason=f"internal error applying the event: {exc!r}")
+            reason = f"internal error applying the event: {exc!r}"
+            ack.rejected.add(seq=seq, epoch=at, reason=reason)
             traceback.print_exc(file=sys.stderr)
-            return None
+            return self._refusal(node, events, i, "internal", reason)
         now = self.ledger.nodes.get(node)
         if now is not None and epoch is not None and now.epoch != epoch:  # its engine restarted
             self.counters["restarts"] += 1
@@ -319,6 +324,13 @@ class Ingest:
                 flush=True,
             )
         return found
+
+    @staticmethod
+    def _refusal(node: str, events: wire.Batch, i: int, kind: str, reason: str) -> Record:
+        """The audit record of event i of `node`'s stream, refused (`kind`, `reason`)."""
+        epoch, seq = events.position(i)
+        head = events.heads[i]
+        return Record.of_refusal(node, epoch, seq, int(head["ts"]), kind, reason, events.event(i))
 
     def _judge(self, found: Sequence[Finding], out: Group, received: float) -> None:
         """The ruleset's verdict on each finding of an event (of a batch received at

@@ -35,6 +35,7 @@ from kvguard.proto.channel import MAX_MESSAGE, TRANSPORT_LIMIT, Tls, peer_names
 from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
+from kvguard.proto.limits import NODE_BYTES, unstorable
 
 MAX_BATCH = 65536
 MAX_IN_FLIGHT = 8  # batches of one stream applied or committing but not yet acknowledged
@@ -88,6 +89,10 @@ class AgentSession:
         name = msg.hello.node if msg.WhichOneof("body") == "hello" else ""
         if not name:
             self._fail("identity", "the first message of a stream must be hello with the node's name")
+            return False
+        why = unstorable(name, NODE_BYTES)
+        if why:  # its refused events' records name it: the store must be able to keep it
+            self._fail("identity", f"node name {name[:40]!r} {why}")
             return False
         names = peer_names(self.context)
         # A node's own probes (node/ebpf: the agent's witness) stream under the node's name.
@@ -246,6 +251,8 @@ class AuditServicer(svc_grpc.AuditServiceServicer):
                     yield svc.AuditRecord(id=record_id, kind=kind, event=pb.Event.FromString(body))
                 elif kind == "finding":
                     yield svc.AuditRecord(id=record_id, kind=kind, finding=pb.Finding.FromString(body))
+                elif kind == "refused":
+                    yield svc.AuditRecord(id=record_id, kind=kind, refused=svc.Refusal.FromString(body))
                 else:
                     yield svc.AuditRecord(id=record_id, kind=kind, command=svc.Command.FromString(body))
         except RowError as exc:  # a row edited outside kvguard: said, the daemon serves on

@@ -8,6 +8,7 @@ line number and the reason, so a reader can report a bad line and go on with the
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -83,9 +84,15 @@ def message_to_dict(message: Message) -> dict[str, Any]:
             out[fd.name] = dict(value)
         elif fd.message_type is not None:
             out[fd.name] = [message_to_dict(v) for v in value] if fd.is_repeated else message_to_dict(value)
+        elif fd.type == fd.TYPE_BYTES:  # as the protobuf JSON mapping has them: base64
+            out[fd.name] = [_b64(v) for v in value] if fd.is_repeated else _b64(value)
         else:
             out[fd.name] = list(value) if fd.is_repeated else value
     return out
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
 def event_to_json(event: pb.Event) -> str:

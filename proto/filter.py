@@ -14,7 +14,7 @@ from typing import Any
 
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
-RECORD_KINDS = ("event", "finding", "command")
+RECORD_KINDS = ("event", "finding", "command", "refused")
 
 
 @dataclass(frozen=True, slots=True)

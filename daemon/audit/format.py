@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import NamedTuple, TextIO
 
 import orjson
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from kvguard.daemon.audit.source import AuditItem, UsageError
 from kvguard.proto import pb
@@ -184,6 +184,24 @@ def item_row(item: AuditItem) -> Row:
             what = f"quarantine pool={q.pool} pages={page_ranges(q.pages)} for {q.finding}"
             return Row(rid, "", "command", "", str(body.id), "", "", what, "")
         return Row(rid, "", "command", "", str(body.id), "", "", "empty command", "")
+    if isinstance(body, svc.Refusal):
+        try:  # evidence: what it claimed to be, where its bytes say so
+            claimed = pb.Event.FromString(body.event)
+        except DecodeError:
+            claimed = pb.Event()
+        payload = claimed.WhichOneof("payload") or "unreadable bytes"
+        what = f"refused {payload} ({body.kind}), {body.size} bytes"
+        return Row(
+            rid,
+            format_time(claimed.ts_ns) if claimed.ts_ns else "",
+            "refused",
+            claimed.node,
+            str(claimed.seq) if claimed.seq else "",
+            "",
+            "",
+            what,
+            body.reason,
+        )
     return Row(rid, "", item.kind, "", "", item.req_hint, "", "(the daemon does not serve this body)", "")
 
 

@@ -21,9 +21,9 @@ from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 DEFAULT_STORE = "kvguard-audit.db"
-KINDS = ("event", "finding", "command")
+KINDS = ("event", "finding", "command", "refused")
 
-Body = pb.Event | pb.Finding | svc.Command
+Body = pb.Event | pb.Finding | svc.Command | svc.Refusal
 
 
 class UsageError(Exception):
@@ -66,6 +66,8 @@ def _decode(kind: str, body: bytes) -> Body:
         return pb.Event.FromString(body)
     if kind == "finding":
         return pb.Finding.FromString(body)
+    if kind == "refused":
+        return svc.Refusal.FromString(body)
     return svc.Command.FromString(body)
 
 

@@ -20,9 +20,11 @@ from kvguard.daemon import _rows
 from kvguard.ledger import Finding
 from kvguard.proto import pb, wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.limits import SEQ_MAX
 
 RUN_SPAN_NS = 1_000_000_000  # a run's events lie in [ts_ns, ts_ns + this]: time filters stay indexed
 RUN_MAX = 1 << 16  # events in a run at most (a batch holds no more)
+REFUSAL_BYTES = 1 << 16  # of a refused event's bytes, kept in its record
 
 _PAYLOADS = pb.Event.DESCRIPTOR.oneofs_by_name["payload"].fields
 # Which payloads carry the indexed columns (a getattr with a default is slow where it misses).
@@ -34,7 +36,7 @@ class Record(NamedTuple):
     """One row to append. `body` is the serialized protobuf (Event, Finding or Command).
     A tuple: one is built per event, on the store writer's hot path."""
 
-    kind: str  # event, finding, command
+    kind: str  # event, events (a run), finding, command, refused
     node: str
     seq: int
     ts_ns: int
@@ -66,6 +68,19 @@ class Record(NamedTuple):
         data = svc.RawEventBatch(events=bodies).SerializeToString()
         named = _run_named(heads)
         return Record("events", first.node, first.seq, first.ts_ns, data, named=named, ids=len(heads))
+
+    @staticmethod
+    def of_refusal(
+        node: str, epoch: int, seq: int, ts_ns: int, kind: str, reason: str, event: bytes
+    ) -> Record:
+        """The row of an event the daemon refused (`kind`: the counter it went to), on the
+        stream of `node`: its first REFUSAL_BYTES kept as evidence; a seq or time the store
+        cannot hold is 0 in the columns (the bytes still carry it)."""
+        body = svc.Refusal(
+            kind=kind, reason=reason, epoch=epoch, event=event[:REFUSAL_BYTES], size=len(event)
+        ).SerializeToString()
+        seq = seq if 0 <= seq <= SEQ_MAX else 0
+        return Record("refused", node, seq, ts_ns if -SEQ_MAX <= ts_ns <= SEQ_MAX else 0, body)
 
     @staticmethod
     def of_finding(finding: Finding) -> Record:

@@ -86,3 +86,12 @@ def judged_on(tmp_path: Path, store: str, address: str) -> None:
     assert [e.seq for e in stored(store)] == list(range(1, guard._seq + 1))
     assert counters(address)["out_of_range"] == 1
     sink.close()
+    # Kept in the audit log once, as evidence, with why (its bytes as they came: the seq
+    # column could not hold its number).
+    s = Store(store)
+    try:
+        (refusal,) = [svc.Refusal.FromString(body) for _, _, body in s.rows(kind="refused")]
+        assert s.verify()[0]
+    finally:
+        s.close()
+    assert (refusal.kind, refusal.event) == ("out_of_range", poison.SerializeToString())

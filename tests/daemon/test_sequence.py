@@ -4,6 +4,9 @@ repeat is acknowledged as one and a repeat with other bytes is refused as tamper
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import grpc
 
 from kvguard.agents.upstream import AgentStream
@@ -42,8 +45,17 @@ def test_deduplication_is_exact_and_a_changed_repeat_is_tampering(daemon: Servic
     store = Store(daemon.store)
     try:
         events = list(store.events())
+        refused = [svc.Refusal.FromString(body) for _, _, body in store.rows(kind="refused")]
+        assert store.verify()[0]
     finally:
         store.close()
+    # The tampered copy is kept in the audit log, as evidence, with why it was refused.
+    (tampered,) = refused
+    assert tampered.kind == "tampered" and "different bytes" in tampered.reason
+    assert tampered.event == admit(3, tenant="globex").SerializeToString()
+    query = [sys.executable, "-m", "kvguard", "audit", "query", "--store", daemon.store, "--kind", "refused"]
+    said = subprocess.run(query, capture_output=True, text=True, check=True).stdout
+    assert "refused admit (tampered)" in said and "p0" in said
     assert [(e.seq, e.admit.tenant) for e in events[1:]] == [
         (4, "acme"),
         (2, "acme"),

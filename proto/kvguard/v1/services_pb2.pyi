@@ -174,18 +174,34 @@ class AuditQuery(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., tenant: _Optional[str] = ..., req: _Optional[str] = ..., node: _Optional[str] = ..., finding: _Optional[str] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., limit: _Optional[int] = ..., findings: _Optional[_Iterable[str]] = ..., severities: _Optional[_Iterable[str]] = ..., after: _Optional[int] = ...) -> None: ...
 
 class AuditRecord(_message.Message):
-    __slots__ = ("id", "kind", "event", "finding", "command")
+    __slots__ = ("id", "kind", "event", "finding", "command", "refused")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     FINDING_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     id: int
     kind: str
     event: _events_pb2.Event
     finding: _events_pb2.Finding
     command: Command
-    def __init__(self, id: _Optional[int] = ..., kind: _Optional[str] = ..., event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., finding: _Optional[_Union[_events_pb2.Finding, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ...) -> None: ...
+    refused: Refusal
+    def __init__(self, id: _Optional[int] = ..., kind: _Optional[str] = ..., event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., finding: _Optional[_Union[_events_pb2.Finding, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., refused: _Optional[_Union[Refusal, _Mapping]] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("kind", "reason", "epoch", "event", "size")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    reason: str
+    epoch: int
+    event: bytes
+    size: int
+    def __init__(self, kind: _Optional[str] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., event: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
 
 class FleetRequest(_message.Message):
     __slots__ = ()
