@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -163,8 +164,30 @@ class Source:
         self.name = name
         self.spool = spool
         self._path = directory / f"{quote(name, safe='')}.seq"
-        self._seq = int(self._path.read_text()) if self._path.exists() else 0
+        self._seq = self._last_number()
         self._lock = threading.Lock()
+
+    def _last_number(self) -> int:
+        """The last number used, as kept. A file that does not hold one (damaged) must not make
+        a number be used twice, which the daemon would refuse as a tampered copy: the count
+        goes on from the clock in microseconds, far past any number used, leaving one gap."""
+        try:
+            text = self._path.read_text()
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            return self._damaged(f"cannot be read ({exc.strerror})")
+        try:
+            seq = int(text)
+        except ValueError:
+            return self._damaged(f"holds {text[:20]!r}, not a number")
+        return seq if 0 <= seq < 2**62 else self._damaged(f"holds {seq}, out of range")
+
+    def _damaged(self, why: str) -> int:
+        seq = time.time_ns() // 1000
+        said = f"kvguard agent: {self._path} {why}; {self.name} goes on from {seq}"
+        print(said, file=sys.stderr, flush=True)
+        return seq
 
     def emit(self, **payload: object) -> None:
         """Spool one event with this payload (one keyword: the payload's name)."""

@@ -9,10 +9,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvguard.agents.spool import Spool
+from kvguard.agents.spool import Source, Spool
 from kvguard.agents.spool_file import MAGIC, record
 from kvguard.cli.process import start_agent, start_daemon
 from kvguard.daemon.store import Store
@@ -186,3 +187,15 @@ def test_a_spool_file_survives_any_damage(tmp_path_factory, sizes: list[int], hu
     again = Spool(directory, "d0")
     assert (list(again.bodies), again.set_aside) == ([*kept, event(99)], 0)
     again.close()
+
+
+@pytest.mark.parametrize("kept", ["", "12x", "-3", "99999999999999999999999"])
+def test_a_damaged_number_file_never_makes_a_number_be_used_twice(tmp_path: Path, kept: str) -> None:
+    spool = Spool(tmp_path, "n0/probe")
+    source = Source(spool, tmp_path, "n0/probe")
+    source.emit(heartbeat=pb.Heartbeat())
+    (tmp_path / "n0%2Fprobe.seq").write_text(kept)
+    again = Source(spool, tmp_path, "n0/probe")
+    again.emit(heartbeat=pb.Heartbeat())
+    spool.close()
+    assert again._seq > time.time_ns() // 1000 - 60_000_000  # from the clock, past any number used
