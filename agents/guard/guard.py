@@ -24,9 +24,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kvguard.agents.guard.attention import AttentionCheck
 from kvguard.agents.guard.sink import EventSink, NullSink
 from kvguard.agents.guard.verdict import CLEAN, RANK, Verdict, WallClock, merged
-from kvguard.cuda_hooks.kernels import DeviceTags
 from kvguard.ledger.findings import KILL_ACTIONS, BadEvent, Finding
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb, wire
@@ -34,15 +34,6 @@ from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.ruleset import Ruleset, load_ruleset
 
 Mode = Literal["monitor", "enforce"]
-
-
-def _host(values: Any) -> np.ndarray:
-    """A NumPy copy of a host or device array (CuPy, torch on any device)."""
-    if hasattr(values, "__cuda_array_interface__"):
-        if hasattr(values, "cpu"):  # torch
-            return values.cpu().numpy()
-        return values.get()  # cupy
-    return np.asarray(values)
 
 
 def _int64(values: Iterable[int] | np.ndarray) -> np.ndarray:
@@ -104,18 +95,10 @@ class Guard:
         self._seq = 0
         self._lock = threading.RLock()
         self._ones_of: dict[int, np.ndarray] = {}
-        self._device_tags: dict[int, DeviceTags] = {}  # pool -> its tags on the GPU, once checked there
+        self.attention = AttentionCheck(self.ledger, node)
         self.sink.listen(self.command)
 
     # ------------------------------------------------------------------ core
-
-    def _stale_on_device(self, pool: int, pages: Any) -> None:
-        """The device copy of these pages' tags is stale after this event (once the pool is
-        checked on the GPU)."""
-        if self._device_tags:
-            tags = self._device_tags.get(pool)
-            if tags is not None:
-                tags.touch(pages)
 
     def _next(self) -> tuple[int, int]:
         self._seq += 1
@@ -127,7 +110,7 @@ class Guard:
         """An alloc, write or free: written to bytes from the engine's arrays, applied from them."""
         with self._lock:
             page_array = _int64(pages)
-            self._stale_on_device(pool, page_array)
+            self.attention.touch(pool, page_array)
             seq, ts = self._next()
             try:
                 body = wire.encode(
@@ -151,7 +134,7 @@ class Guard:
         """Any other event, built as an object (they are few) and handed on as bytes."""
         with self._lock:
             if "pages" in fields:
-                self._stale_on_device(fields.get("pool", -1), fields["pages"])
+                self.attention.touch(fields.get("pool", -1), fields["pages"])
             seq, ts = self._next()
             if req:
                 fields["req"] = req
@@ -287,7 +270,7 @@ class Guard:
                     ValueError(f"{len(names)} requests, {len(count_array)} counts, {len(page_array)} pages"),
                     names,
                 )
-            self._stale_on_device(pool, page_array)
+            self.attention.touch(pool, page_array)
             first = self._seq
             try:
                 batch = wire.encode_allocs(
@@ -416,21 +399,6 @@ class Guard:
 
     # ------------------------------------------------------------------ attention
 
-    def _clean_on_device(
-        self, pool: int, reqs: Sequence[str], block_tables: Any, context_lens: Any
-    ) -> np.ndarray:
-        """The batch's check on the GPU: one launch of the tag-check kernel over the device's
-        own block tables, against the pool's tags on the device, which the same launch first
-        brings up to date with the pages the events since the last step named; one copy each
-        way."""
-        pp = self.ledger.nodes[self.node].pools[pool].pages
-        tags = self._device_tags.get(pool)
-        if tags is None:
-            tags = self._device_tags[pool] = DeviceTags()
-        readers = self.ledger.reader_indices(reqs)
-        found = tags.check(pp.own, pp.valid, block_tables, context_lens, readers, pp.page_size)
-        return self.ledger.clean_given_tags(readers, found > 0, found == 2)
-
     def step(
         self,
         pool: int,
@@ -456,7 +424,7 @@ class Guard:
             page_array = _int64(pages)
             count_array = self._ones(len(names)) if counts is None else _int64(counts)
             slot_array = None if slots is None else _int64(slots)
-            self._stale_on_device(pool, page_array)
+            self.attention.touch(pool, page_array)
             if grants is None:
                 verdict = self._step_event(pool, names, count_array, page_array, slot_array)
             else:
@@ -527,19 +495,9 @@ class Guard:
             return self._check(pool, reqs, block_tables, context_lens)
 
     def _check(self, pool: int, reqs: Sequence[str], block_tables: Any, context_lens: Any) -> Verdict:
-        if hasattr(block_tables, "__cuda_array_interface__"):
-            clean = self._clean_on_device(pool, reqs, block_tables, context_lens)
-        else:
-            clean = self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens)
-        if clean.all():
+        reads = self.attention.failing(pool, reqs, block_tables, context_lens)
+        if not reads:
             return CLEAN
-        tables, lens = _host(block_tables), _host(context_lens)  # the failing few, on the host
-        page_size = self.ledger.nodes[self.node].pools[pool].pages.page_size
-        reads = []
-        for i in np.flatnonzero(~clean).tolist():
-            need = -(-int(lens[i]) // page_size)
-            pages = tables[i, :need].tolist()
-            reads.append({"req": reqs[i], "pool": pool, "pages": pages, "tokens": int(lens[i])})
         most = self.ledger.limits.read_entries  # a larger launch's reads go as several events
         verdict = CLEAN
         for at in range(0, len(reads), most):

@@ -1,0 +1,78 @@
+"""The check before attention of one guard (`AttentionCheck`): which requests of a batch may
+not attend, over the whole batch at once, on the host (one C call) or on the GPU (the
+tag-check kernel over the device's own block tables).
+
+Invariants: the check changes nothing in the ledger; the device copy of a pool's tags is
+brought up to date, in the same launch that checks, with every page an event named since the
+last check (`touch`), so that the GPU and the host answer alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvguard.cuda_hooks.kernels import DeviceTags
+from kvguard.ledger.ledger import Ledger
+
+
+def _host(values: Any) -> np.ndarray:
+    """A NumPy copy of a host or device array (CuPy, torch on any device)."""
+    if hasattr(values, "__cuda_array_interface__"):
+        if hasattr(values, "cpu"):  # torch
+            return values.cpu().numpy()
+        return values.get()  # cupy
+    return np.asarray(values)
+
+
+class AttentionCheck:
+    def __init__(self, ledger: Ledger, node: str) -> None:
+        self.ledger = ledger
+        self.node = node
+        self._device_tags: dict[int, DeviceTags] = {}  # pool -> its tags on the GPU, once checked there
+
+    def touch(self, pool: int, pages: Any) -> None:
+        """An event named these pages: their tags on the device are stale (once the pool is
+        checked there)."""
+        if self._device_tags:
+            tags = self._device_tags.get(pool)
+            if tags is not None:
+                tags.touch(pages)
+
+    def failing(
+        self, pool: int, reqs: Sequence[str], block_tables: Any, context_lens: Any
+    ) -> list[dict[str, Any]]:
+        """The read entries (req, pool, pages, tokens) of the requests of the batch that fail
+        the check, in batch order: none in the common case. block_tables [B, P] (page ids,
+        entries beyond each context ignored) and context_lens [B], on the host or a device."""
+        if hasattr(block_tables, "__cuda_array_interface__"):
+            clean = self._clean_on_device(pool, reqs, block_tables, context_lens)
+        else:
+            clean = self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens)
+        if clean.all():
+            return []
+        tables, lens = _host(block_tables), _host(context_lens)  # the failing few, on the host
+        page_size = self.ledger.nodes[self.node].pools[pool].pages.page_size
+        reads = []
+        for i in np.flatnonzero(~clean).tolist():
+            need = -(-int(lens[i]) // page_size)
+            pages = tables[i, :need].tolist()
+            reads.append({"req": reqs[i], "pool": pool, "pages": pages, "tokens": int(lens[i])})
+        return reads
+
+    def _clean_on_device(
+        self, pool: int, reqs: Sequence[str], block_tables: Any, context_lens: Any
+    ) -> np.ndarray:
+        """The batch's check on the GPU: one launch of the tag-check kernel over the device's
+        own block tables, against the pool's tags on the device, which the same launch first
+        brings up to date with the pages the events since the last step named; one copy each
+        way."""
+        pp = self.ledger.nodes[self.node].pools[pool].pages
+        tags = self._device_tags.get(pool)
+        if tags is None:
+            tags = self._device_tags[pool] = DeviceTags()
+        readers = self.ledger.reader_indices(reqs)
+        found = tags.check(pp.own, pp.valid, block_tables, context_lens, readers, pp.page_size)
+        return self.ledger.clean_given_tags(readers, found > 0, found == 2)
