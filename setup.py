@@ -10,14 +10,16 @@ def extension(name: str, *sources: str) -> Extension:
         name,
         list(sources),
         include_dirs=[numpy.get_include(), "proto", "ledger"],
-        depends=["proto/wire.h", "ledger/pages.h"],
+        depends=["proto/wire.h", "proto/encode.h", "ledger/pages.h"],
         extra_compile_args=["-Wall", "-Wextra"],
     )
 
 
 setup(
     ext_modules=[
-        extension("kvguard.proto._wire", "proto/_wire.c"),  # events read from and written to bytes
+        extension(
+            "kvguard.proto._wire", "proto/_wire.c", "proto/encode.c"
+        ),  # events read from and written to bytes
         extension(
             "kvguard.ledger._pages", "ledger/_pages.c", "ledger/runs.c", "ledger/tags.c"
         ),  # the ledger's loops over pages
