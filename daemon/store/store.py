@@ -347,7 +347,7 @@ class Store:
             return int(conn.execute(text("SELECT pg_database_size(current_database())")).scalar_one()), None
 
     def count(self, kind: str | None = None) -> int:
-        """How many events, findings or commands (`kind`), or all of them (None)."""
+        """How many events, findings, commands or refused events (`kind`), or all of them (None)."""
         c = records.c
         with self.engine.connect() as conn:
             if kind not in (None, "", "event"):
@@ -357,7 +357,9 @@ class Store:
             total = last[0] if last else 0
             if not kind:
                 return total
-            others = conn.execute(select(func.count()).where(c.kind.in_(("finding", "command")))).scalar_one()
+            others = conn.execute(
+                select(func.count()).where(c.kind.in_(("finding", "command", "refused")))
+            ).scalar_one()
             return total - int(others)
 
     def events(self, after: int = 0) -> Iterator[pb.Event]:
