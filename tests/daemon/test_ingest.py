@@ -171,6 +171,9 @@ def test_batches_are_applied_in_small_steps_while_alerts_are_being_written(
         daemon.loop.call_soon_threadsafe(batch_then_look, "d1")
         wait_for(lambda: len(applied) == 1)
         assert 0 < applied[0] <= DELIVERING_SLICE
+        # The rest of d1's batch goes on in small steps; once it is in, the stream is written out
+        # (otherwise d2's look could run before d2's first step, queued behind d1's last).
+        wait_for(lambda: daemon.ledger.nodes["d1"].last_seq == 201)
         daemon.loop.call_soon_threadsafe(daemon.fanout.delivered, sub)  # written out, as its stream says
         daemon.loop.call_soon_threadsafe(batch_then_look, "d2")
         wait_for(lambda: len(applied) == 2)
