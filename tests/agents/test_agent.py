@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from agent_helpers import leak, stored, wait_for
 from daemon_helpers import stored_findings
 
 from kvguard.agents import agent as agent_module
@@ -46,23 +47,6 @@ def start_agent(tmp: Path, address: str) -> Service:
     return agent_service(str(tmp / "agent.sock"), address, str(tmp / "spool"))
 
 
-def stored(store: str) -> list[pb.Event]:
-    s = Store(store)
-    try:
-        return [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")]
-    finally:
-        s.close()
-
-
-def wait_for(predicate, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[str, str, Service, Service]]:
     store = str(tmp_path / "audit.db")
@@ -83,18 +67,6 @@ def traffic(guard: Guard, n: int, start: int = 0) -> None:
         guard.check_attention(0, [req], np.array([pages]), np.array([32]))
         guard.finish(req, 1)
         guard.free(req, 0, pages)
-
-
-def leak(guard: Guard) -> None:
-    """A leak a monitor-mode guard lets through: globex's g1 attends to page 40, which holds
-    acme's a1's KV (a stale read, which the daemon answers with a kill of g1)."""
-    guard.admit("a1", "acme", 16, "decode")
-    guard.alloc("a1", 0, [40])
-    guard.write("a1", 0, [40])
-    guard.free("a1", 0, [40])
-    guard.admit("g1", "globex", 16, "decode")
-    guard.alloc("g1", 0, [40])
-    guard.check_attention(0, ["g1"], np.array([[40]]), np.array([16]))
 
 
 def test_events_reach_the_store_and_kills_reach_the_guard(tmp_path: Path, cluster) -> None:  # type: ignore[no-untyped-def]

@@ -15,51 +15,21 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
+from agent_helpers import leak, stored, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvguard.agents.agent import NodeAgent
 from kvguard.agents.guard import AgentSink, Guard
 from kvguard.cli.process import start_agent, start_daemon
-from kvguard.daemon.store import Store
 from kvguard.proto import pb, wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.local import recv_frame, send_frame
 from kvguard.ruleset import load_ruleset
 
 RULES = load_ruleset()
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def stored(store: str) -> list[pb.Event]:
-    s = Store(store)
-    try:
-        return [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")]
-    finally:
-        s.close()
-
-
-def leak(guard: Guard) -> None:
-    """globex's g1 attends to page 40, which holds acme's a1's KV: the daemon kills g1."""
-    guard.admit("a1", "acme", 16, "decode")
-    guard.alloc("a1", 0, [40])
-    guard.write("a1", 0, [40])
-    guard.free("a1", 0, [40])
-    guard.admit("g1", "globex", 16, "decode")
-    guard.alloc("g1", 0, [40])
-    guard.check_attention(0, ["g1"], np.array([[40]]), np.array([16]))
 
 
 def counters(log: str) -> dict[str, int]:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import grpc
-import numpy as np
+from agent_helpers import leak, stored, wait_for
 
 from kvguard.agents.guard import AgentSink, Guard
 from kvguard.cli.process import start_agent, start_daemon
@@ -17,23 +17,6 @@ from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 from kvguard.ruleset import load_ruleset
-
-
-def stored(store: str) -> list[pb.Event]:
-    s = Store(store)
-    try:
-        return [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")]
-    finally:
-        s.close()
-
-
-def wait_for(predicate, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def counters(address: str) -> dict[str, int]:
@@ -71,15 +54,7 @@ def judged_on(tmp_path: Path, store: str, address: str) -> None:
         node="d0", seq=2**63, epoch=guard.epoch, admit=pb.Admit(req="x", tenant="t", stage="decode")
     )
     assert sink.put(poison.SerializeToString())
-    # Judged on: globex's g1 attends to page 40, which holds acme's a1's KV; the daemon's
-    # verdict on the monitor-mode guard's events comes back as a kill of g1.
-    guard.admit("a1", "acme", 16, "decode")
-    guard.alloc("a1", 0, [40])
-    guard.write("a1", 0, [40])
-    guard.free("a1", 0, [40])
-    guard.admit("g1", "globex", 16, "decode")
-    guard.alloc("g1", 0, [40])
-    guard.check_attention(0, ["g1"], np.array([[40]]), np.array([16]))
+    leak(guard)  # judged on: the daemon's verdict on the guard's events comes back as a kill of g1
     assert wait_for(lambda: kills == ["g1"])
     assert sink.flush()
     assert wait_for(lambda: len(stored(store)) == guard._seq)

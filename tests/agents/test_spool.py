@@ -6,36 +6,17 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from agent_helpers import stored, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvguard.agents.spool import Source, Spool
 from kvguard.agents.spool_file import MAGIC, record
 from kvguard.cli.process import start_agent, start_daemon
-from kvguard.daemon.store import Store
 from kvguard.proto import pb
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def stored(store: str) -> list[int]:
-    """The sequence numbers of the events in the audit store."""
-    s = Store(store)
-    try:
-        return [pb.Event.FromString(body).seq for _, _, body in s.rows(kind="event")]
-    finally:
-        s.close()
 
 
 def event(seq: int, size: int = 1) -> bytes:
@@ -78,7 +59,7 @@ def test_a_damaged_spool_is_set_aside_and_the_rest_replayed(tmp_path: Path) -> N
     daemon = start_daemon(str(tmp_path / "audit.db"))
     agent = start_agent(str(tmp_path / "agent.sock"), daemon.address, str(tmp_path / "spool"))
     try:
-        assert wait_for(lambda: stored(daemon.store) == [1, 2, 4, 5, 7, 8, 9, 10])
+        assert wait_for(lambda: [e.seq for e in stored(daemon.store)] == [1, 2, 4, 5, 7, 8, 9, 10])
         assert wait_for(lambda: path.stat().st_size == 0)  # all delivered: nothing left to resend
     finally:
         log = agent.stop()
