@@ -126,9 +126,13 @@ def decode_batch(message: bytes, *, wrapped: bool = True) -> Batch:
 
 def batch_of(bodies: Sequence[bytes]) -> Batch:
     """A batch of events given as their bytes (framed anew as an EventBatch)."""
-    data = svc.RawEventBatch(events=bodies).SerializeToString()
+    return _framed(svc.RawEventBatch(events=bodies).SerializeToString())
+
+
+def _framed(data: bytes) -> Batch:
+    """An EventBatch's bytes, framed as protobuf frames one, with their heads."""
     heads = _wire.batch(data, False)
-    assert heads is not None  # an EventBatch framed by protobuf is always read here
+    assert heads is not None  # an EventBatch framed as protobuf frames it is always read here
     return Batch(data, heads)
 
 
@@ -179,10 +183,7 @@ def encode_allocs(
     """One alloc event a request (reqs[i] granted the next counts[i] of `pages`), numbered
     from `seq`, each as encode() writes it, as a batch: one pass in C for them all.
     ValueError for counts that do not cover the pages, or a page that is not a uint32."""
-    data = _wire.encode_allocs(node, seq, ts, epoch, reqs, pool, pages, counts)
-    heads = _wire.batch(data, False)
-    assert heads is not None  # framed as protobuf frames an EventBatch: always read here
-    return Batch(data, heads)
+    return _framed(_wire.encode_allocs(node, seq, ts, epoch, reqs, pool, pages, counts))
 
 
 def encode_step(
@@ -219,7 +220,4 @@ def encode_pass(
     the last grants[i] of its counts[i] pages, as encode() writes it), numbered from `seq` in
     request order, then its step (encode_step's) with the next number; one pass in C.
     ValueError for grants or counts that do not fit, or a value that is not a uint32."""
-    data = _wire.encode_pass(node, seq, ts, epoch, pool, reqs, counts, pages, slots, grants)
-    heads = _wire.batch(data, False)
-    assert heads is not None  # framed as protobuf frames an EventBatch: always read here
-    return Batch(data, heads)
+    return _framed(_wire.encode_pass(node, seq, ts, epoch, pool, reqs, counts, pages, slots, grants))

@@ -271,33 +271,13 @@ def test_events_are_written_as_protobuf_writes_them(
         for k, i in enumerate(i for i in range(len(reqs)) if new[i])
     ]
     stepped = pb.Event(node=node, seq=first + len(allocs), ts_ns=ts, epoch=epoch, step=step)
+    arrays = (np.array(counts, np.int64), np.array(pages, np.int64))
+    given = None if slots is None else np.array(slots, np.int64)
     if sum(counts) != len(pages):  # a step's counts must cover its pages (the ledger checks a step's)
         with pytest.raises(ValueError, match="the counts add up to"):
-            wire.encode_pass(
-                node,
-                first,
-                ts,
-                epoch,
-                pool,
-                reqs,
-                np.array(counts, np.int64),
-                np.array(pages, np.int64),
-                None,
-                np.array(new, np.int64),
-            )
+            wire.encode_pass(node, first, ts, epoch, pool, reqs, *arrays, given, np.array(new, np.int64))
         return
-    passed = wire.encode_pass(
-        node,
-        first,
-        ts,
-        epoch,
-        pool,
-        reqs,
-        np.array(counts, np.int64),
-        np.array(pages, np.int64),
-        None if slots is None else np.array(slots, np.int64),
-        np.array(new, np.int64),
-    )
+    passed = wire.encode_pass(node, first, ts, epoch, pool, reqs, *arrays, given, np.array(new, np.int64))
     assert passed.events() == [e.SerializeToString() for e in [*allocs, stepped]]
 
 
