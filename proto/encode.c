@@ -190,6 +190,57 @@ written(PyObject *bytes, const Out *o, Py_ssize_t total, const char *what)
     return PyErr_Format(PyExc_SystemError, "%s: wrote %zd of %zd bytes", what, wrote, total);
 }
 
+/* Alloc events, framed as EventBatch entries: request i granted the last grants[i] of its
+ * counts[i] pages (grants NULL: all of them, an event each even of 0 pages; with grants, a
+ * request granted none has no event), numbered on from env->seq, which it advances. With o
+ * NULL, every value is checked and the bytes are added to *total (-1 with an exception
+ * naming `what` where one does not fit); else written. */
+static int
+put_allocs(Out *o, Envelope *env, unsigned long pool, PyObject *reqs, const int64_t *counts, const int64_t *grants,
+           const int64_t *pages, Py_ssize_t n_pages, Py_ssize_t *total, const char *what)
+{
+    Py_ssize_t at = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(reqs); i++) {
+        int64_t count = counts[i], granted = grants ? grants[i] : count;
+        if (!o) {
+            if (!PyUnicode_Check(PyList_GET_ITEM(reqs, i))) {
+                PyErr_Format(PyExc_TypeError, "%s: reqs[%zd] is %.80s, not str", what, i,
+                             Py_TYPE(PyList_GET_ITEM(reqs, i))->tp_name);
+                return -1;
+            }
+            if (count < 0 || count > n_pages - at) {
+                PyErr_Format(PyExc_ValueError, "%s: the counts run past the %zd pages", what, n_pages);
+                return -1;
+            }
+            if (granted < 0 || granted > count) {
+                PyErr_Format(PyExc_ValueError, "%s: grants[%zd] is %lld of %lld pages", what, i, (long long)granted,
+                             (long long)count);
+                return -1;
+            }
+        }
+        at += count;
+        if (grants && !granted) /* a pass's request granted nothing; encode_allocs' each get one */
+            continue;
+        PagePayload p = {.pool = pool, .pages = pages + at - granted, .n_pages = granted};
+        if (!(p.req = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(reqs, i), &p.req_len)) || /* cached once read */
+            (p.pages_size = packed_size(p.pages, p.n_pages, "pages")) < 0)
+            return -1;
+        Py_ssize_t payload = payload_size(&p), size = event_size(env, WIRE_ALLOC, payload);
+        if (o) {
+            put_varint(o, 1 << 3 | 2); /* EventBatch.events */
+            put_varint(o, (uint64_t)size);
+            put_event(o, env, WIRE_ALLOC, &p, payload);
+        } else
+            *total += 1 + wire_varint_size((uint64_t)size) + size;
+        env->seq++;
+    }
+    if (!o && at != n_pages) {
+        PyErr_Format(PyExc_ValueError, "%s: the counts add up to %zd of %zd pages", what, at, n_pages);
+        return -1;
+    }
+    return 0;
+}
+
 /* encode_allocs(node, seq, ts, epoch, reqs, pool, pages, counts) -> bytes
  * An EventBatch of one alloc event a request: reqs[i] granted the next counts[i] of `pages`,
  * numbered seq, seq + 1, ..., each as encode() writes it, framed as protobuf frames them.
@@ -211,46 +262,22 @@ kvg_encode_allocs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *reqs = args[4];
     if (!PyList_Check(reqs))
         return PyErr_Format(PyExc_TypeError, "encode_allocs: reqs must be a list of str");
-    Py_ssize_t n = PyList_GET_SIZE(reqs), n_pages, n_counts;
+    Py_ssize_t n_pages, n_counts, total = 0;
     const int64_t *pages = int64_data(args[6], &n_pages, "pages"), *counts = NULL;
     if (pages == NULL || !(counts = int64_data(args[7], &n_counts, "counts")))
         return NULL;
-    if (n_counts != n)
-        return PyErr_Format(PyExc_ValueError, "encode_allocs: %zd requests, %zd counts", n, n_counts);
-    Py_ssize_t total = 0, at = 0;
+    if (n_counts != PyList_GET_SIZE(reqs))
+        return PyErr_Format(PyExc_ValueError, "encode_allocs: %zd requests, %zd counts", PyList_GET_SIZE(reqs),
+                            n_counts);
     uint64_t seq = env.seq;
-    for (Py_ssize_t i = 0; i < n; i++) { /* first the sizes, checking every value */
-        PagePayload p = {.pool = pool, .pages = pages + at, .n_pages = counts[i]};
-        if (!PyUnicode_Check(PyList_GET_ITEM(reqs, i)))
-            return PyErr_Format(PyExc_TypeError, "encode_allocs: reqs[%zd] is not a str", i);
-        if (counts[i] < 0 || counts[i] > n_pages - at)
-            return PyErr_Format(PyExc_ValueError, "encode_allocs: the counts run past the %zd pages", n_pages);
-        if (!(p.req = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(reqs, i), &p.req_len)) ||
-            (p.pages_size = packed_size(p.pages, p.n_pages, "pages")) < 0)
-            return NULL;
-        env.seq = seq + (uint64_t)i;
-        Py_ssize_t size = event_size(&env, WIRE_ALLOC, payload_size(&p));
-        total += 1 + wire_varint_size((uint64_t)size) + size;
-        at += counts[i];
-    }
-    if (at != n_pages)
-        return PyErr_Format(PyExc_ValueError, "encode_allocs: the counts add up to %zd of %zd pages", at, n_pages);
+    if (put_allocs(NULL, &env, pool, reqs, counts, NULL, pages, n_pages, &total, "encode_allocs") < 0)
+        return NULL;
     PyObject *bytes = PyBytes_FromStringAndSize(NULL, total);
     if (bytes == NULL)
         return NULL;
     Out o = {(uint8_t *)PyBytes_AS_STRING(bytes)};
-    at = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PagePayload p = {.pool = pool, .pages = pages + at, .n_pages = counts[i]};
-        p.req = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(reqs, i), &p.req_len); /* cached above */
-        p.pages_size = packed_size(p.pages, p.n_pages, "pages");
-        env.seq = seq + (uint64_t)i;
-        Py_ssize_t payload = payload_size(&p);
-        put_varint(&o, 1 << 3 | 2); /* EventBatch.events */
-        put_varint(&o, (uint64_t)event_size(&env, WIRE_ALLOC, payload));
-        put_event(&o, &env, WIRE_ALLOC, &p, payload);
-        at += counts[i];
-    }
+    env.seq = seq;
+    put_allocs(&o, &env, pool, reqs, counts, NULL, pages, n_pages, &total, "encode_allocs"); /* checked above */
     return written(bytes, &o, total, "encode_allocs");
 }
 
@@ -418,52 +445,21 @@ kvg_encode_pass(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return PyErr_Format(PyExc_ValueError, "encode_pass: %zd requests, %zd counts, %zd grants", step.n_reqs,
                             step.n_counts, n_grants);
     uint64_t seq = env.seq;
-    Py_ssize_t total = 0, at = 0;
-    for (int pass = 0; pass < 2; pass++) { /* the sizes first, checking every value; then the bytes */
-        PyObject *bytes = NULL;
-        Out o = {NULL};
-        if (pass) {
-            if (!(bytes = PyBytes_FromStringAndSize(NULL, total)))
-                return NULL;
-            o.at = (uint8_t *)PyBytes_AS_STRING(bytes);
-        }
-        env.seq = seq;
-        at = 0;
-        for (Py_ssize_t i = 0; i < step.n_reqs; i++) {
-            int64_t count = step.counts[i], granted = grants[i];
-            if (!pass && (count < 0 || count > step.n_pages - at))
-                return PyErr_Format(PyExc_ValueError, "encode_pass: the counts run past the %zd pages", step.n_pages);
-            if (!pass && (granted < 0 || granted > count))
-                return PyErr_Format(PyExc_ValueError, "encode_pass: grants[%zd] is %lld of %lld pages", i,
-                                    (long long)granted, (long long)count);
-            at += count;
-            if (!granted)
-                continue;
-            PagePayload p = {.pool = step.pool, .pages = step.pages + at - granted, .n_pages = granted};
-            p.req = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(step.reqs, i), &p.req_len); /* checked above */
-            p.pages_size = packed_size(p.pages, p.n_pages, "pages");
-            Py_ssize_t payload = payload_size(&p), size = event_size(&env, WIRE_ALLOC, payload);
-            if (pass) {
-                put_varint(&o, 1 << 3 | 2); /* EventBatch.events */
-                put_varint(&o, (uint64_t)size);
-                put_event(&o, &env, WIRE_ALLOC, &p, payload);
-            } else
-                total += 1 + wire_varint_size((uint64_t)size) + size;
-            env.seq++;
-        }
-        if (!pass && at != step.n_pages)
-            return PyErr_Format(PyExc_ValueError, "encode_pass: the counts add up to %zd of %zd pages", at,
-                                step.n_pages);
-        Py_ssize_t size = event_size(&env, WIRE_STEP, step.size);
-        if (!pass) {
-            total += 1 + wire_varint_size((uint64_t)size) + size;
-            continue;
-        }
-        put_varint(&o, 1 << 3 | 2);
-        put_varint(&o, (uint64_t)size);
-        put_step(&o, &env, &step);
-        return written(bytes, &o, total, "encode_pass");
-    }
-    return NULL; /* not reached */
+    Py_ssize_t total = 0;
+    if (put_allocs(NULL, &env, step.pool, step.reqs, step.counts, grants, step.pages, step.n_pages, &total,
+                   "encode_pass") < 0)
+        return NULL;
+    Py_ssize_t size = event_size(&env, WIRE_STEP, step.size); /* the step takes the next number */
+    total += 1 + wire_varint_size((uint64_t)size) + size;
+    PyObject *bytes = PyBytes_FromStringAndSize(NULL, total);
+    if (bytes == NULL)
+        return NULL;
+    Out o = {(uint8_t *)PyBytes_AS_STRING(bytes)};
+    env.seq = seq;
+    put_allocs(&o, &env, step.pool, step.reqs, step.counts, grants, step.pages, step.n_pages, &total, "encode_pass");
+    put_varint(&o, 1 << 3 | 2);
+    put_varint(&o, (uint64_t)size);
+    put_step(&o, &env, &step);
+    return written(bytes, &o, total, "encode_pass");
 }
 
