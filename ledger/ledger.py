@@ -311,15 +311,17 @@ class Ledger:
         the node's new incarnation); the event becomes the context of the findings it raises."""
         if not name:
             raise BadEvent(f"{kind} event has no node")
-        why = unstorable(name, NODE_BYTES)
-        if why:
-            raise BadEvent(f"{kind} event's node name {name[:40]!r} {why}", "out_of_range")
         if seq > SEQ_MAX or epoch > SEQ_MAX:
             raise BadEvent(
                 f"{kind} event of node {name}: seq {seq} or epoch {epoch} is over {SEQ_MAX} (2^63 - 1)",
                 "out_of_range",
             )
-        node = self.pools.node(name)
+        node = self.pools.nodes.get(name)
+        if node is None:  # a name is checked once, when its node is made
+            why = unstorable(name, NODE_BYTES)
+            if why:
+                raise BadEvent(f"{kind} event's node name {name[:40]!r} {why}", "out_of_range")
+            node = self.pools.node(name)
         if seq == 0:
             raise BadEvent(f"{kind} event of node {name} has no sequence number (they start at 1)")
         if self.incarnations.check(node, kind, epoch):
