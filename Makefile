@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint proto bench shim clean
+.PHONY: demo test lint proto bench shim engines clean
 
 SHIM := cuda_hooks/shim/libkvguard_shim.so
 LABEL := cuda_hooks/shim/libkvguard_label.so
@@ -22,8 +22,20 @@ demo: $(STAMP)
 	$(BIN)/kvguard demo
 
 # The rule fixtures (`kvguard rules test`) run inside pytest (tests/ruleset/).
-test: lint shim
+test: lint shim engines
 	$(BIN)/python -m pytest
+
+# The real engines the adapters' tests drive: SGLang and vLLM from PyPI at pinned versions,
+# each in its own venv beside the local CPU torch, with this checkout of kvguard linked in
+# (.ci/engines/README.md). A few minutes the first time; nothing to do after.
+ENGINES := .engines
+ENGINE_STAMP := $(ENGINES)/.installed-stamp
+engines: $(ENGINE_STAMP)
+
+$(ENGINE_STAMP): $(STAMP) .ci/engines/install-engines.sh .ci/engines/link-kvguard.sh $(wildcard .ci/engines/*.txt .ci/engines/*_stub*.py)
+	.ci/engines/install-engines.sh $(ENGINES) .ci/engines
+	.ci/engines/link-kvguard.sh $(ENGINES) .
+	touch $@
 
 # Style, formatting, and the layers of the parts (import-linter contracts in pyproject.toml).
 lint: $(STAMP)
@@ -49,4 +61,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis $(SHIM) $(LABEL) proto/_wire*.so ledger/_pages*.so daemon/_rows*.so build
+	rm -rf $(VENV) $(ENGINES) .pytest_cache .ruff_cache .hypothesis $(SHIM) $(LABEL) proto/_wire*.so ledger/_pages*.so daemon/_rows*.so build
