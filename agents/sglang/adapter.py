@@ -1,0 +1,402 @@
+"""What SGLang's own KV calls mean as kvguard events (`SglangAdapter`), for one scheduler
+process: the paged and token allocators, `req_to_token`, the radix cache, the PD senders and
+receivers, rejection, and the forward step.
+
+Invariants:
+- every request is named by its `rid`; its tenant is read from one attribute of the `Req`
+  (`KVGUARD_TENANT_FIELD`, default `cache_salt`), once, when it is first seen;
+- calls that name no request are attributed through the PageBook: a free to the page's
+  owner when the allocator gets it back (grouped frees included), an eviction to the request
+  the radix cache holds it for, a row naming another's page to a `share` from its origin;
+- one guard call per forward step (`forward_step`): the KV the step writes and the check
+  before attention over `req_to_token[row, :seq_len]` of the whole batch, vectorised;
+- a transfer is done when the engine's own poll says Success; a receiver's pages that did
+  not change since they were reserved did not arrive (the receiver's "Success" counts ranks,
+  not pages), and a kill turns that poll into Failed, so SGLang's own failure path aborts
+  the request before its first forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+import numpy as np
+
+from kvguard.agents.attach import Attachment
+from kvguard.agents.guard import Verdict
+from kvguard.agents.guard.verdict import merged
+from kvguard.agents.sglang.pages import NONE, PageBook, groups
+
+log = logging.getLogger("kvguard.adapter")
+
+KNOWN_VERSIONS = ("0.5.23",)
+POOL = 0  # the scheduler's one KV pool (hybrid pools: not yet mapped)
+UNNAMED = "?"  # the other side of a PD pair: SGLang knows its bootstrap address, not its node name
+
+
+def _np(values: Any) -> np.ndarray:
+    if hasattr(values, "detach"):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def page_digests(kvcache: Any, pages: np.ndarray, page_size: int) -> np.ndarray:
+    """A digest per page of layer 0's K and V as they lie now (a change detector, not a
+    checksum two nodes compare): torch on the pool's own device, one call for all pages."""
+    import torch
+
+    slots = torch.as_tensor(pages, device=kvcache.k_buffer[0].device)[:, None] * page_size
+    slots = slots + torch.arange(page_size, device=slots.device)
+    parts = []
+    for buf in (kvcache.k_buffer[0], kvcache.v_buffer[0]):
+        raw = buf[slots.reshape(-1)].contiguous().view(torch.uint8).reshape(len(pages), -1)
+        weights = torch.arange(1, raw.shape[1] + 1, device=raw.device, dtype=torch.int64)
+        parts.append((raw.to(torch.int64) * weights).sum(dim=1))
+    return (parts[0] * 1_000_003 + parts[1]).cpu().numpy()
+
+
+class SglangAdapter:
+    def __init__(self, attachment: Attachment, role: str = "colocated") -> None:
+        self.attachment = attachment
+        self.guard = attachment.guard
+        self.role = role
+        self.book: PageBook | None = None
+        self.allocator: Any = None
+        self.rids: list[str] = []
+        self.index: dict[str, int] = {}
+        self.live: dict[int, Any] = {}  # request index -> its Req, while it holds a row
+        self.row_req = np.full(1, NONE, np.int32)  # req_to_token row -> request index
+        self.prompt: dict[int, int] = {}  # prompt tokens as first seen (a reject shortens them)
+        self.admitted: set[int] = set()
+        self.rooms: dict[int, int] = {}  # bootstrap room -> request index
+        self.sending: dict[int, list[Any]] = {}  # id(sender) -> [pages sent, tokens sent]
+        self.receiving: dict[int, tuple[int, np.ndarray, np.ndarray, int]] = {}
+        self.receiver_room: dict[int, int] = {}
+        self.concluded: dict[int, bool] = {}  # id(sender/receiver) -> may go on
+
+    # ------------------------------------------------------------------ requests and pool
+
+    def request(self, req: Any) -> int:
+        rid = str(req.rid)
+        idx = self.index.get(rid)
+        if idx is None:
+            idx = self.index[rid] = len(self.rids)
+            self.rids.append(rid)
+            self.prompt[idx] = len(req.origin_input_ids)
+        room = getattr(req, "bootstrap_room", None)
+        if room is not None:
+            self.rooms[int(room)] = idx
+        return idx
+
+    def tenant(self, req: Any) -> str:
+        field = self.attachment.settings.tenant_field or "cache_salt"
+        value = getattr(req, field, None)
+        return "" if value is None else str(value)
+
+    def pool_of(self, allocator: Any) -> PageBook:
+        if self.book is None or allocator is not self.allocator:
+            self.allocator = allocator
+            self.book = PageBook(int(allocator.size // allocator.page_size), int(allocator.page_size))
+        return self.book
+
+    def report_pool(
+        self, allocator: Any, *, role: str, context_len: int, max_prompt_tokens: int = 0, **facts: Any
+    ) -> Verdict:
+        """The pool as the scheduler made it: page 0 pads (reserved), so pool tokens are
+        size; a context longer than that is config drift before any request."""
+        import sglang
+
+        self.role = role
+        book = self.pool_of(allocator)
+        log.info(
+            "kvguard: guarding sglang %s as node %s (%s, %s): pool %d tokens in pages of %d, context %d",
+            sglang.__version__,
+            self.guard.node,
+            self.guard.mode,
+            role,
+            allocator.size,
+            book.page_size,
+            context_len,
+        )
+        return self.guard.pool(
+            POOL,
+            role,
+            book.page_size,
+            len(book.owner),
+            reserved_pages=1,
+            engine="sglang",
+            engine_version=sglang.__version__,
+            context_len=context_len,
+            max_prompt_tokens=max_prompt_tokens,
+            cluster=self.attachment.settings.cluster,
+            source="sglang scheduler (in-engine)",
+            **facts,
+        )
+
+    def rows_bound(self, pool: Any, reqs: list[Any]) -> None:
+        """ReqToTokenPool.alloc bound rows to requests: the first time, the request is admitted."""
+        if len(self.row_req) < pool.req_to_token.shape[0]:
+            self.row_req = np.full(pool.req_to_token.shape[0], NONE, np.int32)
+        stage = "decode" if self.role == "decode" else "prefill"
+        for req in reqs:
+            idx = self.request(req)
+            self.live[idx] = req
+            row = req.kv.req_pool_idx
+            if row is not None:
+                self.row_req[row] = idx
+            if idx not in self.admitted:
+                self.admitted.add(idx)
+                self.guard.admit(self.rids[idx], self.tenant(req), self.prompt[idx], stage)
+
+    def rejected(self, req: Any, message: str) -> None:
+        idx = self.request(req)
+        self.guard.reject(self.rids[idx], message)
+
+    def row_freed(self, pool: Any, req: Any) -> None:
+        """The request gives its row back (its release): the pages of its row the radix cache
+        keeps (its own, and those it shared) are its to free now; the rest come back through
+        the allocator."""
+        idx = self.index.get(str(req.rid))
+        if idx is None or self.book is None:
+            return
+        row = req.kv.req_pool_idx
+        if row is not None:
+            length = int(getattr(req.kv, "kv_allocated_len", 0) or pool.req_to_token.shape[1])
+            pages = self.book.pages_of(_np(pool.req_to_token[row, :length]))
+            # Its own pages the tree keeps, and the tree's pages it shared: all given back now.
+            mine = pages[self.book.tree[pages] != NONE]
+            if len(mine):
+                self.book.give_back(mine[self.book.owner[mine] == idx])
+                self.guard.free(self.rids[idx], POOL, mine)
+            self.row_req[row] = NONE
+        self.live.pop(idx, None)
+        reason = getattr(req, "finished_reason", None)
+        if reason is not None:
+            if type(reason).__name__ == "FINISH_ABORT":
+                self.guard.abort(self.rids[idx], str(getattr(reason, "message", "aborted")))
+            else:
+                self.guard.finish(self.rids[idx], len(getattr(req, "output_ids", ()) or ()))
+
+    # ------------------------------------------------------------------ pages
+
+    def handed_out(self, allocator: Any, slots: Any) -> None:
+        if slots is None:
+            return
+        book = self.pool_of(allocator)
+        book.handed_out(book.pages_of(_np(slots)))
+
+    def released(self, allocator: Any, pages: np.ndarray) -> None:
+        """Pages the allocator takes back: each one's owner frees it, or the radix cache
+        evicts it (released for the request it held it for); a page nobody had is freed a
+        second time by its last owner (the ledger judges that)."""
+        book = self.pool_of(allocator)
+        pages = pages[pages > 0]
+        owner = book.owner[pages]
+        held = (owner == NONE) & (book.tree[pages] != NONE)
+        for idx, own in groups(owner[owner != NONE], pages[owner != NONE]):
+            book.give_back(own)
+            self.guard.free(self.rids[idx], POOL, own)
+        for idx, evicted in groups(book.tree[pages[held]], pages[held]):
+            book.evict(evicted)
+            self.guard.release(self.rids[idx], POOL, evicted, "prefix_cache")
+        twice = (owner == NONE) & ~held & (book.last[pages] != NONE)
+        for idx, again in groups(book.last[pages[twice]], pages[twice]):
+            self.guard.free(self.rids[idx], POOL, again)
+
+    def row_written(self, pool: Any, indices: Any, values: Any) -> None:
+        """req_to_token[indices] = values: pages handed out are granted to the row's request;
+        pages someone else has (the radix cache's, or freed ones still holding their KV) are
+        a share from their origin."""
+        if self.book is None:
+            return
+        book = self.book
+        slots = _np(values)
+        rows_spec = indices[0] if isinstance(indices, tuple) else indices
+        if hasattr(rows_spec, "numel") and rows_spec.numel() == len(slots):
+            rows = _np(rows_spec)
+        elif hasattr(rows_spec, "numel") and rows_spec.numel() > 1:
+            return  # a shape this adapter does not map (a 2-D copy): left to the step check
+        else:
+            rows = np.full(len(slots), int(rows_spec), np.int64)
+        pages = slots // book.page_size
+        keep = pages > 0
+        reqs = self.row_req[rows[keep]]
+        pages = pages[keep]
+        known = reqs != NONE
+        reqs, pages = reqs[known], pages[known]
+        if not len(pages):
+            return
+        pair = reqs.astype(np.int64) * len(book.owner) + pages
+        _, first = np.unique(pair, return_index=True)
+        first.sort()
+        reqs, pages = reqs[first], pages[first]
+        new = book.fresh[pages]
+        if new.any():
+            granted = groups(reqs[new], pages[new])
+            for idx, own in granted:
+                book.grant(own, idx)
+            self.guard.alloc_each(
+                POOL,
+                [self.rids[i] for i, _ in granted],
+                np.concatenate([p for _, p in granted]),
+                [len(p) for _, p in granted],
+            )
+        other = ~new & (book.owner[pages] != reqs)
+        if other.any():
+            origin = np.where(book.tree[pages] != NONE, book.tree[pages], book.last[pages])
+            for idx, shared in groups(reqs[other], pages[other]):
+                for src, part in groups(origin[other][reqs[other] == idx], shared):
+                    if src != NONE:
+                        self.guard.share(self.rids[idx], POOL, part, self.rids[src])
+
+    def cached(self, value: Any, prefix_len: int) -> None:
+        """The radix cache took the slots after prefix_len: it holds their pages for the
+        request that has them."""
+        if self.book is None or value is None:
+            return
+        book = self.book
+        pages = book.pages_of(_np(value)[prefix_len:])
+        pages = pages[(book.tree[pages] == NONE) & (book.last[pages] != NONE)]
+        holder = np.where(book.owner[pages] != NONE, book.owner[pages], book.last[pages])
+        for idx, held in groups(holder, pages):
+            book.cache(held, idx)
+            self.guard.hold(self.rids[idx], POOL, held, "prefix_cache")
+
+    # ------------------------------------------------------------------ the forward step
+
+    def forward_step(
+        self, reqs: list[Any], rows: Any, seq_lens: Any, out_cache_loc: Any, r2t: Any
+    ) -> Verdict:
+        """One guard call for the step: request i writes its slots of out_cache_loc (its part
+        is seq_len minus what it had before), then the batch's rows are checked up to their
+        seq_lens. The requests a verdict kills get SGLang's own abort (to_finish)."""
+        if self.book is None or not reqs:
+            return Verdict()
+        ps = self.book.page_size
+        lens = _np(seq_lens)
+        locs = _np(out_cache_loc)
+        written = np.diff(np.concatenate(([0], np.cumsum(self._step_counts(reqs, lens, len(locs))))))
+        owner_of = np.repeat(np.arange(len(reqs)), written)
+        pages = locs // ps
+        starts = np.ones(len(locs), bool)
+        starts[1:] = (pages[1:] != pages[:-1]) | (owner_of[1:] != owner_of[:-1])
+        ends = np.ones(len(locs), bool)
+        ends[:-1] = starts[1:]
+        step_pages = pages[starts]
+        step_slots = locs[ends] % ps + 1
+        counts = np.bincount(owner_of[starts], minlength=len(reqs))
+        width = -(-int(lens.max()) // ps)
+        table = _np(r2t.req_to_token[rows, : width * ps : ps]).reshape(len(reqs), width) // ps
+        names = [self.rids[self.request(r)] for r in reqs]
+        verdict = self.guard.step(
+            POOL, names, step_pages, step_slots, counts=counts, block_tables=table, context_lens=lens
+        )
+        for req in reqs:
+            if str(req.rid) in verdict.kill:
+                self.stop(req, verdict.reason(str(req.rid)))
+        return verdict
+
+    @staticmethod
+    def _step_counts(reqs: list[Any], lens: np.ndarray, total: int) -> np.ndarray:
+        """Tokens each request writes this step: its extend length (prefill), else one."""
+        extend = [getattr(r, "extend_input_len", None) for r in reqs]
+        counts = np.ones(len(reqs), np.int64)
+        if total != len(reqs) and all(e is not None for e in extend):
+            counts = np.asarray(extend, np.int64)
+        return counts
+
+    def stop(self, req: Any, reason: str) -> None:
+        """SGLang's own abort of a request: the scheduler finishes it with this error."""
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        req.to_finish = FINISH_ABORT(f"kvguard: {reason}", HTTPStatus.FORBIDDEN, "KVGuardViolation")
+
+    def stop_rid(self, rid: str, reason: str) -> None:
+        idx = self.index.get(rid)
+        if idx is not None and idx in self.live:
+            self.stop(self.live[idx], reason)
+
+    # ------------------------------------------------------------------ PD transfers
+
+    def sender_init(self, sender: Any) -> None:
+        idx = self.rooms.get(int(getattr(sender, "bootstrap_room", -1) or -1))
+        if idx is None:
+            return
+        req = self.live.get(idx)
+        prefix = int(getattr(req, "disagg_decode_prefix_len", 0) or 0) if req is not None else 0
+        self.sending[id(sender)] = [[], 0]
+        self.guard.bootstrap(self.rids[idx], self.guard.node, UNNAMED, self.prompt[idx] - prefix)
+
+    def sent(self, sender: Any, kv_indices: Any, num_kv_tokens: int | None) -> None:
+        entry = self.sending.setdefault(id(sender), [[], 0])
+        pages = _np(kv_indices)
+        entry[0].append(pages)
+        entry[1] += int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * self.book.page_size
+
+    def sender_polled(self, sender: Any, state: Any, success: Any, failed: Any) -> Any:
+        key = id(sender)
+        if key in self.concluded:
+            return state if self.concluded[key] else failed
+        if state not in (success, failed):
+            return state
+        idx = self.rooms.get(int(getattr(sender, "bootstrap_room", -1) or -1))
+        entry = self.sending.pop(key, None)
+        if idx is None or entry is None:
+            return state
+        pages = np.concatenate(entry[0]) if entry[0] else np.zeros(0, np.int64)
+        verdict = self.guard.xfer_send(
+            self.rids[idx],
+            f"room-{sender.bootstrap_room}",
+            "",
+            POOL,
+            pages,
+            entry[1],
+            0,
+            status="done" if state == success else "failed",
+        )
+        ok = verdict.ok
+        self.concluded[key] = ok
+        return state if ok else failed
+
+    def receiver_made(self, receiver: Any, room: Any) -> None:
+        if room is not None:
+            self.receiver_room[id(receiver)] = int(room)
+
+    def reserved(self, receiver: Any, kv_indices: Any, decode_prefix_len: int | None) -> None:
+        """Decode told prefill where to write: these pages, whose content is noted now."""
+        idx = self.rooms.get(self.receiver_room.get(id(receiver), -1))
+        if idx is None or self.book is None:
+            return
+        pages = _np(kv_indices)
+        before = page_digests(self.allocator.get_kvcache(), pages, self.book.page_size)
+        expected = self.prompt[idx] - int(decode_prefix_len or 0)
+        self.receiving[id(receiver)] = (idx, pages, before, expected)
+        self.guard.bootstrap(self.rids[idx], UNNAMED, self.guard.node, expected)
+
+    def receiver_polled(self, receiver: Any, state: Any, success: Any, failed: Any) -> Any:
+        key = id(receiver)
+        if key in self.concluded:
+            return state if self.concluded[key] else failed
+        if state not in (success, failed) or key not in self.receiving:
+            return state
+        idx, pages, before, expected = self.receiving.pop(key)
+        ps = self.book.page_size
+        rid = self.rids[idx]
+        changed = page_digests(self.allocator.get_kvcache(), pages, ps) != before
+        landed = int(changed.sum())
+        tokens = min(landed * ps, expected) if state == success else 0
+        ordered = np.concatenate((pages[changed], pages[~changed]))
+        room = self.receiver_room.get(key, -1)
+        verdict = self.guard.xfer_recv(
+            rid, f"room-{room}", "", POOL, ordered, tokens, 0, status="done" if state == success else "failed"
+        )
+        if state == success and verdict.ok:
+            # The check before attention, now: the request joins no batch if it fails.
+            verdict = merged(
+                verdict, self.guard.check_attention(POOL, [rid], pages[None, :], np.array([expected]))
+            )
+        ok = verdict.ok
+        self.concluded[key] = ok
+        return state if ok else failed

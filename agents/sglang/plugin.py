@@ -1,0 +1,279 @@
+"""kvguard as an SGLang plugin: the `sglang.srt.plugins` entry point (`load`) registers hooks
+on SGLang's own classes through its HookRegistry; no fork of SGLang.
+
+Invariants: `load` only registers hooks (SGLang calls it in every one of its processes); the
+guard is made on the first hook that runs, i.e. in the scheduler process, from the
+environment (kvguard.agents.attach); every hook runs kvguard's part contained, so a failure
+of kvguard never raises into SGLang; a version this adapter does not know is refused in one
+line and left unguarded.
+"""
+
+from __future__ import annotations
+
+import logging
+import pkgutil
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvguard.agents.attach import Attachment, Settings, SettingsError, VersionRefused, check_version
+from kvguard.agents.sglang.adapter import KNOWN_VERSIONS, SglangAdapter, _np
+
+log = logging.getLogger("kvguard.adapter")
+
+_adapter: SglangAdapter | None = None
+_refused = ""  # why this process is not guarded ("" while it may be)
+
+
+def install(adapter: SglangAdapter) -> SglangAdapter:
+    """Guard this process with `adapter` (tests, or an engine that makes its own guard)."""
+    global _adapter
+    _adapter = adapter
+    _register()
+    return adapter
+
+
+def current() -> SglangAdapter | None:
+    """The process's adapter, made from the environment the first time a hook needs it."""
+    global _adapter, _refused
+    if _adapter is None and not _refused:
+        try:
+            settings = Settings.from_env()
+            attachment = Attachment("sglang", settings, on_kill=lambda rid, why: _stop_rid(rid, why))
+        except (SettingsError, OSError) as exc:
+            _refused = str(exc)
+            log.error("kvguard: not guarding this SGLang process: %s", exc)
+            return None
+        _adapter = SglangAdapter(attachment)
+    return _adapter
+
+
+def _stop_rid(rid: str, why: str) -> None:
+    if _adapter is not None:
+        _adapter.stop_rid(rid, why)
+
+
+def load() -> None:
+    """The entry point SGLang calls (in each of its processes)."""
+    global _refused
+    import sglang
+
+    try:
+        check_version("sglang", sglang.__version__, KNOWN_VERSIONS)
+    except VersionRefused as exc:
+        _refused = str(exc)
+        log.error("%s", exc)
+        return
+    _register()
+
+
+def _run(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    adapter = current()
+    if adapter is None:
+        return None
+    return adapter.attachment.contain(what, fn, adapter, *args)
+
+
+# ---------------------------------------------------------------------- the hooks
+
+ALLOC = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
+TOKEN = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
+ROWS = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
+RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
+REQ = "sglang.srt.managers.schedule_batch.Req"
+SCHED = "sglang.srt.managers.scheduler.Scheduler"
+SENDERS = (
+    "sglang.srt.disaggregation.fake.conn.FakeKVSender",
+    "sglang.srt.disaggregation.common.conn.CommonKVSender",
+)
+RECEIVERS = (
+    "sglang.srt.disaggregation.fake.conn.FakeKVReceiver",
+    "sglang.srt.disaggregation.common.conn.CommonKVReceiver",
+)
+
+
+def _handed_out(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
+    _run("allocator alloc", SglangAdapter.handed_out, allocator, result)
+
+
+def _released(allocator: Any, *page_ids: Any) -> None:
+    pages = np.concatenate([_np(p) for p in page_ids]) if page_ids else np.zeros(0, np.int64)
+    _run("allocator free", SglangAdapter.released, allocator, pages)
+
+
+def _token_free(allocator: Any, free_index: Any) -> None:
+    if allocator.free_group is None:  # in a group: freed at its end, by one call that comes here
+        _run("allocator free", SglangAdapter.released, allocator, _np(free_index))
+
+
+def _cleared(result: Any, allocator: Any) -> None:
+    adapter = current()
+    if adapter is not None and adapter.book is not None and adapter.allocator is allocator:
+        adapter.book.clear()
+
+
+def _rows_alloc(original: Callable[..., Any], pool: Any, reqs: list[Any]) -> Any:
+    adapter = current()
+    if adapter is not None and adapter.attachment.stopped:
+        return None  # kvguard failed and the operator chose stop: no room for new requests
+    rows = original(pool, reqs)
+    if rows is not None:
+        _run("req_to_token alloc", SglangAdapter.rows_bound, pool, reqs)
+    return rows
+
+
+def _rows_write(result: Any, pool: Any, indices: Any, values: Any) -> None:
+    _run("req_to_token write", SglangAdapter.row_written, pool, indices, values)
+
+
+def _rows_free(pool: Any, req: Any) -> None:
+    _run("req_to_token free", SglangAdapter.row_freed, pool, req)
+
+
+def _inserted(result: Any, tree: Any, params: Any) -> None:
+    if result is not None:
+        _run("radix insert", SglangAdapter.cached, getattr(params, "value", None), int(result.prefix_len))
+
+
+def _set_finish_with_abort(
+    original: Callable[..., Any], req: Any, error_msg: str, *args: Any, **kw: Any
+) -> Any:
+    adapter = current()
+    if adapter is not None:
+        adapter.attachment.contain("reject", SglangAdapter.request, adapter, req)  # its prompt, before
+    result = original(req, error_msg, *args, **kw)
+    _run("reject", SglangAdapter.rejected, req, error_msg)
+    return result
+
+
+def _scheduler_made(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    mode = str(getattr(scheduler.server_args, "disaggregation_mode", "null"))
+    _run(
+        "pool report",
+        SglangAdapter.report_pool,
+        scheduler.token_to_kv_pool_allocator,
+        role=mode if mode in ("prefill", "decode") else "colocated",
+        context_len=int(scheduler.model_config.context_len),
+        max_prompt_tokens=int(getattr(scheduler, "max_req_input_len", 0) or 0),
+    )
+
+
+def _run_batch(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    if (
+        batch is not None
+        and getattr(batch, "reqs", None)
+        and getattr(batch, "out_cache_loc", None) is not None
+    ):
+        _run(
+            "forward step",
+            SglangAdapter.forward_step,
+            batch.reqs,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            batch.out_cache_loc,
+            scheduler.req_to_token_pool,
+        )
+
+
+def _sender_init(sender: Any, *args: Any, **kwargs: Any) -> None:
+    _run("sender init", SglangAdapter.sender_init, sender)
+
+
+def _sender_send(
+    sender: Any, kv_indices: Any, state_indices: Any = None, num_kv_tokens: Any = None, **kw: Any
+) -> None:
+    _run("sender send", SglangAdapter.sent, sender, kv_indices, num_kv_tokens)
+
+
+def _polled(kind: str) -> Callable[..., Any]:
+    method = SglangAdapter.sender_polled if kind == "sender" else SglangAdapter.receiver_polled
+
+    def hook(original: Callable[..., Any], end: Any) -> Any:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        state = original(end)
+        decided = _run(f"{kind} poll", method, end, state, KVPoll.Success, KVPoll.Failed)
+        return state if decided is None else decided
+
+    return hook
+
+
+def _receiver_made(
+    result: Any,
+    receiver: Any,
+    mgr: Any = None,
+    bootstrap_addr: Any = None,
+    bootstrap_room: Any = None,
+    *args: Any,
+    **kwargs: Any,
+) -> None:
+    _run("receiver init", SglangAdapter.receiver_made, receiver, bootstrap_room)
+
+
+def _metadata_sent(
+    result: Any,
+    receiver: Any,
+    kv_indices: Any,
+    aux_index: Any = None,
+    state_indices: Any = None,
+    decode_prefix_len: Any = None,
+    *args: Any,
+    **kwargs: Any,
+) -> None:
+    _run("receiver metadata", SglangAdapter.reserved, receiver, kv_indices, decode_prefix_len)
+
+
+def hooks() -> list[tuple[str, Callable[..., Any], str]]:
+    """(target, hook, kind) of every hook, in SGLang's HookRegistry terms."""
+    table = [
+        (f"{ALLOC}.alloc", _handed_out, "AFTER"),
+        (f"{ALLOC}.alloc_extend", _handed_out, "AFTER"),
+        (f"{ALLOC}.alloc_decode", _handed_out, "AFTER"),
+        (f"{ALLOC}._release_page_ids", _released, "BEFORE"),
+        (f"{ALLOC}.clear", _cleared, "AFTER"),
+        (f"{TOKEN}.alloc", _handed_out, "AFTER"),
+        (f"{TOKEN}.free", _token_free, "BEFORE"),
+        (f"{ROWS}.alloc", _rows_alloc, "AROUND"),
+        (f"{ROWS}.write", _rows_write, "AFTER"),
+        (f"{ROWS}.free", _rows_free, "BEFORE"),
+        (f"{RADIX}.insert", _inserted, "AFTER"),
+        (f"{REQ}.set_finish_with_abort", _set_finish_with_abort, "AROUND"),
+        (f"{SCHED}.__init__", _scheduler_made, "AFTER"),
+        (f"{SCHED}.run_batch", _run_batch, "BEFORE"),
+    ]
+    for sender in SENDERS:
+        table += [
+            (f"{sender}.init", _sender_init, "BEFORE"),
+            (f"{sender}.send", _sender_send, "BEFORE"),
+            (f"{sender}.poll", _polled("sender"), "AROUND"),
+        ]
+    for receiver in RECEIVERS:
+        table += [
+            (f"{receiver}.__init__", _receiver_made, "AFTER"),
+            (f"{receiver}.send_metadata", _metadata_sent, "AFTER"),
+            (f"{receiver}.poll", _polled("receiver"), "AROUND"),
+        ]
+    return table
+
+
+_registered = False
+
+
+def _register() -> None:
+    """Register the hooks that resolve in this SGLang, and apply them (idempotent)."""
+    global _registered
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if not _registered:
+        _registered = True
+        for target, hook, kind in hooks():
+            owner, _, attr = target.rpartition(".")
+            try:
+                if attr not in vars(pkgutil.resolve_name(owner)):
+                    continue  # inherited here: hooked where it is defined
+            except (ImportError, AttributeError) as exc:
+                log.warning("kvguard: SGLang has no %s (%s): that hook is off", target, exc)
+                continue
+            HookRegistry.register(target, hook, HookType[kind])
+    HookRegistry.apply_hooks()

@@ -1,0 +1,363 @@
+"""Scenarios run inside the SGLang venv: SGLang 0.5.23's own KV classes (paged allocator over a
+real MHA KV pool on CPU, req_to_token, radix cache, the fake PD sender and receiver, Req and
+its abort), driven as SGLang's scheduler drives them, with kvguard's adapter hooked in
+through SGLang's HookRegistry. The test plays the scheduler's loop only; every KV call is
+SGLang's. Usage: sglang_scenarios.py SCENARIO CAPTURE [MODE]. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from array import array
+
+import torch
+from sglang.srt.disaggregation.fake.conn import FakeKVReceiver, FakeKVSender
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+from kvguard.agents.attach import Attachment, Settings
+from kvguard.agents.sglang import plugin
+from kvguard.agents.sglang.adapter import SglangAdapter
+
+PAGE = 4
+
+
+class Engine:
+    """One SGLang scheduler's KV state, its requests driven as the scheduler drives them."""
+
+    def __init__(
+        self,
+        node: str,
+        role: str,
+        capture: str,
+        mode: str,
+        pages: int = 8,
+        rows: int = 8,
+        context: int = 0,
+        need_sort: bool = True,
+        radix: bool = False,
+    ) -> None:
+        size = PAGE * pages
+        self.kv = MHATokenToKVPool(
+            size=size,
+            page_size=PAGE,
+            dtype=torch.float16,
+            head_num=2,
+            head_dim=8,
+            layer_num=2,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        attachment = Attachment("sglang", Settings(node=node, capture=capture, mode=mode))
+        self.adapter = plugin.install(SglangAdapter(attachment, role))
+        self.alloc = PagedTokenToKVPoolAllocator(
+            size=size, page_size=PAGE, dtype=torch.float16, device="cpu", kvcache=self.kv, need_sort=need_sort
+        )
+        context = context or size
+        self.r2t = ReqToTokenPool(
+            size=rows, max_context_len=max(context, 64), device="cpu", enable_memory_saver=False
+        )
+        self.tree = (
+            RadixCache(
+                CacheInitParams(
+                    disable=False,
+                    req_to_token_pool=self.r2t,
+                    token_to_kv_pool_allocator=self.alloc,
+                    page_size=PAGE,
+                )
+            )
+            if radix
+            else None
+        )
+        self.adapter.report_pool(self.alloc, role=role, context_len=context)
+        self.guard = attachment.guard
+
+    def request(self, rid: str, tokens: list[int], tenant: str) -> Req:
+        return Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=4), cache_salt=tenant)
+
+    def forward(self, reqs: list[Req], slots: torch.Tensor, value: float | None = None) -> None:
+        """run_batch: the adapter's step check, then the forward writes K and V at the slots."""
+        rows = torch.tensor([r.kv.req_pool_idx for r in reqs])
+        lens = torch.tensor([r.kv.kv_allocated_len for r in reqs])
+        self.adapter.forward_step(reqs, rows, lens, slots, self.r2t)
+        for r in reqs:
+            if r.to_finish is None and value is not None:
+                self.kv.k_buffer[0][slots] = value
+                self.kv.v_buffer[0][slots] = value
+
+    def prefill(
+        self, req: Req, value: float, prefix: torch.Tensor | None = None, upto: int | None = None
+    ) -> torch.Tensor:
+        """alloc_for_extend for one request (prefix slots from the tree first), then the forward."""
+        if req.kv.req_pool_idx is None:
+            assert self.r2t.alloc([req]) is not None
+        row = req.kv.req_pool_idx
+        start = req.kv.kv_allocated_len
+        end = len(req.origin_input_ids) if upto is None else upto
+        if prefix is not None and len(prefix):
+            self.r2t.write((row, slice(0, len(prefix))), prefix.to(torch.int32))
+            start = len(prefix)
+            req.kv.cache_protected_len = start
+        last = self.r2t.req_to_token[row, start - 1 : start].long() if start else torch.tensor([-1])
+        slots = self.alloc.alloc_extend(
+            prefix_lens=torch.tensor([start]),
+            prefix_lens_cpu=torch.tensor([start]),
+            seq_lens=torch.tensor([end]),
+            seq_lens_cpu=torch.tensor([end]),
+            last_loc=last,
+            extend_num_tokens=end - start,
+        )
+        assert slots is not None, "pool full"
+        self.r2t.write((row, slice(start, end)), slots.to(torch.int32))
+        req.kv.kv_allocated_len = end
+        req.extend_input_len = end - start
+        self.forward([req], slots, value)
+        return slots
+
+    def decode(self, reqs: list[Req], value: float) -> None:
+        """alloc_for_decode: one slot each (a new page at a page boundary), the batch's row
+        write, then one forward for the batch."""
+        lens = torch.tensor([r.kv.kv_allocated_len + 1 for r in reqs])
+        rows = torch.tensor([r.kv.req_pool_idx for r in reqs])
+        last = self.r2t.req_to_token[rows, lens - 2].long()
+        slots = self.alloc.alloc_decode(seq_lens=lens, seq_lens_cpu=lens, last_loc=last)
+        self.r2t.write((rows, lens - 1), slots.to(torch.int32))
+        for r in reqs:
+            r.kv.kv_allocated_len += 1
+            r.extend_input_len = None
+        self.forward(reqs, slots, value)
+
+    def row_slots(self, req: Req) -> torch.Tensor:
+        return self.r2t.req_to_token[req.kv.req_pool_idx, : req.kv.kv_allocated_len].long()
+
+    def release(self, req: Req, insert: bool = False) -> None:
+        """release_kv_cache: the tree takes what it caches; the request frees its own part
+        (a free group, as the scheduler batches frees), then its row."""
+        slots = self.row_slots(req)
+        protected = req.kv.cache_protected_len
+        if insert and self.tree is not None:
+            aligned = len(slots) // PAGE * PAGE
+            key = RadixKey(list(req.origin_input_ids)[:aligned], cache_salt=req.cache_salt)
+            result = self.tree.insert(InsertParams(key=key, value=slots[:aligned]))
+            if result.prefix_len > protected:  # duplicates of what the tree had: freed
+                self.alloc.free(slots[protected : result.prefix_len])
+            protected = aligned
+        self.alloc.free_group_begin()
+        if len(slots) > protected:
+            self.alloc.free(slots[protected:])
+        self.alloc.free_group_end()
+        self.r2t.free(req)
+        req.kv.mark_kv_released()
+
+    def finish(self, req: Req, insert: bool = False) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+        req.finished_reason = FINISH_LENGTH(length=1)
+        req.output_ids = [1]
+        self.release(req, insert)
+
+    def match(self, req: Req) -> torch.Tensor:
+        key = RadixKey(list(req.origin_input_ids), cache_salt=req.cache_salt)
+        found = self.tree.match_prefix(MatchPrefixParams(key=key))
+        return self.tree.path_device_indices(found.last_device_node)[: found.device_prefix_len]
+
+
+def stale_pages(engine: Engine, req: Req, value: float) -> int:
+    slots = engine.row_slots(req)
+    return sum(
+        bool((engine.kv.k_buffer[0][slots[p * PAGE : (p + 1) * PAGE]] == value).all())
+        for p in range(len(slots) // PAGE)
+    )
+
+
+def incident(capture: str, mode: str) -> dict:
+    """Decode reserves 8 pages for B's transfer; prefill (rejected, flowing on) sends one;
+    the other 7 still hold tenant A's KV. SGLang's receiver says Success."""
+    e = Engine("d0", "decode", capture, mode)
+    a = e.request("a-1", list(range(1000, 1032)), "tenant-a")
+    e.prefill(a, 7.0)
+    e.finish(a)
+    b = e.request("b-1", list(range(2000, 2032)), "tenant-b")
+    b.bootstrap_room = 42
+    assert e.r2t.alloc([b]) is not None
+    slots = e.alloc.alloc(32)
+    e.r2t.write((b.kv.req_pool_idx, slice(0, 32)), slots.to(torch.int32))
+    b.kv.kv_allocated_len = 32
+    receiver = FakeKVReceiver(mgr=None, bootstrap_addr="fake", bootstrap_room=42)
+    receiver.init(prefill_dp_rank=0)
+    receiver.send_metadata(kv_indices=(slots[::PAGE] // PAGE).numpy().astype("int32"))
+    e.kv.k_buffer[0][slots[:PAGE]] = 1.0  # the one page prefill sent lands
+    e.kv.v_buffer[0][slots[:PAGE]] = 1.0
+    stale = stale_pages(e, b, 7.0)
+    state = receiver.poll()
+    return {
+        "stale_pages": stale,
+        "poll": int(state),
+        "findings": [f.finding for f in e.guard.findings],
+        "killed": sorted(e.guard.killed),
+        "victims": sorted({f.victim_req for f in e.guard.findings}),
+        "errors": e.guard.errors,
+    }
+
+
+def short_send(capture: str, mode: str) -> dict:
+    """Prefill's fake sender: told 8 pages, sends 1, reports Success."""
+    e = Engine("p0", "prefill", capture, mode)
+    r = e.request("r-1", list(range(3000, 3032)), "tenant-a")
+    r.bootstrap_room = 7
+    e.prefill(r, 3.0)
+    sender = FakeKVSender(mgr=None, bootstrap_addr="fake", bootstrap_room=7)
+    sender.init(num_kv_indices=8)
+    first = (e.row_slots(r)[:PAGE:PAGE] // PAGE).numpy().astype("int32")
+    sender.send(kv_indices=first, num_kv_tokens=PAGE)
+    state = sender.poll()
+    return {
+        "poll": int(state),
+        "findings": [f.finding for f in e.guard.findings],
+        "killed": sorted(e.guard.killed),
+    }
+
+
+def rejected(capture: str, mode: str) -> dict:
+    """SGLang rejects a too-long prompt (set_finish_with_abort: to_finish, a one-token stub),
+    and the request flows on anyway: a row, a page, a send (the incident's old path)."""
+    e = Engine("p0", "prefill", capture, mode)
+    r = e.request("long-1", list(range(5000, 5048)), "tenant-b")
+    r.bootstrap_room = 9
+    with get_parallel().override(tp_rank=0):
+        r.set_finish_with_abort("Input length (48 tokens) exceeds the maximum allowed length (32 tokens)")
+    stub_len = len(r.origin_input_ids)
+    e.prefill(r, 5.0)  # finished() is False: the old queue let it on
+    sender = FakeKVSender(mgr=None, bootstrap_addr="fake", bootstrap_room=9)
+    sender.init(num_kv_indices=1)
+    sender.send(kv_indices=(e.row_slots(r)[:1] // PAGE).numpy().astype("int32"), num_kv_tokens=1)
+    state = sender.poll()
+    return {
+        "stub_len": stub_len,
+        "finished": r.finished(),
+        "poll": int(state),
+        "findings": [f.finding for f in e.guard.findings],
+        "killed": sorted(e.guard.killed),
+    }
+
+
+def mixed(capture: str, mode: str) -> dict:
+    """Every fault off: chunked prefill, prefix hits within a tenant (on live and on
+    finished requests' cached pages), decode steps across page boundaries, retraction and
+    recompute, an abort, radix eviction under pressure, grouped frees."""
+    e = Engine("c0", "colocated", capture, mode, pages=24, rows=8, need_sort=False, radix=True)
+    doc = list(range(100, 116))
+    a1 = e.request("a-1", [*doc, 1, 2, 3, 4], "tenant-a")
+    e.prefill(a1, 1.0, upto=8)  # chunked prefill: two chunks
+    e.prefill(a1, 1.0)
+    e.decode([a1], 1.5)
+    e.finish(a1, insert=True)  # its prefix stays in the tree
+    a2 = e.request("a-2", [*doc, 5, 6, 7, 8], "tenant-a")
+    hit = e.match(a2)
+    assert len(hit) == 16, len(hit)
+    e.prefill(a2, 2.0, prefix=hit)  # a hit on a finished request's cached pages
+    b1 = e.request("b-1", list(range(600, 620)), "tenant-b")
+    assert len(e.match(b1)) == 0
+    e.prefill(b1, 3.0)
+    for _ in range(5):
+        e.decode([a2, b1], 4.0)  # across page boundaries
+    # Retraction: b1 gives everything back and is recomputed later.
+    e.release(b1)
+    b1.kv.cache_protected_len = 0
+    e.prefill(b1, 3.5)
+    e.decode([a2, b1], 4.5)
+    # An abort mid-decode.
+    c1 = e.request("c-1", list(range(700, 710)), "tenant-c")
+    e.prefill(c1, 6.0)
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    c1.finished_reason = FINISH_ABORT("client disconnected")
+    e.release(c1)
+    e.finish(a2, insert=True)
+    e.finish(b1)
+    # Pressure: the tree evicts to make room for a new tenant's long prompt.
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    e.tree.evict(EvictParams(num_tokens=96))
+    d1 = e.request("d-1", list(range(800, 840)), "tenant-d")
+    e.prefill(d1, 8.0)
+    e.decode([d1], 8.5)
+    e.finish(d1)
+    return {
+        "findings": [f"{f.finding}: {f.message}" for f in e.guard.findings],
+        "killed": sorted(e.guard.killed),
+        "errors": e.guard.errors,
+        "events": e.guard._seq,
+    }
+
+
+def plugin_path(capture: str, mode: str) -> dict:
+    """SGLang loads kvguard through its own plugin loader (the entry point), and the guard is
+    made from the environment (KVGUARD_NODE, KVGUARD_CAPTURE) on the first hook that runs."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    kv = MHATokenToKVPool(
+        size=16,
+        page_size=PAGE,
+        dtype=torch.float16,
+        head_num=2,
+        head_dim=8,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    alloc = PagedTokenToKVPoolAllocator(
+        size=16, page_size=PAGE, dtype=torch.float16, device="cpu", kvcache=kv, need_sort=False
+    )
+    r2t = ReqToTokenPool(size=2, max_context_len=16, device="cpu", enable_memory_saver=False)
+    adapter = plugin.current()
+    adapter.report_pool(alloc, role="colocated", context_len=16)
+    req = Req("env-1", "", array("q", range(8)), SamplingParams(max_new_tokens=1), cache_salt="tenant-e")
+    r2t.alloc([req])
+    slots = alloc.alloc(8)
+    r2t.write((req.kv.req_pool_idx, slice(0, 8)), slots.to(torch.int32))
+    return {
+        "hooked": hasattr(PagedTokenToKVPoolAllocator.alloc, "__wrapped__"),
+        "node": adapter.guard.node,
+        "findings": [f.finding for f in adapter.guard.findings],
+    }
+
+
+def version_refused(capture: str, mode: str) -> dict:
+    """An SGLang this adapter does not know: refused in one line, nothing hooked."""
+    import sglang
+
+    sglang.__version__ = "0.6.0"
+    plugin.load()
+    return {"hooked": hasattr(PagedTokenToKVPoolAllocator.alloc, "__wrapped__"), "refused": plugin._refused}
+
+
+def contained(capture: str, mode: str) -> dict:
+    """kvguard itself fails inside a hook: SGLang's call returns as it would, once said."""
+    e = Engine("c0", "colocated", capture, mode)
+    e.adapter.book.owner = None  # kvguard's own state broken
+    first = e.alloc.alloc(8)
+    second = e.alloc.alloc(8)
+    return {
+        "first": first.tolist(),
+        "second": second.tolist(),
+        "failed": e.adapter.attachment.failed,
+        "failures": e.adapter.attachment.failures,
+    }
+
+
+if __name__ == "__main__":
+    name, capture = sys.argv[1], sys.argv[2]
+    mode = sys.argv[3] if len(sys.argv) > 3 else "enforce"
+    result = globals()[name](capture, mode)
+    if plugin._adapter is not None:
+        result["adapter_failed"] = plugin._adapter.attachment.failed
+        plugin._adapter.guard.sink.close()
+    print(json.dumps(result))
