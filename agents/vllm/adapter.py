@@ -1,0 +1,459 @@
+"""kvguard inside vLLM 0.33.0's v1 engine core (`VllmAdapter`): class patches on
+`KVCacheManager` and `Scheduler` that report each change of KV-block ownership to the guard.
+
+Invariants: the patches are installed once per process and dispatch by manager instance
+(each guarded manager carries its `PoolState`); every hook runs kvguard's part through
+`Attachment.contain`, so a kvguard failure never raises into vLLM; vLLM is interrupted only
+to end the requests a verdict names, through its own abort path
+(`Scheduler.finish_requests(ids, FINISHED_ABORTED)`), before the forward of the step.
+
+What each hook maps to:
+- `KVCacheManager.__init__` -> `pool` (num_blocks, block_size, reserved_pages=1 for the null
+  block, context_len = max_model_len, role from kv_transfer_config: kv_producer -> prefill,
+  kv_consumer -> decode, else colocated). Only one full-attention group is mapped; any other
+  layout (hybrid, sliding window, Mamba, context parallel) is left unguarded, said in one line.
+- `allocate_slots` -> `admit` (first blocks of a request), `share` (prefix-cache hits: the
+  blocks vLLM appended from new_computed_blocks, origin = the request each block was last
+  granted to), and new grants (including blocks for connector-loaded tokens), kept until the
+  step. Eviction names no request: it is the grant of the block to someone else.
+- `free` / `pop_blocks_for_free` -> `free` (the request's blocks, in vLLM's reverse order);
+  preemption is such a free, then hits on its own freed blocks when it resumes.
+- `Scheduler.schedule` -> one `Guard.step` per step: the KV each scheduled request writes
+  (the blocks its scheduled tokens land in, slots valid after the write), its grants, and
+  the check of its block table up to its context; killed requests are aborted and taken out
+  of the SchedulerOutput before it reaches the workers.
+- `Scheduler._free_request` -> `finish` (stopped, length) or `abort` (aborted, ignored, error).
+- `Scheduler._update_from_kv_xfer_finished` -> `xfer_recv` for finished_recving (status
+  failed when the request is in failed_recving or one of its loaded blocks is invalid),
+  `xfer_send` for finished_sending.
+
+Tenants: `settings.tenant_field` (KVGUARD_TENANT_FIELD) names where a request's tenant is
+read: empty or `cache_salt` (the default): the request's cache_salt; `header:NAME`: the
+trace header NAME; `attr:PATH` (or a bare PATH): the dotted attribute path on the Request
+(e.g. `lora_request.lora_name`). A request with no value there has tenant "": unknown, which
+the ledger never judges as a cross-tenant share (vLLM shares unsalted prefixes among all
+unsalted requests, which it treats as one tenant).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvguard.agents.attach import Attachment, Settings, SettingsError, VersionRefused, check_version
+from kvguard.agents.vllm.state import EMPTY, PoolState
+
+log = logging.getLogger("kvguard.adapter")
+
+KNOWN_VERSIONS = ("0.33.0",)
+_ACTIVE: VllmAdapter | None = None  # the adapter the class patches dispatch to
+_ORIGINAL: dict[str, Callable[..., Any]] = {}
+_LOCK = threading.Lock()
+ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+
+
+def tenant_reader(field: str) -> Callable[[Any], str]:
+    """How a request's tenant is read, from the operator's KVGUARD_TENANT_FIELD."""
+    if not field or field == "cache_salt":
+        return lambda request: request.cache_salt or ""
+    if field.startswith("header:"):
+        name = field[len("header:") :]
+        return lambda request: str((request.trace_headers or {}).get(name, "") or "")
+    path = field[len("attr:") :].split(".") if field.startswith("attr:") else field.split(".")
+
+    def read(request: Any) -> str:
+        value = request
+        for part in path:
+            value = getattr(value, part, None)
+            if value is None:
+                return ""
+        return str(value)
+
+    return read
+
+
+def _state(manager: Any) -> PoolState | None:
+    return manager.__dict__.get("_kvguard")
+
+
+class VllmAdapter:
+    """kvguard's attachment to the vLLM engine core of this process. With an `Attachment`
+    (tests), that guard is used; without one, it is made from the environment when the first
+    KV cache manager is built (`Settings.from_env()`), in the engine-core process only."""
+
+    def __init__(
+        self,
+        attachment: Attachment | None = None,
+        *,
+        settings: Settings | None = None,
+        engine_version: str | None = None,
+    ) -> None:
+        self.attachment = attachment
+        self.settings = settings if settings is not None else (attachment.settings if attachment else None)
+        self.engine_version = engine_version
+        self.refused = ""  # why this engine is not guarded ("" while it is)
+        self.pools = 0
+        self._config = threading.local()  # the VllmConfig of a Scheduler being built
+        self._external_kills: dict[str, str] = {}  # ordered by the daemon, applied at the next step
+
+    # ------------------------------------------------------------------ install
+
+    def install(self) -> VllmAdapter:
+        """Patch vLLM's classes (once per process) and make this the adapter they report to."""
+        global _ACTIVE
+        with _LOCK:
+            if not _ORIGINAL:
+                _patch()
+            _ACTIVE = self
+        return self
+
+    def _attach(self) -> Attachment | None:
+        """The guard, made on first need; a refused version or bad settings: one line, none."""
+        if self.attachment is not None or self.refused:
+            return self.attachment
+        try:
+            import vllm
+
+            check_version("vllm", self.engine_version or vllm.__version__, KNOWN_VERSIONS)
+            settings = self.settings if self.settings is not None else Settings.from_env()
+        except (VersionRefused, SettingsError) as exc:
+            self.refused = str(exc)
+            log.error("%s", exc)
+            return None
+        self.settings = settings
+        self.attachment = Attachment("vllm", settings, on_kill=self._on_kill)
+        return self.attachment
+
+    def _on_kill(self, req: str, reason: str) -> None:
+        # The daemon's command arrives on the sink's thread: vLLM's scheduler is not
+        # thread-safe, so the abort waits for the scheduler's next step.
+        self._external_kills[req] = reason
+
+    # ------------------------------------------------------------------ KV cache manager
+
+    def on_manager(self, manager: Any, bound: inspect.BoundArguments) -> None:
+        attachment = self._attach()
+        if attachment is None:
+            return
+        attachment.contain("KVCacheManager.__init__", self._pool, attachment, manager, bound)
+
+    def _pool(self, attachment: Attachment, manager: Any, bound: inspect.BoundArguments) -> None:
+        args = bound.arguments
+        cfg = args["kv_cache_config"]
+        groups = cfg.kv_cache_groups
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+        spec = groups[0].kv_cache_spec if len(groups) == 1 else None
+        if (
+            spec is None
+            or not isinstance(spec, FullAttentionSpec)
+            or isinstance(spec, SlidingWindowSpec)
+            or args.get("dcp_world_size", 1) != 1
+            or args.get("pcp_world_size", 1) != 1
+        ):
+            log.error(
+                "kvguard: this vLLM KV cache layout (%d group(s), %s, context parallel %s/%s) is not "
+                "mapped yet; not guarding it rather than guarding it wrongly",
+                len(groups),
+                type(spec).__name__ if spec is not None else "hybrid",
+                args.get("dcp_world_size", 1),
+                args.get("pcp_world_size", 1),
+            )
+            return
+        vllm_config = getattr(self._config, "value", None)
+        kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
+        role = ROLES.get(getattr(kv_transfer, "kv_role", "") or "", "colocated")
+        model_config = getattr(vllm_config, "model_config", None)
+        import vllm
+
+        pool = self.pools
+        self.pools += 1
+        settings = attachment.settings
+        state = PoolState(
+            attachment,
+            pool,
+            manager.coordinator.single_type_managers[0],
+            spec.block_size,
+            cfg.num_blocks,
+            manager.block_pool.null_block.block_id,
+            "decode" if role == "decode" else "prefill",
+            tenant_reader(settings.tenant_field),
+        )
+        manager.__dict__["_kvguard"] = state
+        state.take(
+            attachment.guard.pool(
+                pool,
+                role,
+                spec.block_size,
+                cfg.num_blocks,
+                engine="vllm",
+                engine_version=self.engine_version or vllm.__version__,
+                model=str(getattr(model_config, "served_model_name", "") or ""),
+                context_len=int(args["max_model_len"]),
+                reserved_pages=1,
+                cluster=settings.cluster,
+            )
+        )
+
+    def allocate_slots(self, orig: Callable[..., Any], manager: Any, bound: inspect.BoundArguments) -> Any:
+        state = _state(manager)
+        if state is None or not state.attachment.active:
+            if state is not None and state.attachment.stopped:
+                return None  # KVGUARD_ON_FAILURE=stop: nothing new gets blocks
+            return orig(*bound.args, **bound.kwargs)
+        request = bound.arguments["request"]
+        before = len(state.vllm_table(request.request_id))
+        result = orig(*bound.args, **bound.kwargs)
+        if result is not None:
+            args = bound.arguments
+            hit = args.get("new_computed_blocks")
+            n_hit = len(hit.blocks[0]) if hit is not None else 0
+            total = (
+                request.num_computed_tokens
+                + args.get("num_new_computed_tokens", 0)
+                + args.get("num_external_computed_tokens", 0)
+            )
+            state.attachment.contain("allocate_slots", state.allocated, request, before, n_hit, total)
+        return result
+
+    def free(self, orig: Callable[..., Any], manager: Any, request: Any) -> Any:
+        state = _state(manager)
+        if state is None or not state.attachment.active:
+            return orig(manager, request)
+        blocks = state.attachment.contain("free", state.table, request.request_id)
+        result = orig(manager, request)
+        if blocks is not None:
+            state.attachment.contain("free", state.freed, request.request_id, blocks)
+        return result
+
+    def pop_blocks_for_free(self, orig: Callable[..., Any], manager: Any, request: Any) -> Any:
+        blocks = orig(manager, request)
+        state = _state(manager)
+        if state is not None and state.attachment.active:
+            ids = np.fromiter((b.block_id for b in blocks), np.int64, len(blocks)) if blocks else EMPTY
+            state.attachment.contain("pop_blocks_for_free", state.freed, request.request_id, ids)
+        return blocks
+
+    # ------------------------------------------------------------------ scheduler
+
+    def scheduler_init(self, orig: Callable[..., Any], scheduler: Any, bound: inspect.BoundArguments) -> None:
+        self._config.value = bound.arguments.get("vllm_config")
+        try:
+            orig(*bound.args, **bound.kwargs)
+        finally:
+            self._config.value = None
+
+    def schedule(self, orig: Callable[..., Any], scheduler: Any, args: Any, kwargs: Any) -> Any:
+        state = _state(scheduler.kv_cache_manager)
+        if state is not None and self._external_kills:
+            # The daemon's kills, on the scheduler's own thread, before this step allocates.
+            kills, self._external_kills = self._external_kills, {}
+            state.attachment.contain("schedule (daemon kill)", self._abort, scheduler, None, kills)
+        out = orig(scheduler, *args, **kwargs)
+        if state is None or not state.attachment.active:
+            return out
+        kills = state.attachment.contain("schedule", self._step, state, scheduler, out) or {}
+        if kills:
+            state.attachment.contain("schedule (abort)", self._abort, scheduler, out, kills)
+        return out
+
+    def _step(self, state: PoolState, scheduler: Any, out: Any) -> dict[str, str]:
+        kills = dict(state.kills)  # ended at allocation (a denied share): not in the step
+        requests = [scheduler.requests[rid] for rid in out.num_scheduled_tokens]
+        kills.update(state.step(requests, list(out.num_scheduled_tokens.values())))
+        return kills
+
+    def _abort(self, scheduler: Any, out: Any | None, kills: dict[str, str]) -> None:
+        from vllm.v1.request import RequestStatus
+
+        for req, why in kills.items():
+            log.warning("kvguard: aborting vLLM request %s: %s", req, why)
+        scheduler.finish_requests(list(kills), RequestStatus.FINISHED_ABORTED)
+        if out is not None:
+            strip(out, set(kills))
+
+    def free_request(
+        self, orig: Callable[..., Any], scheduler: Any, request: Any, args: Any, kwargs: Any
+    ) -> Any:
+        state = _state(scheduler.kv_cache_manager)
+        if state is not None and state.attachment.active:
+            state.attachment.contain("_free_request", self._ended, state, request)
+        result = orig(scheduler, request, *args, **kwargs)
+        if state is not None:
+            state.admitted.discard(request.request_id)
+        return result
+
+    def _ended(self, state: PoolState, request: Any) -> None:
+        from vllm.v1.request import RequestStatus
+
+        rid, status = request.request_id, request.status
+        if rid not in state.admitted:
+            return  # it never got blocks: nothing of it is in the ledger
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+            state.take(state.guard.finish(rid, request.num_output_tokens))
+        else:
+            state.take(state.guard.abort(rid, status.name.lower()))
+
+    def xfer_finished(self, orig: Callable[..., Any], scheduler: Any, output: Any) -> Any:
+        state = _state(scheduler.kv_cache_manager)
+        if state is not None and state.attachment.active:
+            state.attachment.contain("_update_from_kv_xfer_finished", self._xfer, state, scheduler, output)
+        return orig(scheduler, output)
+
+    def _xfer(self, state: PoolState, scheduler: Any, output: Any) -> None:
+        state.flush(list(state.pending))
+        invalid = np.fromiter(output.invalid_block_ids or (), np.int64)
+        failed = output.failed_recving or set()
+        for rid in sorted(output.finished_recving or ()):
+            pages, tokens = state.xfer_in.pop(rid, (EMPTY, 0))
+            request = scheduler.requests.get(rid)
+            bad = rid in failed or bool(np.isin(pages, invalid).any())
+            state.take(
+                state.guard.xfer_recv(
+                    rid,
+                    rid,
+                    _peer(request),
+                    state.pool,
+                    pages,
+                    tokens,
+                    0,
+                    status="failed" if bad else "done",
+                )
+            )
+        for rid in sorted(output.finished_sending or ()):
+            request = scheduler.requests.get(rid)
+            pages = state.table(rid)
+            tokens = request.num_computed_tokens if request is not None else 0
+            state.take(state.guard.xfer_send(rid, rid, _peer(request), state.pool, pages, tokens, 0))
+
+
+def _peer(request: Any) -> str:
+    params = getattr(request, "kv_transfer_params", None) or {}
+    return str(params.get("remote_engine_id") or params.get("remote_host") or "")
+
+
+def strip(out: Any, kills: set[str]) -> None:
+    """Take killed requests out of a SchedulerOutput, so the workers never run them."""
+    for rid in kills:
+        out.total_num_scheduled_tokens -= out.num_scheduled_tokens.pop(rid, 0)
+        out.scheduled_spec_decode_tokens.pop(rid, None)
+        out.scheduled_encoder_inputs.pop(rid, None)
+    out.scheduled_new_reqs = [r for r in out.scheduled_new_reqs if r.req_id not in kills]
+    cached = out.scheduled_cached_reqs
+    keep = [i for i, rid in enumerate(cached.req_ids) if rid not in kills]
+    if len(keep) != len(cached.req_ids):
+        n = len(cached.req_ids)
+        for name, value in list(vars(cached).items()):
+            if isinstance(value, list) and len(value) == n:
+                setattr(cached, name, [value[i] for i in keep])
+        cached.resumed_req_ids = cached.resumed_req_ids - kills
+        for rid in kills:
+            cached.all_token_ids.pop(rid, None)
+
+
+def _bound(fn: Callable[..., Any]) -> Callable[..., inspect.BoundArguments]:
+    sig = inspect.signature(fn)
+
+    def bind(*args: Any, **kwargs: Any) -> inspect.BoundArguments:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound
+
+    return bind
+
+
+def _patch() -> None:
+    """Wrap vLLM's methods; each wrapper hands over to the active adapter."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        orig = getattr(cls, name)
+        _ORIGINAL[f"{cls.__name__}.{name}"] = orig
+        setattr(cls, name, functools.wraps(orig)(make(orig)))
+
+    def init(orig: Callable[..., Any]) -> Callable[..., Any]:
+        bind = _bound(orig)
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            orig(self, *args, **kwargs)
+            if _ACTIVE is not None:
+                _ACTIVE.on_manager(self, bind(self, *args, **kwargs))
+
+        return __init__
+
+    def allocate(orig: Callable[..., Any]) -> Callable[..., Any]:
+        bind = _bound(orig)
+
+        def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _ACTIVE is None or "_kvguard" not in self.__dict__:
+                return orig(self, *args, **kwargs)
+            return _ACTIVE.allocate_slots(orig, self, bind(self, *args, **kwargs))
+
+        return allocate_slots
+
+    def by_request(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def hook(self: Any, request: Any) -> Any:
+                if _ACTIVE is None or "_kvguard" not in self.__dict__:
+                    return orig(self, request)
+                return getattr(_ACTIVE, method)(orig, self, request)
+
+            return hook
+
+        return make
+
+    def sched_init(orig: Callable[..., Any]) -> Callable[..., Any]:
+        bind = _bound(orig)
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            if _ACTIVE is None:
+                return orig(self, *args, **kwargs)
+            return _ACTIVE.scheduler_init(orig, self, bind(self, *args, **kwargs))
+
+        return __init__
+
+    def schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _ACTIVE is None:
+                return orig(self, *args, **kwargs)
+            return _ACTIVE.schedule(orig, self, args, kwargs)
+
+        return hook
+
+    def free_request(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def hook(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            if _ACTIVE is None:
+                return orig(self, request, *args, **kwargs)
+            return _ACTIVE.free_request(orig, self, request, args, kwargs)
+
+        return hook
+
+    def xfer(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def hook(self: Any, output: Any) -> Any:
+            if _ACTIVE is None:
+                return orig(self, output)
+            return _ACTIVE.xfer_finished(orig, self, output)
+
+        return hook
+
+    wrap(KVCacheManager, "__init__", init)
+    wrap(KVCacheManager, "allocate_slots", allocate)
+    wrap(KVCacheManager, "free", by_request("free"))
+    wrap(KVCacheManager, "pop_blocks_for_free", by_request("pop_blocks_for_free"))
+    wrap(Scheduler, "__init__", sched_init)
+    wrap(Scheduler, "schedule", schedule)
+    wrap(Scheduler, "_free_request", free_request)
+    wrap(Scheduler, "_update_from_kv_xfer_finished", xfer)
+
+
+def attach(attachment: Attachment | None = None, **kwargs: Any) -> VllmAdapter:
+    """Install kvguard's vLLM hooks in this process, with this attachment (or one made from
+    the environment when the first KV cache manager is built)."""
+    return VllmAdapter(attachment, **kwargs).install()

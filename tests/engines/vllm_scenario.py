@@ -1,0 +1,309 @@
+"""vLLM 0.33.0 scenarios for kvguard's adapter, run in the vLLM venv: the real Scheduler,
+KVCacheManager and BlockPool on CPU, the model runner's part played by ModelRunnerOutput (one
+sampled token per scheduled request that finished its prompt). Usage:
+vllm_scenario.py SCENARIO CAPTURE; prints one JSON object (findings, kills, engine state)."""
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SCENARIO, CAPTURE = sys.argv[1], sys.argv[2]
+BS = 4
+
+if SCENARIO == "plugin":
+    os.environ["KVGUARD_CAPTURE"] = CAPTURE
+    os.environ["KVGUARD_NODE"] = "vllm-plugin-node"
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvguard.agents.attach import Attachment, Settings  # noqa: E402
+from kvguard.agents.guard import CaptureSink, Guard  # noqa: E402
+from kvguard.agents.vllm import adapter as vllm_adapter  # noqa: E402
+
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BS, sha256)
+
+
+def model_dir() -> str:
+    path = Path(tempfile.mkdtemp(prefix="kvguard-tiny-llama-"))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 2,
+                "vocab_size": 1000,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-6,
+                "torch_dtype": "float16",
+                "tie_word_embeddings": False,
+            }
+        )
+    )
+    return str(path)
+
+
+def scheduler(num_blocks: int, max_model_len: int = 128, batched: int = 32, seqs: int = 8) -> Scheduler:
+    mc = ModelConfig(
+        model=model_dir(), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len
+    )
+    sc = SchedulerConfig(
+        max_num_seqs=seqs,
+        max_num_batched_tokens=batched,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    cc = CacheConfig(
+        block_size=BS, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True
+    )
+    vc = VllmConfig(
+        model_config=mc, scheduler_config=sc, cache_config=cc, device_config=DeviceConfig(device="cpu")
+    )
+    kc = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layers.0"],
+                FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.float16),
+            )
+        ],
+    )
+    cc.num_gpu_blocks = num_blocks
+    return Scheduler(
+        vllm_config=vc,
+        kv_cache_config=kc,
+        structured_output_manager=StructuredOutputManager(vc),
+        block_size=BS,
+    )
+
+
+def request(rid: str, prompt: list[int], salt: str | None, tenant: str, max_tokens: int = 4) -> Request:
+    return Request(
+        rid,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        None,
+        cache_salt=salt,
+        block_hasher=HASHER,
+        trace_headers={"x-tenant": tenant},
+    )
+
+
+def step(s: Scheduler, trace: list) -> dict:
+    """One engine step: schedule (the adapter's step call runs in it), then the runner's output."""
+    out = s.schedule()
+    ids = list(out.num_scheduled_tokens)
+    sampled = [[7] if not s.requests[r].is_prefill_chunk else [] for r in ids]
+    mro = ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+    )
+    s.update_from_output(out, mro)
+    trace.append({r: n for r, n in out.num_scheduled_tokens.items()})
+    return out
+
+
+def guard_for(mode: str = "enforce", tenant_field: str = "header:x-tenant"):
+    settings = Settings(node="vllm-node", capture=CAPTURE, mode=mode, tenant_field=tenant_field)
+    guard = Guard(settings.node, mode=mode, sink=CaptureSink(CAPTURE))
+    attachment = Attachment("vllm", settings, guard=guard)
+    return attachment, vllm_adapter.attach(attachment)
+
+
+def result(attachment, s, **extra) -> None:
+    guard = attachment.guard
+    guard.sink.close()
+    print(
+        json.dumps(
+            {
+                "findings": [
+                    {
+                        "finding": f.finding,
+                        "req": f.req,
+                        "tenant": f.tenant,
+                        "victim_req": f.victim_req,
+                        "victim_tenant": f.victim_tenant,
+                        "pages": list(f.pages),
+                    }
+                    for f in guard.findings
+                ],
+                "killed": sorted(guard.killed),
+                "errors": guard.errors,
+                "failed": attachment.failed,
+                "failures": attachment.failures,
+                "statuses": {rid: r.status.name for rid, r in (s.requests.items() if s else ())},
+                **extra,
+            }
+        )
+    )
+
+
+PREFIX = list(range(100, 116))  # four full blocks
+
+
+def two_tenants(salted: bool) -> None:
+    attachment, _ = guard_for()
+    s = scheduler(64)
+    trace: list = []
+    a = request("a-1", [*PREFIX, 1, 2, 3], "tenant-a" if salted else None, "tenant-a", max_tokens=12)
+    s.add_request(a)
+    for _ in range(3):
+        step(s, trace)
+    b = request("b-1", [*PREFIX, 5, 6, 7], "tenant-b" if salted else None, "tenant-b")
+    s.add_request(b)
+    blocks_a = list(s.kv_cache_manager.get_block_ids("a-1")[0])
+    status_b, blocks_b = [], []
+    for _ in range(6):
+        step(s, trace)
+        status_b.append(b.status.name)
+        if not blocks_b and "b-1" in s.requests:
+            blocks_b = list(s.kv_cache_manager.get_block_ids("b-1")[0])
+    result(
+        attachment,
+        s,
+        blocks_a=blocks_a,
+        blocks_b=blocks_b,
+        status_b=status_b,
+        trace=trace,
+        finished={"a-1": a.status.name, "b-1": b.status.name},
+    )
+
+
+def mixed() -> None:
+    """Chunked prefill, hits within a tenant (live and revived from the free queue),
+    preemption under a small pool, aborts, many steps: nothing wrong happens."""
+    attachment, _ = guard_for()
+    s = scheduler(20, max_model_len=64, batched=24, seqs=6)
+    trace: list = []
+    prefixes = {"t0": list(range(200, 212)), "t1": list(range(300, 312)), "t2": list(range(400, 412))}
+    n, aborted, steps, preempted = 0, [], 0, set()
+    for wave in range(6):
+        for k in range(4):
+            tenant = f"t{(wave + k) % 3}"
+            rid = f"{tenant}-r{n}"
+            prompt = prefixes[tenant] + [n % 50 + 1] * (3 + (n * 5) % 17)
+            s.add_request(request(rid, prompt, tenant, tenant, max_tokens=3 + n % 6))
+            n += 1
+        for _ in range(5):
+            step(s, trace)
+            steps += 1
+            preempted.update(rid for rid, r in s.requests.items() if r.num_preemptions)
+        live = [rid for rid, r in s.requests.items() if not r.is_finished()]
+        if live and wave % 2:
+            victim = live[len(live) // 2]
+            s.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+            aborted.append(victim)
+    while s.has_unfinished_requests() and steps < 400:
+        step(s, trace)
+        steps += 1
+    pool = s.kv_cache_manager.block_pool
+    result(
+        attachment,
+        s,
+        steps=steps,
+        aborted=aborted,
+        free_blocks=pool.get_num_free_blocks(),
+        hashed_free=sum(1 for b in pool.blocks if b.block_hash is not None and b.ref_cnt == 0),
+        preempted=sorted(preempted),
+        requests=n,
+    )
+
+
+def small_pool() -> None:
+    attachment, _ = guard_for()
+    s = scheduler(9, max_model_len=64)  # 8 usable blocks of 4 = 32 tokens < 64
+    result(attachment, s)
+
+
+def plugin() -> None:
+    from kvguard.agents.vllm import adapter
+
+    s = scheduler(40)
+    trace: list = []
+    s.add_request(request("p-1", PREFIX, "tenant-p", "tenant-p"))
+    step(s, trace)
+    active = adapter._ACTIVE
+    active.attachment.guard.sink.close()
+    print(
+        json.dumps(
+            {
+                "installed": active is not None,
+                "refused": active.refused,
+                "node": active.attachment.guard.node,
+                "findings": [f.finding for f in active.attachment.guard.findings],
+            }
+        )
+    )
+
+
+def refused() -> None:
+    adapter = vllm_adapter.VllmAdapter(settings=Settings(node="n", capture=CAPTURE), engine_version="0.99.0")
+    adapter.install()
+    s = scheduler(40)
+    trace: list = []
+    s.add_request(request("q-1", PREFIX, None, ""))
+    for _ in range(3):
+        step(s, trace)
+    print(
+        json.dumps(
+            {
+                "refused": adapter.refused,
+                "attachment": adapter.attachment is not None,
+                "guarded": "_kvguard" in s.kv_cache_manager.__dict__,
+                "status": s.requests["q-1"].status.name if "q-1" in s.requests else "gone",
+                "trace": trace,
+            }
+        )
+    )
+
+
+def contained() -> None:
+    attachment, _ = guard_for()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted kvguard defect")
+
+    attachment.guard.step = broken  # kvguard's own call fails inside the schedule hook
+    s = scheduler(40)
+    trace: list = []
+    s.add_request(request("c-1", PREFIX, None, ""))
+    s.add_request(request("c-2", [*PREFIX, 9], None, ""))
+    outs = []
+    for _ in range(8):
+        out = step(s, trace)
+        outs.append(out.total_num_scheduled_tokens)
+    result(attachment, s, totals=outs, trace=trace)
+
+
+t0 = time.time()
+{
+    "salted": lambda: two_tenants(True),
+    "unsalted": lambda: two_tenants(False),
+    "mixed": mixed,
+    "small_pool": small_pool,
+    "plugin": plugin,
+    "refused": refused,
+    "contained": contained,
+}[SCENARIO]()
