@@ -111,7 +111,7 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument(
         "--tenant-field",
         default="",
-        help="where the adapter reads a request's tenant (default cache_salt; see docs/integrating.md)",
+        help="where the adapter reads a request's tenant (default cache_salt; see docs/engines.md)",
     )
     p.add_argument("engine_command", nargs=argparse.REMAINDER, help="the engine's command line, after --")
     p.set_defaults(func=cmd_run)

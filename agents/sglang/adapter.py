@@ -288,24 +288,33 @@ class SglangAdapter:
         step_slots = locs[ends] % ps + 1
         counts = np.bincount(owner_of[starts], minlength=len(reqs))
         width = -(-int(lens.max()) // ps)
-        table = _np(r2t.req_to_token[rows, : width * ps : ps]).reshape(len(reqs), width) // ps
-        names = [self.rids[self.request(r)] for r in reqs]
+        table = self._block_table(r2t.req_to_token, rows, width)
+        names = [r.rid for r in reqs]  # a request's rid is its name (request() interned it)
         verdict = self.guard.step(
             POOL, names, step_pages, step_slots, counts=counts, block_tables=table, context_lens=lens
         )
-        for req in reqs:
-            if str(req.rid) in verdict.kill:
-                self.stop(req, verdict.reason(str(req.rid)))
+        if verdict.kill:
+            for req in reqs:
+                if req.rid in verdict.kill:
+                    self.stop(req, verdict.reason(req.rid))
         return verdict
+
+    def _block_table(self, req_to_token: Any, rows: Any, width: int) -> Any:
+        """Each row's page ids (its first slot of every page), [batch, width]: a strided view
+        gathered by row, on the host through NumPy (torch's indexing is slower there), on a
+        GPU where the table lies (the guard checks it there)."""
+        ps = self.book.page_size
+        if req_to_token.device.type == "cpu":
+            view = req_to_token.numpy()[:, : width * ps : ps]
+            return view[_np(rows)].astype(np.int64) // ps
+        return req_to_token[rows, : width * ps : ps].long() // ps
 
     @staticmethod
     def _step_counts(reqs: list[Any], lens: np.ndarray, total: int) -> np.ndarray:
         """Tokens each request writes this step: its extend length (prefill), else one."""
-        extend = [getattr(r, "extend_input_len", None) for r in reqs]
-        counts = np.ones(len(reqs), np.int64)
-        if total != len(reqs) and all(e is not None for e in extend):
-            counts = np.asarray(extend, np.int64)
-        return counts
+        if total == len(reqs):  # a decode step: no per-request look
+            return np.ones(len(reqs), np.int64)
+        return np.asarray([r.extend_input_len for r in reqs], np.int64)
 
     def stop(self, req: Any, reason: str) -> None:
         """SGLang's own abort of a request: the scheduler finishes it with this error."""
