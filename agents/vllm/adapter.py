@@ -211,16 +211,22 @@ class VllmAdapter:
         before = len(state.vllm_table(request.request_id))
         result = orig(*bound.args, **bound.kwargs)
         if result is not None:
-            args = bound.arguments
-            hit = args.get("new_computed_blocks")
-            n_hit = len(hit.blocks[0]) if hit is not None else 0
-            total = (
-                request.num_computed_tokens
-                + args.get("num_new_computed_tokens", 0)
-                + args.get("num_external_computed_tokens", 0)
-            )
-            state.attachment.contain("allocate_slots", state.allocated, request, before, n_hit, total)
+            self.allocated(state, bound, before)
         return result
+
+    def allocated(self, state: PoolState, bound: inspect.BoundArguments, before: int) -> None:
+        """What allocate_slots granted past the request's first `before` blocks (its result
+        is the engine's: returned as it was)."""
+        args = bound.arguments
+        request = args["request"]
+        hit = args.get("new_computed_blocks")
+        n_hit = len(hit.blocks[0]) if hit is not None else 0
+        total = (
+            request.num_computed_tokens
+            + args.get("num_new_computed_tokens", 0)
+            + args.get("num_external_computed_tokens", 0)
+        )
+        state.attachment.contain("allocate_slots", state.allocated, request, before, n_hit, total)
 
     def free(self, orig: Callable[..., Any], manager: Any, request: Any) -> Any:
         state = _state(manager)
@@ -392,8 +398,19 @@ def _patch() -> None:
         bind = _bound(orig)
 
         def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if _ACTIVE is None or "_kvguard" not in self.__dict__:
+            state = self.__dict__.get("_kvguard")
+            if _ACTIVE is None or state is None:
                 return orig(self, *args, **kwargs)
+            request = args[0] if args else kwargs.get("request")
+            rid = getattr(request, "request_id", None)
+            if state.attachment.active and rid in state.admitted:
+                # vLLM calls this for every running request on every step; most decode
+                # steps grant nothing, and such a call costs kvguard one length compare.
+                before = len(state.vllm_table(rid))
+                result = orig(self, *args, **kwargs)
+                if result is not None and len(state.vllm_table(rid)) != before:
+                    _ACTIVE.allocated(state, bind(self, *args, **kwargs), before)
+                return result
             return _ACTIVE.allocate_slots(orig, self, bind(self, *args, **kwargs))
 
         return allocate_slots
