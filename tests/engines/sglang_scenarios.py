@@ -2,30 +2,60 @@
 real MHA KV pool on CPU, req_to_token, radix cache, the fake PD sender and receiver, Req and
 its abort), driven as SGLang's scheduler drives them, with kvguard's adapter hooked in
 through SGLang's HookRegistry. The test plays the scheduler's loop only; every KV call is
-SGLang's. Usage: sglang_scenarios.py SCENARIO CAPTURE [MODE]. Prints one JSON line."""
+SGLang's: its own match_kv_cache and release_kv_cache under a published runtime
+context. Usage: sglang_scenarios.py SCENARIO CAPTURE [MODE]. Prints one JSON line."""
 
 from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from array import array
+from pathlib import Path
 
 import torch
 from sglang.srt.disaggregation.fake.conn import FakeKVReceiver, FakeKVSender
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.common import match_kv_cache, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
-from sglang.srt.runtime_context import get_parallel
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.runtime_context import get_parallel, publish
 from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
 
 from kvguard.agents.attach import Attachment, Settings
 from kvguard.agents.sglang import plugin
 from kvguard.agents.sglang.adapter import SglangAdapter
 
 PAGE = 4
+
+
+def publish_runtime() -> None:
+    """SGLang's process-wide config, as its scheduler process publishes it at start (a tiny
+    local model config: nothing is downloaded, no model runs)."""
+    model = Path(tempfile.mkdtemp(prefix="kvguard-sglang-model-"))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 2,
+                "vocab_size": 1000,
+                "max_position_embeddings": 256,
+                "torch_dtype": "float16",
+            }
+        )
+    )
+    publish(
+        ServerArgs(model_path=str(model), skip_tokenizer_init=True, device="cpu", page_size=PAGE),
+        role="scheduler",
+    )
 
 
 class Engine:
@@ -63,17 +93,13 @@ class Engine:
         self.r2t = ReqToTokenPool(
             size=rows, max_context_len=max(context, 64), device="cpu", enable_memory_saver=False
         )
-        self.tree = (
-            RadixCache(
-                CacheInitParams(
-                    disable=False,
-                    req_to_token_pool=self.r2t,
-                    token_to_kv_pool_allocator=self.alloc,
-                    page_size=PAGE,
-                )
+        self.tree = RadixCache(  # disabled: the prefix cache off, as SGLang runs without one
+            CacheInitParams(
+                disable=not radix,
+                req_to_token_pool=self.r2t,
+                token_to_kv_pool_allocator=self.alloc,
+                page_size=PAGE,
             )
-            if radix
-            else None
         )
         self.adapter.report_pool(self.alloc, role=role, context_len=context)
         self.guard = attachment.guard
@@ -137,35 +163,24 @@ class Engine:
         return self.r2t.req_to_token[req.kv.req_pool_idx, : req.kv.kv_allocated_len].long()
 
     def release(self, req: Req, insert: bool = False) -> None:
-        """release_kv_cache: the tree takes what it caches; the request frees its own part
-        (a free group, as the scheduler batches frees), then its row."""
-        slots = self.row_slots(req)
-        protected = req.kv.cache_protected_len
-        if insert and self.tree is not None:
-            aligned = len(slots) // PAGE * PAGE
-            key = RadixKey(list(req.origin_input_ids)[:aligned], cache_salt=req.cache_salt)
-            result = self.tree.insert(InsertParams(key=key, value=slots[:aligned]))
-            if result.prefix_len > protected:  # duplicates of what the tree had: freed
-                self.alloc.free(slots[protected : result.prefix_len])
-            protected = aligned
-        self.alloc.free_group_begin()
-        if len(slots) > protected:
-            self.alloc.free(slots[protected:])
-        self.alloc.free_group_end()
-        self.r2t.free(req)
-        req.kv.mark_kv_released()
+        """SGLang's own release_kv_cache: with checkpoint, the tree keeps what it can key
+        (duplicates freed, the row rewritten to the tree's slots), then the request's own
+        part is freed and its row given back."""
+        req.kv.kv_committed_len = req.kv.kv_allocated_len
+        release_kv_cache(req, self.tree, checkpoint=insert)
 
     def finish(self, req: Req, insert: bool = False) -> None:
         from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 
         req.finished_reason = FINISH_LENGTH(length=1)
-        req.output_ids = [1]
+        req.output_ids = array("q", [1])
         self.release(req, insert)
 
     def match(self, req: Req) -> torch.Tensor:
-        key = RadixKey(list(req.origin_input_ids), cache_salt=req.cache_salt)
-        found = self.tree.match_prefix(MatchPrefixParams(key=key))
-        return self.tree.path_device_indices(found.last_device_node)[: found.device_prefix_len]
+        """SGLang's match_kv_cache and the lock the scheduler takes on the matched path."""
+        match_kv_cache(req, self.tree)
+        req.lock = self.tree.lock(req.last_node)
+        return self.tree.prefix_device_indices(req) if req.prefix_len else torch.zeros(0, dtype=torch.int64)
 
 
 def stale_pages(engine: Engine, req: Req, value: float) -> int:
@@ -254,6 +269,7 @@ def mixed(capture: str, mode: str) -> dict:
     e = Engine("c0", "colocated", capture, mode, pages=24, rows=8, need_sort=False, radix=True)
     doc = list(range(100, 116))
     a1 = e.request("a-1", [*doc, 1, 2, 3, 4], "tenant-a")
+    assert len(e.match(a1)) == 0
     e.prefill(a1, 1.0, upto=8)  # chunked prefill: two chunks
     e.prefill(a1, 1.0)
     e.decode([a1], 1.5)
@@ -269,23 +285,29 @@ def mixed(capture: str, mode: str) -> dict:
         e.decode([a2, b1], 4.0)  # across page boundaries
     # Retraction: b1 gives everything back and is recomputed later.
     e.release(b1)
-    b1.kv.cache_protected_len = 0
+    assert len(e.match(b1)) == 0
     e.prefill(b1, 3.5)
     e.decode([a2, b1], 4.5)
     # An abort mid-decode.
     c1 = e.request("c-1", list(range(700, 710)), "tenant-c")
+    e.match(c1)
     e.prefill(c1, 6.0)
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     c1.finished_reason = FINISH_ABORT("client disconnected")
     e.release(c1)
     e.finish(a2, insert=True)
-    e.finish(b1)
+    e.finish(b1, insert=True)
+    a3 = e.request("a-3", [*doc, 5, 6, 7, 8, 9], "tenant-a")
+    assert len(e.match(a3)) == 20  # a-1's prefix and a-2's page, both ended
+    e.prefill(a3, 2.5, prefix=e.tree.prefix_device_indices(a3))
+    e.finish(a3, insert=True)
     # Pressure: the tree evicts to make room for a new tenant's long prompt.
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     e.tree.evict(EvictParams(num_tokens=96))
     d1 = e.request("d-1", list(range(800, 840)), "tenant-d")
+    e.match(d1)
     e.prefill(d1, 8.0)
     e.decode([d1], 8.5)
     e.finish(d1)
@@ -354,6 +376,7 @@ def contained(capture: str, mode: str) -> dict:
 
 
 if __name__ == "__main__":
+    publish_runtime()
     name, capture = sys.argv[1], sys.argv[2]
     mode = sys.argv[3] if len(sys.argv) > 3 else "enforce"
     result = globals()[name](capture, mode)
