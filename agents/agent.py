@@ -30,14 +30,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvguard.agents.door import Door
-from kvguard.agents.probes import (
-    PoolFacts,
-    fetch_json,
-    from_openai_models,
-    from_sglang_server_info,
-    parse_sglang_log,
-    parse_vllm_log,
-)
+from kvguard.agents.probes import CONTEXT_WAIT_S, read_engine
 from kvguard.agents.spool import Position, Source, Spool
 from kvguard.agents.upstream import AgentStream, DaemonRefused
 from kvguard.cuda_hooks.shim import PROBE as SHIM_PROBE
@@ -419,25 +412,44 @@ class NodeAgent:
             raise ValueError(f"probe {node}: engine {engine!r} is not sglang or vllm")
         if role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"probe {node}: role {role!r} is not prefill, decode or colocated")
+        self.counters.setdefault("probe_unreadable", 0)
         threading.Thread(target=self._probe, args=(node, engine, role, source, interval), daemon=True).start()
 
     def _probe(self, node: str, engine: str, role: str, source: str, interval: float) -> None:
+        """Read the engine every `interval`; report its pool when the pool and its context
+        are known (the pool alone after CONTEXT_WAIT_S), and again whenever they change.
+        Each thing it cannot read is said once, on one line, until it is read again."""
         events = self._source(node)
         last: pb.PoolReport | None = None
-        warned = False
+        unread: tuple[str, ...] = ()
+        started = time.monotonic()
         while not self.stopping.is_set():
-            try:
-                facts = read_engine(engine, source)
-            except (OSError, ValueError) as exc:
-                if not warned:
-                    print(f"kvguard agent: probe {node}: cannot read {source}: {exc}", file=sys.stderr)
-                    warned = True
-                facts = None
-            if facts is not None and facts.pool_tokens:
+            waited = time.monotonic() - started
+            reading = read_engine(engine, source)
+            for problem in reading.problems:
+                if problem not in unread:
+                    print(f"kvguard agent: probe {node}: {problem} (after {waited:.0f} s)", file=sys.stderr)
+                    with self.lock:
+                        self.counters["probe_unreadable"] += 1
+            if unread and not reading.problems:
+                print(f"kvguard agent: probe {node}: {source} read in full again", file=sys.stderr)
+            unread = reading.problems
+            facts = reading.facts
+            if facts is not None and facts.pool_tokens and (facts.context_len or waited >= CONTEXT_WAIT_S):
                 report = facts.report(0, role)
-                if last is None or report != last:
+                unsourced = pb.PoolReport()
+                unsourced.CopyFrom(report)
+                unsourced.ClearField("source")  # where it was read is not a change of the pool
+                if last is None or unsourced != last:
                     events.emit(pool=report)
-                    last = report
+                    last = unsourced
+                    print(
+                        f"kvguard agent: probe {node}: pool of {facts.pool_tokens} tokens "
+                        f"({report.num_pages} pages of {report.page_size}, "
+                        f"{report.reserved_pages} reserved), "
+                        f"context {facts.context_len or 'unknown'}, from {report.source}",
+                        file=sys.stderr,
+                    )
             self.stopping.wait(interval)
 
     def say_counters(self) -> None:
@@ -465,15 +477,3 @@ def _refuse(conn: socket.socket, code: str, reason: str) -> None:
     with contextlib.suppress(OSError):
         send_frame(conn, svc.DaemonMessage(error=svc.StreamError(code=code, message=reason)))
     conn.close()
-
-
-def read_engine(engine: str, source: str) -> PoolFacts | None:
-    """An engine's pool facts from its log file or its HTTP server (None: not stated yet)."""
-    if source.startswith(("http://", "https://")):
-        base = source.rstrip("/")
-        if engine == "sglang":
-            return from_sglang_server_info(fetch_json(base + "/get_server_info"), base + "/get_server_info")
-        return from_openai_models(fetch_json(base + "/v1/models"), engine, base + "/v1/models")
-    with open(source, encoding="utf-8", errors="replace") as log:
-        lines = log.readlines()
-    return parse_sglang_log(lines) if engine == "sglang" else parse_vllm_log(lines)
