@@ -46,6 +46,22 @@ _PAGES_FIELD = {
 _COMPARED = tuple(
     f.name for f in pb.PoolReport.DESCRIPTOR.fields if f.name not in ("pool", "source", "regions")
 )
+# Fields whose 0 or "" means "not stated": one report leaving such a field blank and the other
+# stating it is a blank filled in (a probe that read more), not a change. (Elsewhere "" says
+# something: no quantization, the default cluster.)
+_FILLABLE = (
+    "context_len",
+    "max_prompt_tokens",
+    "engine_version",
+    "model",
+    "kv_dtype",
+    "tp_size",
+    "mem_fraction",
+)
+# kv_dtype as engines spell it: fp8 is e4m3 in both engines. ("auto", the model's own dtype,
+# is compared as said: against an explicit dtype it is worth a look.)
+_DTYPE_UNKNOWN = ("",)
+_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
 @dataclass(slots=True)
@@ -183,6 +199,7 @@ class Pools:
                 name: (getattr(before, name), getattr(rep, name))
                 for name in _COMPARED
                 if getattr(before, name) != getattr(rep, name)
+                and (name not in _FILLABLE or (getattr(before, name) and getattr(rep, name)))
             }
             if changed:
                 text = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
@@ -257,6 +274,11 @@ class Pools:
         for name in ("page_size", "kv_dtype"):
             a, c = getattr(p.report, name), getattr(d.report, name)
             pair = (p.node, d.node, f"{p.pool}:{d.pool}:{name}")
+            if name == "kv_dtype":
+                if a in _DTYPE_UNKNOWN or c in _DTYPE_UNKNOWN:
+                    continue  # one side did not say: nothing to compare
+                if _DTYPE_ALIASES.get(a, a) == _DTYPE_ALIASES.get(c, c):
+                    continue  # one dtype, two spellings
             if a == c or pair in self.drift_pairs:
                 continue
             self.drift_pairs.add(pair)

@@ -167,3 +167,22 @@ class TestClusterDrift:
         assert len(n.pool("d0", "decode", model="m", kv_dtype="bf16")) == 1
         n.ledger = snapshot.load(snapshot.dump(n.ledger))
         assert n.pool("d0", "decode", model="m", kv_dtype="bf16") == []
+
+
+class TestProbedPools:
+    """Pools read by probes that see different parts of an engine (a log, an endpoint)."""
+
+    def test_a_field_stated_later_is_filled_in_not_a_change(self) -> None:
+        n = Nodes()
+        assert n.pool("n0", "colocated", context_len=0, kv_dtype="") == []
+        assert n.pool("n0", "colocated", context_len=64, kv_dtype="bfloat16") == []
+        changed = n.pool("n0", "colocated", context_len=128, kv_dtype="bfloat16")
+        assert [f.details.get("changed") for f in changed] == ["context_len"]
+
+    def test_dtype_spellings_and_an_unstated_dtype_are_not_drift(self) -> None:
+        n = Nodes()
+        assert n.pool("p0", "prefill", model="m", kv_dtype="fp8") == []
+        assert n.pool("d0", "decode", model="m", kv_dtype="fp8_e4m3") == []
+        assert n.pool("d1", "decode", model="m", kv_dtype="") == []
+        found = n.pool("d2", "decode", model="m", kv_dtype="bf16")
+        assert drift(found) == [("d2", "kv_dtype", "p0", "d2", "fp8", "bf16")]
