@@ -1,29 +1,40 @@
-"""The SGLang adapter's cost per decode step on SGLang 0.5.23's own classes, beside the step's
-own KV work. Run with the SGLang venv's Python (make engines):
+"""The SGLang adapter's cost per decode step on SGLang 0.5.23's own scheduling code, beside the
+step's own scheduling time. Run with the SGLang venv's Python (make engines):
 
     .engines/sglang/bin/python bench/sglang_step.py [--quick]
 
-Per step, unguarded: SGLang's `alloc_decode` for the batch and the batch's `req_to_token`
-write (the originals, under the hooks). Guarded: the same calls through kvguard's hooks (new
-pages granted from the row write) plus the adapter's one guard call for the step (the step's
-writes and the check before attention over `req_to_token[row, :seq_len]`). Two engines, one
-each, stepped in alternating rounds so the machine's noise falls on both; medians printed.
-The guard's sink is a NullSink: what is timed is the engine's host time, not the agent's.
+A step is SGLang's `ScheduleBatch.prepare_for_decode()` for a running batch (its
+`alloc_for_decode`: the allocator's `alloc_decode` and the batch's `req_to_token` write),
+under a published runtime context as in the scheduler process. Guarded, kvguard's hooks see
+those calls and the adapter makes its one guard call for the step (`forward_step`, as the
+`run_batch` hook does: the step's writes and the check before attention). Unguarded, the
+same code runs on a pool the adapter does not guard (its hooks pass it through). The two
+engines are stepped in alternating rounds so that the machine's noise falls on both;
+medians are printed. The guard's sink is a NullSink: the engine's host time is what is timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import tempfile
 import time
 from array import array
+from pathlib import Path
 
 import torch
-from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.runtime_context import publish
 from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from kvguard.agents.attach import Attachment, Settings
 from kvguard.agents.sglang import plugin
@@ -32,9 +43,32 @@ from kvguard.agents.sglang.adapter import SglangAdapter
 PAGE, PROMPT = 16, 1024
 
 
+def server_args() -> ServerArgs:
+    model = Path(tempfile.mkdtemp(prefix="kvguard-bench-model-"))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "vocab_size": 32000,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "float16",
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    args = ServerArgs(model_path=str(model), skip_tokenizer_init=True, device="cpu", page_size=PAGE)
+    publish(args, role="scheduler")
+    return args
+
+
 class Engine:
-    def __init__(self, batch: int, steps: int, adapter: SglangAdapter | None) -> None:
-        size = batch * (PROMPT + steps + PAGE) + PAGE
+    """One scheduler's pool and a running decode batch of `batch` requests."""
+
+    def __init__(self, args: ServerArgs, batch: int, steps: int, adapter: SglangAdapter | None) -> None:
+        context = PROMPT + steps + PAGE
+        size = batch * context
         kv = MHATokenToKVPool(
             size=size,
             page_size=PAGE,
@@ -45,86 +79,95 @@ class Engine:
             device="cpu",
             enable_memory_saver=False,
         )
-        self.alloc = PagedTokenToKVPoolAllocator(
+        alloc = PagedTokenToKVPoolAllocator(
             size=size, page_size=PAGE, dtype=torch.float16, device="cpu", kvcache=kv, need_sort=False
         )
         self.r2t = ReqToTokenPool(
-            size=batch, max_context_len=PROMPT + steps + PAGE, device="cpu", enable_memory_saver=False
+            size=batch, max_context_len=context, device="cpu", enable_memory_saver=False
+        )
+        tree = RadixCache(
+            CacheInitParams(
+                disable=True, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=alloc, page_size=PAGE
+            )
         )
         self.adapter = adapter
         if adapter is not None:
-            adapter.report_pool(self.alloc, role="colocated", context_len=PROMPT + steps + PAGE)
-        self.reqs = [
+            adapter.report_pool(alloc, role="colocated", context_len=context, req_to_token_pool=self.r2t)
+        reqs = [
             Req(
                 f"r{i}",
                 "",
-                array("q", range(PROMPT)),
+                array("q", range(i, i + PROMPT)),
                 SamplingParams(max_new_tokens=steps),
                 cache_salt=f"t{i % 4}",
             )
             for i in range(batch)
         ]
-        write = ReqToTokenPool.write if adapter else ReqToTokenPool.write.__wrapped__
-        assert self.r2t.alloc(self.reqs) is not None
-        rows = torch.tensor([r.kv.req_pool_idx for r in self.reqs])
-        slots = self.alloc.alloc(batch * PROMPT).reshape(batch, PROMPT)
-        for r, row_slots in zip(self.reqs, slots, strict=True):
-            write(self.r2t, (r.kv.req_pool_idx, slice(0, PROMPT)), row_slots.to(torch.int32))
-            r.kv.kv_allocated_len = PROMPT
-            r.extend_input_len = PROMPT
-        self.rows = rows
-        self.lens = torch.full((batch,), PROMPT, dtype=torch.int64)
-        if adapter is not None:  # the prefill's writes, so that the decode reads are clean
-            adapter.forward_step(self.reqs, rows, self.lens, slots.reshape(-1), self.r2t)
-            for r in self.reqs:
-                r.extend_input_len = None
+        for r in reqs:
+            r.init_next_round_input(tree)
+            r.extend_end = PROMPT
+        self.batch = ScheduleBatch.init_new(
+            reqs, self.r2t, alloc, tree, ModelConfig.from_server_args(args), False, SpeculativeAlgorithm.NONE
+        )
+        self.batch.prepare_for_extend()
+        self.forward()
+
+    def forward(self) -> None:
+        b = self.batch
+        if self.adapter is not None:  # what the run_batch hook does
+            verdict = self.adapter.forward_step(
+                b.reqs,
+                b.req_pool_indices,
+                b.seq_lens,
+                b.out_cache_loc,
+                self.r2t,
+                b.extend_lens if b.forward_mode.is_extend() else None,
+            )
+            assert not verdict.kill, verdict.findings
+        for r in b.reqs:  # the step's sampled token, as process_batch_result appends it
+            r.output_ids.append(1)
+        b.output_ids = torch.ones(len(b.reqs), dtype=torch.int64)
 
     def step(self) -> None:
-        self.lens += 1
-        last = self.r2t.req_to_token[self.rows, self.lens - 2].long()
-        if self.adapter is None:
-            slots = PagedTokenToKVPoolAllocator.alloc_decode.__wrapped__(
-                self.alloc, seq_lens=self.lens, seq_lens_cpu=self.lens, last_loc=last
-            )
-            ReqToTokenPool.write.__wrapped__(self.r2t, (self.rows, self.lens - 1), slots.to(torch.int32))
-            return
-        slots = self.alloc.alloc_decode(seq_lens=self.lens, seq_lens_cpu=self.lens, last_loc=last)
-        self.r2t.write((self.rows, self.lens - 1), slots.to(torch.int32))
-        verdict = self.adapter.forward_step(self.reqs, self.rows, self.lens, slots, self.r2t)
-        assert not verdict.kill, verdict.findings
+        self.batch.prepare_for_decode()
+        self.forward()
 
 
-def measure(batch: int, rounds: int, steps: int) -> tuple[float, float]:
+def measure(args: ServerArgs, batch: int, rounds: int, steps: int) -> tuple[float, float]:
     attachment = Attachment("sglang", Settings(node=f"bench-{batch}", mode="enforce"))
     adapter = plugin.install(SglangAdapter(attachment))
-    plain, guarded = Engine(batch, rounds * steps, None), Engine(batch, rounds * steps, adapter)
+    guarded = Engine(args, batch, rounds * steps, adapter)
+    plain = Engine(args, batch, rounds * steps, None)
     times: dict[str, list[float]] = {"plain": [], "guarded": []}
-    for _ in range(rounds):
-        for name, engine in (("plain", plain), ("guarded", guarded)):
+    for i in range(rounds):
+        order = (
+            (("plain", plain), ("guarded", guarded)) if i % 2 else (("guarded", guarded), ("plain", plain))
+        )
+        for name, engine in order:
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
             times[name].append((time.perf_counter() - start) / steps * 1e6)
-    assert not attachment.failed, attachment.failed
+    assert not attachment.failed and not adapter.guard.findings, (attachment.failed, adapter.guard.findings)
     return statistics.median(times["plain"]), statistics.median(times["guarded"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
-    args = parser.parse_args()
-    rounds, steps = (5, 8) if args.quick else (21, 16)
+    rounds, steps = (5, 8) if parser.parse_args().quick else (21, 16)
+    args = server_args()
     import sglang
 
     print(
-        f"SGLang {sglang.__version__} decode step, page {PAGE}, prompt {PROMPT}; {os.cpu_count()} CPUs; "
-        f"median of {rounds} alternating rounds of {steps} steps"
+        f"SGLang {sglang.__version__} decode step (ScheduleBatch.prepare_for_decode), page {PAGE}, "
+        f"prompt {PROMPT}; {os.cpu_count()} CPUs; median of {rounds} alternating rounds of {steps} steps"
     )
-    print(f"{'batch':>6} {'SGLang KV work µs':>18} {'with kvguard µs':>16} {'added µs':>9} {'added':>8}")
+    print(f"{'batch':>6} {'SGLang step µs':>15} {'with kvguard µs':>16} {'added µs':>9} {'added':>8}")
     for batch in (32, 128, 256):
-        plain, guarded = measure(batch, rounds, steps)
+        plain, guarded = measure(args, batch, rounds, steps)
         print(
-            f"{batch:>6} {plain:>18.1f} {guarded:>16.1f} {guarded - plain:>9.1f} {guarded / plain - 1:>8.0%}"
+            f"{batch:>6} {plain:>15.1f} {guarded:>16.1f} {guarded - plain:>9.1f} {guarded / plain - 1:>8.0%}"
         )
 
 

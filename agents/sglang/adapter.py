@@ -63,7 +63,8 @@ class SglangAdapter:
         self.guard = attachment.guard
         self.role = role
         self.book: PageBook | None = None
-        self.allocator: Any = None
+        self.allocator: Any = None  # the guarded pool's allocator and req_to_token (report_pool)
+        self.rows_pool: Any = None
         self.rids: list[str] = []
         self.index: dict[str, int] = {}
         self.live: dict[int, Any] = {}  # request index -> its Req, while it holds a row
@@ -95,21 +96,28 @@ class SglangAdapter:
         value = getattr(req, field, None)
         return "" if value is None else str(value)
 
-    def pool_of(self, allocator: Any) -> PageBook:
-        if self.book is None or allocator is not self.allocator:
-            self.allocator = allocator
-            self.book = PageBook(int(allocator.size // allocator.page_size), int(allocator.page_size))
-        return self.book
+    def pool_of(self, allocator: Any) -> PageBook | None:
+        """The page book of the pool this adapter guards; None for any other allocator (a
+        second engine in the process, a draft model's pool: not this guard's)."""
+        return self.book if allocator is self.allocator else None
 
     def report_pool(
-        self, allocator: Any, *, role: str, context_len: int, max_prompt_tokens: int = 0, **facts: Any
+        self,
+        allocator: Any,
+        *,
+        role: str,
+        context_len: int,
+        req_to_token_pool: Any = None,
+        max_prompt_tokens: int = 0,
+        **facts: Any,
     ) -> Verdict:
         """The pool as the scheduler made it: page 0 pads (reserved), so pool tokens are
         size; a context longer than that is config drift before any request."""
         import sglang
 
         self.role = role
-        book = self.pool_of(allocator)
+        self.allocator, self.rows_pool = allocator, req_to_token_pool
+        book = self.book = PageBook(int(allocator.size // allocator.page_size), int(allocator.page_size))
         log.info(
             "kvguard: guarding sglang %s as node %s (%s, %s): pool %d tokens in pages of %d, context %d",
             sglang.__version__,
@@ -137,6 +145,8 @@ class SglangAdapter:
 
     def rows_bound(self, pool: Any, reqs: list[Any]) -> None:
         """ReqToTokenPool.alloc bound rows to requests: the first time, the request is admitted."""
+        if not self._ours(pool):
+            return
         if len(self.row_req) < pool.req_to_token.shape[0]:
             self.row_req = np.full(pool.req_to_token.shape[0], NONE, np.int32)
         stage = "decode" if self.role == "decode" else "prefill"
@@ -150,6 +160,9 @@ class SglangAdapter:
                 self.admitted.add(idx)
                 self.guard.admit(self.rids[idx], self.tenant(req), self.prompt[idx], stage)
 
+    def _ours(self, rows_pool: Any) -> bool:
+        return self.book is not None and (self.rows_pool is None or rows_pool is self.rows_pool)
+
     def rejected(self, req: Any, message: str) -> None:
         idx = self.request(req)
         self.guard.reject(self.rids[idx], message)
@@ -159,7 +172,7 @@ class SglangAdapter:
         keeps (its own, and those it shared) are its to free now; the rest come back through
         the allocator."""
         idx = self.index.get(str(req.rid))
-        if idx is None or self.book is None:
+        if idx is None or not self._ours(pool):
             return
         row = req.kv.req_pool_idx
         if row is not None:
@@ -182,16 +195,19 @@ class SglangAdapter:
     # ------------------------------------------------------------------ pages
 
     def handed_out(self, allocator: Any, slots: Any) -> None:
-        if slots is None:
-            return
         book = self.pool_of(allocator)
-        book.handed_out(book.pages_of(_np(slots)))
+        if slots is None or book is None:
+            return
+        pages = _np(slots) // book.page_size
+        book.handed_out(pages[pages > 0])  # repeats do no harm: no sort for distinct pages
 
     def released(self, allocator: Any, pages: np.ndarray) -> None:
         """Pages the allocator takes back: each one's owner frees it, or the radix cache
         evicts it (released for the request it held it for); a page nobody had is freed a
         second time by its last owner (the ledger judges that)."""
         book = self.pool_of(allocator)
+        if book is None:
+            return
         pages = pages[pages > 0]
         owner = book.owner[pages]
         held = (owner == NONE) & (book.tree[pages] != NONE)
@@ -209,7 +225,7 @@ class SglangAdapter:
         """req_to_token[indices] = values: pages handed out are granted to the row's request;
         pages someone else has (the radix cache's, or freed ones still holding their KV) are
         a share from their origin."""
-        if self.book is None:
+        if not self._ours(pool):
             return
         book = self.book
         slots = _np(values)
@@ -228,6 +244,8 @@ class SglangAdapter:
         reqs, pages = reqs[known], pages[known]
         if not len(pages):
             return
+        if not book.fresh[pages].any() and (book.owner[pages] == reqs).all():
+            return  # the common decode step: every slot in a page its request has already
         pair = reqs.astype(np.int64) * len(book.owner) + pages
         _, first = np.unique(pair, return_index=True)
         first.sort()
@@ -251,12 +269,12 @@ class SglangAdapter:
                     if src != NONE:
                         self.guard.share(self.rids[idx], POOL, part, self.rids[src])
 
-    def cached(self, value: Any, prefix_len: int) -> None:
+    def cached(self, allocator: Any, value: Any, prefix_len: int) -> None:
         """The radix cache took the slots after prefix_len: it holds their pages for the
         request that has them."""
-        if self.book is None or value is None:
+        book = self.pool_of(allocator)
+        if book is None or value is None:
             return
-        book = self.book
         pages = book.pages_of(_np(value)[prefix_len:])
         pages = pages[(book.tree[pages] == NONE) & (book.last[pages] != NONE)]
         holder = np.where(book.owner[pages] != NONE, book.owner[pages], book.last[pages])
@@ -267,7 +285,7 @@ class SglangAdapter:
     # ------------------------------------------------------------------ the forward step
 
     def forward_step(
-        self, reqs: list[Any], rows: Any, seq_lens: Any, out_cache_loc: Any, r2t: Any
+        self, reqs: list[Any], rows: Any, seq_lens: Any, out_cache_loc: Any, r2t: Any, extend_lens: Any = None
     ) -> Verdict:
         """One guard call for the step: request i writes its slots of out_cache_loc (its part
         is seq_len minus what it had before), then the batch's rows are checked up to their
@@ -277,7 +295,7 @@ class SglangAdapter:
         ps = self.book.page_size
         lens = _np(seq_lens)
         locs = _np(out_cache_loc)
-        written = np.diff(np.concatenate(([0], np.cumsum(self._step_counts(reqs, lens, len(locs))))))
+        written = self._step_counts(reqs, len(locs), extend_lens)
         owner_of = np.repeat(np.arange(len(reqs)), written)
         pages = locs // ps
         starts = np.ones(len(locs), bool)
@@ -310,11 +328,14 @@ class SglangAdapter:
         return req_to_token[rows, : width * ps : ps].long() // ps
 
     @staticmethod
-    def _step_counts(reqs: list[Any], lens: np.ndarray, total: int) -> np.ndarray:
-        """Tokens each request writes this step: its extend length (prefill), else one."""
+    def _step_counts(reqs: list[Any], total: int, extend_lens: Any) -> np.ndarray:
+        """Tokens each request writes this step: one in a decode step, else its extend length
+        (the batch's extend_lens, as prepare_for_extend set them)."""
         if total == len(reqs):  # a decode step: no per-request look
             return np.ones(len(reqs), np.int64)
-        return np.asarray([r.extend_input_len for r in reqs], np.int64)
+        if extend_lens is not None and len(extend_lens) == len(reqs):
+            return np.asarray(extend_lens, np.int64)
+        return np.asarray([r.extend_len for r in reqs], np.int64)
 
     def stop(self, req: Any, reason: str) -> None:
         """SGLang's own abort of a request: the scheduler finishes it with this error."""

@@ -109,7 +109,7 @@ def _token_free(allocator: Any, free_index: Any) -> None:
 
 def _cleared(result: Any, allocator: Any) -> None:
     adapter = current()
-    if adapter is not None and adapter.book is not None and adapter.allocator is allocator:
+    if adapter is not None and adapter.pool_of(allocator) is not None:
         adapter.book.clear()
 
 
@@ -133,7 +133,14 @@ def _rows_free(pool: Any, req: Any) -> None:
 
 def _inserted(result: Any, tree: Any, params: Any) -> None:
     if result is not None:
-        _run("radix insert", SglangAdapter.cached, getattr(params, "value", None), int(result.prefix_len))
+        allocator = getattr(tree, "token_to_kv_pool_allocator", None)
+        _run(
+            "radix insert",
+            SglangAdapter.cached,
+            allocator,
+            getattr(params, "value", None),
+            int(result.prefix_len),
+        )
 
 
 def _set_finish_with_abort(
@@ -155,6 +162,7 @@ def _scheduler_made(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> N
         scheduler.token_to_kv_pool_allocator,
         role=mode if mode in ("prefill", "decode") else "colocated",
         context_len=int(scheduler.model_config.context_len),
+        req_to_token_pool=scheduler.req_to_token_pool,
         max_prompt_tokens=int(getattr(scheduler, "max_req_input_len", 0) or 0),
     )
 
@@ -173,6 +181,7 @@ def _run_batch(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
             batch.seq_lens,
             batch.out_cache_loc,
             scheduler.req_to_token_pool,
+            getattr(batch, "extend_lens", None),
         )
 
 

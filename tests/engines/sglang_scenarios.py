@@ -101,17 +101,24 @@ class Engine:
                 page_size=PAGE,
             )
         )
-        self.adapter.report_pool(self.alloc, role=role, context_len=context)
+        self.adapter.report_pool(self.alloc, role=role, context_len=context, req_to_token_pool=self.r2t)
         self.guard = attachment.guard
 
     def request(self, rid: str, tokens: list[int], tenant: str) -> Req:
         return Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=4), cache_salt=tenant)
 
-    def forward(self, reqs: list[Req], slots: torch.Tensor, value: float | None = None) -> None:
-        """run_batch: the adapter's step check, then the forward writes K and V at the slots."""
+    def forward(
+        self,
+        reqs: list[Req],
+        slots: torch.Tensor,
+        value: float | None = None,
+        extend_lens: list[int] | None = None,
+    ) -> None:
+        """run_batch: the adapter's step check (the hook's call, with the batch's fields),
+        then the forward writes K and V at the slots."""
         rows = torch.tensor([r.kv.req_pool_idx for r in reqs])
         lens = torch.tensor([r.kv.kv_allocated_len for r in reqs])
-        self.adapter.forward_step(reqs, rows, lens, slots, self.r2t)
+        self.adapter.forward_step(reqs, rows, lens, slots, self.r2t, extend_lens)
         for r in reqs:
             if r.to_finish is None and value is not None:
                 self.kv.k_buffer[0][slots] = value
@@ -142,8 +149,7 @@ class Engine:
         assert slots is not None, "pool full"
         self.r2t.write((row, slice(start, end)), slots.to(torch.int32))
         req.kv.kv_allocated_len = end
-        req.extend_input_len = end - start
-        self.forward([req], slots, value)
+        self.forward([req], slots, value, [end - start])
         return slots
 
     def decode(self, reqs: list[Req], value: float) -> None:
@@ -156,7 +162,6 @@ class Engine:
         self.r2t.write((rows, lens - 1), slots.to(torch.int32))
         for r in reqs:
             r.kv.kv_allocated_len += 1
-            r.extend_input_len = None
         self.forward(reqs, slots, value)
 
     def row_slots(self, req: Req) -> torch.Tensor:
@@ -340,7 +345,7 @@ def plugin_path(capture: str, mode: str) -> dict:
     )
     r2t = ReqToTokenPool(size=2, max_context_len=16, device="cpu", enable_memory_saver=False)
     adapter = plugin.current()
-    adapter.report_pool(alloc, role="colocated", context_len=16)
+    adapter.report_pool(alloc, role="colocated", context_len=16, req_to_token_pool=r2t)
     req = Req("env-1", "", array("q", range(8)), SamplingParams(max_new_tokens=1), cache_salt="tenant-e")
     r2t.alloc([req])
     slots = alloc.alloc(8)
