@@ -101,6 +101,7 @@ class NodeAgent:
             "rdma_unlabelled": 0,
             "frame_timeouts": 0,
             "spool_set_aside": 0,
+            "guards_gone": 0,
         }
         self.frame_timeout = frame_timeout
         self.door = Door(max_guards, self.counters, _say)
@@ -230,6 +231,14 @@ class NodeAgent:
             if not (isinstance(exc, ConnectionError) and str(exc) == PEER_CLOSED):
                 self.counters["malformed"] += 1
                 print(f"kvguard agent: guard {node or '(no hello)'} dropped: {exc}", file=sys.stderr)
+            elif node:
+                # The engine exited, or its adapter turned guarding off after a failure of its
+                # own (the engine's log says which): either way the node is unguarded now.
+                self.counters["guards_gone"] += 1
+                print(
+                    f"kvguard agent: the guard of {node} went away; {node} is unguarded until it reconnects",
+                    file=sys.stderr,
+                )
         except OSError:
             pass
         finally:

@@ -125,6 +125,24 @@ def test_a_guard_whose_connection_has_gone_is_replaced_at_once(tmp_path: Path) -
         agent.stop()
 
 
+def test_a_guard_that_goes_away_is_said_once(tmp_path: Path, capsys: object) -> None:
+    # An engine whose adapter turned guarding off after its own failure closes its sink (as
+    # one that exits does): the agent says the node is unguarded now, and counts it.
+    agent = NodeAgent(tmp_path / "agent.sock", "127.0.0.1:1", tmp_path / "spool")
+    threading.Thread(target=agent.serve, daemon=True).start()
+    try:
+        assert wait_for(lambda: (tmp_path / "agent.sock").exists())
+        sink = AgentSink(tmp_path / "agent.sock", "gpu-2")
+        assert sink.wait_ready(20)
+        sink.close()
+        assert wait_for(lambda: agent.counters["guards_gone"] == 1)
+    finally:
+        agent.stop()
+    said = capsys.readouterr().err.splitlines()  # type: ignore[attr-defined]
+    gone = [line for line in said if "went away" in line]
+    assert gone == ["kvguard agent: the guard of gpu-2 went away; gpu-2 is unguarded until it reconnects"]
+
+
 CONNECT = """
 import socket, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
