@@ -204,9 +204,10 @@ class Guard:
         which = command.WhichOneof("body")
         if which == "kill":
             k = command.kill
+            known = k.req in self.killed  # the daemon orders one kill per finding: the first stands
             self.kill(k.req, k.finding, k.rule, k.message)
             # Outside the guard's lock: the engine takes its own locks, then calls the guard.
-            if self._on_kill is not None:
+            if self._on_kill is not None and not known:
                 self._on_kill(k.req, f"{k.finding} ({k.rule}): {k.message}")
         elif which == "quarantine" and self._on_quarantine is not None:
             self._on_quarantine(command.quarantine.pool, list(command.quarantine.pages))
