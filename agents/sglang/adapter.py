@@ -344,9 +344,13 @@ class SglangAdapter:
         req.to_finish = FINISH_ABORT(f"kvguard: {reason}", HTTPStatus.FORBIDDEN, "KVGuardViolation")
 
     def stop_rid(self, rid: str, reason: str) -> None:
+        """The daemon's kill (on the sink's reader thread): the request, while it holds a row and
+        is not already ending, gets SGLang's abort. The first kill stands, as the guard records
+        only the first; a later one (the daemon orders one per finding) would swap its reason."""
         idx = self.index.get(rid)
-        if idx is not None and idx in self.live:
-            self.stop(self.live[idx], reason)
+        req = self.live.get(idx) if idx is not None else None
+        if req is not None and req.to_finish is None and req.finished_reason is None:
+            self.stop(req, reason)
 
     # ------------------------------------------------------------------ PD transfers
 

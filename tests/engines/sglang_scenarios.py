@@ -72,6 +72,7 @@ class Engine:
         context: int = 0,
         need_sort: bool = True,
         radix: bool = False,
+        attachment: Attachment | None = None,
     ) -> None:
         size = PAGE * pages
         self.kv = MHATokenToKVPool(
@@ -84,7 +85,8 @@ class Engine:
             device="cpu",
             enable_memory_saver=False,
         )
-        attachment = Attachment("sglang", Settings(node=node, capture=capture, mode=mode))
+        if attachment is None:  # else the one the plugin made from the environment (sglang_live.py)
+            attachment = Attachment("sglang", Settings(node=node, capture=capture, mode=mode))
         self.adapter = plugin.install(SglangAdapter(attachment, role))
         self.alloc = PagedTokenToKVPoolAllocator(
             size=size, page_size=PAGE, dtype=torch.float16, device="cpu", kvcache=self.kv, need_sort=need_sort
