@@ -16,10 +16,9 @@ medians are printed. The guard's sink is a NullSink: the engine's host time is w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import tempfile
+import sys
 import time
 from array import array
 from pathlib import Path
@@ -44,20 +43,10 @@ PAGE, PROMPT = 16, 1024
 
 
 def server_args() -> ServerArgs:
-    model = Path(tempfile.mkdtemp(prefix="kvguard-bench-model-"))
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-        "vocab_size": 32000,
-        "max_position_embeddings": 8192,
-        "torch_dtype": "float16",
-    }
-    (model / "config.json").write_text(json.dumps(config))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engines"))
+    from tiny_model import llama_dir  # the tests' tiny model config
+
+    model = llama_dir(vocab_size=32000, max_position_embeddings=8192)
     args = ServerArgs(model_path=str(model), skip_tokenizer_init=True, device="cpu", page_size=PAGE)
     publish(args, role="scheduler")
     return args

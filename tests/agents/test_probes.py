@@ -9,10 +9,10 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
+
+from endpoints import serve
 
 from kvguard.agents.probes import (
     from_openai_models,
@@ -135,7 +135,7 @@ def test_what_a_probe_could_not_read_is_named(tmp_path: Path) -> None:
     )
     routes = {"/server_info": (500, "Internal Server Error"), "/get_server_info": (200, "{}")}
     routes |= {"/v1/models": (200, "<html>not json</html>")}
-    http, url = _serve(routes)
+    http, url = serve(routes)
     try:
         reading = read_engine("sglang", url)
     finally:
@@ -145,7 +145,7 @@ def test_what_a_probe_could_not_read_is_named(tmp_path: Path) -> None:
     assert reading.problems[0] == f"GET {url}/server_info: HTTP 500"
     assert reading.problems[1].startswith(f"GET {url}/v1/models: not JSON (")
     assert reading.problems[2] == f"GET {url}/metrics: HTTP 404 (SGLang serves it with --enable-metrics)"
-    http, url = _serve({"/v1/models": (200, '{"data": [{"max_model_len": "long"}]}')})
+    http, url = serve({"/v1/models": (200, '{"data": [{"max_model_len": "long"}]}')})
     try:
         reading = read_engine("vllm", url)
     finally:
@@ -162,26 +162,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _serve(routes: dict[str, tuple[int, str]]) -> tuple[HTTPServer, str]:
-    """An endpoint host answering each path with (status, body), 404 elsewhere."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            status, body = routes.get(self.path, (404, "Not Found"))
-            data = body.encode()
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    http = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=http.serve_forever, daemon=True).start()
-    return http, f"http://127.0.0.1:{http.server_address[1]}"
 
 
 def test_gpu_facts_say_plainly_when_there_are_none() -> None:
@@ -202,7 +182,7 @@ def test_an_unguarded_engines_undersized_pool_reaches_the_daemon(tmp_path: Path)
     )
     port = daemon.stdout.readline().split()[1]  # type: ignore[union-attr]
     # A vLLM whose server fails: its probe says so once, however often it reads.
-    http, url = _serve({"/v1/models": (503, "starting")})
+    http, url = serve({"/v1/models": (503, "starting")})
     log = tmp_path / "sglang.log"
     log.write_text(SGLANG_LOG.splitlines()[0] + "\n")  # the engine is still starting
     gone = tmp_path / "gone.log"

@@ -41,6 +41,7 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.common import build_server_info, configure_logger
 from sglang.srt.utils.msgspec_utils import msgspec_to_builtins
 from sglang.version import __version__ as SGLANG_VERSION
+from tiny_model import llama_dir
 
 # name: (pool tokens, page size, kv cache dtype, disaggregation mode)
 SHAPES = {
@@ -54,23 +55,15 @@ ENGINE = "sglang.srt.entrypoints.engine"
 
 
 def model_dir(root: Path) -> Path:
-    path = root / "acme-tiny"
-    path.mkdir()
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": CONTEXT,
-        "torch_dtype": "bfloat16",
-        "rms_norm_eps": 1e-5,
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return llama_dir(
+        root,
+        "acme-tiny",
+        num_attention_heads=4,
+        vocab_size=256,
+        max_position_embeddings=CONTEXT,
+        torch_dtype="bfloat16",
+        rms_norm_eps=1e-5,
+    )
 
 
 def unregister_sglang_metrics() -> None:

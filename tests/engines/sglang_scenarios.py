@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from array import array
-from pathlib import Path
 
 import torch
 from sglang.srt.disaggregation.fake.conn import FakeKVReceiver, FakeKVSender
@@ -24,6 +22,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.runtime_context import get_parallel, publish
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+from tiny_model import llama_dir
 
 from kvguard.agents.attach import Attachment, Settings
 from kvguard.agents.sglang import plugin
@@ -35,23 +34,7 @@ PAGE = 4
 def publish_runtime() -> None:
     """SGLang's process-wide config, as its scheduler process publishes it at start (a tiny
     local model config: nothing is downloaded, no model runs)."""
-    model = Path(tempfile.mkdtemp(prefix="kvguard-sglang-model-"))
-    (model / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 2,
-                "num_hidden_layers": 2,
-                "vocab_size": 1000,
-                "max_position_embeddings": 256,
-                "torch_dtype": "float16",
-            }
-        )
-    )
+    model = llama_dir()
     publish(
         ServerArgs(model_path=str(model), skip_tokenizer_init=True, device="cpu", page_size=PAGE),
         role="scheduler",

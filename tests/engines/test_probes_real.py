@@ -9,14 +9,14 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import HTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from endpoints import serve
 from engine_venvs import run_scenario
 
 from kvguard.agents.probes import (
@@ -43,26 +43,6 @@ def sglang() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def vllm() -> dict[str, Any]:
     return run_scenario("vllm", "probe_vllm.py")["nodes"]
-
-
-def serve(routes: dict[str, tuple[int, str]]) -> tuple[HTTPServer, str]:
-    """An HTTP endpoint host answering each path with (status, body); 404 elsewhere."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            status, body = routes.get(self.path, (404, '{"detail": "Not Found"}'))
-            data = body.encode()
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    http = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=http.serve_forever, daemon=True).start()
-    return http, f"http://127.0.0.1:{http.server_address[1]}"
 
 
 @pytest.fixture
