@@ -51,7 +51,7 @@ PROMPT = 1024
 PREFILL_TOKENS = 16384  # max_num_batched_tokens: the prefill takes a few steps, decode one
 # The methods the adapter patches, as vLLM defines them (taken before `attach`).
 PATCHED = {
-    Scheduler: ("schedule", "_free_request", "_update_from_kv_xfer_finished"),
+    Scheduler: ("schedule", "_free_request", "update_from_output"),
     KVCacheManager: ("allocate_slots", "free", "pop_blocks_for_free"),
 }
 ORIGINAL = {cls: {name: getattr(cls, name) for name in names} for cls, names in PATCHED.items()}

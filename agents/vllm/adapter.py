@@ -23,9 +23,13 @@ What each hook maps to:
   the check of its block table up to its context; killed requests are aborted and taken out
   of the SchedulerOutput before it reaches the workers.
 - `Scheduler._free_request` -> `finish` (stopped, length) or `abort` (aborted, ignored, error).
-- `Scheduler._update_from_kv_xfer_finished` -> `xfer_recv` for finished_recving (status
-  failed when the request is in failed_recving or one of its loaded blocks is invalid),
-  `xfer_send` for finished_sending.
+- KV connectors (decode pool = kv_consumer): a request granted blocks for external tokens gets a
+  `bootstrap` (prefill node = its kv_transfer_params' remote engine, prompt_tokens = the
+  external tokens it waits for). `Scheduler.update_from_output`, before vLLM reacts to the
+  worker's kv_connector_output (failure handling, promotion, frees): `xfer_recv` for each
+  finished_recving (state.py: what landed), `xfer_send` + `release` for finished_sending.
+- A finished request whose blocks vLLM keeps for the connector (delay_free_blocks: a send
+  still to go, a load still in flight) -> `hold` (transfer_send / transfer_recv) until then.
 
 Tenants: `settings.tenant_field` (KVGUARD_TENANT_FIELD) names where a request's tenant is
 read: empty or `cache_salt` (the default): the request's cache_salt; `header:NAME`: the
@@ -184,6 +188,7 @@ class VllmAdapter:
             manager.block_pool.null_block.block_id,
             "decode" if role == "decode" else "prefill",
             tenant_reader(settings.tenant_field),
+            paired=role == "decode",
         )
         manager.__dict__["_kvguard"] = state
         state.take(
@@ -221,12 +226,9 @@ class VllmAdapter:
         request = args["request"]
         hit = args.get("new_computed_blocks")
         n_hit = len(hit.blocks[0]) if hit is not None else 0
-        total = (
-            request.num_computed_tokens
-            + args.get("num_new_computed_tokens", 0)
-            + args.get("num_external_computed_tokens", 0)
-        )
-        state.attachment.contain("allocate_slots", state.allocated, request, before, n_hit, total)
+        local = request.num_computed_tokens + args.get("num_new_computed_tokens", 0)
+        external = args.get("num_external_computed_tokens", 0)
+        state.attachment.contain("allocate_slots", state.allocated, request, before, n_hit, local, external)
 
     def free(self, orig: Callable[..., Any], manager: Any, request: Any) -> Any:
         state = _state(manager)
@@ -293,6 +295,9 @@ class VllmAdapter:
         result = orig(scheduler, request, *args, **kwargs)
         if state is not None:
             state.admitted.discard(request.request_id)
+            if state.attachment.active and request.request_id in scheduler.requests:
+                # vLLM kept its blocks for the connector (delay_free_blocks): held until then.
+                state.attachment.contain("_free_request (delayed)", state.held_for_connector, request)
         return result
 
     def _ended(self, state: PoolState, request: Any) -> None:
@@ -306,42 +311,23 @@ class VllmAdapter:
         else:
             state.take(state.guard.abort(rid, status.name.lower()))
 
-    def xfer_finished(self, orig: Callable[..., Any], scheduler: Any, output: Any) -> Any:
+    def update_from_output(self, orig: Callable[..., Any], scheduler: Any, args: Any, kwargs: Any) -> Any:
         state = _state(scheduler.kv_cache_manager)
-        if state is not None and state.attachment.active:
-            state.attachment.contain("_update_from_kv_xfer_finished", self._xfer, state, scheduler, output)
-        return orig(scheduler, output)
+        runner = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
+        output = getattr(runner, "kv_connector_output", None)
+        if state is not None and output is not None and state.attachment.active:
+            # Before vLLM reacts (rewinds, fails, promotes or frees): what the worker reports.
+            state.attachment.contain("update_from_output (connector)", self._xfer, state, scheduler, output)
+        return orig(scheduler, *args, **kwargs)
 
     def _xfer(self, state: PoolState, scheduler: Any, output: Any) -> None:
         state.flush(list(state.pending))
         invalid = np.fromiter(output.invalid_block_ids or (), np.int64)
         failed = output.failed_recving or set()
         for rid in sorted(output.finished_recving or ()):
-            pages, tokens = state.xfer_in.pop(rid, (EMPTY, 0))
-            request = scheduler.requests.get(rid)
-            bad = rid in failed or bool(np.isin(pages, invalid).any())
-            state.take(
-                state.guard.xfer_recv(
-                    rid,
-                    rid,
-                    _peer(request),
-                    state.pool,
-                    pages,
-                    tokens,
-                    0,
-                    status="failed" if bad else "done",
-                )
-            )
+            state.received(rid, scheduler.requests.get(rid), invalid, rid in failed)
         for rid in sorted(output.finished_sending or ()):
-            request = scheduler.requests.get(rid)
-            pages = state.table(rid)
-            tokens = request.num_computed_tokens if request is not None else 0
-            state.take(state.guard.xfer_send(rid, rid, _peer(request), state.pool, pages, tokens, 0))
-
-
-def _peer(request: Any) -> str:
-    params = getattr(request, "kv_transfer_params", None) or {}
-    return str(params.get("remote_engine_id") or params.get("remote_host") or "")
+            state.sent(rid, scheduler.requests.get(rid))
 
 
 def strip(out: Any, kills: set[str]) -> None:
@@ -452,11 +438,11 @@ def _patch() -> None:
 
         return hook
 
-    def xfer(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def hook(self: Any, output: Any) -> Any:
+    def update(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
             if _ACTIVE is None:
-                return orig(self, output)
-            return _ACTIVE.xfer_finished(orig, self, output)
+                return orig(self, *args, **kwargs)
+            return _ACTIVE.update_from_output(orig, self, args, kwargs)
 
         return hook
 
@@ -467,7 +453,7 @@ def _patch() -> None:
     wrap(Scheduler, "__init__", sched_init)
     wrap(Scheduler, "schedule", schedule)
     wrap(Scheduler, "_free_request", free_request)
-    wrap(Scheduler, "_update_from_kv_xfer_finished", xfer)
+    wrap(Scheduler, "update_from_output", update)
 
 
 def attach(attachment: Attachment | None = None, **kwargs: Any) -> VllmAdapter:

@@ -5,8 +5,11 @@ Invariant: every block a request holds in vLLM has been reported to the guard as
 (`alloc`) or shared (`share`) before any event that depends on it (the step that writes it,
 a share naming its grantee, its free, a transfer receipt); a block's `grantee` is the request
 it was last granted to, which is the origin of any later prefix hit on it (the hit is judged
-by the ledger: a freed block still holding its grantee's KV is a legitimate hit). The step's
-pages, slots and block tables are built as numpy arrays over the whole batch.
+by the ledger: a freed block still holding its grantee's KV is a legitimate hit). Blocks a KV
+connector loads into count as written only through a `done` receipt, for no more than what
+landed (up to the first invalid block, within what the sender holds); blocks vLLM keeps past
+a request's end for its connector are held (transfer_send / transfer_recv) until it is done.
+The step's pages, slots and block tables are built as numpy arrays over the whole batch.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class PoolState:
         null_block: int,
         stage: str,
         tenant_of: Any,
+        *,
+        paired: bool = False,
     ) -> None:
         self.attachment = attachment
         self.guard = attachment.guard
@@ -44,12 +49,15 @@ class PoolState:
         self.null = null_block
         self.stage = stage
         self.tenant_of = tenant_of
+        self.paired = paired  # a decode pool (kv_consumer): external loads are transfers from prefill
         self.tables: dict[str, np.ndarray] = {}  # request -> its block ids, in vLLM's order
         self.pending: dict[str, tuple[int, np.ndarray]] = {}  # request -> (table position, new ids)
         self.pending_mask = np.zeros(num_blocks, bool)
         self.grantee = np.full(num_blocks, "", dtype=object)
         self.admitted: set[str] = set()
-        self.xfer_in: dict[str, tuple[np.ndarray, int]] = {}  # request -> (blocks loaded, tokens)
+        # request -> (blocks a connector loads into, first token they hold, tokens expected)
+        self.xfer_in: dict[str, tuple[np.ndarray, int, int]] = {}
+        self.held: dict[str, tuple[np.ndarray, str]] = {}  # request -> (blocks, holder) past its end
         self.kills: dict[str, str] = {}  # request -> why, to end through vLLM's abort path
 
     # ------------------------------------------------------------------ vLLM's own tables
@@ -85,9 +93,10 @@ class PoolState:
 
     # ------------------------------------------------------------------ allocation
 
-    def allocated(self, request: Any, before: int, n_hit: int, total_computed: int) -> None:
+    def allocated(self, request: Any, before: int, n_hit: int, local: int, external: int) -> None:
         """After allocate_slots granted blocks: admit on first sight, report the prefix hits
-        (share, origin = each block's grantee), keep the new grants for the step."""
+        (share, origin = each block's grantee), keep the new grants for the step; blocks for
+        `external` tokens past the `local` computed ones wait for a connector's receipt."""
         rid = request.request_id
         blocks = self.vllm_table(rid)
         new = np.fromiter((b.block_id for b in blocks[before:]), np.int64, len(blocks) - before)
@@ -108,9 +117,13 @@ class PoolState:
             # grant of it may be reported.
             self.flush([rid])
             self.share(rid, hits)
-        ext = -(-total_computed // self.bs) - (before + n_hit)
-        if ext > 0:  # blocks a KV connector loads into: their receipt names them
-            self.xfer_in[rid] = (grants[:ext].copy(), total_computed)
+        if external > 0:  # blocks a KV connector loads into: their receipt names them
+            pages = self.tables[rid][local // self.bs : -(-(local + external) // self.bs)].copy()
+            self.xfer_in[rid] = (pages, local, external)
+            if self.paired:
+                prefill = peer(request) or "remote-prefill"
+                tenant = self.tenant_of(request)
+                self.take(self.guard.bootstrap(rid, prefill, self.guard.node, external, tenant), rid)
 
     def share(self, rid: str, hits: np.ndarray) -> None:
         if self.pending_mask[hits].any():  # a hit on a block granted this very step
@@ -140,10 +153,68 @@ class PoolState:
         self.flush([rid])
         self.tables.pop(rid, None)
         self.xfer_in.pop(rid, None)
+        self.held.pop(rid, None)
         pages = block_ids[::-1]
         pages = pages[pages != self.null]
         if len(pages):
             self.take(self.guard.free(rid, self.pool, pages))
+
+    # ------------------------------------------------------------------ KV connector
+
+    def held_for_connector(self, request: Any) -> None:
+        """vLLM ended the request but keeps its blocks until its connector is done with them:
+        a send still to go, or a load still in flight (an abort while it waits for remote KV)."""
+        rid = request.request_id
+        self.flush([rid])
+        holder = "transfer_recv" if rid in self.xfer_in else "transfer_send"
+        pages = self.table(rid)
+        pages = pages[pages != self.null]
+        if len(pages):
+            self.held[rid] = (pages, holder)
+            self.take(self.guard.hold(rid, self.pool, pages, holder))
+
+    def release(self, rid: str) -> None:
+        pages, holder = self.held.pop(rid, (EMPTY, ""))
+        if len(pages):
+            self.take(self.guard.release(rid, self.pool, pages, holder))
+
+    def received(self, rid: str, request: Any, invalid: np.ndarray, failed: bool) -> None:
+        """The worker reports rid's load finished. What landed: the loaded blocks up to the
+        first invalid one, and no more tokens than the sender holds (its kv_transfer_params:
+        remote_block_ids, remote_num_tokens), since vLLM's finished_recving carries no count."""
+        entry = self.xfer_in.pop(rid, None)
+        if entry is None:  # no load kvguard saw reserved (granted before it watched): nothing to say
+            self.release(rid)
+            return
+        pages, local, expected = entry
+        bad = np.flatnonzero(np.isin(pages, invalid))
+        landed = min(expected, int(bad[0]) * self.bs) if len(bad) else expected
+        landed = min(landed, max(0, sender_tokens(request, self.bs) - local))
+        status = "failed" if failed or landed <= 0 else "done"
+        if status == "failed":
+            landed = 0
+        n = -(-landed // self.bs)
+        self.take(
+            self.guard.xfer_recv(
+                rid,
+                rid,
+                peer(request),
+                self.pool,
+                pages if status == "failed" else pages[:n],
+                landed,
+                0,
+                status=status,
+            ),
+            rid,
+        )
+        self.release(rid)
+
+    def sent(self, rid: str, request: Any) -> None:
+        """The worker reports rid's KV sent: the blocks of its computed tokens left the node."""
+        tokens = request.num_computed_tokens if request is not None else 0
+        pages = self.table(rid)[: -(-tokens // self.bs)]
+        self.take(self.guard.xfer_send(rid, rid, peer(request), self.pool, pages, tokens, 0), rid)
+        self.release(rid)
 
     # ------------------------------------------------------------------ the step
 
@@ -201,3 +272,23 @@ class PoolState:
         if fresh.any():
             self.grantee[pages[fresh]] = np.array(names, dtype=object)[row[fresh]]
         return self.take_kills()
+
+
+def peer(request: Any) -> str:
+    """The other engine of a transfer, as the request's kv_transfer_params name it."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    return str(params.get("remote_engine_id") or params.get("remote_host") or "")
+
+
+def sender_tokens(request: Any, block_size: int) -> int:
+    """How many prompt tokens the sender can deliver, as far as the request's kv_transfer_params
+    say (NIXL-style: remote_block_ids, remote_num_tokens); unbounded when they say nothing."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    blocks = params.get("remote_block_ids")
+    covered = 1 << 62
+    if blocks:
+        group = blocks[0] if isinstance(blocks[0], (list, tuple)) else blocks
+        covered = len(group) * block_size
+    if params.get("remote_num_tokens"):
+        covered = min(covered, int(params["remote_num_tokens"]))
+    return covered

@@ -109,3 +109,148 @@ def test_kvguard_failure_in_a_hook_is_contained(tmp_path: Path) -> None:
     assert result["totals"][:4] == [17, 2, 2, 2]  # schedule() returned its normal output each step
     assert result["trace"][0] == {"c-1": 16, "c-2": 1}
     assert result["_stderr"].count("planted kvguard defect") == 1
+
+
+# ---------------------------------------------------------------------- P/D: vLLM's NixlConnector
+
+
+def test_pd_decode_receipt_is_the_requests_own_kv(tmp_path: Path) -> None:
+    """d-1 waits for remote KV in the blocks vLLM granted it; the worker's finished_recving is
+    its receipt for exactly those blocks and tokens, after which its decode reads them clean
+    (without the receipt those blocks would be read unwritten: a stale_read)."""
+    result, capture = scenario("pd_decode", tmp_path)
+    assert result["findings"] == [] and result["errors"] == [] and not result["failed"]
+    waiting = result["waiting"]
+    assert waiting == {"status": "WAITING_FOR_REMOTE_KVS", "computed": 18, "blocks": [1, 2, 3, 4, 5]}
+    assert result["still"] == "WAITING_FOR_REMOTE_KVS"  # nothing scheduled for it while it loads
+    assert all("d-1" not in step for step in result["trace"][:3])
+    assert result["promoted"] == {"scheduled": 1, "blocks": [1, 2, 3, 4, 5]}  # only the last token
+    assert result["final"] == "FINISHED_LENGTH_CAPPED" and result["gone"]
+    (boot,) = result["bootstrap"]
+    assert (boot["prefill_node"], boot["decode_node"], boot["prompt_tokens"]) == (
+        "prefill-0",
+        "vllm-node",
+        18,
+    )
+    (recv,) = result["recv"]
+    assert (recv["pages"], recv["tokens"], recv["status"]) == ([1, 2, 3, 4, 5], 18, "done")
+    seen = events(capture)
+    order = [k for e in seen for k in ("bootstrap", "alloc", "xfer_recv") if e.get(k, {}).get("req") == "d-1"]
+    assert order == ["bootstrap", "alloc", "xfer_recv"]  # reserved, then filled
+    assert replay(capture) == []
+
+
+def test_pd_decode_failed_load_fails_the_request_unread(tmp_path: Path) -> None:
+    """The first loaded block is invalid (kv_load_failure_policy=fail, vLLM's default): the
+    receipt is `failed`, nothing of it counts as written, vLLM ends the request with an error
+    and frees its blocks; it never ran a forward, so nothing read them: no finding is the truth."""
+    result, capture = scenario("pd_decode_fail", tmp_path)
+    assert result["findings"] == [] and result["killed"] == [] and result["errors"] == []
+    (recv,) = result["recv"]
+    assert (recv["pages"], recv.get("tokens", 0), recv["status"]) == ([1, 2, 3, 4, 5], 0, "failed")
+    assert result["after_recv"]["status"] == result["final"] == "FINISHED_ERROR"
+    assert result["promoted"] is None and all("d-1" not in step for step in result["trace"])
+    seen = events(capture)
+    assert any(e.get("abort", {}) == {"req": "d-1", "reason": "finished_error"} for e in seen)
+    assert [e["free"]["pages"] for e in seen if e.get("free", {}).get("req") == "d-1"] == [[5, 4, 3, 2, 1]]
+    assert replay(capture) == []
+
+
+def test_pd_decode_failed_load_is_recomputed_by_the_request(tmp_path: Path) -> None:
+    """Same failure under kv_load_failure_policy=recompute: vLLM rewinds d-1 to 0 computed
+    tokens, frees the blocks and prefills the whole prompt itself. The failed receipt wrote
+    nothing, the request's own prefill writes every block it then reads: no finding."""
+    result, capture = scenario("pd_decode_recompute", tmp_path)
+    assert result["findings"] == [] and result["killed"] == [] and result["errors"] == []
+    (recv,) = result["recv"]
+    assert (recv["status"], recv.get("tokens", 0)) == ("failed", 0)
+    assert result["after_recv"] == {"status": "WAITING_FOR_REMOTE_KVS", "computed": 0}
+    assert result["promoted"]["scheduled"] == 18  # the whole prompt, computed locally
+    assert sorted(result["promoted"]["blocks"]) == [1, 2, 3, 4, 5]
+    assert result["final"] == "FINISHED_LENGTH_CAPPED"
+    seen = events(capture)
+    d1 = [k for e in seen for k in ("alloc", "free", "step") if k in e and "d-1" in json.dumps(e[k])]
+    assert d1[:3] == ["alloc", "free", "alloc"]  # the failed reservation went back first
+    assert replay(capture) == []
+
+
+def test_pd_decode_partial_load_is_a_short_transfer(tmp_path: Path) -> None:
+    """The third loaded block is invalid (policy recompute): vLLM keeps the first two blocks
+    (8 tokens) as loaded and would recompute the rest. The receipt says what landed: 8 tokens
+    in blocks 1-2 of the 18 the bootstrap expected, which is a short transfer
+    (transfer_mismatch, a kill in the default ruleset): d-1 is aborted before any forward."""
+    result, capture = scenario("pd_decode_partial", tmp_path)
+    (recv,) = result["recv"]
+    assert (recv["pages"], recv["tokens"], recv["status"]) == ([1, 2], 8, "done")
+    assert result["after_recv"]["computed"] == 8  # vLLM's own rewind agrees on what landed
+    assert live_kinds(result) == {("transfer_mismatch", "d-1")} and result["killed"] == ["d-1"]
+    assert result["final"] == "FINISHED_ABORTED" and result["gone"]
+    assert all("d-1" not in step for step in result["trace"])
+    assert kinds(replay(capture)) == {("transfer_mismatch", "d-1")}
+
+
+def test_pd_decode_receipt_short_of_the_prompt_is_a_mismatch(tmp_path: Path) -> None:
+    """The prefill holds 3 blocks (12 tokens) of d-1's 18-token prompt, yet the connector
+    reports the load finished (it carries no count): the receipt is 12 tokens in blocks 1-3
+    of the 5 reserved, against the bootstrap's 18: transfer_mismatch, d-1 killed before its
+    first decode (which would read blocks 4-5, never written)."""
+    result, capture = scenario("pd_decode_short", tmp_path)
+    (recv,) = result["recv"]
+    assert (recv["pages"], recv["tokens"], recv["status"]) == ([1, 2, 3], 12, "done")
+    assert result["bootstrap"][0]["prompt_tokens"] == 18
+    assert live_kinds(result) == {("transfer_mismatch", "d-1")} and result["killed"] == ["d-1"]
+    assert result["final"] == "FINISHED_ABORTED" and result["gone"]
+    assert all("d-1" not in step for step in result["trace"])
+    seen = events(capture)
+    assert any(e.get("kill", {}).get("req") == "d-1" for e in seen)
+    assert kinds(replay(capture)) == {("transfer_mismatch", "d-1")}
+
+
+def test_pd_decode_abort_waits_for_the_load_in_flight(tmp_path: Path) -> None:
+    """d-2 is aborted while its load is in flight: vLLM keeps its blocks (delay_free_blocks)
+    until finished_recving, then frees them; kvguard holds them for the transfer meanwhile."""
+    result, capture = scenario("pd_decode_abort", tmp_path)
+    assert result["findings"] == [] and result["errors"] == []
+    assert result["kept"]["in_requests"] and result["kept"]["free"] == 34  # 39 usable, 5 kept
+    assert result["gone"] and result["free_blocks"] == 39
+    pages = result["blocks"]
+    assert [(h["pages"], h["holder"]) for h in result["hold"]] == [(pages, "transfer_recv")]
+    assert [(h["pages"], h["holder"]) for h in result["release"]] == [(pages, "transfer_recv")]
+    assert result["free"] == [{"req": "d-2", "pages": pages[::-1]}]
+    seen = events(capture)
+    order = [k for e in seen for k in ("abort", "hold", "xfer_recv", "release", "free") if k in e]
+    assert order == ["abort", "hold", "xfer_recv", "release", "free"]
+    assert replay(capture) == []
+
+
+def test_pd_prefill_frees_only_after_the_send(tmp_path: Path) -> None:
+    """p-1 finishes its prefill; NIXL keeps its blocks for the decode engine to read, and vLLM
+    frees them on finished_sending: xfer_send of exactly its blocks and tokens while held, then
+    the free. p-2, aborted mid-prefill, is not sent (NIXL sends only finished requests): its
+    blocks are freed at once. No finding."""
+    result, capture = scenario("pd_prefill", tmp_path)
+    assert result["findings"] == [] and result["errors"] == []
+    p1 = result["blocks"]["p-1"]
+    assert p1 == [1, 2, 3, 4, 5]
+    held = result["held"]
+    assert (held["status"], held["in_requests"], held["blocks"]) == ("FINISHED_LENGTH_CAPPED", True, p1)
+    assert held["free"] == 34 and result["gone"] and result["free_blocks"] == 39
+    assert [(s["req"], s["pages"], s["tokens"], s["status"]) for s in result["send"]] == [
+        ("p-1", p1, 18, "done")
+    ]
+    assert [(h["pages"], h["holder"]) for h in result["hold"]] == [(p1, "transfer_send")]
+    assert result["release"] == [{"req": "p-1", "pages": p1, "holder": "transfer_send"}]
+    assert result["free"] == {
+        "p-1": [{"req": "p-1", "pages": p1[::-1]}],
+        "p-2": [{"req": "p-2", "pages": result["blocks"]["p-2"][::-1]}],
+    }
+    assert result["p2_gone"] and result["ends"]["p-2"] == [{"req": "p-2", "reason": "finished_aborted"}]
+    seen = events(capture)
+    order = [
+        k
+        for e in seen
+        for k in ("finish", "hold", "xfer_send", "release", "free")
+        if e.get(k, {}).get("req") == "p-1"
+    ]
+    assert order == ["finish", "hold", "xfer_send", "release", "free"]
+    assert replay(capture) == []

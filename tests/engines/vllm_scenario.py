@@ -23,13 +23,20 @@ if SCENARIO == "plugin":
     load_general_plugins()
 
 import torch  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -64,7 +71,16 @@ def model_dir() -> str:
     return str(path)
 
 
-def scheduler(num_blocks: int, max_model_len: int = 128, batched: int = 32, seqs: int = 8) -> Scheduler:
+def scheduler(
+    num_blocks: int,
+    max_model_len: int = 128,
+    batched: int = 32,
+    seqs: int = 8,
+    kv_role: str | None = None,
+    failure_policy: str = "fail",
+) -> Scheduler:
+    """The real Scheduler; `kv_role` set: with vLLM's NixlConnector (its scheduler half, which
+    needs no NIXL library) as kv_producer (prefill) or kv_consumer (decode)."""
     mc = ModelConfig(
         model=model_dir(), dtype="float16", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len
     )
@@ -78,8 +94,17 @@ def scheduler(num_blocks: int, max_model_len: int = 128, batched: int = 32, seqs
     cc = CacheConfig(
         block_size=BS, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True
     )
+    kt = (
+        KVTransferConfig(kv_connector="NixlConnector", kv_role=kv_role, kv_load_failure_policy=failure_policy)
+        if kv_role
+        else None
+    )
     vc = VllmConfig(
-        model_config=mc, scheduler_config=sc, cache_config=cc, device_config=DeviceConfig(device="cpu")
+        model_config=mc,
+        scheduler_config=sc,
+        cache_config=cc,
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=kt,
     )
     kc = KVCacheConfig(
         num_blocks=num_blocks,
@@ -112,13 +137,17 @@ def request(rid: str, prompt: list[int], salt: str | None, tenant: str, max_toke
     )
 
 
-def step(s: Scheduler, trace: list) -> dict:
-    """One engine step: schedule (the adapter's step call runs in it), then the runner's output."""
+def step(s: Scheduler, trace: list, kv: KVConnectorOutput | None = None) -> dict:
+    """One engine step: schedule (the adapter's step call runs in it), then the runner's output
+    (with `kv`: what the worker's KV connector reports this step)."""
     out = s.schedule()
     ids = list(out.num_scheduled_tokens)
     sampled = [[7] if not s.requests[r].is_prefill_chunk else [] for r in ids]
     mro = ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=kv,
     )
     s.update_from_output(out, mro)
     trace.append({r: n for r, n in out.num_scheduled_tokens.items()})
@@ -133,8 +162,10 @@ def guard_for(mode: str = "enforce", tenant_field: str = "header:x-tenant"):
 
 
 def result(attachment, s, **extra) -> None:
+    """Print the outcome; a callable in `extra` is read after the capture is closed."""
     guard = attachment.guard
     guard.sink.close()
+    extra = {k: v() if callable(v) else v for k, v in extra.items()}
     print(
         json.dumps(
             {
@@ -297,6 +328,155 @@ def contained() -> None:
     result(attachment, s, totals=outs, trace=trace)
 
 
+# ---------------------------------------------------------------------- P/D (NixlConnector)
+
+PROMPT = list(range(500, 518))  # 18 tokens: five blocks of 4, the last holding 2
+
+
+def remote_prefill(rid: str, tenant: str, blocks: int = 5, tokens: int = 18) -> Request:
+    """A decode-side request whose prompt KV a prefill engine holds (NIXL's kv_transfer_params,
+    as the prefill's request_finished returns them; `blocks`/`tokens`: what the prefill holds)."""
+    r = request(rid, PROMPT, tenant, tenant, max_tokens=3)
+    r.kv_transfer_params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [list(range(30, 30 + blocks))],
+        "remote_engine_id": "prefill-0",
+        "remote_request_id": f"p-{rid}",
+        "remote_host": "10.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 1,
+        "remote_num_tokens": tokens,
+    }
+    return r
+
+
+def kv_events(kind: str, rid: str) -> list:
+    """The capture's events of one kind for one request (read once the capture is closed)."""
+    seen = [json.loads(line) for line in Path(CAPTURE).read_text().splitlines() if line.strip()]
+    return [e[kind] for e in seen if kind in e and e[kind].get("req") == rid]
+
+
+def pd_decode(case: str) -> None:
+    """Decode side: d-1 loads its prompt's KV from the prefill engine, then decodes.
+    case: clean | fail_first | recompute_first (the first loaded block is invalid, under vLLM's
+    kv_load_failure_policy fail / recompute) | recompute_third (the third is) | short (the
+    prefill holds 12 of the 18 tokens)."""
+    policy = "recompute" if case.startswith("recompute") else "fail"
+    attachment, _ = guard_for()
+    s = scheduler(40, kv_role="kv_consumer", failure_policy=policy)
+    trace: list = []
+    short = case == "short"
+    d = remote_prefill("d-1", "tenant-d", *((3, 12) if short else (5, 18)))
+    s.add_request(d)
+    s.add_request(request("l-1", list(range(700, 710)), "tenant-l", "tenant-l", max_tokens=3))
+    step(s, trace)
+    waiting = {
+        "status": d.status.name,
+        "computed": d.num_computed_tokens,
+        "blocks": list(s.kv_cache_manager.get_block_ids("d-1")[0]),
+    }
+    step(s, trace)  # the load is still in flight
+    still = d.status.name
+    blocks = waiting["blocks"]
+    invalid = {blocks[0]} if case.endswith("_first") else {blocks[2]} if case.endswith("_third") else set()
+    step(s, trace, KVConnectorOutput(finished_recving={"d-1"}, invalid_block_ids=invalid))
+    after_recv = {"status": d.status.name, "computed": d.num_computed_tokens}
+    promoted = None
+    for _ in range(8):
+        out = step(s, trace)
+        if promoted is None and "d-1" in out.num_scheduled_tokens:
+            promoted = {
+                "scheduled": out.num_scheduled_tokens["d-1"],
+                "blocks": list(s.kv_cache_manager.get_block_ids("d-1")[0]),
+            }
+    result(
+        attachment,
+        s,
+        waiting=waiting,
+        still=still,
+        after_recv=after_recv,
+        promoted=promoted,
+        final=d.status.name,
+        gone="d-1" not in s.requests,
+        trace=trace,
+        free_blocks=s.kv_cache_manager.block_pool.get_num_free_blocks(),
+        bootstrap=lambda: kv_events("bootstrap", "d-1"),
+        recv=lambda: kv_events("xfer_recv", "d-1"),
+    )
+
+
+def pd_decode_abort() -> None:
+    """Decode side: d-2 is aborted while its load is in flight; vLLM keeps its blocks until the
+    worker reports the load finished (they are being written), then frees them."""
+    attachment, _ = guard_for()
+    s = scheduler(40, kv_role="kv_consumer")
+    trace: list = []
+    d = remote_prefill("d-2", "tenant-d")
+    s.add_request(d)
+    step(s, trace)
+    blocks = list(s.kv_cache_manager.get_block_ids("d-2")[0])
+    pool = s.kv_cache_manager.block_pool
+    s.finish_requests(["d-2"], RequestStatus.FINISHED_ABORTED)
+    kept = {"in_requests": "d-2" in s.requests, "free": pool.get_num_free_blocks()}
+    step(s, trace, KVConnectorOutput(finished_recving={"d-2"}))
+    result(
+        attachment,
+        s,
+        blocks=blocks,
+        kept=kept,
+        gone="d-2" not in s.requests,
+        free_blocks=pool.get_num_free_blocks(),
+        hold=lambda: kv_events("hold", "d-2"),
+        release=lambda: kv_events("release", "d-2"),
+        recv=lambda: kv_events("xfer_recv", "d-2"),
+        free=lambda: kv_events("free", "d-2"),
+    )
+
+
+def pd_prefill() -> None:
+    """Prefill side: p-1 prefills and finishes (max_tokens 1); NIXL keeps its blocks until the
+    decode engine has read them (finished_sending). p-2 is aborted mid-prefill: NIXL sends
+    nothing of an aborted request, so vLLM frees its blocks at once."""
+    attachment, _ = guard_for()
+    s = scheduler(40, kv_role="kv_producer", batched=24)
+    trace: list = []
+    pool = s.kv_cache_manager.block_pool
+    p1 = request("p-1", PROMPT, "tenant-p", "tenant-p", max_tokens=1)
+    p1.kv_transfer_params = {"do_remote_decode": True}
+    p2 = request("p-2", list(range(800, 840)), "tenant-q", "tenant-q", max_tokens=1)
+    p2.kv_transfer_params = {"do_remote_decode": True}
+    s.add_request(p1)
+    s.add_request(p2)
+    step(s, trace)  # p-1's prompt and p-2's first chunk
+    blocks = {rid: list(s.kv_cache_manager.get_block_ids(rid)[0]) for rid in ("p-1", "p-2")}
+    s.finish_requests(["p-2"], RequestStatus.FINISHED_ABORTED)
+    p2_gone = "p-2" not in s.requests
+    step(s, trace)
+    held = {
+        "status": p1.status.name,
+        "in_requests": "p-1" in s.requests,
+        "blocks": list(s.kv_cache_manager.get_block_ids("p-1")[0]) if "p-1" in s.requests else [],
+        "free": pool.get_num_free_blocks(),
+    }
+    step(s, trace)  # nothing yet from the decode side
+    step(s, trace, KVConnectorOutput(finished_sending={"p-1"}))
+    result(
+        attachment,
+        s,
+        blocks=blocks,
+        p2_gone=p2_gone,
+        held=held,
+        gone="p-1" not in s.requests,
+        free_blocks=pool.get_num_free_blocks(),
+        hold=lambda: kv_events("hold", "p-1"),
+        release=lambda: kv_events("release", "p-1"),
+        send=lambda: kv_events("xfer_send", "p-1") + kv_events("xfer_send", "p-2"),
+        free=lambda: {rid: kv_events("free", rid) for rid in ("p-1", "p-2")},
+        ends=lambda: {rid: kv_events("finish", rid) + kv_events("abort", rid) for rid in ("p-1", "p-2")},
+    )
+
+
 t0 = time.time()
 {
     "salted": lambda: two_tenants(True),
@@ -306,4 +486,11 @@ t0 = time.time()
     "plugin": plugin,
     "refused": refused,
     "contained": contained,
+    "pd_decode": lambda: pd_decode("clean"),
+    "pd_decode_fail": lambda: pd_decode("fail_first"),
+    "pd_decode_recompute": lambda: pd_decode("recompute_first"),
+    "pd_decode_short": lambda: pd_decode("short"),
+    "pd_decode_partial": lambda: pd_decode("recompute_third"),
+    "pd_decode_abort": pd_decode_abort,
+    "pd_prefill": pd_prefill,
 }[SCENARIO]()
