@@ -51,6 +51,7 @@ class Service:
                 _, err = self.proc.communicate(timeout=20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                _, err = self.proc.communicate()  # what it said before it was killed still counts
         self._close()
         return err or ""
 
