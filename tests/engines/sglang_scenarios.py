@@ -365,12 +365,19 @@ def contained(capture: str, mode: str) -> dict:
     }
 
 
-if __name__ == "__main__":
-    publish_runtime()
-    name, capture = sys.argv[1], sys.argv[2]
-    mode = sys.argv[3] if len(sys.argv) > 3 else "enforce"
+def run(name: str, capture: str, mode: str) -> dict:
     result = globals()[name](capture, mode)
     if plugin._adapter is not None:
         result["adapter_failed"] = plugin._adapter.attachment.failed
         plugin._adapter.guard.sink.close()
-    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    publish_runtime()
+    if sys.argv[1] == "batch":  # several scenarios, one process (SGLang imported once): NAME,CAPTURE,MODE ...
+        for spec in sys.argv[2:]:
+            name, capture, mode = spec.split(",")
+            print(json.dumps({"scenario": f"{name},{mode}", **run(name, capture, mode)}), flush=True)
+    else:
+        print(json.dumps(run(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "enforce")))

@@ -6,21 +6,49 @@ scenario's capture replays to the findings the guard raised in the engine."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from engine_venvs import kinds, replay, run_scenario
+import pytest
+from engine_venvs import kinds, replay, run_batch, run_scenario
 
 FAILED, SUCCESS = 0, 4  # SGLang's KVPoll
+# Run in one process of the SGLang venv, in this order (the last breaks its own adapter).
+BATCH = [
+    ("incident", "enforce"),
+    ("incident", "monitor"),
+    ("short_send", "enforce"),
+    ("rejected", "enforce"),
+    ("mixed", "enforce"),
+    ("contained", "enforce"),
+]
 
 
-def scenario(tmp_path: Path, name: str, mode: str = "enforce", **env: str) -> tuple[dict, list[dict]]:
-    capture = tmp_path / f"{name}.jsonl"
-    result = run_scenario("sglang", "sglang_scenarios.py", name, str(capture), mode, env=env)
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("sglang")
+    specs = [(name, root / f"{name}-{mode}.jsonl", mode) for name, mode in BATCH]
+    results = run_batch("sglang", "sglang_scenarios.py", specs)
+    for name, capture, mode in specs:
+        results[f"{name},{mode}"]["_capture"] = capture
+    return results
+
+
+def scenario(batch: dict[str, Any], name: str, mode: str = "enforce") -> tuple[dict, list[dict]]:
+    result = batch[f"{name},{mode}"]
     assert result.get("adapter_failed", "") == "", result
+    capture = result["_capture"]
     return result, replay(capture) if capture.exists() else []
 
 
-def test_incident_reservation_of_8_with_1_written_is_stopped_before_its_forward(tmp_path: Path) -> None:
-    result, replayed = scenario(tmp_path, "incident")
+def alone(tmp_path: Path, name: str, **env: str) -> dict:
+    """A scenario that needs a process of its own (SGLang's plugin loader runs once a process)."""
+    result = run_scenario("sglang", "sglang_scenarios.py", name, str(tmp_path / f"{name}.jsonl"), env=env)
+    assert result.get("adapter_failed", "") == "", result
+    return result
+
+
+def test_incident_reservation_of_8_with_1_written_is_stopped_before_its_forward(batch: dict) -> None:
+    result, replayed = scenario(batch, "incident")
     assert result["stale_pages"] == 7  # SGLang's own pool: 7 of B's 8 pages hold A's K
     assert result["poll"] == FAILED  # the receiver's Success turned into SGLang's failure path
     assert result["killed"] == ["b-1"]
@@ -30,8 +58,8 @@ def test_incident_reservation_of_8_with_1_written_is_stopped_before_its_forward(
     assert "expected 32 prompt tokens" in mismatch["message"] and "delivered 4" in mismatch["message"]
 
 
-def test_incident_in_monitor_mode_names_the_victim_and_lets_it_run(tmp_path: Path) -> None:
-    result, replayed = scenario(tmp_path, "incident", "monitor")
+def test_incident_in_monitor_mode_names_the_victim_and_lets_it_run(batch: dict[str, Any]) -> None:
+    result, replayed = scenario(batch, "incident", "monitor")
     assert result["poll"] == SUCCESS and result["killed"] == []
     stale = [f for f in replayed if f["finding"] == "stale_read"]
     assert stale and stale[0]["req"] == "b-1" and stale[0]["victim_req"] == "a-1"
@@ -39,15 +67,15 @@ def test_incident_in_monitor_mode_names_the_victim_and_lets_it_run(tmp_path: Pat
     assert {"transfer_mismatch", "stale_read"} == {f["finding"] for f in replayed}
 
 
-def test_fake_sender_success_after_1_of_8_pages_is_a_transfer_mismatch(tmp_path: Path) -> None:
-    result, replayed = scenario(tmp_path, "short_send")
+def test_fake_sender_success_after_1_of_8_pages_is_a_transfer_mismatch(batch: dict[str, Any]) -> None:
+    result, replayed = scenario(batch, "short_send")
     assert result["poll"] == FAILED and result["killed"] == ["r-1"]
     assert kinds(replayed) == {("transfer_mismatch", "r-1")}
     assert "after sending 4 of the 32 prompt tokens" in replayed[0]["message"]
 
 
-def test_rejected_request_that_flows_on_is_caught(tmp_path: Path) -> None:
-    result, replayed = scenario(tmp_path, "rejected")
+def test_rejected_request_that_flows_on_is_caught(batch: dict[str, Any]) -> None:
+    result, replayed = scenario(batch, "rejected")
     assert result["stub_len"] == 1 and result["finished"] is False  # SGLang's own rejected state
     assert result["killed"] == ["long-1"] and result["poll"] == FAILED
     assert ("rejected_progress", "long-1") in kinds(replayed)
@@ -56,8 +84,8 @@ def test_rejected_request_that_flows_on_is_caught(tmp_path: Path) -> None:
     assert kinds(replayed) == {(f, "long-1") for f in result["findings"]}
 
 
-def test_mixed_workload_with_every_fault_off_has_no_finding(tmp_path: Path) -> None:
-    result, replayed = scenario(tmp_path, "mixed")
+def test_mixed_workload_with_every_fault_off_has_no_finding(batch: dict[str, Any]) -> None:
+    result, replayed = scenario(batch, "mixed")
     assert result["findings"] == [] and result["killed"] == [] and result["errors"] == []
     assert result["events"] > 50
     assert replayed == []
@@ -65,7 +93,7 @@ def test_mixed_workload_with_every_fault_off_has_no_finding(tmp_path: Path) -> N
 
 def test_sglang_loads_the_plugin_through_its_entry_point(tmp_path: Path) -> None:
     capture = tmp_path / "env.jsonl"
-    result, _ = scenario(tmp_path, "plugin_path", KVGUARD_NODE="gpu-7", KVGUARD_CAPTURE=str(capture))
+    result = alone(tmp_path, "plugin_path", KVGUARD_NODE="gpu-7", KVGUARD_CAPTURE=str(capture))
     assert result["hooked"] and result["node"] == "gpu-7"
     lines = capture.read_text().splitlines()
     assert (
@@ -76,15 +104,14 @@ def test_sglang_loads_the_plugin_through_its_entry_point(tmp_path: Path) -> None
 
 
 def test_an_unknown_sglang_version_is_refused_in_one_line(tmp_path: Path) -> None:
-    result, _ = scenario(tmp_path, "version_refused")
+    result = alone(tmp_path, "version_refused")
     assert result["hooked"] is False
     assert "sglang 0.6.0 is not a version this adapter knows (0.5.23)" in result["refused"]
     assert result["_stderr"].count("not a version this adapter knows") == 1
 
 
-def test_a_failure_of_kvguard_never_reaches_sglang(tmp_path: Path) -> None:
-    capture = tmp_path / "contained.jsonl"
-    result = run_scenario("sglang", "sglang_scenarios.py", "contained", str(capture))
+def test_a_failure_of_kvguard_never_reaches_sglang(batch: dict[str, Any]) -> None:
+    result = batch["contained,enforce"]
     assert result["first"] == list(range(4, 12)) and result["second"] == list(range(12, 20))
     assert result["failures"] == 1 and "allocator alloc: TypeError" in result["failed"]
     assert result["_stderr"].count("kvguard sglang adapter failed") == 1

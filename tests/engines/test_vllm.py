@@ -8,7 +8,22 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine_venvs import kinds, replay, run_scenario
+import pytest
+from engine_venvs import kinds, replay, run_batch, run_scenario
+
+# Run in one process of the vLLM venv (the plugin and the version refusal need their own).
+BATCH = [
+    "salted", "unsalted", "mixed", "small_pool", "pd_decode", "pd_decode_fail", "pd_decode_recompute",
+    "pd_decode_partial", "pd_decode_short", "pd_decode_abort", "pd_prefill", "contained",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("vllm")
+    specs = [(name, root / f"{name}.jsonl", "enforce") for name in BATCH]
+    results = run_batch("vllm", "vllm_scenario.py", specs)
+    return {name: (results[f"{name},enforce"], capture) for name, capture, _ in specs}
 
 
 def scenario(name: str, tmp_path: Path) -> tuple[dict[str, Any], Path]:
@@ -24,8 +39,8 @@ def live_kinds(result: dict[str, Any]) -> set[tuple[str, str]]:
     return {(f["finding"], f["req"]) for f in result["findings"]}
 
 
-def test_salted_tenants_share_nothing(tmp_path: Path) -> None:
-    result, capture = scenario("salted", tmp_path)
+def test_salted_tenants_share_nothing(batch: dict[str, Any]) -> None:
+    result, capture = batch["salted"]
     assert result["findings"] == [] and result["errors"] == [] and not result["failed"]
     assert not set(result["blocks_a"]) & set(result["blocks_b"])  # vLLM kept them apart
     assert result["finished"]["b-1"] == "FINISHED_LENGTH_CAPPED"
@@ -35,8 +50,8 @@ def test_salted_tenants_share_nothing(tmp_path: Path) -> None:
     assert replay(capture) == []
 
 
-def test_unsalted_cross_tenant_share_is_caught_and_killed(tmp_path: Path) -> None:
-    result, capture = scenario("unsalted", tmp_path)
+def test_unsalted_cross_tenant_share_is_caught_and_killed(batch: dict[str, Any]) -> None:
+    result, capture = batch["unsalted"]
     shares = [f for f in result["findings"] if f["finding"] == "cross_tenant_share"]
     assert len(shares) == 1 and len(result["findings"]) == 1
     share = shares[0]
@@ -52,8 +67,8 @@ def test_unsalted_cross_tenant_share_is_caught_and_killed(tmp_path: Path) -> Non
     assert kinds(replay(capture)) == live_kinds(result) == {("cross_tenant_share", "b-1")}
 
 
-def test_mixed_workload_has_no_finding(tmp_path: Path) -> None:
-    result, capture = scenario("mixed", tmp_path)
+def test_mixed_workload_has_no_finding(batch: dict[str, Any]) -> None:
+    result, capture = batch["mixed"]
     assert result["findings"] == [] and result["errors"] == [] and not result["failed"]
     assert result["steps"] >= 30 and len(result["aborted"]) == 3 and result["preempted"]
     seen = events(capture)
@@ -74,8 +89,8 @@ def test_mixed_workload_has_no_finding(tmp_path: Path) -> None:
     assert replay(capture) == []
 
 
-def test_pool_below_context_is_config_drift(tmp_path: Path) -> None:
-    result, capture = scenario("small_pool", tmp_path)
+def test_pool_below_context_is_config_drift(batch: dict[str, Any]) -> None:
+    result, capture = batch["small_pool"]
     assert live_kinds(result) == {("config_drift", "")}
     pool = next(e["pool"] for e in events(capture) if "pool" in e)
     assert (int(pool["num_pages"]), int(pool["page_size"]), int(pool["context_len"])) == (9, 4, 64)
@@ -103,8 +118,8 @@ def test_unknown_version_is_refused_in_one_line(tmp_path: Path) -> None:
     assert not capture.exists() or capture.read_text() == ""
 
 
-def test_kvguard_failure_in_a_hook_is_contained(tmp_path: Path) -> None:
-    result, _ = scenario("contained", tmp_path)
+def test_kvguard_failure_in_a_hook_is_contained(batch: dict[str, Any]) -> None:
+    result, _ = batch["contained"]
     assert result["failed"] == "schedule: RuntimeError: planted kvguard defect"
     assert result["totals"][:4] == [17, 2, 2, 2]  # schedule() returned its normal output each step
     assert result["trace"][0] == {"c-1": 16, "c-2": 1}
@@ -114,11 +129,11 @@ def test_kvguard_failure_in_a_hook_is_contained(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- P/D: vLLM's NixlConnector
 
 
-def test_pd_decode_receipt_is_the_requests_own_kv(tmp_path: Path) -> None:
+def test_pd_decode_receipt_is_the_requests_own_kv(batch: dict[str, Any]) -> None:
     """d-1 waits for remote KV in the blocks vLLM granted it; the worker's finished_recving is
     its receipt for exactly those blocks and tokens, after which its decode reads them clean
     (without the receipt those blocks would be read unwritten: a stale_read)."""
-    result, capture = scenario("pd_decode", tmp_path)
+    result, capture = batch["pd_decode"]
     assert result["findings"] == [] and result["errors"] == [] and not result["failed"]
     waiting = result["waiting"]
     assert waiting == {"status": "WAITING_FOR_REMOTE_KVS", "computed": 18, "blocks": [1, 2, 3, 4, 5]}
@@ -140,11 +155,11 @@ def test_pd_decode_receipt_is_the_requests_own_kv(tmp_path: Path) -> None:
     assert replay(capture) == []
 
 
-def test_pd_decode_failed_load_fails_the_request_unread(tmp_path: Path) -> None:
+def test_pd_decode_failed_load_fails_the_request_unread(batch: dict[str, Any]) -> None:
     """The first loaded block is invalid (kv_load_failure_policy=fail, vLLM's default): the
     receipt is `failed`, nothing of it counts as written, vLLM ends the request with an error
     and frees its blocks; it never ran a forward, so nothing read them: no finding is the truth."""
-    result, capture = scenario("pd_decode_fail", tmp_path)
+    result, capture = batch["pd_decode_fail"]
     assert result["findings"] == [] and result["killed"] == [] and result["errors"] == []
     (recv,) = result["recv"]
     assert (recv["pages"], recv.get("tokens", 0), recv["status"]) == ([1, 2, 3, 4, 5], 0, "failed")
@@ -156,11 +171,11 @@ def test_pd_decode_failed_load_fails_the_request_unread(tmp_path: Path) -> None:
     assert replay(capture) == []
 
 
-def test_pd_decode_failed_load_is_recomputed_by_the_request(tmp_path: Path) -> None:
+def test_pd_decode_failed_load_is_recomputed_by_the_request(batch: dict[str, Any]) -> None:
     """Same failure under kv_load_failure_policy=recompute: vLLM rewinds d-1 to 0 computed
     tokens, frees the blocks and prefills the whole prompt itself. The failed receipt wrote
     nothing, the request's own prefill writes every block it then reads: no finding."""
-    result, capture = scenario("pd_decode_recompute", tmp_path)
+    result, capture = batch["pd_decode_recompute"]
     assert result["findings"] == [] and result["killed"] == [] and result["errors"] == []
     (recv,) = result["recv"]
     assert (recv["status"], recv.get("tokens", 0)) == ("failed", 0)
@@ -174,12 +189,12 @@ def test_pd_decode_failed_load_is_recomputed_by_the_request(tmp_path: Path) -> N
     assert replay(capture) == []
 
 
-def test_pd_decode_partial_load_is_a_short_transfer(tmp_path: Path) -> None:
+def test_pd_decode_partial_load_is_a_short_transfer(batch: dict[str, Any]) -> None:
     """The third loaded block is invalid (policy recompute): vLLM keeps the first two blocks
     (8 tokens) as loaded and would recompute the rest. The receipt says what landed: 8 tokens
     in blocks 1-2 of the 18 the bootstrap expected, which is a short transfer
     (transfer_mismatch, a kill in the default ruleset): d-1 is aborted before any forward."""
-    result, capture = scenario("pd_decode_partial", tmp_path)
+    result, capture = batch["pd_decode_partial"]
     (recv,) = result["recv"]
     assert (recv["pages"], recv["tokens"], recv["status"]) == ([1, 2], 8, "done")
     assert result["after_recv"]["computed"] == 8  # vLLM's own rewind agrees on what landed
@@ -189,12 +204,12 @@ def test_pd_decode_partial_load_is_a_short_transfer(tmp_path: Path) -> None:
     assert kinds(replay(capture)) == {("transfer_mismatch", "d-1")}
 
 
-def test_pd_decode_receipt_short_of_the_prompt_is_a_mismatch(tmp_path: Path) -> None:
+def test_pd_decode_receipt_short_of_the_prompt_is_a_mismatch(batch: dict[str, Any]) -> None:
     """The prefill holds 3 blocks (12 tokens) of d-1's 18-token prompt, yet the connector
     reports the load finished (it carries no count): the receipt is 12 tokens in blocks 1-3
     of the 5 reserved, against the bootstrap's 18: transfer_mismatch, d-1 killed before its
     first decode (which would read blocks 4-5, never written)."""
-    result, capture = scenario("pd_decode_short", tmp_path)
+    result, capture = batch["pd_decode_short"]
     (recv,) = result["recv"]
     assert (recv["pages"], recv["tokens"], recv["status"]) == ([1, 2, 3], 12, "done")
     assert result["bootstrap"][0]["prompt_tokens"] == 18
@@ -206,10 +221,10 @@ def test_pd_decode_receipt_short_of_the_prompt_is_a_mismatch(tmp_path: Path) -> 
     assert kinds(replay(capture)) == {("transfer_mismatch", "d-1")}
 
 
-def test_pd_decode_abort_waits_for_the_load_in_flight(tmp_path: Path) -> None:
+def test_pd_decode_abort_waits_for_the_load_in_flight(batch: dict[str, Any]) -> None:
     """d-2 is aborted while its load is in flight: vLLM keeps its blocks (delay_free_blocks)
     until finished_recving, then frees them; kvguard holds them for the transfer meanwhile."""
-    result, capture = scenario("pd_decode_abort", tmp_path)
+    result, capture = batch["pd_decode_abort"]
     assert result["findings"] == [] and result["errors"] == []
     assert result["kept"]["in_requests"] and result["kept"]["free"] == 34  # 39 usable, 5 kept
     assert result["gone"] and result["free_blocks"] == 39
@@ -223,12 +238,12 @@ def test_pd_decode_abort_waits_for_the_load_in_flight(tmp_path: Path) -> None:
     assert replay(capture) == []
 
 
-def test_pd_prefill_frees_only_after_the_send(tmp_path: Path) -> None:
+def test_pd_prefill_frees_only_after_the_send(batch: dict[str, Any]) -> None:
     """p-1 finishes its prefill; NIXL keeps its blocks for the decode engine to read, and vLLM
     frees them on finished_sending: xfer_send of exactly its blocks and tokens while held, then
     the free. p-2, aborted mid-prefill, is not sent (NIXL sends only finished requests): its
     blocks are freed at once. No finding."""
-    result, capture = scenario("pd_prefill", tmp_path)
+    result, capture = batch["pd_prefill"]
     assert result["findings"] == [] and result["errors"] == []
     p1 = result["blocks"]["p-1"]
     assert p1 == [1, 2, 3, 4, 5]

@@ -13,6 +13,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SCENARIO, CAPTURE = sys.argv[1], sys.argv[2]
+CURRENT = ""  # in a batch, "NAME,MODE" of the scenario running (its result line says it)
 BS = 4
 
 if SCENARIO == "plugin":
@@ -169,6 +170,7 @@ def result(attachment, s, **extra) -> None:
     print(
         json.dumps(
             {
+                **({"scenario": CURRENT} if CURRENT else {}),
                 "findings": [
                     {
                         "finding": f.finding,
@@ -478,7 +480,7 @@ def pd_prefill() -> None:
 
 
 t0 = time.time()
-{
+SCENARIOS = {
     "salted": lambda: two_tenants(True),
     "unsalted": lambda: two_tenants(False),
     "mixed": mixed,
@@ -493,4 +495,12 @@ t0 = time.time()
     "pd_decode_partial": lambda: pd_decode("recompute_third"),
     "pd_decode_abort": pd_decode_abort,
     "pd_prefill": pd_prefill,
-}[SCENARIO]()
+}
+if SCENARIO == "batch":  # several in one process (vLLM imported once): NAME,CAPTURE,MODE ...
+    for spec in sys.argv[2:]:
+        name, CAPTURE, mode = spec.split(",")
+        CURRENT = f"{name},{mode}"
+        SCENARIOS[name]()
+        sys.stdout.flush()
+else:
+    SCENARIOS[SCENARIO]()

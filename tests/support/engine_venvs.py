@@ -53,8 +53,26 @@ def run_scenario(
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines, f"{script} printed no result:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     result = json.loads(lines[-1])
-    result["_stderr"] = done.stderr
+    result["_stderr"], result["_stdout"] = done.stderr, done.stdout
     return result
+
+
+def run_batch(
+    engine: str, script: str, specs: list[tuple[str, Path, str]], timeout: float = 300
+) -> dict[str, Any]:
+    """Several scenarios of a script in one run of the engine's venv (the engine is imported
+    once): `script batch NAME,CAPTURE,MODE ...`, each printing a line with its "scenario"
+    ("NAME,MODE"). Their results by that key."""
+    args = [f"{name},{capture},{mode}" for name, capture, mode in specs]
+    last = run_scenario(engine, script, "batch", *args, timeout=timeout)
+    found: dict[str, Any] = {}
+    for line in last["_stdout"].splitlines():
+        if line.startswith('{"scenario"'):
+            result = json.loads(line)
+            result["_stderr"] = last["_stderr"]
+            found[result["scenario"]] = result
+    assert len(found) == len(specs), f"{script}: {len(found)} of {len(specs)} scenarios reported"
+    return found
 
 
 def replay(capture: Path) -> list[dict[str, Any]]:
