@@ -36,7 +36,8 @@ POOL = 0  # the scheduler's one KV pool (hybrid pools: not yet mapped)
 UNNAMED = "?"  # the other side of a PD pair: SGLang knows its bootstrap address, not its node name
 
 
-def _np(values: Any) -> np.ndarray:
+def host_ints(values: Any) -> np.ndarray:
+    """Integers of a torch tensor (on any device), a list or an array, as a flat int64 array."""
     if hasattr(values, "detach"):
         values = values.detach().cpu().numpy()
     return np.asarray(values, dtype=np.int64).reshape(-1)
@@ -177,7 +178,7 @@ class SglangAdapter:
         row = req.kv.req_pool_idx
         if row is not None:
             length = int(getattr(req.kv, "kv_allocated_len", 0) or pool.req_to_token.shape[1])
-            pages = self.book.pages_of(_np(pool.req_to_token[row, :length]))
+            pages = self.book.pages_of(host_ints(pool.req_to_token[row, :length]))
             # Its own pages the tree keeps, and the tree's pages it shared: all given back now.
             mine = pages[self.book.tree[pages] != NONE]
             if len(mine):
@@ -198,7 +199,7 @@ class SglangAdapter:
         book = self.pool_of(allocator)
         if slots is None or book is None:
             return
-        pages = _np(slots) // book.page_size
+        pages = host_ints(slots) // book.page_size
         book.handed_out(pages[pages > 0])  # repeats do no harm: no sort for distinct pages
 
     def released(self, allocator: Any, pages: np.ndarray) -> None:
@@ -228,10 +229,10 @@ class SglangAdapter:
         if not self._ours(pool):
             return
         book = self.book
-        slots = _np(values)
+        slots = host_ints(values)
         rows_spec = indices[0] if isinstance(indices, tuple) else indices
         if hasattr(rows_spec, "numel") and rows_spec.numel() == len(slots):
-            rows = _np(rows_spec)
+            rows = host_ints(rows_spec)
         elif hasattr(rows_spec, "numel") and rows_spec.numel() > 1:
             return  # a shape this adapter does not map (a 2-D copy): left to the step check
         else:
@@ -275,7 +276,7 @@ class SglangAdapter:
         book = self.pool_of(allocator)
         if book is None or value is None:
             return
-        pages = book.pages_of(_np(value)[prefix_len:])
+        pages = book.pages_of(host_ints(value)[prefix_len:])
         pages = pages[(book.tree[pages] == NONE) & (book.last[pages] != NONE)]
         holder = np.where(book.owner[pages] != NONE, book.owner[pages], book.last[pages])
         for idx, held in groups(holder, pages):
@@ -293,8 +294,8 @@ class SglangAdapter:
         if self.book is None or not reqs:
             return Verdict()
         ps = self.book.page_size
-        lens = _np(seq_lens)
-        locs = _np(out_cache_loc)
+        lens = host_ints(seq_lens)
+        locs = host_ints(out_cache_loc)
         written = self._step_counts(reqs, len(locs), extend_lens)
         owner_of = np.repeat(np.arange(len(reqs)), written)
         pages = locs // ps
@@ -324,7 +325,7 @@ class SglangAdapter:
         ps = self.book.page_size
         if req_to_token.device.type == "cpu":
             view = req_to_token.numpy()[:, : width * ps : ps]
-            return view[_np(rows)].astype(np.int64) // ps
+            return view[host_ints(rows)].astype(np.int64) // ps
         return req_to_token[rows, : width * ps : ps].long() // ps
 
     @staticmethod
@@ -365,7 +366,7 @@ class SglangAdapter:
 
     def sent(self, sender: Any, kv_indices: Any, num_kv_tokens: int | None) -> None:
         entry = self.sending.setdefault(id(sender), [[], 0])
-        pages = _np(kv_indices)
+        pages = host_ints(kv_indices)
         entry[0].append(pages)
         entry[1] += int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * self.book.page_size
 
@@ -403,7 +404,7 @@ class SglangAdapter:
         idx = self.rooms.get(self.receiver_room.get(id(receiver), -1))
         if idx is None or self.book is None:
             return
-        pages = _np(kv_indices)
+        pages = host_ints(kv_indices)
         before = page_digests(self.allocator.get_kvcache(), pages, self.book.page_size)
         expected = self.prompt[idx] - int(decode_prefix_len or 0)
         self.receiving[id(receiver)] = (idx, pages, before, expected)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvguard.agents.attach import Attachment, Settings, SettingsError, VersionRefused, check_version
-from kvguard.agents.sglang.adapter import KNOWN_VERSIONS, SglangAdapter, _np
+from kvguard.agents.sglang.adapter import KNOWN_VERSIONS, SglangAdapter, host_ints
 
 log = logging.getLogger("kvguard.adapter")
 
@@ -98,13 +98,13 @@ def _handed_out(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _released(allocator: Any, *page_ids: Any) -> None:
-    pages = np.concatenate([_np(p) for p in page_ids]) if page_ids else np.zeros(0, np.int64)
+    pages = np.concatenate([host_ints(p) for p in page_ids]) if page_ids else np.zeros(0, np.int64)
     _run("allocator free", SglangAdapter.released, allocator, pages)
 
 
 def _token_free(allocator: Any, free_index: Any) -> None:
     if allocator.free_group is None:  # in a group: freed at its end, by one call that comes here
-        _run("allocator free", SglangAdapter.released, allocator, _np(free_index))
+        _run("allocator free", SglangAdapter.released, allocator, host_ints(free_index))
 
 
 def _cleared(result: Any, allocator: Any) -> None:
@@ -178,7 +178,8 @@ def _run_batch(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
             SglangAdapter.forward_step,
             batch.reqs,
             batch.req_pool_indices,
-            batch.seq_lens,
+            # The host copy SGLang keeps, where it has one: no device sync for the lengths.
+            batch.seq_lens if getattr(batch, "seq_lens_cpu", None) is None else batch.seq_lens_cpu,
             batch.out_cache_loc,
             scheduler.req_to_token_pool,
             getattr(batch, "extend_lens", None),
