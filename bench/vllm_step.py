@@ -19,11 +19,10 @@ step for each, the difference and its ratio to the unguarded step. Run with the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import tempfile
+import sys
 import time
 import types
 from pathlib import Path
@@ -61,23 +60,11 @@ HASHER = get_request_block_hasher(BS, sha256)
 
 
 def model_dir() -> str:
-    path = Path(tempfile.mkdtemp(prefix="kvguard-bench-llama-"))
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-        "vocab_size": 32000,
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-6,
-        "torch_dtype": "float16",
-        "tie_word_embeddings": False,
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engines"))
+    from tiny_model import llama_dir  # the tests' tiny model config
+
+    config = {"num_attention_heads": 4, "vocab_size": 32000, "max_position_embeddings": 8192}
+    return str(llama_dir(**config, rms_norm_eps=1e-6, tie_word_embeddings=False))
 
 
 def scheduler(model: str, batch: int, max_model_len: int) -> Scheduler:

@@ -14,7 +14,6 @@ Prints {"version", "nodes": {name: {"log", "models", "metrics", "num_blocks", ..
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import tempfile
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 from probe_support import capture, done, format_of
 from prometheus_client import generate_latest
+from tiny_model import llama_dir
 from vllm import ModelRegistry
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
 from vllm.entrypoints.openai.models.protocol import BaseModelPath
@@ -64,23 +64,16 @@ SHAPES = {
 
 
 def model_dir(root: Path) -> Path:
-    path = root / "acme-tiny"
-    path.mkdir()
-    config = {
-        "architectures": ["KvguardTinyForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": 8192,
-        "torch_dtype": "float32",
-        "rms_norm_eps": 1e-5,
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return llama_dir(
+        root,
+        "acme-tiny",
+        architectures=["KvguardTinyForCausalLM"],
+        num_attention_heads=4,
+        vocab_size=256,
+        max_position_embeddings=8192,
+        torch_dtype="float32",
+        rms_norm_eps=1e-5,
+    )
 
 
 def node(model: Path, max_len: int, blocks: int, block: int, dtype: str) -> dict[str, object]:

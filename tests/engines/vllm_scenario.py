@@ -6,7 +6,6 @@ vllm_scenario.py SCENARIO CAPTURE; prints one JSON object (findings, kills, engi
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ if SCENARIO == "plugin":
     load_general_plugins()
 
 import torch  # noqa: E402
+from tiny_model import llama_dir  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
@@ -50,26 +50,11 @@ HASHER = get_request_block_hasher(BS, sha256)
 
 
 def model_dir() -> str:
-    path = Path(tempfile.mkdtemp(prefix="kvguard-tiny-llama-"))
-    (path / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "num_hidden_layers": 2,
-                "vocab_size": 1000,
-                "max_position_embeddings": 4096,
-                "rms_norm_eps": 1e-6,
-                "torch_dtype": "float16",
-                "tie_word_embeddings": False,
-            }
+    return str(
+        llama_dir(
+            num_attention_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False
         )
     )
-    return str(path)
 
 
 def scheduler(
