@@ -206,17 +206,28 @@ class VllmAdapter:
             )
         )
 
-    def allocate_slots(self, orig: Callable[..., Any], manager: Any, bound: inspect.BoundArguments) -> Any:
+    def allocate_slots(
+        self,
+        orig: Callable[..., Any],
+        manager: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        bind: Callable[..., inspect.BoundArguments],
+    ) -> Any:
         state = _state(manager)
         if state is None or not state.attachment.active:
             if state is not None and state.attachment.stopped:
                 return None  # KVGUARD_ON_FAILURE=stop: nothing new gets blocks
-            return orig(*bound.args, **bound.kwargs)
-        request = bound.arguments["request"]
-        before = len(state.vllm_table(request.request_id))
-        result = orig(*bound.args, **bound.kwargs)
-        if result is not None:
-            self.allocated(state, bound, before)
+            return orig(manager, *args, **kwargs)
+        request = args[0] if args else kwargs["request"]
+        rid = request.request_id
+        before = len(state.vllm_table(rid))
+        result = orig(manager, *args, **kwargs)
+        # vLLM calls this for every running request on every step, and most decode steps
+        # grant nothing: for an admitted request whose blocks did not grow there is nothing
+        # to report, and its call is not even bound.
+        if result is not None and (rid not in state.admitted or len(state.vllm_table(rid)) != before):
+            self.allocated(state, bind(manager, *args, **kwargs), before)
         return result
 
     def allocated(self, state: PoolState, bound: inspect.BoundArguments, before: int) -> None:
@@ -384,20 +395,9 @@ def _patch() -> None:
         bind = _bound(orig)
 
         def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
-            state = self.__dict__.get("_kvguard")
-            if _ACTIVE is None or state is None:
+            if _ACTIVE is None or "_kvguard" not in self.__dict__:
                 return orig(self, *args, **kwargs)
-            request = args[0] if args else kwargs.get("request")
-            rid = getattr(request, "request_id", None)
-            if state.attachment.active and rid in state.admitted:
-                # vLLM calls this for every running request on every step; most decode
-                # steps grant nothing, and such a call costs kvguard one length compare.
-                before = len(state.vllm_table(rid))
-                result = orig(self, *args, **kwargs)
-                if result is not None and len(state.vllm_table(rid)) != before:
-                    _ACTIVE.allocated(state, bind(self, *args, **kwargs), before)
-                return result
-            return _ACTIVE.allocate_slots(orig, self, bind(self, *args, **kwargs))
+            return _ACTIVE.allocate_slots(orig, self, args, kwargs, bind)
 
         return allocate_slots
 
