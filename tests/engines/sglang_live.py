@@ -13,9 +13,7 @@ import json
 import sys
 import time
 
-import torch
-from sglang.srt.disaggregation.fake.conn import FakeKVReceiver
-from sglang_scenarios import PAGE, Engine, publish_runtime, stale_pages
+from sglang_scenarios import Engine, one_page_of_eight_lands, publish_runtime, stale_pages
 
 from kvguard.agents.sglang import plugin
 
@@ -45,16 +43,7 @@ def incident_live(wait_s: float) -> dict:
     c = e.request("c-1", list(range(3000, 3008)), "tenant-c")
     e.prefill(c, 3.0)
     b = e.request("b-1", list(range(2000, 2032)), "tenant-b")
-    b.bootstrap_room = 42
-    assert e.r2t.alloc([b]) is not None
-    slots = e.alloc.alloc(32)
-    e.r2t.write((b.kv.req_pool_idx, slice(0, 32)), slots.to(torch.int32))
-    b.kv.kv_allocated_len = 32
-    receiver = FakeKVReceiver(mgr=None, bootstrap_addr="fake", bootstrap_room=42)
-    receiver.init(prefill_dp_rank=0)
-    receiver.send_metadata(kv_indices=(slots[::PAGE] // PAGE).numpy().astype("int32"))
-    e.kv.k_buffer[0][slots[:PAGE]] = 1.0  # the one page prefill sent lands
-    e.kv.v_buffer[0][slots[:PAGE]] = 1.0
+    receiver = one_page_of_eight_lands(e, b)
     stale = stale_pages(e, b, 7.0)
     state = receiver.poll()
     killed_locally = sorted(e.guard.killed)

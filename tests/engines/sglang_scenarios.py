@@ -181,6 +181,22 @@ def stale_pages(engine: Engine, req: Req, value: float) -> int:
     )
 
 
+def one_page_of_eight_lands(e: Engine, b: Req, room: int = 42) -> FakeKVReceiver:
+    """B's decode reservation of its whole 32-token prompt (8 pages, whatever they held), told
+    to prefill through the fake receiver of `room`; the one page prefill sends lands."""
+    b.bootstrap_room = room
+    assert e.r2t.alloc([b]) is not None
+    slots = e.alloc.alloc(32)
+    e.r2t.write((b.kv.req_pool_idx, slice(0, 32)), slots.to(torch.int32))
+    b.kv.kv_allocated_len = 32
+    receiver = FakeKVReceiver(mgr=None, bootstrap_addr="fake", bootstrap_room=room)
+    receiver.init(prefill_dp_rank=0)
+    receiver.send_metadata(kv_indices=(slots[::PAGE] // PAGE).numpy().astype("int32"))
+    e.kv.k_buffer[0][slots[:PAGE]] = 1.0
+    e.kv.v_buffer[0][slots[:PAGE]] = 1.0
+    return receiver
+
+
 def incident(capture: str, mode: str) -> dict:
     """Decode reserves 8 pages for B's transfer; prefill (rejected, flowing on) sends one;
     the other 7 still hold tenant A's KV. SGLang's receiver says Success."""
@@ -189,16 +205,7 @@ def incident(capture: str, mode: str) -> dict:
     e.prefill(a, 7.0)
     e.finish(a)
     b = e.request("b-1", list(range(2000, 2032)), "tenant-b")
-    b.bootstrap_room = 42
-    assert e.r2t.alloc([b]) is not None
-    slots = e.alloc.alloc(32)
-    e.r2t.write((b.kv.req_pool_idx, slice(0, 32)), slots.to(torch.int32))
-    b.kv.kv_allocated_len = 32
-    receiver = FakeKVReceiver(mgr=None, bootstrap_addr="fake", bootstrap_room=42)
-    receiver.init(prefill_dp_rank=0)
-    receiver.send_metadata(kv_indices=(slots[::PAGE] // PAGE).numpy().astype("int32"))
-    e.kv.k_buffer[0][slots[:PAGE]] = 1.0  # the one page prefill sent lands
-    e.kv.v_buffer[0][slots[:PAGE]] = 1.0
+    receiver = one_page_of_eight_lands(e, b)
     stale = stale_pages(e, b, 7.0)
     state = receiver.poll()
     return {
