@@ -31,7 +31,6 @@ from kvguard.agents.guard import AgentSink, CaptureSink, EventSink, Guard, Mode,
 log = logging.getLogger("kvguard.adapter")
 
 OnFailure = Literal["monitor", "stop"]
-ENV_PREFIX = "KVGUARD_"
 
 
 class SettingsError(ValueError):

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from kvguard.cli.options import (
+    AGENT_SOCKET,
     Subcommands,
     add_command,
     add_tls_arguments,
@@ -91,7 +92,7 @@ def add_parser(sub: Subcommands) -> None:
     )
     p.add_argument(
         "--socket",
-        default="/run/kvguard/agent.sock",
+        default=AGENT_SOCKET,
         help="Unix socket the guards connect to (owner-only: guards run as the agent's user, or as root)",
     )
     p.add_argument(

@@ -13,6 +13,8 @@ from kvguard.proto.channel import Tls
 # What `add_subparsers()` returns: where a command module adds its parser.
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
+AGENT_SOCKET = "/run/kvguard/agent.sock"  # the node agent's socket, where no flag says otherwise
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Each option's default after its help, and the description and example as written.

@@ -12,9 +12,8 @@ import os
 import stat
 import sys
 
-from kvguard.cli.options import Subcommands, add_command
+from kvguard.cli.options import AGENT_SOCKET, Subcommands, add_command
 
-AGENT_SOCKET = "/run/kvguard/agent.sock"
 # The engines' plugin allow-lists: when the operator set one, kvguard is added to it.
 PLUGIN_LISTS = ("SGLANG_PLUGINS", "VLLM_PLUGINS")
 

@@ -346,8 +346,9 @@ class SglangAdapter:
 
     def stop_rid(self, rid: str, reason: str) -> None:
         """The daemon's kill (on the sink's reader thread): the request, while it holds a row and
-        is not already ending, gets SGLang's abort. The first kill stands, as the guard records
-        only the first; a later one (the daemon orders one per finding) would swap its reason."""
+        is not already ending (an end of SGLang's own, or kvguard's own local kill), gets
+        SGLang's abort. (The daemon's later kills of it never come here: the guard passes on
+        the first only.)"""
         idx = self.index.get(rid)
         req = self.live.get(idx) if idx is not None else None
         if req is not None and req.to_finish is None and req.finished_reason is None:
