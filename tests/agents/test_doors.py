@@ -241,11 +241,14 @@ def test_connections_are_bounded_and_unfinished_frames_time_out(tmp_path: Path) 
         for i in range(40):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(str(tmp_path / "agent.sock"))
-            if i % 3 == 0:
-                s.sendall(b"\x00\x00")  # half a frame's length
-            elif i % 3 == 1:
-                s.sendall(struct.pack(">I", 100) + b"x" * 10)  # a tenth of its body
             held.append(s)
+            try:
+                if i % 3 == 0:
+                    s.sendall(b"\x00\x00")  # half a frame's length
+                elif i % 3 == 1:
+                    s.sendall(struct.pack(">I", 100) + b"x" * 10)  # a tenth of its body
+            except (BrokenPipeError, ConnectionResetError):
+                assert i >= 8  # only a connection refused at the door may be closed before it speaks
         assert wait_for(lambda: agent.counters["guards_over_limit"] == 32)
         assert guard_threads() == 8 and threading.active_count() == threads + 8
         refused = svc.DaemonMessage.FromString(recv_frame(held[-1]))
