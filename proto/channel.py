@@ -26,11 +26,14 @@ MAX_BATCH_BYTES = MAX_MESSAGE // 2  # what an agent puts in one batch (the event
 TRANSPORT_LIMIT = 64 << 20  # gRPC's own limit: beyond it gRPC refuses, before the daemon sees a byte
 
 # The roles of a client certificate: a node's streams its events; a reader's (audit, alerts,
-# fleet: a SIEM, a dashboard, an operator) reads. A URN rather than a name, so that no node's
-# name can make its certificate a reader's.
+# fleet: a SIEM, a dashboard) reads; an operator's reads and acts (kill, quarantine, acknowledge,
+# rule modes: ControlService). A URN rather than a name, so that no node's name can make its
+# certificate a reader's or an operator's.
 NODE = "node"
 READER = "reader"
+OPERATOR = "operator"
 READER_URI = "urn:kvguard:role:reader"
+OPERATOR_URI = "urn:kvguard:role:operator"
 
 
 class TlsError(ValueError):
@@ -97,9 +100,12 @@ def peer_names(context: Any) -> set[str] | None:
 
 
 def peer_role(context: Any) -> str | None:
-    """READER if the client's certificate carries the URI SAN READER_URI, else NODE; None on
-    plaintext."""
+    """OPERATOR if the client's certificate carries the URI SAN OPERATOR_URI, READER if
+    READER_URI, else NODE; None on plaintext."""
     auth = context.auth_context()
     if auth.get("transport_security_type") != [b"ssl"]:
         return None
-    return READER if READER_URI.encode() in auth.get("peer_uri", []) else NODE
+    uris = auth.get("peer_uri", [])
+    if OPERATOR_URI.encode() in uris:
+        return OPERATOR
+    return READER if READER_URI.encode() in uris else NODE

@@ -205,10 +205,12 @@ class Guard:
         if which == "kill":
             k = command.kill
             known = k.req in self.killed  # the daemon orders one kill per finding: the first stands
-            self.kill(k.req, k.finding, k.rule, k.message)
+            by = command.by or "daemon"  # an operator's kill names the operator
+            self.kill(k.req, k.finding or "operator_kill", k.rule, k.message, by)
+            why = f"{k.finding} ({k.rule}): {k.message}" if k.finding else f"killed by {by}: {k.message}"
             # Outside the guard's lock: the engine takes its own locks, then calls the guard.
             if self._on_kill is not None and not known:
-                self._on_kill(k.req, f"{k.finding} ({k.rule}): {k.message}")
+                self._on_kill(k.req, why)
         elif which == "quarantine" and self._on_quarantine is not None:
             self._on_quarantine(command.quarantine.pool, list(command.quarantine.pages))
 

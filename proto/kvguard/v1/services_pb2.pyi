@@ -22,12 +22,48 @@ class EventBatch(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[_events_pb2.Event, _Mapping]]] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "batch")
+    __slots__ = ("hello", "batch", "status")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     batch: EventBatch
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ...) -> None: ...
+    status: NodeStatus
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ...) -> None: ...
+
+class Gpu(_message.Message):
+    __slots__ = ("index", "name", "uuid", "memory_total", "memory_used")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    name: str
+    uuid: str
+    memory_total: int
+    memory_used: int
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_used: _Optional[int] = ...) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("guard", "guard_since_ns", "guard_pid", "gpus", "gpu_unavailable", "driver", "spooled", "agent_version")
+    GUARD_FIELD_NUMBER: _ClassVar[int]
+    GUARD_SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    GUARD_PID_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_FIELD_NUMBER: _ClassVar[int]
+    SPOOLED_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    guard: str
+    guard_since_ns: int
+    guard_pid: int
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    gpu_unavailable: str
+    driver: str
+    spooled: int
+    agent_version: str
+    def __init__(self, guard: _Optional[str] = ..., guard_since_ns: _Optional[int] = ..., guard_pid: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_unavailable: _Optional[str] = ..., driver: _Optional[str] = ..., spooled: _Optional[int] = ..., agent_version: _Optional[str] = ...) -> None: ...
 
 class Rejected(_message.Message):
     __slots__ = ("seq", "reason", "epoch")
@@ -68,24 +104,28 @@ class KillRequest(_message.Message):
     def __init__(self, req: _Optional[str] = ..., finding: _Optional[str] = ..., rule: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class QuarantinePages(_message.Message):
-    __slots__ = ("pool", "pages", "finding")
+    __slots__ = ("pool", "pages", "finding", "epoch")
     POOL_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     FINDING_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     pool: int
     pages: _containers.RepeatedScalarFieldContainer[int]
     finding: str
-    def __init__(self, pool: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., finding: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, pool: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., finding: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("id", "kill", "quarantine")
+    __slots__ = ("id", "kill", "quarantine", "by")
     ID_FIELD_NUMBER: _ClassVar[int]
     KILL_FIELD_NUMBER: _ClassVar[int]
     QUARANTINE_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
     id: int
     kill: KillRequest
     quarantine: QuarantinePages
-    def __init__(self, id: _Optional[int] = ..., kill: _Optional[_Union[KillRequest, _Mapping]] = ..., quarantine: _Optional[_Union[QuarantinePages, _Mapping]] = ...) -> None: ...
+    by: str
+    def __init__(self, id: _Optional[int] = ..., kill: _Optional[_Union[KillRequest, _Mapping]] = ..., quarantine: _Optional[_Union[QuarantinePages, _Mapping]] = ..., by: _Optional[str] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message")
@@ -112,12 +152,14 @@ class RawEventBatch(_message.Message):
     def __init__(self, events: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RawAgentMessage(_message.Message):
-    __slots__ = ("hello", "batch")
+    __slots__ = ("hello", "batch", "status")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     batch: RawEventBatch
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[RawEventBatch, _Mapping]] = ...) -> None: ...
+    status: NodeStatus
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[RawEventBatch, _Mapping]] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ...) -> None: ...
 
 class AlertFilter(_message.Message):
     __slots__ = ("findings", "severities", "tenant", "node", "after", "req", "since_ns", "until_ns")
@@ -174,20 +216,22 @@ class AuditQuery(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., tenant: _Optional[str] = ..., req: _Optional[str] = ..., node: _Optional[str] = ..., finding: _Optional[str] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., limit: _Optional[int] = ..., findings: _Optional[_Iterable[str]] = ..., severities: _Optional[_Iterable[str]] = ..., after: _Optional[int] = ...) -> None: ...
 
 class AuditRecord(_message.Message):
-    __slots__ = ("id", "kind", "event", "finding", "command", "refused")
+    __slots__ = ("id", "kind", "event", "finding", "command", "refused", "action")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     FINDING_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
     id: int
     kind: str
     event: _events_pb2.Event
     finding: _events_pb2.Finding
     command: Command
     refused: Refusal
-    def __init__(self, id: _Optional[int] = ..., kind: _Optional[str] = ..., event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., finding: _Optional[_Union[_events_pb2.Finding, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., refused: _Optional[_Union[Refusal, _Mapping]] = ...) -> None: ...
+    action: Action
+    def __init__(self, id: _Optional[int] = ..., kind: _Optional[str] = ..., event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., finding: _Optional[_Union[_events_pb2.Finding, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., refused: _Optional[_Union[Refusal, _Mapping]] = ..., action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
 
 class Refusal(_message.Message):
     __slots__ = ("kind", "reason", "epoch", "event", "size")
@@ -218,7 +262,7 @@ class PoolState(_message.Message):
     def __init__(self, node: _Optional[str] = ..., report: _Optional[_Union[_events_pb2.PoolReport, _Mapping]] = ..., pages_in_use: _Optional[int] = ...) -> None: ...
 
 class NodeState(_message.Message):
-    __slots__ = ("node", "last_seq", "last_ts_ns", "connected", "dropped", "pools", "epoch", "restarts")
+    __slots__ = ("node", "last_seq", "last_ts_ns", "connected", "dropped", "pools", "epoch", "restarts", "status", "status_ns", "connected_ns", "received_ns", "events_per_s", "lag_ms")
     NODE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     LAST_TS_NS_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +271,12 @@ class NodeState(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_NS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_NS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LAG_MS_FIELD_NUMBER: _ClassVar[int]
     node: str
     last_seq: int
     last_ts_ns: int
@@ -235,7 +285,13 @@ class NodeState(_message.Message):
     pools: _containers.RepeatedCompositeFieldContainer[PoolState]
     epoch: int
     restarts: int
-    def __init__(self, node: _Optional[str] = ..., last_seq: _Optional[int] = ..., last_ts_ns: _Optional[int] = ..., connected: _Optional[bool] = ..., dropped: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ..., epoch: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
+    status: NodeStatus
+    status_ns: int
+    connected_ns: int
+    received_ns: int
+    events_per_s: float
+    lag_ms: float
+    def __init__(self, node: _Optional[str] = ..., last_seq: _Optional[int] = ..., last_ts_ns: _Optional[int] = ..., connected: _Optional[bool] = ..., dropped: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ..., epoch: _Optional[int] = ..., restarts: _Optional[int] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ..., status_ns: _Optional[int] = ..., connected_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., events_per_s: _Optional[float] = ..., lag_ms: _Optional[float] = ...) -> None: ...
 
 class StageLatency(_message.Message):
     __slots__ = ("stage", "count", "p50_ms", "p99_ms", "max_ms")
@@ -270,7 +326,7 @@ class StoreRoom(_message.Message):
     def __init__(self, used_bytes: _Optional[int] = ..., free_known: _Optional[bool] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., growth_bytes_per_s: _Optional[float] = ..., full_in_s: _Optional[float] = ..., refusing: _Optional[str] = ...) -> None: ...
 
 class FleetState(_message.Message):
-    __slots__ = ("nodes", "requests", "events", "findings", "counters", "latencies", "store")
+    __slots__ = ("nodes", "requests", "events", "findings", "counters", "latencies", "store", "now_ns", "mode")
     class FindingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +348,8 @@ class FleetState(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     LATENCIES_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
+    NOW_NS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
     requests: int
     events: int
@@ -299,4 +357,114 @@ class FleetState(_message.Message):
     counters: _containers.ScalarMap[str, int]
     latencies: _containers.RepeatedCompositeFieldContainer[StageLatency]
     store: StoreRoom
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., latencies: _Optional[_Iterable[_Union[StageLatency, _Mapping]]] = ..., store: _Optional[_Union[StoreRoom, _Mapping]] = ...) -> None: ...
+    now_ns: int
+    mode: str
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., latencies: _Optional[_Iterable[_Union[StageLatency, _Mapping]]] = ..., store: _Optional[_Union[StoreRoom, _Mapping]] = ..., now_ns: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
+
+class PoolMapRequest(_message.Message):
+    __slots__ = ("node", "pool")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    pool: int
+    def __init__(self, node: _Optional[str] = ..., pool: _Optional[int] = ...) -> None: ...
+
+class PoolMap(_message.Message):
+    __slots__ = ("node", "pool", "page_size", "epoch", "states", "tenant", "tenants", "req", "reqs")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    REQ_FIELD_NUMBER: _ClassVar[int]
+    REQS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    pool: int
+    page_size: int
+    epoch: int
+    states: bytes
+    tenant: _containers.RepeatedScalarFieldContainer[int]
+    tenants: _containers.RepeatedScalarFieldContainer[str]
+    req: _containers.RepeatedScalarFieldContainer[int]
+    reqs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node: _Optional[str] = ..., pool: _Optional[int] = ..., page_size: _Optional[int] = ..., epoch: _Optional[int] = ..., states: _Optional[bytes] = ..., tenant: _Optional[_Iterable[int]] = ..., tenants: _Optional[_Iterable[str]] = ..., req: _Optional[_Iterable[int]] = ..., reqs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RulesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RuleState(_message.Message):
+    __slots__ = ("id", "finding", "severity", "action", "mode", "overridden", "by")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    FINDING_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDDEN_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    finding: str
+    severity: str
+    action: str
+    mode: str
+    overridden: bool
+    by: str
+    def __init__(self, id: _Optional[str] = ..., finding: _Optional[str] = ..., severity: _Optional[str] = ..., action: _Optional[str] = ..., mode: _Optional[str] = ..., overridden: _Optional[bool] = ..., by: _Optional[str] = ...) -> None: ...
+
+class RulesState(_message.Message):
+    __slots__ = ("mode", "rules")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    rules: _containers.RepeatedCompositeFieldContainer[RuleState]
+    def __init__(self, mode: _Optional[str] = ..., rules: _Optional[_Iterable[_Union[RuleState, _Mapping]]] = ...) -> None: ...
+
+class Acknowledge(_message.Message):
+    __slots__ = ("cursor",)
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    cursor: int
+    def __init__(self, cursor: _Optional[int] = ...) -> None: ...
+
+class RuleMode(_message.Message):
+    __slots__ = ("rule", "mode")
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    rule: str
+    mode: str
+    def __init__(self, rule: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
+
+class Action(_message.Message):
+    __slots__ = ("kill", "quarantine", "acknowledge", "rule_mode", "node", "reason", "by", "ts_ns", "commands", "nodes")
+    KILL_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGE_FIELD_NUMBER: _ClassVar[int]
+    RULE_MODE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    TS_NS_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    kill: KillRequest
+    quarantine: QuarantinePages
+    acknowledge: Acknowledge
+    rule_mode: RuleMode
+    node: str
+    reason: str
+    by: str
+    ts_ns: int
+    commands: _containers.RepeatedScalarFieldContainer[int]
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kill: _Optional[_Union[KillRequest, _Mapping]] = ..., quarantine: _Optional[_Union[QuarantinePages, _Mapping]] = ..., acknowledge: _Optional[_Union[Acknowledge, _Mapping]] = ..., rule_mode: _Optional[_Union[RuleMode, _Mapping]] = ..., node: _Optional[str] = ..., reason: _Optional[str] = ..., by: _Optional[str] = ..., ts_ns: _Optional[int] = ..., commands: _Optional[_Iterable[int]] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ActionResult(_message.Message):
+    __slots__ = ("record", "action", "message")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    record: int
+    action: Action
+    message: str
+    def __init__(self, record: _Optional[int] = ..., action: _Optional[_Union[Action, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...

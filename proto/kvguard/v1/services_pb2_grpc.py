@@ -255,12 +255,34 @@ class FleetServiceStub:
                 request_serializer=kvguard_dot_v1_dot_services__pb2.FleetRequest.SerializeToString,
                 response_deserializer=kvguard_dot_v1_dot_services__pb2.FleetState.FromString,
                 _registered_method=True)
+        self.Pool = channel.unary_unary(
+                '/kvguard.v1.FleetService/Pool',
+                request_serializer=kvguard_dot_v1_dot_services__pb2.PoolMapRequest.SerializeToString,
+                response_deserializer=kvguard_dot_v1_dot_services__pb2.PoolMap.FromString,
+                _registered_method=True)
+        self.Rules = channel.unary_unary(
+                '/kvguard.v1.FleetService/Rules',
+                request_serializer=kvguard_dot_v1_dot_services__pb2.RulesRequest.SerializeToString,
+                response_deserializer=kvguard_dot_v1_dot_services__pb2.RulesState.FromString,
+                _registered_method=True)
 
 
 class FleetServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def State(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rules(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -273,6 +295,16 @@ def add_FleetServiceServicer_to_server(servicer, server):
                     servicer.State,
                     request_deserializer=kvguard_dot_v1_dot_services__pb2.FleetRequest.FromString,
                     response_serializer=kvguard_dot_v1_dot_services__pb2.FleetState.SerializeToString,
+            ),
+            'Pool': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pool,
+                    request_deserializer=kvguard_dot_v1_dot_services__pb2.PoolMapRequest.FromString,
+                    response_serializer=kvguard_dot_v1_dot_services__pb2.PoolMap.SerializeToString,
+            ),
+            'Rules': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rules,
+                    request_deserializer=kvguard_dot_v1_dot_services__pb2.RulesRequest.FromString,
+                    response_serializer=kvguard_dot_v1_dot_services__pb2.RulesState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -302,6 +334,132 @@ class FleetService:
             '/kvguard.v1.FleetService/State',
             kvguard_dot_v1_dot_services__pb2.FleetRequest.SerializeToString,
             kvguard_dot_v1_dot_services__pb2.FleetState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvguard.v1.FleetService/Pool',
+            kvguard_dot_v1_dot_services__pb2.PoolMapRequest.SerializeToString,
+            kvguard_dot_v1_dot_services__pb2.PoolMap.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rules(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvguard.v1.FleetService/Rules',
+            kvguard_dot_v1_dot_services__pb2.RulesRequest.SerializeToString,
+            kvguard_dot_v1_dot_services__pb2.RulesState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ControlServiceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Act = channel.unary_unary(
+                '/kvguard.v1.ControlService/Act',
+                request_serializer=kvguard_dot_v1_dot_services__pb2.Action.SerializeToString,
+                response_deserializer=kvguard_dot_v1_dot_services__pb2.ActionResult.FromString,
+                _registered_method=True)
+
+
+class ControlServiceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Act(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ControlServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Act': grpc.unary_unary_rpc_method_handler(
+                    servicer.Act,
+                    request_deserializer=kvguard_dot_v1_dot_services__pb2.Action.FromString,
+                    response_serializer=kvguard_dot_v1_dot_services__pb2.ActionResult.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvguard.v1.ControlService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvguard.v1.ControlService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ControlService:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Act(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvguard.v1.ControlService/Act',
+            kvguard_dot_v1_dot_services__pb2.Action.SerializeToString,
+            kvguard_dot_v1_dot_services__pb2.ActionResult.FromString,
             options,
             channel_credentials,
             insecure,
