@@ -5,6 +5,9 @@ each frame's event heads once (proto/wire.py: whose they are, their numbers), wr
 events' bytes to a spool on disk (spool.py) before anything else, forwards them as they are to
 the daemon over one gRPC stream per node, and forgets them only when the daemon acknowledges
 them as durable. Commands from the daemon (kill a request) go to the guard that owns the node.
+Each node's stream also carries the agent's word on the node (NodeStatus: its guard connected,
+gone or never seen, the host's GPUs as read at start, what is spooled): after the hello, at
+once when the guard connects or goes, and every STATUS_EVERY_S besides.
 
 Invariants: an event a guard handed over survives a crash of the agent or the daemon (it
 is in the spool until acknowledged, and resent after a reconnect or a restart; the daemon
@@ -30,9 +33,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvguard.agents.door import Door
-from kvguard.agents.probes import CONTEXT_WAIT_S, read_engine
+from kvguard.agents.probes import CONTEXT_WAIT_S, gpu_facts, read_engine
 from kvguard.agents.spool import Position, Source, Spool
-from kvguard.agents.upstream import AgentStream, DaemonRefused
+from kvguard.agents.upstream import STATUS_EVERY_S, AgentStream, DaemonRefused, GuardState, node_status
 from kvguard.cuda_hooks.shim import PROBE as SHIM_PROBE
 from kvguard.cuda_hooks.shim import ShimListener, ShimRecord
 from kvguard.cuda_hooks.tcp_stream import WireReport
@@ -81,6 +84,9 @@ class NodeAgent:
         self.spools: dict[str, Spool] = {}
         self.sources: dict[str, Source] = {}
         self.engines: dict[int, str] = {}  # engine process -> the node its guard speaks for
+        self.guards: dict[str, GuardState] = {}  # node -> its guard, for the node's status
+        self.started_ns = time.time_ns()
+        self.gpu = gpu_facts()  # once: NVML is slow to start, and the GPUs do not change
         self._departed: dict[int, tuple[str, float]] = {}  # engines whose guard went: (node, when)
         self._shim_dropped: dict[int, int] = {}
         self.lock = threading.Lock()
@@ -207,6 +213,7 @@ class NodeAgent:
                 self.engines[pid] = node
                 self._departed.pop(pid, None)
                 self._engines_changed.notify_all()
+            self._guard_is(node, "connected", pid)
             while True:
                 try:
                     # the events' heads, read once
@@ -254,6 +261,8 @@ class NodeAgent:
                 # A guard that went before it was registered lets go of its process too,
                 # unless another guard of that process holds it.
                 release = current or (watched and pid not in self.engines)
+            if current:
+                self._guard_is(node, "gone")
             if release:
                 self.witness.unwatch(pid)
             conn.close()
@@ -329,6 +338,14 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ spool -> daemon
 
+    def _guard_is(self, node: str, guard: str, pid: int = 0) -> None:
+        """The node's guard connected or went: its streams (its own and its probes') say so now."""
+        with self.lock:
+            self.guards[node] = GuardState(guard, time.time_ns(), pid)
+            spools = [s for name, s in self.spools.items() if name.split("/", 1)[0] == node]
+        for spool in spools:
+            spool.wake()
+
     def _acknowledged(self, node: str, spool: Spool, batch: list[Position], ack: svc.Ack | None) -> None:
         """The daemon settled a whole batch (its positions: stored it, had it, or refused it
         for good)."""
@@ -356,7 +373,13 @@ class NodeAgent:
                 spool.ack(stream.durable)
                 delay = 0.1
                 in_flight: deque[list[Position]] = deque()  # sent, not acknowledged, oldest first
+                said, due = None, 0.0  # the guard last said, and when a status is due anyway
                 while not self.stopping.is_set():
+                    # A probe's stream (node/probe) speaks of its node's guard.
+                    guard = self.guards.get(node.split("/", 1)[0], GuardState("none", self.started_ns))
+                    if guard != said or time.monotonic() >= due:
+                        stream.status(node_status(guard, self.gpu, len(spool.pending), AGENT))
+                        said, due = guard, time.monotonic() + STATUS_EVERY_S
                     full = len(in_flight) >= IN_FLIGHT
                     ack = stream.next_ack(timeout=0.2 if full else 0) if in_flight else None
                     if ack is not None:

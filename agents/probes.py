@@ -464,8 +464,14 @@ class GpuFacts:
         return f"{len(self.gpus)} GPU(s), driver {self.driver}: {names}"
 
 
+def _text(value: Any) -> str:
+    """An NVML string: bytes in older pynvml releases, str in newer ones."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
 def gpu_facts() -> GpuFacts:
-    """The host's GPUs through NVML; says plainly why not when it cannot."""
+    """The host's GPUs through NVML (read once, at the agent's start: the node's status carries
+    them); says plainly why not when it cannot, never raises."""
     try:
         import pynvml
     except ImportError:
@@ -474,22 +480,25 @@ def gpu_facts() -> GpuFacts:
         pynvml.nvmlInit()
     except Exception as exc:  # pynvml raises NVMLError subclasses; none of them is fatal here
         return GpuFacts(unavailable=f"NVML did not start ({exc}); this host has no usable NVIDIA GPU")
+    facts = GpuFacts()
     try:
-        facts = GpuFacts(driver=str(pynvml.nvmlSystemGetDriverVersion()))
+        facts.driver = _text(pynvml.nvmlSystemGetDriverVersion())
         for i in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             facts.gpus.append(
                 {
                     "index": i,
-                    "name": str(pynvml.nvmlDeviceGetName(handle)),
-                    "uuid": str(pynvml.nvmlDeviceGetUUID(handle)),
+                    "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                    "uuid": _text(pynvml.nvmlDeviceGetUUID(handle)),
                     "memory_total": int(memory.total),
                     "memory_used": int(memory.used),
                 }
             )
         if not facts.gpus:
             facts.unavailable = "NVML found no GPU on this host"
-        return facts
+    except Exception as exc:  # a GPU NVML cannot read (fallen off the bus, ...): said, not raised
+        facts.unavailable = f"NVML could not read GPU {len(facts.gpus)} ({exc}); {len(facts.gpus)} read"
     finally:
         pynvml.nvmlShutdown()
+    return facts

@@ -1,4 +1,5 @@
-"""The agent's link to the daemon: one stream per node, batches in, acks back.
+"""The agent's link to the daemon: one stream per node, batches and the agent's status of the
+node in, acks back.
 
 `AgentStream.send()` returns only when the daemon has acknowledged the batch, i.e. when it
 is durable; `post()` and `next_ack()` let a sender keep several batches in flight (the
@@ -15,11 +16,40 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import grpc
 
+from kvguard import __version__
+from kvguard.agents.probes import GpuFacts
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+STATUS_EVERY_S = 2.0  # a node's status goes this often besides each change of its guard
+
+
+class GuardState(NamedTuple):
+    """A node's guard as the agent sees it: connected, gone (it was, and went away) or none
+    (never connected), since when (the agent's wall clock), and its engine process."""
+
+    guard: str
+    since_ns: int
+    pid: int = 0
+
+
+def node_status(guard: GuardState, gpu: GpuFacts, spooled: int, agent: str) -> svc.NodeStatus:
+    """The agent's word on a node: its guard, the host's GPUs, the events it holds
+    unacknowledged, and the agent (`agent` and kvguard's version)."""
+    return svc.NodeStatus(
+        guard=guard.guard,
+        guard_since_ns=guard.since_ns,
+        guard_pid=guard.pid,
+        gpus=[svc.Gpu(**g) for g in gpu.gpus],
+        gpu_unavailable=gpu.unavailable,
+        driver=gpu.driver,
+        spooled=spooled,
+        agent_version=f"{agent} {__version__}",
+    )
 
 
 class DaemonRefused(RuntimeError):
@@ -102,6 +132,11 @@ class AgentStream:
     def post(self, bodies: list[bytes]) -> None:
         """Send a batch of serialized events without waiting for its ack (see next_ack)."""
         self._out.put(svc.RawAgentMessage(batch=svc.RawEventBatch(events=bodies)).SerializeToString())
+
+    def status(self, status: svc.NodeStatus) -> None:
+        """The agent's word on the node (its guard, its GPUs, what it holds unacknowledged): not
+        an event, no ack; the daemon keeps the last."""
+        self._out.put(svc.AgentMessage(status=status).SerializeToString())
 
     def send(self, events: Iterable[pb.Event]) -> svc.Ack:
         return self.send_serialized([e.SerializeToString() for e in events])

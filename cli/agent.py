@@ -30,7 +30,6 @@ def cmd_agent(args: argparse.Namespace) -> int:
     import threading
 
     from kvguard.agents.agent import NodeAgent
-    from kvguard.agents.probes import gpu_facts
 
     tls = tls_from_args(args)
     agent = NodeAgent(
@@ -54,7 +53,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"kvguard agent: {exc}", file=sys.stderr)
             return 2
-    print(f"kvguard agent: {gpu_facts().describe()}", file=sys.stderr)
+    print(f"kvguard agent: {agent.gpu.describe()}", file=sys.stderr)  # as its node statuses say
     if agent.witness.available:
         print(
             "kvguard agent: the eBPF wire witness watches each guarded engine's TCP transfers",

@@ -48,8 +48,8 @@ _MAX_UINT32 = (1 << 32) - 1
 
 def request_timeline(source: Source, req: str) -> list[AuditItem]:
     """Every record of request `req`, in record order: events (read launches listing it in any
-    entry included), findings naming it as offender or victim, commands for it (the store
-    indexes every request a record names)."""
+    entry included), findings naming it as offender or victim, commands for it and operators'
+    kills of it (the store indexes every request a record names)."""
     return list(source.records(Filter(req=req)))
 
 
@@ -148,10 +148,12 @@ def cmd_request(args: argparse.Namespace) -> int:
         tenants = {getattr(getattr(e, e.WhichOneof("payload") or ""), "tenant", "") for e in events} - {""}
         nodes = ", ".join(dict.fromkeys(e.node for e in events)) or "no node"
         offender = sum(f.req == args.id for f in findings)
+        actions = sum(i.kind == "action" for i in items)
         print(
             f"request {args.id}{' (' + ', '.join(sorted(tenants)) + ')' if tenants else ''}: "
             f"{len(events)} event(s) on {nodes}; {offender} finding(s) as offender, "
             f"{len(findings) - offender} as victim; {sum(i.kind == 'command' for i in items)} command(s)"
+            + (f", {actions} operator action(s)" if actions else "")
             + ("" if items else f"; no record of it in {source.label}"),
             file=sys.stderr,
         )

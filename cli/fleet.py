@@ -1,9 +1,12 @@
-"""`kvguard fleet`: the daemon's state as an operator reads it at a terminal: its nodes, the
-findings so far, the input it refused, its own latency, and the audit store's room (a
-table), or the FleetState message as JSON.
+"""`kvguard fleet`: the daemon's state as an operator reads it at a terminal: its nodes (their
+agent's stream, their guard as the agent last said, how long ago it said so, their events a
+second and lag), the findings so far, the input it refused, its own latency, and the audit
+store's room (a table), or the FleetState message as JSON.
 
 Invariant: it only reads (FleetService.State); an unreachable daemon is an error that names
-the address and exits 2, never an empty table.
+the address and exits 2, never an empty table; a node's guard is what its agent said last
+(connected, gone, none), with the age of that word by the daemon's clock, never inferred from
+the agent's stream being open.
 """
 
 from __future__ import annotations
@@ -18,6 +21,31 @@ if TYPE_CHECKING:  # grpc and protobuf load when the command runs, not for every
     from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 
+def age(ns: int) -> str:
+    """A duration for people: 0.4s, 12s, 5m, 3h, 2d."""
+    s = max(ns, 0) / 1e9
+    if s < 10:
+        return f"{s:.1f}s"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size:.0f}{unit}"
+    return f"{s:.0f}s"
+
+
+def _node_row(node: svc.NodeState, now_ns: int) -> tuple[str, ...]:
+    pools = ", ".join(
+        f"{p.report.pool}:{p.report.role} {p.pages_in_use}/{p.report.num_pages}" for p in node.pools
+    )
+    if node.HasField("status"):
+        guard, heard = node.status.guard, age(now_ns - node.status_ns)
+    else:
+        guard = heard = "-"
+    agent = "yes" if node.connected else "no"
+    rate = f"{node.events_per_s:.1f}" if node.received_ns else "-"
+    lag = f"{node.lag_ms:.0f}" if node.received_ns else "-"
+    return (node.node, str(node.last_seq), agent, guard, heard, rate, lag, str(node.dropped), pools)
+
+
 def render(state: svc.FleetState, out: TextIO) -> None:
     from kvguard.daemon.room import size
 
@@ -30,15 +58,22 @@ def render(state: svc.FleetState, out: TextIO) -> None:
     )
     if room.refusing:
         out.write(f"REFUSING EVENTS: {room.refusing}\n")
-    out.write(f"{state.events} events, {state.requests} requests known\n\n")
-    rows = [("NODE", "LAST SEQ", "CONNECTED", "DROPPED", "POOLS (pages in use / pages)")]
-    for node in state.nodes:
-        pools = ", ".join(
-            f"{p.report.pool}:{p.report.role} {p.pages_in_use}/{p.report.num_pages}" for p in node.pools
+    mode = f"; mode {state.mode}" if state.mode else ""
+    out.write(f"{state.events} events, {state.requests} requests known{mode}\n\n")
+    rows = [
+        (
+            "NODE",
+            "LAST SEQ",
+            "AGENT",
+            "GUARD",
+            "HEARD AGO",
+            "EV/S",
+            "LAG MS",
+            "DROPPED",
+            "POOLS (pages in use / pages)",
         )
-        rows.append(
-            (node.node, str(node.last_seq), "yes" if node.connected else "no", str(node.dropped), pools)
-        )
+    ]
+    rows += [_node_row(node, state.now_ns) for node in state.nodes]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] + "\n")

@@ -5,10 +5,11 @@ said --insecure (`check_listener`: an address that is not provably local, such a
 a name that resolves to any other address, or one that does not resolve, is refused). Under
 mutual TLS every call is made in the role its client certificate gives it (proto/channel.py,
 `peer_role`): a node's certificate opens agent streams (for the nodes it names, checked at
-the hello), a reader's queries the audit log, subscribes to alerts and reads the fleet state
-(SERVICE_ROLES). Any other call is refused before its servicer runs, with PERMISSION_DENIED
-and the reason, counted (`access_denied_<role>`) and logged; a service missing from
-SERVICE_ROLES is refused to every certificate.
+the hello), a reader's queries the audit log, subscribes to alerts and reads the fleet state,
+and an operator's does what a reader's does and acts (ControlService) (SERVICE_ROLES). Any
+other call is refused before its servicer runs, with PERMISSION_DENIED and the reason, counted
+(`access_denied_<role>`) and logged; a service missing from SERVICE_ROLES is refused to every
+certificate.
 """
 
 from __future__ import annotations
@@ -25,27 +26,31 @@ from typing import Any
 
 import grpc
 
-from kvguard.proto.channel import NODE, READER, READER_URI, peer_role
+from kvguard.proto.channel import NODE, OPERATOR, OPERATOR_URI, READER, READER_URI, peer_role
 
 Resolve = Callable[..., list[tuple[Any, ...]]]  # socket.getaddrinfo's shape
 
-ROLES = frozenset({NODE, READER})
+ROLES = frozenset({NODE, READER, OPERATOR})
+_READS = frozenset({READER, OPERATOR})
 # Under mutual TLS, the roles that may call each service.
 SERVICE_ROLES: dict[str, frozenset[str]] = {
     "kvguard.v1.AgentService": frozenset({NODE}),
-    "kvguard.v1.AlertService": frozenset({READER}),
-    "kvguard.v1.AuditService": frozenset({READER}),
-    "kvguard.v1.FleetService": frozenset({READER}),
+    "kvguard.v1.AlertService": _READS,
+    "kvguard.v1.AuditService": _READS,
+    "kvguard.v1.FleetService": _READS,
+    "kvguard.v1.ControlService": frozenset({OPERATOR}),
     "grpc.health.v1.Health": ROLES,
     "grpc.reflection.v1alpha.ServerReflection": ROLES,
 }
 _MAY = {
     NODE: "may only stream the events of the nodes it names",
-    READER: "may read the audit log, the alerts and the fleet state, but not speak for a node",
+    READER: "may read the audit log, the alerts and the fleet state, but neither act nor speak for a node",
+    OPERATOR: "may read the audit log, the alerts and the fleet state and act, but not speak for a node",
 }
 _TAKES = {
     NODE: "a node's certificate (no role URI)",
     READER: f"a reader's certificate (URI SAN {READER_URI})",
+    OPERATOR: f"an operator's certificate (URI SAN {OPERATOR_URI})",
 }
 
 
@@ -155,8 +160,9 @@ class RoleCheck(grpc.aio.ServerInterceptor):
         elif not allowed:
             reason = f"{method} is open to no certificate"
         else:
-            takes = " or ".join(_TAKES[r] for r in sorted(allowed))
-            reason = f"{method} takes {takes}; this one ({who}) is a {role}'s, which {_MAY[role]}"
+            takes = " or ".join(_TAKES[r] for r in (NODE, READER, OPERATOR) if r in allowed)
+            article = "an" if role == OPERATOR else "a"
+            reason = f"{method} takes {takes}; this one ({who}) is {article} {role}'s, which {_MAY[role]}"
         with contextlib.suppress(RuntimeError):  # a loop already closed: the daemon is stopping
             self.loop.call_soon_threadsafe(self.counters.update, {f"access_denied_{role or 'unknown'}": 1})
         print(f"kvguard daemon: refused {context.peer()}: {reason}", file=sys.stderr, flush=True)

@@ -1,8 +1,9 @@
 """`kvguard daemon`'s core (`Daemon`): the one global ledger, rebuilt from the audit store at
 start, and the parts around it, all on one asyncio event loop in one thread: the ingest
 (ingest.py: batches applied, judged, committed in groups), the commands back to the nodes
-(commands.py), the alert fan-out (fanout.py), the periodic snapshots (snapshots.py) and the
-store's room (room.py). The gRPC services (service.py) call into it.
+(commands.py), operators' actions (control.py), each node's liveness (nodes.py), the alert
+fan-out (fanout.py), the periodic snapshots (snapshots.py) and the store's room (room.py). The
+gRPC services (service.py) call into it.
 
 Invariants: the ledger starts from the store's latest sound snapshot plus every event stored
 after it, so a restart loses nothing and changes no verdict; only the loop's thread changes
@@ -17,12 +18,16 @@ import contextlib
 import gc
 import sys
 import threading
+import time
 from collections import Counter
 
 from kvguard.daemon.commands import Commands, Reply
+from kvguard.daemon.control import Control
 from kvguard.daemon.fanout import Fanout
 from kvguard.daemon.ingest import Batch, Ingest
 from kvguard.daemon.latency import Latencies
+from kvguard.daemon.nodes import Nodes
+from kvguard.daemon.pool_map import read_pool
 from kvguard.daemon.room import RESERVE, StoreRoom
 from kvguard.daemon.seen import Seen
 from kvguard.daemon.snapshots import SNAPSHOT_EVERY, Snapshots, restored
@@ -96,7 +101,12 @@ class Daemon:
             self.loop,
             self.seen,
         )
+        self.nodes = Nodes()  # each node's stream, its agent's last word, its batches' rate and lag
         try:
+            # Operators' actions; the rule modes they set and the pages quarantined, as stored.
+            self.control = Control(
+                self.ledger, self.ruleset, self.commands, self.pipeline, store, self.counters
+            )
             self.writer.start(
                 self.loop, self.pipeline.committed, self.pipeline.failed
             )  # StoreError: no writer
@@ -156,21 +166,26 @@ class Daemon:
         self.room.close()
 
     def fleet(self) -> svc.FleetState:
-        """The fleet as the daemon sees it: every node and its pools, the counts, the store's
-        room and the daemon's own latencies."""
+        """The fleet as the daemon sees it: every node (with events, or a stream or its agent's
+        word since the daemon started) and its pools, the counts, the store's room and the
+        daemon's own latencies."""
+        live = self.nodes.read()
+        now = time.time_ns()
         with self.pipeline.lock:
             ledger = self.ledger
-            state = svc.FleetState(requests=ledger.known_requests, events=self.counters["events"])
-            for name, node in sorted(ledger.nodes.items()):
-                ns = state.nodes.add(
-                    node=name,
-                    last_seq=node.last_seq,
-                    last_ts_ns=node.last_ts_ns,
-                    connected=name in self.commands.outboxes,
-                    dropped=node.dropped,
-                    epoch=node.epoch,
-                    restarts=node.restarts,
-                )
+            state = svc.FleetState(
+                requests=ledger.known_requests, events=self.counters["events"], now_ns=now, mode=self.mode
+            )
+            for name in sorted(ledger.nodes.keys() | live.keys()):
+                ns = state.nodes.add(node=name, connected=name in self.commands.outboxes)
+                seen = live.get(name)
+                if seen is not None:
+                    seen.fill(ns, now)
+                node = ledger.nodes.get(name)
+                if node is None:
+                    continue
+                ns.last_seq, ns.last_ts_ns, ns.dropped = node.last_seq, node.last_ts_ns, node.dropped
+                ns.epoch, ns.restarts = node.epoch, node.restarts
                 for pool in node.pools.values():
                     ns.pools.add(node=name, report=pool.report, pages_in_use=int((pool.pages.use > 0).sum()))
             for kind, n in ledger.stats.findings.items():
@@ -190,3 +205,16 @@ class Daemon:
                 max_ms=took.max_s * 1e3,
             )
         return state
+
+    def pool_map(self, node: str, pool: int) -> svc.PoolMap:
+        """One pool of one node, page by page (pool_map.py); PoolNotFound naming what is not.
+        The ledger is read under the ingest's lock, the message built after."""
+        with self.pipeline.lock:
+            known = self.ledger.nodes.get(node)
+            epoch = known.epoch if known is not None else 0
+            picture = read_pool(self.ledger, node, pool, self.commands.quarantined.of(node, pool, epoch))
+        return picture.message()
+
+    def rules(self) -> svc.RulesState:
+        """The rules, each with the mode it is applied in (control.py)."""
+        return self.control.rules()

@@ -168,7 +168,7 @@ class Ingest:
         ack waits for its last event anyway."""
         group = self._next
         partial = self._inbox[0] if self._inbox and self._inbox[0].index >= 0 else None
-        if not group.batches or (partial is not None and not group.findings):
+        if not (group.batches or group.parts) or (partial is not None and not group.findings):
             return
         self._next = Group()
         if partial is not None:  # its run so far ends here
@@ -180,6 +180,22 @@ class Ingest:
         self.writer.submit(group.batches, group.parts)
         if group.rows and self.snapshots.due(self.counters["events"]):
             self.snapshots.fork(self.ledger, self.counters["events"], group.committed, group.rows)
+
+    def record(self, records: Sequence[Record]) -> tuple[Future[int], int]:
+        """Records of the daemon's own (an operator's action and the commands it orders), into
+        the chain after everything applied so far (on the loop): (the future of their group's
+        first id, set once it is durable; where the first of them lies in the group)."""
+        group = self._next
+        partial = self._inbox[0] if self._inbox and self._inbox[0].index >= 0 else None
+        if partial is not None and partial.run >= 0:  # what it applied so far comes first
+            group.add(EventRun(partial.index, partial.run, partial.done))
+            partial.run = -1
+        at = group.rows
+        for record in records:
+            group.add(record)
+        if not self._committing:
+            self._submit()
+        return group.committed, at
 
     def committed(self, first_id: int) -> None:
         """The writer's report: the oldest group in flight is durable. Its alerts go out, then
@@ -343,7 +359,8 @@ class Ingest:
             out.findings.append((out.rows, evaluated, received))
             self.counters["findings"] += 1
             out.add(Record.of_finding(evaluated))
-            for command in self.commands.of(evaluated):
+            node = self.ledger.nodes.get(evaluated.node)
+            for command in self.commands.of(evaluated, node.epoch if node is not None else 0):
                 body = command.SerializeToString()
                 out.add(Record("command", evaluated.node, command.id, evaluated.ts_ns, body, evaluated.req))
                 self.counters["kills" if command.HasField("kill") else "quarantines"] += 1

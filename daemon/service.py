@@ -1,15 +1,18 @@
 """The daemon's gRPC services, on the daemon's loop: AgentService (one stream per node: batches
-in, acks and commands back; `AgentSession`), AlertService (the alert feed, resumable by
-cursor), AuditService (audit queries), FleetService (the fleet state), health checking and
+and the agent's status in, acks and commands back; `AgentSession`), AlertService (the alert
+feed, resumable by cursor), AuditService (audit queries), FleetService (the fleet state, a
+pool's map, the rules), ControlService (operators' actions: control.py), health checking and
 reflection; mutual TLS when it is configured (`serve`), and then each call only in its
 caller's role; without it, loopback only unless told otherwise (access.py).
 
 Invariants: a stream speaks for the one node its hello names, which under mutual TLS its
 client certificate must name too, and a node has one stream at a time; a batch is refused
 whole if its message is oversized or malformed, or while the store has no room (the agent
-keeps it and sends it again); a stream has at most MAX_IN_FLIGHT batches in the daemon, and
-its acks go out before it ends; an alert stream sends each alert once, in cursor order, the
-backlog from the store and then the live ones, with the same filter (proto/filter.py).
+keeps it and sends it again); a status after the hello is kept as the node's last word
+(nodes.py: not stored, not an event), a malformed or oversized one ends the stream like a bad
+batch; a stream has at most MAX_IN_FLIGHT batches in the daemon, and its acks go out before it
+ends; an alert stream sends each alert once, in cursor order, the backlog from the store and
+then the live ones, with the same filter (proto/filter.py).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvguard.daemon.access import RoleCheck, check_listener
+from kvguard.daemon.control import ControlServicer
 from kvguard.daemon.daemon import Daemon
 from kvguard.daemon.fanout import Subscriber
 from kvguard.daemon.ingest import Batch
+from kvguard.daemon.pool_map import PoolNotFound
 from kvguard.daemon.store import RowError
 from kvguard.proto import pb, wire
 from kvguard.proto.channel import MAX_MESSAGE, TRANSPORT_LIMIT, Tls, peer_names
@@ -40,6 +45,8 @@ from kvguard.proto.limits import NODE_BYTES, unstorable
 MAX_BATCH = 65536
 MAX_IN_FLIGHT = 8  # batches of one stream applied or committing but not yet acknowledged
 BACKLOG_PAGE = 1000  # alerts read from the store at a time
+MAX_STATUS_BYTES = 1 << 16  # an agent's NodeStatus message at most
+GUARD_STATES = ("connected", "gone", "none")
 
 
 class AgentSession:
@@ -109,6 +116,7 @@ class AgentSession:
             self._fail("identity", f"node {name!r} is already connected on another stream")
             return False
         self.node = name
+        self.daemon.nodes.opened(name)
         epoch, seq = self.daemon.durable(name)
         self.out.put_nowait(svc.DaemonMessage(ack=svc.Ack(node=name, durable_seq=seq, durable_epoch=epoch)))
         return True
@@ -131,7 +139,10 @@ class AgentSession:
                     self._fail("malformed", f"the message is not a kvguard.v1.AgentMessage: {exc}")
                     return
                 except wire.NotABatch as exc:
-                    self._fail("malformed", f"unexpected {exc} message after hello")
+                    if str(exc) == "status" and self._status(data):
+                        continue
+                    if str(exc) != "status":
+                        self._fail("malformed", f"unexpected {exc} message after hello")
                     return
                 if len(events) > MAX_BATCH:
                     self._fail("malformed", f"batch of {len(events)} events (at most {MAX_BATCH})")
@@ -140,6 +151,7 @@ class AgentSession:
                     self._fail("store_full", self.daemon.room.refusing)
                     return
                 batch = Batch(self.node, events, self.reply)  # received: its latencies count from now
+                self.daemon.nodes.batch(self.node, events)
                 await self.in_flight.acquire()  # an agent that does not wait for acks waits here
                 self.daemon.ingest(batch)
         except (grpc.RpcError, asyncio.CancelledError):
@@ -149,11 +161,25 @@ class AgentSession:
                 await self.in_flight.acquire()
             self.out.put_nowait(None)
 
+    def _status(self, data: bytes) -> bool:
+        """The agent's word on the node (a NodeStatus after the hello): kept as the node's
+        last; False (and the reason sent) if it is not acceptable."""
+        if len(data) > MAX_STATUS_BYTES:
+            self._fail("malformed", f"status of {len(data)} bytes (at most {MAX_STATUS_BYTES})")
+            return False
+        status = svc.RawAgentMessage.FromString(data).status
+        if status.guard not in GUARD_STATES:
+            self._fail("malformed", f"status: guard {status.guard[:40]!r} is not connected, gone or none")
+            return False
+        self.daemon.nodes.said(self.node, status)
+        return True
+
     def end(self) -> None:
         """The stream is over: its node is free for the next stream, which also gets the
         commands queued here but never sent."""
         if not self.node:
             return
+        self.daemon.nodes.closed(self.node)
         self.daemon.disconnect(self.node, self.send)
         self.closed = True
         while not self.out.empty():
@@ -253,6 +279,8 @@ class AuditServicer(svc_grpc.AuditServiceServicer):
                     yield svc.AuditRecord(id=record_id, kind=kind, finding=pb.Finding.FromString(body))
                 elif kind == "refused":
                     yield svc.AuditRecord(id=record_id, kind=kind, refused=svc.Refusal.FromString(body))
+                elif kind == "action":
+                    yield svc.AuditRecord(id=record_id, kind=kind, action=svc.Action.FromString(body))
                 else:
                     yield svc.AuditRecord(id=record_id, kind=kind, command=svc.Command.FromString(body))
         except RowError as exc:  # a row edited outside kvguard: said, the daemon serves on
@@ -266,12 +294,23 @@ class FleetServicer(svc_grpc.FleetServiceServicer):
     def State(self, request: svc.FleetRequest, context: grpc.ServicerContext) -> svc.FleetState:
         return self.daemon.fleet()
 
+    def Pool(self, request: svc.PoolMapRequest, context: grpc.ServicerContext) -> svc.PoolMap:
+        try:
+            return self.daemon.pool_map(request.node, request.pool)
+        except PoolNotFound as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            raise  # abort raises; for the type checker
+
+    def Rules(self, request: svc.RulesRequest, context: grpc.ServicerContext) -> svc.RulesState:
+        return self.daemon.rules()
+
 
 class Server:
-    """The gRPC server, on the daemon's loop: the agent and alert streams run there (no thread
-    per stream, so a batch never changes threads in the daemon); audit queries and fleet
-    state run in a small thread pool. A plaintext `listen` must be on loopback unless
-    `insecure` (ListenerError otherwise: access.check_listener)."""
+    """The gRPC server, on the daemon's loop: the agent and alert streams and operators'
+    actions run there (no thread per stream, so a batch never changes threads in the daemon);
+    audit queries, the fleet state, pool maps and rules run in a small thread pool. A plaintext
+    `listen` must be on loopback unless `insecure` (ListenerError otherwise:
+    access.check_listener)."""
 
     def __init__(
         self, daemon: Daemon, listen: str, tls: Tls | None = None, *, insecure: bool = False
@@ -304,6 +343,8 @@ class Server:
         svc_grpc.add_AlertServiceServicer_to_server(AlertServicer(daemon), server)  # type: ignore[arg-type]
         svc_grpc.add_AuditServiceServicer_to_server(AuditServicer(daemon), server)
         svc_grpc.add_FleetServiceServicer_to_server(FleetServicer(daemon), server)
+        # Actions run on the loop, where the ledger and command ids change.
+        svc_grpc.add_ControlServiceServicer_to_server(ControlServicer(daemon.control), server)  # type: ignore[arg-type]
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         names = [s.full_name for s in svc.DESCRIPTOR.services_by_name.values()]

@@ -14,12 +14,12 @@ from typing import Any
 
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
-RECORD_KINDS = ("event", "finding", "command", "refused")
+RECORD_KINDS = ("event", "finding", "command", "refused", "action")
 
 
 @dataclass(frozen=True, slots=True)
 class Filter:
-    kind: str = ""  # records: event, finding or command ("": all); alerts are findings
+    kind: str = ""  # records: one of RECORD_KINDS ("": all); alerts are findings
     findings: frozenset[str] = field(default_factory=frozenset)  # finding kinds
     severities: frozenset[str] = field(default_factory=frozenset)
     tenant: str = ""  # as offender or victim

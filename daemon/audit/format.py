@@ -166,24 +166,20 @@ def item_row(item: AuditItem) -> Row:
         )
     if isinstance(body, svc.Command):
         which = body.WhichOneof("body")
+        by = f" by {body.by}" if body.by else ""
         if which == "kill":
             k = body.kill
-            return Row(
-                rid,
-                "",
-                "command",
-                "",
-                str(body.id),
-                k.req,
-                "",
-                f"kill {k.req} for {k.finding} (rule {k.rule})",
-                "",
-            )
+            why = f" for {k.finding} (rule {k.rule})" if k.finding else ""
+            message = k.message if body.by else ""  # a verdict's message is its finding's
+            return Row(rid, "", "command", "", str(body.id), k.req, "", f"kill {k.req}{why}{by}", message)
         if which == "quarantine":
             q = body.quarantine
-            what = f"quarantine pool={q.pool} pages={page_ranges(q.pages)} for {q.finding}"
+            what = f"quarantine pool={q.pool} pages={page_ranges(q.pages)}"
+            what += (f" for {q.finding}" if q.finding else "") + by
             return Row(rid, "", "command", "", str(body.id), "", "", what, "")
         return Row(rid, "", "command", "", str(body.id), "", "", "empty command", "")
+    if isinstance(body, svc.Action):
+        return action_row(rid, body)
     if isinstance(body, svc.Refusal):
         try:  # evidence: what it claimed to be, where its bytes say so
             claimed = pb.Event.FromString(body.event)
@@ -203,6 +199,29 @@ def item_row(item: AuditItem) -> Row:
             body.reason,
         )
     return Row(rid, "", item.kind, "", "", item.req_hint, "", "(the daemon does not serve this body)", "")
+
+
+def action_row(rid: str, action: svc.Action) -> Row:
+    """An operator's action: who did what, to which node, and the commands it ordered."""
+    which = action.WhichOneof("body") or ""
+    req = ""
+    if which == "kill":
+        req = action.kill.req
+        what = f"kill {req}"
+    elif which == "quarantine":
+        q = action.quarantine
+        what = f"quarantine pool={q.pool} pages={page_ranges(q.pages)}"
+    elif which == "acknowledge":
+        what = f"acknowledge alert {action.acknowledge.cursor}"
+    elif which == "rule_mode":
+        what = f"rule {action.rule_mode.rule} mode={action.rule_mode.mode or 'daemon'}"
+    else:
+        what = "empty action"
+    what += f" by {action.by or '?'}"
+    if action.commands:
+        orders = ",".join(str(c) for c in action.commands)
+        what += f" -> {','.join(action.nodes)} (command {orders})"
+    return Row(rid, format_time(action.ts_ns), "action", action.node, "", req, "", what, action.reason)
 
 
 class Table:

@@ -21,9 +21,9 @@ from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 DEFAULT_STORE = "kvguard-audit.db"
-KINDS = ("event", "finding", "command", "refused")
+KINDS = ("event", "finding", "command", "refused", "action")
 
-Body = pb.Event | pb.Finding | svc.Command | svc.Refusal
+Body = pb.Event | pb.Finding | svc.Command | svc.Refusal | svc.Action
 
 
 class UsageError(Exception):
@@ -68,6 +68,8 @@ def _decode(kind: str, body: bytes) -> Body:
         return pb.Finding.FromString(body)
     if kind == "refused":
         return svc.Refusal.FromString(body)
+    if kind == "action":
+        return svc.Action.FromString(body)
     return svc.Command.FromString(body)
 
 

@@ -68,6 +68,21 @@ def event_batches(engine: Engine, after: int = 0) -> Iterator[tuple[str, wire.Ba
                 yield node, wire.decode_batch(body, wrapped=False), max(0, after + 1 - record_id)
 
 
+def records_of(engine: Engine, kind: str) -> Iterator[tuple[int, str, bytes]]:
+    """(id, node, body) of every record of `kind` (a kind of one record an id: not events), in
+    id order (the records_kind_ts index finds them)."""
+    c = records.c
+    query = select(c.id, c.node, c.body).where(c.kind == kind).order_by(c.id)
+    with (
+        engine.connect() as conn,
+        conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result,
+    ):
+        for record_id, node, body in result:
+            if type(body) is not bytes or type(node) is not str:
+                node, body = checked("records", f"record {record_id}", {"node": node, "body": body}).values()
+            yield int(record_id), node, body
+
+
 EVENT_KINDS = ("event", "events")
 # The events after which a request holds nothing on its node: its span there ends.
 ENDS = frozenset({"free", "finish", "abort", "reject", "kill"})

@@ -33,10 +33,10 @@ _HAS_TENANT = frozenset(f.name for f in _PAYLOADS if "tenant" in f.message_type.
 
 
 class Record(NamedTuple):
-    """One row to append. `body` is the serialized protobuf (Event, Finding or Command).
-    A tuple: one is built per event, on the store writer's hot path."""
+    """One row to append. `body` is the serialized protobuf (Event, Finding, Command,
+    Refusal or Action). A tuple: one is built per event, on the store writer's hot path."""
 
-    kind: str  # event, events (a run), finding, command, refused
+    kind: str  # event, events (a run), finding, command, refused, action
     node: str
     seq: int
     ts_ns: int
@@ -81,6 +81,18 @@ class Record(NamedTuple):
         ).SerializeToString()
         seq = seq if 0 <= seq <= SEQ_MAX else 0
         return Record("refused", node, seq, ts_ns if -SEQ_MAX <= ts_ns <= SEQ_MAX else 0, body)
+
+    @staticmethod
+    def of_command(node: str, command: svc.Command, ts_ns: int, req: str = "") -> Record:
+        """The row of a command to `node` (its id in the seq column)."""
+        return Record("command", node, command.id, ts_ns, command.SerializeToString(), req)
+
+    @staticmethod
+    def of_action(action: svc.Action, node: str) -> Record:
+        """The row of an operator's action, as the daemon filled it in: `node` the node it is
+        about ("" for none), its kill's request in the req column."""
+        req = action.kill.req if action.HasField("kill") else ""
+        return Record("action", node, 0, action.ts_ns, action.SerializeToString(), req)
 
     @staticmethod
     def of_finding(finding: Finding) -> Record:

@@ -1,5 +1,5 @@
-"""The audit store (`Store`): events, findings and commands, append-only, in one hash chain,
-in SQLite (WAL, a file: the default) or PostgreSQL (any SQLAlchemy URL).
+"""The audit store (`Store`): events, findings, commands and operators' actions, append-only,
+in one hash chain, in SQLite (WAL, a file: the default) or PostgreSQL (any SQLAlchemy URL).
 
 Invariants: records are only ever inserted; every event, finding and command has an id, 1, 2,
 3, ... without gaps; each record's hash covers its id, every column and the previous record's
@@ -347,7 +347,8 @@ class Store:
             return int(conn.execute(text("SELECT pg_database_size(current_database())")).scalar_one()), None
 
     def count(self, kind: str | None = None) -> int:
-        """How many events, findings, commands or refused events (`kind`), or all of them (None)."""
+        """How many events, findings, commands, refused events or actions (`kind`), or all of
+        them (None)."""
         c = records.c
         with self.engine.connect() as conn:
             if kind not in (None, "", "event"):
@@ -358,7 +359,7 @@ class Store:
             if not kind:
                 return total
             others = conn.execute(
-                select(func.count()).where(c.kind.in_(("finding", "command", "refused")))
+                select(func.count()).where(c.kind.in_(("finding", "command", "refused", "action")))
             ).scalar_one()
             return total - int(others)
 
@@ -377,6 +378,11 @@ class Store:
         """(id, kind, body) of the records the filter `f` takes, or the one `where` spells (its
         fields by name), in id order (reads.rows)."""
         return reads.rows(self.engine, f if f is not None else Filter(**where))
+
+    def records_of(self, kind: str) -> Iterator[tuple[int, str, bytes]]:
+        """(id, node, body) of every record of `kind` (not events), in id order: what the
+        daemon restores its commands' and actions' state from at start."""
+        return reads.records_of(self.engine, kind)
 
     def verify(self) -> tuple[bool, int, str]:
         """Walk the chain: (intact, records checked, what is wrong where). A sealed store is

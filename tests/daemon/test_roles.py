@@ -1,8 +1,10 @@
 """Roles under mutual TLS, for real: a daemon process with TLS and certificates of a throwaway
 CA (tests/support/certificates.py). A node's certificate streams the events of the nodes it
 names and reads nothing; a reader's (URI SAN urn:kvguard:role:reader) reads the audit log, the
-alerts and the fleet state, and opens no agent stream, even if it names a node too. Each
-refusal is PERMISSION_DENIED with its reason, counted and logged by the daemon."""
+alerts and the fleet state, and opens no agent stream, even if it names a node too, and takes
+no action; an operator's (urn:kvguard:role:operator) reads as a reader does and acts
+(ControlService), its actions recorded under its certificate's common name. Each refusal is
+PERMISSION_DENIED with its reason, counted and logged by the daemon."""
 
 from __future__ import annotations
 
@@ -29,8 +31,13 @@ from kvguard.ruleset.fixtures import DEFAULT_FIXTURES_DIR
 
 INCIDENT = DEFAULT_FIXTURES_DIR / "incident" / "capture.jsonl"
 NODE_MAY = "may only stream the events of the nodes it names"
-READER_MAY = "may read the audit log, the alerts and the fleet state, but not speak for a node"
-TAKES_A_READER = "takes a reader's certificate (URI SAN urn:kvguard:role:reader)"
+READER_MAY = "may read the audit log, the alerts and the fleet state, but neither act nor speak for a node"
+OPERATOR_MAY = "may read the audit log, the alerts and the fleet state and act, but not speak for a node"
+TAKES_A_READER = (
+    "takes a reader's certificate (URI SAN urn:kvguard:role:reader) "
+    "or an operator's certificate (URI SAN urn:kvguard:role:operator)"
+)
+TAKES_AN_OPERATOR = "takes an operator's certificate (URI SAN urn:kvguard:role:operator)"
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +68,7 @@ def serving(ch: grpc.Channel) -> bool:
 def denials(pki: Path, daemon: Service) -> dict[str, int]:
     with channel(daemon.address, client(pki, "siem")) as ch:
         counters = svc_grpc.FleetServiceStub(ch).State(svc.FleetRequest(), timeout=10).counters
-    return {role: counters[f"access_denied_{role}"] for role in ("node", "reader")}
+    return {role: counters[f"access_denied_{role}"] for role in ("node", "reader", "operator")}
 
 
 def test_a_reader_reads_the_audit_log_alerts_and_fleet_but_speaks_for_no_node(
@@ -88,7 +95,7 @@ def test_a_reader_reads_the_audit_log_alerts_and_fleet_but_speaks_for_no_node(
             f"this one ({who}) is a reader's, which {READER_MAY}"
         )
     assert Store(daemon.store).count("event") == 39
-    assert denials(pki, daemon) == {"node": 0, "reader": 2}
+    assert denials(pki, daemon) == {"node": 0, "reader": 2, "operator": 0}
 
 
 def test_a_node_streams_its_own_events_and_reads_nothing(pki: Path, daemon: Service) -> None:
@@ -115,7 +122,7 @@ def test_a_node_streams_its_own_events_and_reads_nothing(pki: Path, daemon: Serv
     s = Store(daemon.store)
     assert [pb.Event.FromString(body).node for _, _, body in s.rows(kind="event")] == ["p0"]
     s.close()
-    assert denials(pki, daemon) == {"node": 3, "reader": 0}
+    assert denials(pki, daemon) == {"node": 3, "reader": 0, "operator": 0}
     logged = [line for line in daemon.stop().splitlines() if " refused " in line]
     assert len(logged) == 3
     for line, (method, reason) in zip(logged, said.items(), strict=True):
@@ -142,3 +149,40 @@ def test_the_commands_take_the_same_tls_options_in_either_role(pki: Path, daemon
         replay.stderr
     )
     assert Store(daemon.store).count("event") == 0
+
+
+def test_only_an_operator_acts_and_its_action_names_its_certificate(pki: Path, daemon: Service) -> None:
+    rule_mode = svc.Action(rule_mode=svc.RuleMode(rule="stale_read", mode="monitor"), reason="noisy")
+    claimed = [("kvguard-user", "mallory")]  # under mutual TLS the certificate says who, not the client
+    said = {}
+    for who in ("siem", "node-p0"):
+        with channel(daemon.address, client(pki, who)) as ch:
+            stub = svc_grpc.ControlServiceStub(ch)
+            said[who] = denied(lambda stub=stub: stub.Act(rule_mode, metadata=claimed, timeout=10))  # type: ignore[misc]
+    assert said == {
+        "siem": f"/kvguard.v1.ControlService/Act {TAKES_AN_OPERATOR}; this one (siem) is a reader's, "
+        f"which {READER_MAY}",
+        "node-p0": f"/kvguard.v1.ControlService/Act {TAKES_AN_OPERATOR}; this one (p0) is a node's, "
+        f"which {NODE_MAY}",
+    }
+    assert Store(daemon.store).count("action") == 0
+    for operator in ("operator", "operator-p0"):  # operator-p0 also names p0: an operator's all the same
+        with channel(daemon.address, client(pki, operator)) as ch:
+            done = svc_grpc.ControlServiceStub(ch).Act(rule_mode, metadata=claimed, timeout=10)
+            assert serving(ch)
+            state = svc_grpc.FleetServiceStub(ch).State(svc.FleetRequest(), timeout=10)  # and it reads
+            said[operator] = denied(lambda ch=ch: AgentStream(ch, "p0"))  # type: ignore[misc]
+        assert done.action.by == f"cn:{'alice' if operator == 'operator' else 'bob'}"
+        assert state.mode == "enforce"
+    assert said["operator-p0"] == (
+        "/kvguard.v1.AgentService/Stream takes a node's certificate (no role URI); "
+        f"this one (bob) is an operator's, which {OPERATOR_MAY}"
+    )
+    s = Store(daemon.store)
+    actions = [svc.Action.FromString(body) for _, _, body in s.rows(kind="action")]
+    s.close()
+    assert [(a.by, a.rule_mode.rule, a.reason) for a in actions] == [
+        ("cn:alice", "stale_read", "noisy"),
+        ("cn:bob", "stale_read", "noisy"),
+    ]
+    assert denials(pki, daemon) == {"node": 1, "reader": 1, "operator": 2}

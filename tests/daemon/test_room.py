@@ -136,7 +136,11 @@ def test_under_its_reserve_the_daemon_takes_no_events_until_there_is_room(
         shown = kvguard_fleet(daemon.address)
         assert shown.returncode == 0 and "REFUSING" not in shown.stdout
         (row,) = [line.split() for line in shown.stdout.splitlines() if line.startswith("d0 ")]
-        assert row[:4] == ["d0", str(guard._seq), "yes", "0"] and row[4:] == ["0:decode", "0/64"]
+        assert row[:4] == ["d0", str(guard._seq), "yes", "connected"] and row[-3:] == [
+            "0",
+            "0:decode",
+            "0/64",
+        ]
         as_json = json.loads(kvguard_fleet(daemon.address, "-o", "json").stdout)
         assert int(as_json["store"]["used_bytes"]) > 0 and as_json["store"]["reserve_bytes"] == str(24 * MiB)
     finally:

@@ -1,6 +1,6 @@
 """A throwaway operator CA and its certificates, for the mutual TLS tests: the daemon's, nodes'
-(named by CN and DNS SANs), readers' (the URI SAN of proto/channel.py's READER_URI), and a
-rogue CA's; `tls_args` and `client` hand them to a command or a channel."""
+(named by CN and DNS SANs), readers' (the URI SAN of proto/channel.py's READER_URI), operators'
+(OPERATOR_URI), and a rogue CA's; `tls_args` and `client` hand them to a command or a channel."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvguard.proto.channel import READER_URI, Tls
+from kvguard.proto.channel import OPERATOR_URI, READER_URI, Tls
 
 READER = x509.UniformResourceIdentifier(READER_URI)
+OPERATOR = x509.UniformResourceIdentifier(OPERATOR_URI)
 
 
 def _name(cn: str) -> x509.Name:
@@ -57,8 +58,9 @@ def issue(
 def make_pki(d: Path) -> Path:
     """The CA `ca` and, signed by it: `daemon` (for localhost), nodes `node-p0` (p0, p0-spare)
     and `node-d0`, `replayer` (a node certificate naming p0, d0 and c0, as a forensics
-    operator's would), readers `siem` and `reader-p0` (which also names p0); and `rogue-p0`,
-    signed by `rogue-ca`."""
+    operator's would), readers `siem` and `reader-p0` (which also names p0), operators
+    `operator` (CN alice) and `operator-p0` (CN bob, which also names p0); and `rogue-p0`, signed
+    by `rogue-ca`."""
     ca = issue(d, "ca", "kvguard test CA", None)
     loopback = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     issue(d, "daemon", "kvguard-daemon", ca, loopback)
@@ -67,6 +69,8 @@ def make_pki(d: Path) -> Path:
     issue(d, "replayer", "forensics", ca, [x509.DNSName(n) for n in ("p0", "d0", "c0")])
     issue(d, "siem", "siem", ca, [READER])
     issue(d, "reader-p0", "p0", ca, [READER, x509.DNSName("p0")])
+    issue(d, "operator", "alice", ca, [OPERATOR])
+    issue(d, "operator-p0", "bob", ca, [OPERATOR, x509.DNSName("p0")])
     rogue_ca = issue(d, "rogue-ca", "someone else's CA", None)
     issue(d, "rogue-p0", "p0", rogue_ca)
     return d
