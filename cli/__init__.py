@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from kvguard import __version__
-from kvguard.cli import agent, audit, daemon, demo, fleet, replay, rules, run, testbed, witness
+from kvguard.cli import agent, audit, daemon, demo, fleet, replay, rules, run, testbed, top, witness
 from kvguard.cli.options import new_parser
 
 
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvguard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (replay, daemon, agent, run, witness, audit, fleet, rules, testbed, demo):
+    for module in (replay, daemon, agent, run, witness, audit, fleet, top, rules, testbed, demo):
         module.add_parser(sub)
     return parser
 

@@ -1,0 +1,1 @@
+"""The dashboard's own widgets: the status lines and the pool map."""
