@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml setup.py $(EXTENSIONS)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $@
 
+# `make demo TOP=1`: the same, watched on the dashboard (kvguard top) until it is quit.
 demo: $(STAMP)
-	$(BIN)/kvguard demo
+	$(BIN)/kvguard demo $(if $(TOP),--top)
 
 # The rule fixtures (`kvguard rules test`) run inside pytest (tests/ruleset/).
 test: lint shim engines

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,8 +148,11 @@ def daemon_run(
     as_agent: bool = False,
     client: str = "aio",
     wake: str = "",
+    attach: Callable[[str], Callable[[], None]] | None = None,
 ) -> tuple[Run, int]:
-    """One run against a fresh daemon; `wake`: its --cpu-latency-us ("": none given)."""
+    """One run against a fresh daemon; `wake`: its --cpu-latency-us ("": none given);
+    `attach(address)` starts another client of the daemon for the run (a dashboard) and
+    returns what stops it."""
     store = store_dir / f"ingest-{tag}.db"
     cmd = [sys.executable, "-m", "kvguard", "daemon", "--listen", "127.0.0.1:0", "--store", str(store)]
     if wake:
@@ -175,8 +178,11 @@ def daemon_run(
     address = f"127.0.0.1:{daemon.port}"
     try:
         alerts = Alerts(address)
+        detach = None
         try:
             probe(address, alerts)
+            if attach is not None:
+                detach = attach(address)
             before: dict[str, float] = {}
             ticks: dict[str, int] = {}
 
@@ -192,6 +198,8 @@ def daemon_run(
             run.cpu = used | run.cpu
             run.machine = machine_share(ticks, machine_ticks())
         finally:
+            if detach is not None:
+                detach()
             alerts.close()
         fleet_check(address, run)
     finally:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import shutil
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -42,9 +44,11 @@ def _short(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def run_demo(out_dir: Path, out: TextIO = sys.stdout) -> int:
+def run_demo(out_dir: Path, out: TextIO = sys.stdout, *, top: bool = False) -> int:
     """Run the demo in `out_dir` (emptied first), narrating on `out`: 0 when the unguarded
-    cluster leaked acme's secret and the guarded one answered an error without it, else 1."""
+    cluster leaked acme's secret and the guarded one answered an error without it, else 1.
+    `top`: with the dashboard (`kvguard top`) on the daemon meanwhile, open until it is quit;
+    the narration follows once it is."""
     started = time.monotonic()
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -55,10 +59,51 @@ def run_demo(out_dir: Path, out: TextIO = sys.stdout) -> int:
     address = daemon.address
     agent = start_agent(str(sock), address, str(out_dir / "spool"), quiet=True)
     try:
+        if top:
+            return _with_dashboard(out_dir, store, sock, address, started, out)
         return _demo(out_dir, store, sock, address, started, out)
     finally:
         agent.stop()
         daemon.stop()
+
+
+def _with_dashboard(out_dir: Path, store: Path, sock: Path, address: str, started: float, out: TextIO) -> int:
+    """The demo in a thread, its narration kept in out_dir/demo.txt, while the dashboard runs
+    on this terminal against the demo's daemon, on its alerts; the narration is printed once
+    the dashboard is quit (after the demo, if it has not ended by then)."""
+    from kvguard.tui.app import TopApp
+    from kvguard.tui.client import DaemonClient
+
+    client = DaemonClient(address, None)
+    app = TopApp(client, screen="alerts", label=f"kvguard demo ({address})")
+    result: list[int] = []
+    narration = out_dir / "demo.txt"
+
+    def demo() -> None:
+        with narration.open("w") as text:
+            try:
+                result.append(_demo(out_dir, store, sock, address, started, text))
+            except Exception as exc:  # said on the dashboard and after it, never lost in a thread
+                text.write(f"\nthe demo failed: {exc!r}\n")
+                result.append(1)
+        verdict = "the leak unguarded, stopped guarded" if result == [0] else "not as expected"
+        with contextlib.suppress(RuntimeError):  # the dashboard was quit already
+            said = f"demo done: {verdict}; q leaves, the narration follows"
+            app.call_from_thread(app.notify, said, timeout=30)
+
+    worker = threading.Thread(target=demo, name="kvguard-demo", daemon=True)
+    worker.start()
+    try:
+        app.run()
+    finally:
+        app.stop_background()
+        client.close()
+    if worker.is_alive():
+        out.write("kvguard demo: the dashboard was quit; the demo is finishing...\n")
+        out.flush()
+        worker.join()
+    out.write(narration.read_text())
+    return result[0] if result else 1
 
 
 def _settled(spool: Path) -> None:
@@ -169,7 +214,10 @@ class _Indented:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """`kvguard demo`: exit 0 when the leak happened unguarded and was stopped guarded, else 1."""
-    return run_demo(Path(args.out))
+    if args.top and not sys.stdout.isatty():
+        print("kvguard demo: --top needs a terminal (standard output is not one)", file=sys.stderr)
+        return 2
+    return run_demo(Path(args.out), top=args.top)
 
 
 def add_parser(sub: Subcommands) -> None:
@@ -182,4 +230,5 @@ def add_parser(sub: Subcommands) -> None:
         "kvguard demo --out /tmp/kvguard-demo",
     )
     p.add_argument("--out", default="kvguard-demo", help="where the audit captures go")
+    p.add_argument("--top", action="store_true", help="watch it on the dashboard (kvguard top); q leaves it")
     p.set_defaults(func=cmd_demo)
