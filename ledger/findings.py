@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvguard.proto import pb
+from kvguard.proto import pb, vocabulary
 
 NOBODY = 0  # request index 0 is "no request": never a grantee, writer or holder
 
@@ -30,20 +30,9 @@ class BadEvent(ValueError):
         self.kind = kind
 
 
-KINDS: tuple[str, ...] = (
-    "stale_read",
-    "foreign_read",
-    "use_after_free",
-    "late_write",
-    "double_free",
-    "early_release",
-    "transfer_mismatch",
-    "rejected_progress",
-    "config_drift",
-    "cross_tenant_share",
-    "anomaly",
-)
-SEVERITIES: tuple[str, ...] = ("critical", "high", "medium", "low", "info")
+# The contract's vocabulary (proto/vocabulary.py), shared with the clients that filter findings.
+KINDS: tuple[str, ...] = vocabulary.FINDING_KINDS
+SEVERITIES: tuple[str, ...] = vocabulary.SEVERITIES
 # kill: end the one offending request; +quarantine: keep its pages out of the pool;
 # block: refuse admission; deny: refuse the prefix share; alert/log: report only.
 ACTIONS: tuple[str, ...] = ("kill", "kill+quarantine", "alert+quarantine", "block", "deny", "alert", "log")

@@ -20,23 +20,10 @@ from dataclasses import dataclass, field, replace
 
 from kvguard.proto import pb
 from kvguard.proto.filter import Filter
+from kvguard.proto.vocabulary import FINDING_KINDS, SEVERITIES
 
-# The daemon's vocabulary (EVENTS.md, "Findings"); the app adds the finding kinds its daemon's
+# The daemon's vocabulary is proto/vocabulary.py's; the app adds the finding kinds its daemon's
 # rules name (FleetService.Rules), so a newer daemon's kinds are accepted too.
-SEVERITIES: tuple[str, ...] = ("critical", "high", "medium", "low", "info")
-FINDING_KINDS: tuple[str, ...] = (
-    "stale_read",
-    "foreign_read",
-    "use_after_free",
-    "late_write",
-    "double_free",
-    "early_release",
-    "transfer_mismatch",
-    "rejected_progress",
-    "config_drift",
-    "cross_tenant_share",
-    "anomaly",
-)
 FIELDS = {
     "severity": "severity",
     "sev": "severity",
