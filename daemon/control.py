@@ -197,7 +197,18 @@ class Control:
         r = self.ledger.request(req)
         if r is None:
             raise ActionRefused(Code.NOT_FOUND, f"kill: request {req!r} is not known to the daemon's ledger")
-        if r.state in ("finished", *ENDED):
+        live = sorted(  # the nodes where it holds pages: where it still runs
+            node
+            for node, pool in r.pools
+            if node in self.ledger.nodes
+            and (found := self.ledger.nodes[node].pools.get(pool)) is not None
+            and found.live.get(r.idx, 0) > 0
+        )
+        # A request that ended but still holds pages is the very case kvguard is for (rejected,
+        # yet it went on): it may be killed where it holds them. One that holds none has ended;
+        # one killed already stays with its first kill.
+        held = action.node in live if action.node else bool(live)
+        if r.state == "killed" or (r.state in ("finished", *ENDED) and not held):
             why = f": {r.reason}" if r.reason else ""
             raise ActionRefused(
                 Code.FAILED_PRECONDITION, f"kill: request {req!r} has already ended ({r.state}{why})"
@@ -207,15 +218,7 @@ class Control:
                 raise ActionRefused(Code.NOT_FOUND, f"kill: node {action.node!r} is not known to the daemon")
             nodes = [action.node]
         else:
-            nodes = sorted(
-                {
-                    node
-                    for node, pool in r.pools
-                    if node in self.ledger.nodes
-                    and (found := self.ledger.nodes[node].pools.get(pool)) is not None
-                    and found.live.get(r.idx, 0) > 0
-                }
-            )
+            nodes = live
             if not nodes:
                 raise ActionRefused(
                     Code.FAILED_PRECONDITION,

@@ -40,6 +40,16 @@ class Timeline:
     def victim(self) -> str:
         return self.alert.finding.victim_req if self.alert is not None else ""
 
+    @property
+    def tenant(self) -> str:
+        """The request's tenant, as its admission says (or its alert, before that is read)."""
+        for record in self.records:
+            if record.WhichOneof("body") == "event" and record.event.admit.req == self.req:
+                return record.event.admit.tenant
+        if self.alert is not None and self.req == self.alert.finding.req:
+            return self.alert.finding.tenant
+        return ""
+
 
 @dataclass
 class Dashboard:

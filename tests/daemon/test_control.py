@@ -122,6 +122,29 @@ def test_an_operators_kill_reaches_the_guard_and_is_stored_with_who_ordered_it(
     assert next(r for r in timeline if r.kind == "action").action == action
 
 
+def test_a_rejected_request_that_still_holds_pages_can_be_killed_one_that_freed_them_cannot(
+    guarded: tuple[Service, Guard, list[tuple[str, str]]],
+) -> None:
+    # The 2026 incident's shape: rejected, yet its pages stay in use. Its end is only its word.
+    daemon, guard, kills = guarded
+    guard.pool(0, "decode", page_size=16, num_pages=64, context_len=1024)
+    guard.admit("r1", "acme", 16, "decode")
+    guard.alloc("r1", 0, [5, 6])
+    guard.reject("r1", "prompt too long")
+    guard.admit("r2", "acme", 16, "decode")
+    guard.alloc("r2", 0, [7])
+    guard.reject("r2", "prompt too long")
+    guard.free("r2", 0, [7])
+    assert wait_for(lambda: applied(daemon.address, "d0", 8))
+    done = act(daemon.address, svc.Action(kill=svc.KillRequest(req="r1"), reason="rejected, still running"))
+    assert done.message == "kill of r1 ordered to d0 (command 1)"
+    assert wait_for(lambda: kills == [("r1", "killed by unverified:alice: rejected, still running")])
+    assert refused(daemon.address, svc.Action(kill=svc.KillRequest(req="r2"))) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "kill: request 'r2' has already ended (rejected: prompt too long)",
+    )
+
+
 def test_acknowledgements_and_rule_modes_are_stored_verified_and_shown(daemon: Service) -> None:
     with grpc.insecure_channel(daemon.address) as ch:
         stream = AgentStream(ch, "p9")

@@ -143,7 +143,7 @@ class TimelineScreen(DashboardScreen):
         if timeline is None:
             self.notify("no request chosen", severity="warning")
             return
-        self.top.ask_kill(timeline.req, "")
+        self.top.ask_kill(timeline.req, timeline.tenant)
 
     def action_back(self) -> None:
         self.top.action_back()
