@@ -1,0 +1,91 @@
+"""`kvguard demo --top` (`make demo TOP=1`), as a person runs it: in a terminal (a real
+pseudo-terminal here), the dashboard opens on the alerts while the demo runs, the incident's
+alerts appear on it, and once `q` leaves it the demo's narration follows and the exit status
+is the demo's. Without a terminal it refuses, and says why."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import re
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+ANSI = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\x1b[=>]")
+
+
+def test_the_demo_runs_under_the_dashboard_and_its_narration_follows_q(tmp_path: Path) -> None:
+    out_dir = tmp_path / "demo"
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))
+    env = dict(os.environ, TERM="xterm-256color")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvguard", "demo", "--top", "--out", str(out_dir)],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        start_new_session=True,
+    )
+    os.close(slave)
+    screen = bytearray()
+
+    def read() -> None:  # what the terminal is sent, as it is sent
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            screen.extend(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    narration = out_dir / "demo.txt"
+    try:
+        deadline = time.monotonic() + 240
+        while not (narration.exists() and "done in" in narration.read_text()):
+            assert proc.poll() is None, f"the demo exited early: {plain(screen)[-2000:]}"
+            assert time.monotonic() < deadline, f"the demo did not finish: {plain(screen)[-2000:]}"
+            time.sleep(0.5)
+        # The dashboard is still up, on the alerts, and has shown the incident's.
+        while "demo done" not in plain(screen):
+            assert time.monotonic() < deadline, f"no 'demo done' notice: {plain(screen)[-2000:]}"
+            time.sleep(0.2)
+        assert proc.poll() is None, "the dashboard left by itself"
+        drawn = plain(screen)
+        assert "Alerts" in drawn and "rejected_progress" in drawn, drawn[-3000:]
+        before_q = len(screen)
+        os.write(master, b"q")
+        assert proc.wait(60) == 0, plain(screen)[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(5)
+        os.close(master)
+    after = plain(screen[before_q:])
+    # The narration, printed on the terminal once the dashboard is gone: the leak and its stop.
+    assert "kvguard demo: the 2026 prefill/decode disaggregation leak" in after
+    assert re.search(r"acme secret leaked\s+YES\s+no", after), after
+    assert "done in" in after
+
+
+def test_without_a_terminal_the_dashboard_demo_refuses() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvguard", "demo", "--top"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert done.stderr == "kvguard demo: --top needs a terminal (standard output is not one)\n"
+
+
+def plain(data: bytes | bytearray) -> str:
+    """What a terminal was sent, its control sequences taken out."""
+    return ANSI.sub(b"", bytes(data)).decode("utf-8", "replace").replace("\r", "")
