@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from kvguard.proto import pb
 from kvguard.proto.filter import Filter
-from kvguard.proto.vocabulary import FINDING_KINDS, SEVERITIES
+from kvguard.proto.vocabulary import FINDING_KINDS, INTERNAL_KINDS, SEVERITIES
 
 # The daemon's vocabulary is proto/vocabulary.py's; the app adds the finding kinds its daemon's
 # rules name (FleetService.Rules), so a newer daemon's kinds are accepted too.
@@ -74,7 +74,7 @@ def _values(word: str, name: str, text: str) -> list[str]:
 def parse(text: str, known_findings: Iterable[str] = ()) -> AlertQuery:
     """The query the line `text` spells (see the module's docstring); FilterError if it cannot
     be read. `known_findings` adds finding kinds to those this dashboard knows."""
-    kinds = set(FINDING_KINDS) | set(known_findings)
+    kinds = set(FINDING_KINDS) | set(INTERNAL_KINDS) | set(known_findings)
     severities: set[str] = set()
     findings: set[str] = set()
     rules: set[str] = set()

@@ -86,3 +86,8 @@ def test_describe_reads_a_query_back_and_parses_to_the_same_query() -> None:
         "severity:critical,high finding:double_free rule:stale_read_cross_tenant tenant:acme node:d0 req:g1"
     )
     assert parse(text) == query
+
+
+def test_kvguards_own_alerts_are_a_kind_the_filter_takes() -> None:
+    # a refused rules reload is a critical alert of kind "internal" (proto/vocabulary.py)
+    assert parse("internal critical").filter.findings == frozenset({"internal"})
