@@ -1,6 +1,7 @@
 """`kvguard testbed up`: the testbed engine in the foreground: a router with an
-OpenAI-compatible API, a prefill worker and a decode worker (real paged attention, KV sent
-over TCP), their guards on, and fault switches that recreate known leaks.
+OpenAI-compatible API (completions and chat, streamed or not), a prefill worker and a decode
+worker (real paged attention, KV sent over TCP), their guards on, and fault switches that
+recreate known leaks. SIGINT or SIGTERM stops it, its workers with it.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import math
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,7 +153,8 @@ class DecodeWorker(Worker):
 
     # -- generate: decode admission, then wait for the batch loop to finish the request
 
-    def op_generate(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def op_generate(self, msg: dict[str, Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """The request's outcome; with `stream`, its tokens as they come ({"tokens"}), then it."""
         req = msg["req"]
         deadline = time.monotonic() + float(msg.get("timeout_s", 60))
         with self.lock:
@@ -170,12 +172,32 @@ class DecodeWorker(Worker):
                     self._place(r)
                     r.state = "running"
                     self.wake.notify_all()
+        if msg.get("stream"):
+            return self._stream(r, deadline)
         r.done.wait(max(0.0, deadline - time.monotonic()))
+        return self._outcome(r, {"tokens": r.generated})
+
+    def _stream(self, r: DecodeRequest, deadline: float) -> Iterator[dict[str, Any]]:
+        sent = 0
+        while True:
+            with self.lock:  # each decode step and each end of a request wakes it
+                while len(r.generated) == sent and not r.done.is_set() and time.monotonic() < deadline:
+                    self.wake.wait(max(0.0, deadline - time.monotonic()))
+                new, finished = r.generated[sent:], r.done.is_set() or time.monotonic() >= deadline
+            if new:
+                sent += len(new)
+                yield {"tokens": new}
+            if finished:
+                yield self._outcome(r, {"output_tokens": sent})
+                return
+
+    @staticmethod
+    def _outcome(r: DecodeRequest, done: dict[str, Any]) -> dict[str, Any]:
         if r.state == "done":
-            return {"status": "done", "tokens": r.generated}
+            return {"status": "done", **done}
         if r.state == "failed":
             return {"status": "killed", "error": r.error}
-        return {"status": "error", "error": f"request {req} did not finish ({r.state})"}
+        return {"status": "error", "error": f"request {r.req} did not finish ({r.state})"}
 
     def _place(self, r: DecodeRequest) -> None:
         r.slot = self.slots_free.pop()
@@ -250,6 +272,7 @@ class DecodeWorker(Worker):
                     continue
                 if not (idle and pause):
                     self._step(batch)
+                    self.wake.notify_all()  # the streams (op_generate) take their new tokens
             # With slow steps staged, a request admitted to an idle loop waits for the next step
             # boundary as it would behind a running batch, not less: the window in which a
             # verdict from afar can still stop its first attention does not depend on whether

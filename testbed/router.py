@@ -1,33 +1,69 @@
-"""The testbed's router: an OpenAI-compatible HTTP endpoint in front of a prefill and a decode
-worker, each a separate process with its own KV pool (`kvguard testbed up`).
+"""The testbed's router: it starts a prefill and a decode worker, each a separate process with
+its own KV pool, and runs requests through them for the OpenAI-compatible API
+(testbed.openai_api) that `kvguard testbed up` serves.
 
 A completion goes: bootstrap (decode reserves pages for the prompt length), prefill (admission,
 forward, KV sent to decode over TCP; the sender reports completion), generate (decode
-admission, batched decode steps), answered as inference servers do: 200 with the completion,
-4xx for a request that cannot be served, 5xx with a clear message for a request kvguard
-terminated. Invariant: the router never retries and never hides a worker's verdict.
+admission, batched decode steps, tokens streamed back as each step makes them). A request
+that cannot be served raises :class:`ApiError` with the status inference servers answer:
+4xx for the client's mistakes, 500 with the engine's message for a request kvguard
+terminated. Invariants: the router never retries and never hides a worker's verdict; the
+workers end with the router (SIGTERM, SIGINT, or the router's death: PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from kvguard.testbed import wire
 from kvguard.testbed.faults import check_faults
 
 MODEL = "kvguard-echo"
-_TENANT = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
+TENANT = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
+ROLES = ("prefill", "decode")
+DECODE_TIMEOUT_S = 60.0  # for decode to finish a request once prefill has handed it over
+
+
+class ApiError(Exception):
+    """A request the API answers with an error, in OpenAI's shape (`body`)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A request that passed validation: what the workers are asked to do."""
+
+    req: str
+    tenant: str
+    tokens: bytes  # the tenant's system prompt, then the user's
+    user_tokens: bytes
+    max_tokens: int
 
 
 @dataclass
@@ -69,7 +105,7 @@ class ClusterConfig:
             )
 
 
-def _spawn(config: ClusterConfig, role: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+def _spawn(config: ClusterConfig, role: str) -> subprocess.Popen[str]:
     worker = {
         "role": role,
         "node": f"{config.node_prefix}{role}-0",
@@ -88,62 +124,63 @@ def _spawn(config: ClusterConfig, role: str) -> tuple[subprocess.Popen[str], dic
         "host_cache": config.host_cache,
         "device": config.device,
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvguard.testbed.engine", "--config", json.dumps(worker)],
+    # Spawned from the thread that serves (the main one): PR_SET_PDEATHSIG, which the worker sets,
+    # fires when the thread that forked it ends, not only the process.
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvguard.testbed.engine",
+            "--config",
+            json.dumps(worker),
+            "--parent",
+            str(os.getpid()),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
+
+
+def _ready(role: str, proc: subprocess.Popen[str]) -> dict[str, Any]:
     line = proc.stdout.readline() if proc.stdout else ""
     if not line.startswith("{"):
-        proc.kill()
         raise RuntimeError(f"{role} worker failed to start (exit {proc.poll()})")
-    return proc, json.loads(line)
+    return json.loads(line)
 
 
 class Router:
-    """Spawns the workers and serves the HTTP API."""
+    """Starts the workers and runs requests through them."""
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
+        self.errors: Counter[str] = Counter()  # requests answered with an error, by code (else type)
+        self._errors_lock = threading.Lock()
         Path(config.audit_dir).mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen[str]] = []
-        results: dict[str, tuple[subprocess.Popen[str], dict[str, Any]]] = {}
-
-        def start(role: str) -> None:
-            results[role] = _spawn(config, role)
-
-        threads = [threading.Thread(target=start, args=(role,)) for role in ("prefill", "decode")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if set(results) != {"prefill", "decode"}:
-            for proc, _ in results.values():
-                proc.kill()
-            raise RuntimeError("a testbed worker failed to start")
-        self.procs = [results["prefill"][0], results["decode"][0]]
-        self.pids = {f"{config.node_prefix}{role}-0": results[role][0].pid for role in ("prefill", "decode")}
-        self.prefill = ("127.0.0.1", results["prefill"][1]["control"])
-        self.decode = ("127.0.0.1", results["decode"][1]["control"])
-        handler = type("Handler", (_Handler,), {"router": self})
-        self.http = ThreadingHTTPServer(("127.0.0.1", config.port), handler)
-        self.http.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-
-    def serve_forever(self) -> None:
         try:
-            self.http.serve_forever()
-        finally:
-            self.close()
+            self.procs = [_spawn(config, "prefill")]
+            self.procs.append(_spawn(config, "decode"))
+            ready = {role: _ready(role, proc) for role, proc in zip(ROLES, self.procs, strict=True)}
+        except BaseException:  # a failed start or a signal: no worker outlives it
+            self._stop_workers(flush=False)
+            raise
+        self.pids = {
+            f"{config.node_prefix}{role}-0": p.pid for role, p in zip(ROLES, self.procs, strict=True)
+        }
+        self.prefill = ("127.0.0.1", ready["prefill"]["control"])
+        self.decode = ("127.0.0.1", ready["decode"]["control"])
 
     def close(self) -> None:
-        self.http.server_close()
+        """Flush the workers' captures and stop them."""
+        self._stop_workers(flush=True)
+
+    def _stop_workers(self, *, flush: bool) -> None:
         for proc in self.procs:
             if proc.poll() is None:
-                with contextlib.suppress(OSError):
-                    wire.call(
-                        self.prefill if proc is self.procs[0] else self.decode, {"op": "flush"}, timeout=5
-                    )
+                if flush:
+                    address = self.prefill if proc is self.procs[0] else self.decode
+                    with contextlib.suppress(OSError):
+                        wire.call(address, {"op": "flush"}, timeout=5)
                 proc.terminate()
         for proc in self.procs:
             try:
@@ -156,82 +193,78 @@ class Router:
 
     # ------------------------------------------------------------------ the request path
 
-    def complete(self, tenant: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        prompt = body.get("prompt", "")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            return 400, _error("prompt must be a non-empty string", "invalid_request_error")
-        max_tokens = body.get("max_tokens", self.config.max_tokens_default)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            return 400, _error("max_tokens must be a positive integer", "invalid_request_error")
-        model = body.get("model", MODEL)
-        if model != MODEL:
-            return 404, _error(
-                f"The model `{model}` does not exist.", "invalid_request_error", "model_not_found"
-            )
+    def plan(self, tenant: str, prompt: str, max_tokens: int | None) -> Plan:
+        """Check a validated request against the model's context; ApiError (400) when over."""
+        max_tokens = self.config.max_tokens_default if max_tokens is None else max_tokens
         user_tokens = prompt.encode("utf-8")
         tokens = self.config.system_prompts.get(tenant, "").encode("utf-8") + user_tokens
         if len(tokens) + max_tokens > self.config.context_len:
-            return 400, _error(
-                f"This model's maximum context length is {self.config.context_len} tokens. However, you "
-                f"requested {len(tokens) + max_tokens} tokens ({len(tokens)} in the prompt, {max_tokens} "
-                "for the completion).",
-                "invalid_request_error",
-                "context_length_exceeded",
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.config.context_len} tokens. However, "
+                f"you requested {len(tokens) + max_tokens} tokens ({len(tokens)} in the prompt, "
+                f"{max_tokens} for the completion).",
+                code="context_length_exceeded",
             )
-        req = f"cmpl-{uuid.uuid4().hex[:16]}"
+        return Plan(f"cmpl-{uuid.uuid4().hex[:16]}", tenant, tokens, user_tokens, max_tokens)
+
+    def count(self, error: ApiError) -> ApiError:
+        """Count a request answered with an error (by its code, else its type); hand it back."""
+        detail = error.body["error"]
+        with self._errors_lock:  # counted from the server's loop and from its stream threads
+            self.errors[detail["code"] or detail["type"]] += 1
+        return error
+
+    def generate(self, plan: Plan) -> Iterator[bytes]:
+        """The completion's tokens as decode makes them; ApiError when the request fails."""
+        req = plan.req
         boot = self._call(
             self.decode,
             op="bootstrap",
             req=req,
-            tenant=tenant,
-            prompt_tokens=len(tokens),
-            max_tokens=max_tokens,
+            tenant=plan.tenant,
+            prompt_tokens=len(plan.tokens),
+            max_tokens=plan.max_tokens,
             prefill_node=f"{self.config.node_prefix}prefill-0",
         )
         if boot.get("status") != "ok":
-            return self._failed(req, boot, inflight=False, reserved=False)
+            raise self._failed(req, boot, reserved=False)
         try:
             pre = self._call(
                 self.prefill,
                 timeout=self.config.prefill_timeout_s,
                 op="prefill",
                 req=req,
-                tenant=tenant,
-                tokens=list(tokens),
-                user_tokens=list(user_tokens),
+                tenant=plan.tenant,
+                tokens=list(plan.tokens),
+                user_tokens=list(plan.user_tokens),
                 decode_kv=boot["kv"],
                 decode_node=f"{self.config.node_prefix}decode-0",
             )
         except TimeoutError:
             self._call(self.decode, op="abort", req=req, reason="prefill timed out", inflight=True)
-            return 504, _error(f"prefill of {req} timed out", "timeout")
+            raise ApiError(504, f"prefill of {req} timed out", "timeout") from None
         if pre.get("status") != "done":
-            return self._failed(req, pre, inflight=False, reserved=True)
-        gen = self._call(self.decode, timeout=120, op="generate", req=req, timeout_s=60)
-        if gen.get("status") != "done":
-            return self._failed(req, gen, inflight=False, reserved=False)
-        out = bytes(gen["tokens"])
-        return 200, {
-            "id": req,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": MODEL,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": out.decode("utf-8", errors="replace"),
-                    "logprobs": None,
-                    "finish_reason": "length",
-                }
-            ],
-            "usage": {
-                "prompt_tokens": len(tokens),
-                "completion_tokens": len(out),
-                "total_tokens": len(tokens) + len(out),
-            },
-        }
+            raise self._failed(req, pre, reserved=True)
+        finished = False
+        try:
+            with socket.create_connection(self.decode, timeout=DECODE_TIMEOUT_S * 2) as sock:
+                wire.send(sock, {"op": "generate", "req": req, "timeout_s": DECODE_TIMEOUT_S, "stream": True})
+                while True:
+                    reply, _ = wire.recv(sock)
+                    if "tokens" in reply and "status" not in reply:
+                        yield bytes(reply["tokens"])
+                        continue
+                    finished = True
+                    if reply.get("status") != "done":
+                        raise self._failed(req, reply, reserved=False)
+                    return
+        except (OSError, ConnectionError) as exc:
+            finished = True  # decode is gone, or broke the stream: nothing there to abort
+            raise self._failed(req, {"error": f"worker unreachable: {exc}"}, reserved=False) from None
+        finally:
+            if not finished:  # the client went away mid-stream: decode stops the request
+                self._call(self.decode, op="abort", req=req, reason="client disconnected")
 
     def _call(self, address: tuple[str, int], timeout: float = 60.0, **msg: Any) -> dict[str, Any]:
         try:
@@ -241,24 +274,27 @@ class Router:
         except (OSError, ConnectionError) as exc:
             return {"status": "error", "error": f"worker unreachable: {exc}"}
 
-    def _failed(
-        self, req: str, reply: dict[str, Any], *, inflight: bool, reserved: bool
-    ) -> tuple[int, dict[str, Any]]:
+    def _failed(self, req: str, reply: dict[str, Any], *, reserved: bool) -> ApiError:
         if reserved:
-            self._call(
-                self.decode, op="abort", req=req, reason=reply.get("error", "failed"), inflight=inflight
-            )
+            self._call(self.decode, op="abort", req=req, reason=reply.get("error", "failed"), inflight=False)
         status = reply.get("status")
         message = reply.get("error", "request failed")
         if status == "killed":
-            return 500, _error(f"request {req} was terminated by kvguard: {message}", "kvguard_terminated")
-        if status == "rejected":
-            return 400, _error(message, "invalid_request_error")
-        return 502, _error(f"request {req} failed: {message}", "server_error")
+            error = ApiError(500, f"request {req} was terminated by kvguard: {message}", "kvguard_terminated")
+        elif status == "rejected":
+            error = ApiError(400, message)
+        else:
+            error = ApiError(502, f"request {req} failed: {message}", "server_error")
+        return error
 
     def flush(self) -> dict[str, Any]:
         """Every worker writes out its audit capture and reports its guard's findings."""
-        out: dict[str, Any] = {"audit_dir": self.config.audit_dir, "findings": [], "workers": {}}
+        out: dict[str, Any] = {
+            "audit_dir": self.config.audit_dir,
+            "findings": [],
+            "workers": {},
+            "errors": dict(self.errors),  # answered with an error, by code (else type)
+        }
         for name, address in (("prefill", self.prefill), ("decode", self.decode)):
             reply = wire.call(address, {"op": "flush"}, timeout=10)
             out["findings"] += reply.get("findings", [])
@@ -266,93 +302,45 @@ class Router:
         return out
 
 
-def _error(message: str, kind: str, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+class Stopped(Exception):
+    """SIGTERM reached `kvguard testbed up`."""
 
 
-class _Handler(BaseHTTPRequestHandler):
-    router: Router
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:  # quiet: the workers log findings
-        pass
-
-    def _send(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        if self.path == "/v1/models":
-            model = {
-                "id": MODEL,
-                "object": "model",
-                "created": 0,
-                "owned_by": "kvguard-testbed",
-                "max_model_len": self.router.config.context_len,
-            }
-            self._send(200, {"object": "list", "data": [model]})
-        elif self.path == "/health":
-            self._send(200, {"ok": True})
-        else:
-            self._send(404, _error(f"no route {self.path}", "invalid_request_error"))
-
-    def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > 1 << 20:
-            self._send(413, _error("request body too large", "invalid_request_error"))
-            return
-        raw = self.rfile.read(length)
-        if self.path == "/admin/flush":
-            self._send(200, self.router.flush())
-            return
-        if self.path != "/v1/completions":
-            self._send(404, _error(f"no route {self.path}", "invalid_request_error"))
-            return
-        auth = self.headers.get("Authorization", "")
-        tenant = auth[7:].strip() if auth.startswith("Bearer ") else ""
-        if not _TENANT.match(tenant):
-            self._send(
-                401,
-                _error(
-                    "missing or malformed API key (Authorization: Bearer <tenant>)",
-                    "invalid_request_error",
-                    "invalid_api_key",
-                ),
-            )
-            return
-        try:
-            body = json.loads(raw or b"{}")
-        except json.JSONDecodeError as exc:
-            self._send(400, _error(f"request body is not JSON: {exc}", "invalid_request_error"))
-            return
-        if not isinstance(body, dict):
-            self._send(400, _error("request body must be a JSON object", "invalid_request_error"))
-            return
-        status, reply = self.router.complete(tenant, body)
-        self._send(status, reply)
+def _stopped(signum: int, frame: FrameType | None) -> None:
+    raise Stopped(signal.Signals(signum).name)
 
 
 def up(config: ClusterConfig) -> int:
-    """`kvguard testbed up`: run the cluster in the foreground until interrupted."""
-    router = Router(config)
-    print(
-        "READY "
-        + json.dumps(
-            {"url": router.url, "pids": router.pids, "audit_dir": config.audit_dir, **asdict(config)}
-        ),
-        flush=True,
-    )
-    print(
-        f"kvguard testbed: {router.url}/v1 (model {MODEL}, context {config.context_len}, "
-        f"guard {config.guard}, faults {', '.join(config.faults) or 'none'}); "
-        f"audit captures in {config.audit_dir}/",
-        file=sys.stderr,
-        flush=True,
-    )
-    with contextlib.suppress(KeyboardInterrupt):
-        router.serve_forever()
+    """`kvguard testbed up`: run the cluster in the foreground until SIGINT or SIGTERM."""
+    from kvguard.testbed.openai_api import listen, serve  # FastAPI is loaded only to serve
+
+    # uvicorn takes SIGINT and SIGTERM while it serves and raises them again once it has shut
+    # down; this handler turns SIGTERM into an exception, so that the workers are stopped.
+    signal.signal(signal.SIGTERM, _stopped)
+    router: Router | None = None
+    try:
+        router = Router(config)
+        sock = listen(config.port)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        print(
+            "READY "
+            + json.dumps({"url": url, "pids": router.pids, "audit_dir": config.audit_dir, **asdict(config)}),
+            flush=True,
+        )
+        print(
+            f"kvguard testbed: {url}/v1 (model {MODEL}, context {config.context_len}, "
+            f"guard {config.guard}, faults {', '.join(config.faults) or 'none'}); "
+            f"audit captures in {config.audit_dir}/",
+            file=sys.stderr,
+            flush=True,
+        )
+        serve(router, sock)
+    except (KeyboardInterrupt, Stopped):
+        pass
+    finally:
+        # A second signal while the workers flush and stop must not cut that short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if router is not None:
+            router.close()
     return 0

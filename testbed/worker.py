@@ -1,5 +1,6 @@
 """The testbed worker's shared part: its configuration, the KV pool and free list, the
-in-engine guard, and the control server that takes the router's calls (testbed.wire).
+in-engine guard, and the control server that takes the router's calls (testbed.wire): one
+reply a call, or several for an op that streams (decode's generate), the last one final.
 
 :class:`Worker` is what prefill (testbed.prefill) and decode (testbed.decode) share. Every
 change of page ownership goes through the guard: pages are granted on allocation (take_pages)
@@ -18,7 +19,7 @@ import contextlib
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,19 +182,29 @@ class Worker:
         return {}
 
     def _handle(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                msg, _payload = wire.recv(conn)
-                op = getattr(self, f"op_{msg.get('op')}", None)
-                reply = {"error": f"unknown op {msg.get('op')!r}"} if op is None else op(msg)
-            except Killed as exc:
-                reply = {"status": "killed", "error": str(exc)}
-            except PoolFull as exc:
-                reply = {"status": "rejected", "error": str(exc)}
-            except (ConnectionError, OSError, ValueError) as exc:
-                reply = {"error": f"{type(exc).__name__}: {exc}"}
-            with contextlib.suppress(OSError):
+        with conn, contextlib.suppress(OSError):  # OSError: the caller has gone
+            for reply in self._replies(conn):
                 wire.send(conn, reply)
+
+    def _replies(self, conn: socket.socket) -> Iterator[dict[str, Any]]:
+        """The replies to one call: one message, or (an op that streams) several, the last final."""
+        try:
+            msg, _payload = wire.recv(conn)
+            op = getattr(self, f"op_{msg.get('op')}", None)
+            if op is None:
+                yield {"error": f"unknown op {msg.get('op')!r}"}
+                return
+            result = op(msg)
+            if isinstance(result, dict):
+                yield result
+            else:
+                yield from result
+        except Killed as exc:
+            yield {"status": "killed", "error": str(exc)}
+        except PoolFull as exc:
+            yield {"status": "rejected", "error": str(exc)}
+        except (ConnectionError, OSError, ValueError) as exc:
+            yield {"error": f"{type(exc).__name__}: {exc}"}
 
     def op_flush(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Write every queued guard event to the audit capture (for tests and shutdown)."""
