@@ -7,6 +7,7 @@ daemon takes up to 8 a stream and acknowledges them in order). Commands (kill, q
 are handed over the moment they arrive, to the stream's `on_command` (the agent relays them
 to the guard at once) or else kept in `commands`: the daemon sends a command before the
 commit of the batch that caused it, and a command may also come while no batch is in flight.
+`DaemonReach` says, once each, when the daemon cannot be reached and when it is again.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 STATUS_EVERY_S = 2.0  # a node's status goes this often besides each change of its guard
+PROBE_EVERY_S = 2.0  # how often the agent checks that it reaches the daemon
+PROBE_TIMEOUT_S = 5.0
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # the daemon serves it to every caller
 
 
 class GuardState(NamedTuple):
@@ -50,6 +54,59 @@ def node_status(guard: GuardState, gpu: GpuFacts, spooled: int, agent: str) -> s
         spooled=spooled,
         agent_version=f"{agent} {__version__}",
     )
+
+
+class DaemonReach:
+    """Whether the agent reaches the daemon, said on stderr by `say`: once when it cannot (its
+    events stay spooled), once again when it does. Its node streams tell it (`reachable`,
+    `unreachable`), and so does a health check every PROBE_EVERY_S on a thread of its own
+    until `stopping` is set, so that a daemon that is down is said at the start, before any
+    guard has reached the agent, and also while no node streams."""
+
+    def __init__(
+        self, channel: grpc.Channel, address: str, say: Callable[[str], None], stopping: threading.Event
+    ) -> None:
+        self.address = address
+        self._say = say
+        self._lock = threading.Lock()
+        self.reached: bool | None = None  # None: not known yet
+        # The request and the reply go as bytes: an empty HealthCheckRequest asks of the server.
+        self._check = channel.unary_unary(HEALTH_CHECK, request_serializer=None, response_deserializer=None)
+        self._stopping = stopping
+        threading.Thread(target=self._probe, name="kvguard-daemon-reach", daemon=True).start()
+
+    def _probe(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._check(b"", timeout=PROBE_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                if self._stopping.is_set():  # cancelled by the channel's close: nothing to say
+                    return
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self.unreachable(exc.details() or "")
+                else:  # it answered, if only to refuse the check
+                    self.reachable()
+            except ValueError:  # the channel is closed: the agent is stopping
+                return
+            else:
+                self.reachable()
+            self._stopping.wait(PROBE_EVERY_S)
+
+    def unreachable(self, detail: str = "") -> None:
+        """The daemon cannot be reached (`detail`: gRPC's reason, if known); said once."""
+        with self._lock:
+            if self.reached is False:
+                return
+            self.reached = False
+        why = f" ({detail})" if detail else ""
+        self._say(f"cannot reach the daemon at {self.address}{why}; events stay spooled until it answers")
+
+    def reachable(self) -> None:
+        """The daemon is reached; said if it was said unreachable."""
+        with self._lock:
+            was, self.reached = self.reached, True
+        if was is False:
+            self._say(f"reached the daemon at {self.address}; sending what is spooled")
 
 
 class DaemonRefused(RuntimeError):

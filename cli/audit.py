@@ -18,9 +18,12 @@ import orjson
 
 from kvguard.cli import audit_chain
 from kvguard.cli.options import (
+    DEFAULT_PORT,
     Subcommands,
     add_command,
+    add_daemon_argument,
     add_group,
+    add_output_argument,
     add_tls_arguments,
     new_parser,
     tls_from_args,
@@ -62,8 +65,10 @@ def _source_args(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help=f"SQLAlchemy URL, or a SQLite file path (default: {DEFAULT_STORE}, unless --daemon)",
     )
-    p.add_argument("--daemon", metavar="ADDR", help="read from the daemon at host:port instead of a store")
-    p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    add_daemon_argument(
+        p, None, f"read from the daemon at host[:port] (port {DEFAULT_PORT} if none) instead of a store"
+    )
+    add_output_argument(p)
     add_tls_arguments(p)
 
 

@@ -9,7 +9,11 @@ kept off the database's machine) cannot be rewritten, chain and all, by someone 
 - `head`: write the head for a store as it stands (one written before heads were kept).
 - `new-key`: write a new random key, mode 600.
 
-Exit codes: 0 proven / done, 1 not proven or not done (the reason on stderr).
+Invariant: none of them creates a store: a store path that does not exist, or a database
+without the `records` table, is refused (exit 2) before `Store()` could create it, so that a
+typo is never proven "0 records, chain intact" (the daemon creates stores).
+Exit codes: 0 proven / done, 1 not proven or not done (the reason on stderr), 2 no such store
+or an unusable option (as every kvguard command says of unusable input).
 cli/audit.py adds these commands to the `kvguard audit` group.
 """
 
@@ -18,57 +22,152 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
-from kvguard.cli.options import Subcommands, add_command
+import orjson
+
+from kvguard.cli.options import Subcommands, add_command, add_output_argument
 
 # The store (SQLAlchemy, alembic) is imported when a command runs, so that `kvguard --help`
 # does not wait for it.
 
 
+def missing_store(where: str) -> str | None:
+    """Why `where` names no audit store to read (no such file, not a file, no `records`
+    table, unreachable), or None; it creates nothing (`Store()` would create what is missing)."""
+    from sqlalchemy import create_engine, inspect
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    from kvguard.daemon.audit.source import first_line
+    from kvguard.daemon.store import store_url
+
+    url = store_url(where)
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return f"--store {where!r} is neither a SQLAlchemy URL nor a file path"
+    database = parsed.database or ""
+    local = parsed.drivername.startswith("sqlite") and database not in ("", ":memory:")
+    if local and not database.startswith("file:"):
+        path = Path(database)
+        if not path.exists():
+            return f"no audit store at {where} (no such file)"
+        if not path.is_file():
+            return f"audit store {where} is not a file"
+    try:
+        probe = create_engine(url)
+        try:
+            has_records = inspect(probe).has_table("records")
+        finally:
+            probe.dispose()
+    except Exception as exc:  # driver missing, not a database, unreachable server
+        return f"cannot open audit store {where}: {first_line(exc)}"
+    return None if has_records else f"{where} is not a kvguard audit store (no records table)"
+
+
+class Verdict:
+    """What `audit verify` found, said as lines (table) or as one JSON object (json)."""
+
+    def __init__(self, store: str) -> None:
+        self.fields: dict[str, Any] = {"store": store, "intact": False, "complete": False}
+        self.said: list[str] = []  # on stdout, as a table
+        self.problems: list[str] = []  # on stderr
+
+    def say(self, output: str) -> None:
+        if output == "json":
+            print(orjson.dumps(self.fields).decode())
+        else:
+            for line in self.said:
+                print(line)
+        sys.stdout.flush()
+        for line in self.problems:
+            print(line, file=sys.stderr)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    """`kvguard audit verify`: exit 0 when the chain (and every seal) is proven intact, else 1."""
+    """`kvguard audit verify`: exit 0 when the chain (and every seal) is proven intact, 1 when
+    not, 2 when there is no such store."""
+    verdict = Verdict(args.store)
+    code = _verify(args, verdict)
+    verdict.fields["ok"] = code == 0
+    if code == 2:
+        print(f"kvguard audit verify: {verdict.fields['error']}", file=sys.stderr)
+        if args.output == "json":
+            print(orjson.dumps(verdict.fields).decode())
+        return 2
+    verdict.say(args.output)
+    return code
+
+
+def _verify(args: argparse.Namespace, verdict: Verdict) -> int:
     from kvguard.daemon.store import AuditKeyError, RowError, Store, StoreError, read_audit_key
 
     try:
         keys = [read_audit_key(path) for path in args.audit_key or ()]
+        if (missing := missing_store(args.store)) is not None:
+            verdict.fields["error"] = missing
+            return 2
         store = Store(args.store, *keys, head_file=args.audit_head)
     except (AuditKeyError, StoreError) as exc:
-        print(f"kvguard audit verify: {exc}", file=sys.stderr)
+        verdict.fields["error"] = str(exc)
+        verdict.problems.append(f"kvguard audit verify: {exc}")
         return 1
     except RowError as exc:
-        print(f"kvguard audit verify: audit store {args.store}: NOT proven intact: {exc}", file=sys.stderr)
+        verdict.fields["error"] = f"NOT proven intact: {exc}"
+        verdict.problems.append(f"kvguard audit verify: audit store {args.store}: NOT proven intact: {exc}")
         return 1
+    try:
+        return _verdict(store, verdict)
+    finally:
+        store.close()
+
+
+def _verdict(store: Any, verdict: Verdict) -> int:
     ok, n, problem = store.verify()
-    if not ok:
-        print(f"audit log {store.url}: NOT proven intact after {n} good records: {problem}", file=sys.stderr)
-        return 1
     seals = store.seals
+    verdict.fields.update(store=store.url, records=n, intact=ok, sealed_from=list(seals))
+    if not ok:
+        verdict.fields["error"] = f"NOT proven intact after {n} good records: {problem}"
+        verdict.problems.append(f"audit log {store.url}: {verdict.fields['error']}")
+        return 1
     sealed = "" if not seals else f", sealed with the audit key from record {seals[0]} on"
     if len(seals) > 1:
         sealed += f" (key rotated at record{'s' if len(seals) > 2 else ''} {', '.join(map(str, seals[1:]))})"
     complete = store.completeness()
+    verdict.fields.update(complete=bool(complete.proven), completeness=str(complete.said))
     if not complete.proven:
-        print(f"audit log {store.url}: {n} records, chain intact{sealed}")
-        print(f"audit log {store.url}: NOT proven complete: {complete.said}", file=sys.stderr)
+        verdict.said.append(f"audit log {store.url}: {n} records, chain intact{sealed}")
+        verdict.fields["error"] = f"NOT proven complete: {complete.said}"
+        verdict.problems.append(f"audit log {store.url}: {verdict.fields['error']}")
         return 1
-    print(f"audit log {store.url}: {n} records, chain intact{sealed}; {complete.said}")
+    verdict.said.append(f"audit log {store.url}: {n} records, chain intact{sealed}; {complete.said}")
     # The ledger snapshot a restart would load is derived data, outside the chain, but bound
     # to it: one that does not match is not loaded (the store is replayed), and is said here.
     found = store.latest_snapshot()
     if isinstance(found, str):
-        print(
-            f"ledger snapshot: {found}" + ("" if found == "no snapshot" else " (a restart replays the store)")
-        )
+        verdict.fields["snapshot"] = found
+        replays = "" if found == "no snapshot" else " (a restart replays the store)"
+        verdict.said.append(f"ledger snapshot: {found}{replays}")
     else:
-        print(f"ledger snapshot: after record {found[0]}, bound to the chain there")
+        verdict.fields["snapshot"] = f"after record {found[0]}"
+        verdict.fields["snapshot_through"] = found[0]
+        verdict.said.append(f"ledger snapshot: after record {found[0]}, bound to the chain there")
     return 0
 
 
 def cmd_seal(args: argparse.Namespace) -> int:
-    """`kvguard audit seal`: exit 0 once sealed (or the key rotated), 1 when it was not."""
+    """`kvguard audit seal`: exit 0 once sealed (or the key rotated), 1 when it was not, 2 when
+    there is no such store."""
     from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
 
+    if (missing := missing_store(args.store)) is not None:  # a new store is sealed by its daemon
+        print(
+            f"kvguard audit seal: {missing} (a daemon started with --audit-key seals a new one)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         key = read_audit_key(args.audit_key)
         if args.current_key:  # a rotation: the holder of the current key seals on with a new one
@@ -114,9 +213,13 @@ def _loss(store: Any) -> str:
 
 
 def cmd_head(args: argparse.Namespace) -> int:
-    """`kvguard audit head`: exit 0 once the head is written, 1 when it was not."""
+    """`kvguard audit head`: exit 0 once the head is written, 1 when it was not, 2 when there is
+    no such store."""
     from kvguard.daemon.store import AuditKeyError, RowError, Store, StoreError, read_audit_key
 
+    if (missing := missing_store(args.store)) is not None:
+        print(f"kvguard audit head: {missing}", file=sys.stderr)
+        return 2
     try:
         keys = [read_audit_key(path) for path in args.audit_key or ()]
         store = Store(args.store, *keys, head_file=args.audit_head)
@@ -178,6 +281,7 @@ def add_parsers(audit_sub: Subcommands) -> None:
         help="a key the store is sealed with (needed to prove what it sealed; once per key a rotation left)",
     )
     _head_argument(p)
+    add_output_argument(p, help="output format (json: one object: store, records, intact, complete, ...)")
     p.set_defaults(func=cmd_verify)
 
     p = add_command(

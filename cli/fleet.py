@@ -1,7 +1,8 @@
 """`kvguard fleet`: the daemon's state as an operator reads it at a terminal: its nodes (their
 agent's stream, their guard as the agent last said, how long ago it said so, their events a
 second and lag), the findings so far, the input it refused, its own latency, and the audit
-store's room (a table), or the FleetState message as JSON.
+store's room (a table), or the FleetState message as JSON (proto/message_json.py: zero and
+false fields included, 64-bit integers as numbers).
 
 Invariant: it only reads (FleetService.State); an unreachable daemon is an error that names
 the address and exits 2, never an empty table; a node's guard is what its agent said last
@@ -15,10 +16,25 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, TextIO
 
-from kvguard.cli.options import Subcommands, add_command, add_tls_arguments, tls_from_args
+from kvguard.cli.options import (
+    Subcommands,
+    add_command,
+    add_daemon_argument,
+    add_output_argument,
+    add_tls_arguments,
+    tls_from_args,
+)
 
 if TYPE_CHECKING:  # grpc and protobuf load when the command runs, not for every kvguard command
     from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+
+# The ledger's counters of its normal work (daemon/daemon.py adds `ledger_` to LedgerStats'
+# names). Every other `ledger_` counter is input it could not see or judge: listed under
+# "refused or unjudged", so that one added later is shown there until it is placed here.
+LEDGER_WORK = frozenset(
+    {"ledger_page_transitions", "ledger_suppressed", "ledger_retired", "ledger_forgotten", "ledger_restarts"}
+)
 
 
 def age(ns: int) -> str:
@@ -79,8 +95,14 @@ def render(state: svc.FleetState, out: TextIO) -> None:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1] + "\n")
     if state.findings:
         out.write("\nfindings: " + ", ".join(f"{k} {n}" for k, n in sorted(state.findings.items())) + "\n")
+    work = {k: n for k, n in state.counters.items() if n and k in LEDGER_WORK}
+    if work:
+        out.write("ledger: " + ", ".join(f"{k.removeprefix('ledger_')} {n}" for k, n in sorted(work.items())))
+        out.write("\n")
     refused = {
-        k: n for k, n in state.counters.items() if n and k.startswith(("stream_", "rejected", "ledger_"))
+        k: n
+        for k, n in state.counters.items()
+        if n and k not in LEDGER_WORK and k.startswith(("stream_", "rejected", "ledger_"))
     }
     if refused:
         out.write("refused or unjudged: " + ", ".join(f"{k} {n}" for k, n in sorted(refused.items())) + "\n")
@@ -92,11 +114,12 @@ def render(state: svc.FleetState, out: TextIO) -> None:
 
 def cmd_fleet(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToJson
+    import orjson
 
     from kvguard.proto.channel import channel
     from kvguard.proto.kvguard.v1 import services_pb2 as svc
     from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
+    from kvguard.proto.message_json import message_json_dict
 
     try:
         with channel(args.daemon, tls_from_args(args)) as ch:
@@ -105,7 +128,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         print(f"kvguard fleet: daemon {args.daemon}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2
     if args.output == "json":
-        print(MessageToJson(state, indent=None, preserving_proto_field_name=True))
+        sys.stdout.write(orjson.dumps(message_json_dict(state)).decode() + "\n")
     else:
         render(state, sys.stdout)
     return 1 if state.store.refusing else 0
@@ -120,8 +143,10 @@ def add_parser(sub: Subcommands) -> None:
         "Show the daemon's state: its nodes, findings, refused input, latency and the store's room.",
         "kvguard fleet --daemon 10.0.0.5:7463 -o json",
     )
-    p.add_argument("--daemon", default="127.0.0.1:7463", help="the daemon's gRPC address")
-    p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    add_daemon_argument(p)
+    add_output_argument(
+        p, help="output format (json: the FleetState message, zero and false fields included)"
+    )
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon")
     add_tls_arguments(p)
     p.set_defaults(func=cmd_fleet)

@@ -1,11 +1,17 @@
 """What several `kvguard` commands share: how their --help reads (the defaults shown, one
-example at the bottom), the argparse types of their durations, sizes and counts, and the
-mutual TLS options of every command that speaks gRPC.
+example at the bottom), the argparse types of their durations, sizes, counts and gRPC
+addresses, the output option (`-o table|json`) and the mutual TLS options of every command
+that speaks gRPC.
+
+Invariant: a gRPC address given without a port means DEFAULT_PORT, on the daemon's --listen
+and on every client's --daemon alike (gRPC alone would take 443).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ipaddress
 from typing import Any, TypeAlias
 
 from kvguard.proto.channel import Tls
@@ -14,6 +20,9 @@ from kvguard.proto.channel import Tls
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 AGENT_SOCKET = "/run/kvguard/agent.sock"  # the node agent's socket, where no flag says otherwise
+DEFAULT_PORT = 7463  # the daemon's gRPC port, where an address names none
+DEFAULT_DAEMON = f"127.0.0.1:{DEFAULT_PORT}"
+OUTPUTS = ("table", "json")  # every command's -o: one convention across the CLI
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -133,6 +142,84 @@ def seconds(text: str) -> float:
     if not 0 < s <= 86400:
         raise argparse.ArgumentTypeError(f"{s} s is not a duration over 0 s and up to a day")
     return s
+
+
+def listen_address(text: str) -> str:
+    """An argparse type: a gRPC address as host:port, the port DEFAULT_PORT where none is given
+    (`localhost`, `10.0.0.5`, `[::1]`); a local socket (unix:PATH) as it is. An IPv6 address
+    goes in brackets, with a port or without: bare, `::1:7463` could mean either."""
+    address = text.strip()
+    if address.startswith(("unix:", "unix-abstract:")):
+        return address
+    if address.startswith("["):  # [v6] or [v6]:port
+        host, sep, rest = address[1:].partition("]")
+        if not sep or not host:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an address: an IPv6 host goes in [brackets]")
+        _ipv6(host, text)
+        if not rest:
+            return f"[{host}]:{DEFAULT_PORT}"
+        if not rest.startswith(":"):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not an address: after [{host}] comes :PORT or nothing"
+            )
+        return f"[{host}]:{_port(rest[1:], text)}"
+    if address.count(":") > 1:  # a bare IPv6 address: is its last group a port? Not guessed.
+        bracketed = f"[{address}]"
+        with contextlib.suppress(ValueError):
+            head, _, last = address.rpartition(":")
+            ipaddress.IPv6Address(head.split("%", 1)[0])
+            bracketed += f" or [{head}]:{last}"
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an address: an IPv6 address goes in brackets ({bracketed})"
+        )
+    host, sep, port = address.partition(":")
+    if not sep:
+        if not host:
+            raise argparse.ArgumentTypeError("the address is empty")
+        return f"{host}:{DEFAULT_PORT}"
+    return f"{host}:{_port(port, text)}"  # an empty host stays empty: every interface, as gRPC says
+
+
+def _ipv6(host: str, text: str) -> None:
+    try:
+        ipaddress.IPv6Address(host.split("%", 1)[0])
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an address: {host} is not an IPv6 address"
+        ) from None
+
+
+def _port(port: str, text: str) -> int:
+    if not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an address: port {port!r} is not 0 to 65535")
+    return int(port)
+
+
+def add_daemon_argument(
+    parser: argparse.ArgumentParser, default: str | None = DEFAULT_DAEMON, help: str = ""
+) -> None:
+    """--daemon ADDR: the daemon's gRPC address (host[:port], the port DEFAULT_PORT if none)."""
+    parser.add_argument(
+        "--daemon",
+        type=listen_address,
+        default=default,
+        metavar="ADDR",
+        help=help or f"the daemon's gRPC address, host[:port] (port {DEFAULT_PORT} if none)",
+    )
+
+
+def add_output_argument(parser: argparse.ArgumentParser, *aliases: str, help: str = "output format") -> None:
+    """-o/--output table|json (the CLI's one convention); `aliases` are older names still
+    taken for table (`replay -o text`), not shown in --help."""
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=lambda text: "table" if text in aliases else text,
+        choices=OUTPUTS,
+        default="table",
+        metavar="{" + ",".join(OUTPUTS) + "}",
+        help=help,
+    )
 
 
 # ------------------------------------------------------------------------------------ mutual TLS

@@ -1,6 +1,7 @@
 """`kvguard replay CAPTURE`: a JSON Lines capture run through the ledger and the ruleset, its
-findings on stdout (text or JSON Lines) and a summary on stderr; with `--to ADDR`, its events
-sent to a daemon instead, as their nodes' agents would (the client is cli/send.py).
+findings on stdout (-o table: one finding a line; -o json: JSON Lines) and a summary on
+stderr; with `--to ADDR`, its events sent to a daemon instead, as their nodes' agents would
+(the client is cli/send.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ from typing import TextIO
 
 import orjson
 
-from kvguard.cli.options import Subcommands, add_command, add_tls_arguments, tls_from_args
+from kvguard.cli.options import (
+    DEFAULT_PORT,
+    Subcommands,
+    add_command,
+    add_output_argument,
+    add_tls_arguments,
+    listen_address,
+    tls_from_args,
+)
 
 # The ruleset (CEL), grpc and the agents' upstream are imported in the commands that use them,
 # so that `kvguard --help` does not wait for them.
@@ -58,6 +67,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     try:
         with stream:
             summary = replay(stream, ruleset, emit, error)
+    except BrokenPipeError:
+        raise  # stdout's reader went away: kvguard's main ends quietly (cli/__init__.py)
     except OSError as exc:
         print(f"kvguard replay: reading {source} failed: {exc}", file=sys.stderr)
         return 2
@@ -114,9 +125,13 @@ def add_parser(sub: Subcommands) -> None:
     )
     p.add_argument("capture", help="capture file (JSON Lines of kvguard.v1 events), or - for standard input")
     p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
-    p.add_argument("-o", "--output", choices=("text", "json"), default="text", help="findings format")
+    add_output_argument(p, "text", help="findings format (text: the table's older name, still taken)")
     p.add_argument(
-        "--to", metavar="ADDR", help="send the events to the daemon at ADDR instead, as agents would"
+        "--to",
+        type=listen_address,
+        metavar="ADDR",
+        help=f"send the events to the daemon at ADDR (host[:port], port {DEFAULT_PORT} if none) instead, "
+        "as agents would",
     )
     add_tls_arguments(p)
     p.set_defaults(func=cmd_replay)

@@ -11,7 +11,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvguard.cli.options import Subcommands, add_command, add_tls_arguments, seconds, tls_from_args
+from kvguard.cli.options import (
+    Subcommands,
+    add_command,
+    add_daemon_argument,
+    add_tls_arguments,
+    seconds,
+    tls_from_args,
+)
 
 SCREENS = ("fleet", "pool", "alerts", "timeline", "rules")
 
@@ -54,7 +61,7 @@ def add_parser(sub: Subcommands) -> None:
         "timelines; kill, quarantine, acknowledge and rule modes, each confirmed. Press ? for its keys.",
         "kvguard top --daemon 10.0.0.5:7463 --refresh 2 --tls-ca ca.pem --tls-cert op.pem --tls-key op.key",
     )
-    p.add_argument("--daemon", default="127.0.0.1:7463", help="the daemon's gRPC address")
+    add_daemon_argument(p)
     p.add_argument(
         "--refresh", type=seconds, default=1.0, metavar="SECONDS", help="how often to poll the daemon"
     )

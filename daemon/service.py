@@ -18,6 +18,8 @@ then the live ones, with the same filter (proto/filter.py).
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
@@ -329,6 +331,9 @@ class Server:
             options=[
                 ("grpc.max_receive_message_length", TRANSPORT_LIMIT),
                 ("grpc.max_send_message_length", TRANSPORT_LIMIT),
+                # gRPC sets SO_REUSEPORT by default: a second daemon on a taken port would bind it
+                # too and take half the new connections. One address, one daemon.
+                ("grpc.so_reuseport", 0),
             ],
         )
         # AgentService by hand: its requests are taken as bytes, so each event's bytes go to
@@ -359,7 +364,7 @@ class Server:
         except RuntimeError:  # gRPC's "Failed to bind": taken, or not an address of this host
             port = 0
         if port == 0:
-            raise OSError(f"cannot listen on {listen}")
+            raise OSError(f"cannot listen on {listen}: {bind_problem(listen)}")
         await server.start()
         self._server = server
         return port
@@ -368,6 +373,26 @@ class Server:
         """Stop serving; streams get `grace` seconds to end."""
         if self._server is not None:
             asyncio.run_coroutine_threadsafe(self._server.stop(grace), self.loop).result(timeout=grace + 5)
+
+
+def bind_problem(listen: str) -> str:
+    """Why gRPC could not bind `listen` (it says only "Failed to bind"): the operating
+    system's answer to a bind of the same address, e.g. "Address already in use"."""
+    host, _, port = listen.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        found = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, ValueError, UnicodeError) as exc:
+        return f"not an address of this host ({getattr(exc, 'strerror', None) or exc})"
+    for family, kind, proto, _, sockaddr in found:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                in_use = exc.errno == errno.EADDRINUSE
+                return "the address is in use" if in_use else exc.strerror or str(exc)
+    return "taken, or not an address of this host"
 
 
 def serve(daemon: Daemon, listen: str, tls: Tls | None = None, *, insecure: bool = False) -> Server:

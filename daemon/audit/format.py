@@ -1,7 +1,9 @@
 """How `kvguard audit` reads and writes times and renders records: TIME arguments, the TIME
 column, page ranges, the aligned table and JSON Lines.
 
-Invariant: rendering uses a record's body only, so a store and a daemon print the same.
+Invariants: rendering uses a record's body only, so a store and a daemon print the same; in
+the table, one record is one line, whatever its fields hold (nested messages in braces,
+control characters escaped).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
-from typing import NamedTuple, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import orjson
 from google.protobuf.message import DecodeError, Message
@@ -17,6 +19,7 @@ from google.protobuf.message import DecodeError, Message
 from kvguard.daemon.audit.source import AuditItem, UsageError
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.message_json import message_json_dict
 
 WALL_CLOCK_FLOOR_NS = 946_684_800 * 10**9  # 2000-01-01T00:00:00Z
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -84,6 +87,8 @@ def page_ranges(pages: Iterable[int]) -> str:
 
 
 def _fields(msg: Message, skip: frozenset[str] = frozenset()) -> str:
+    """`name=value ...` of the fields set, on one line: a message as {name=value ...}, a
+    long list as its length, pages as ranges."""
     parts = []
     for fd, value in msg.ListFields():
         if fd.name in skip:
@@ -95,11 +100,25 @@ def _fields(msg: Message, skip: frozenset[str] = frozenset()) -> str:
             elif len(values) > 8:
                 text = f"[{len(values)} values]"
             else:
-                text = ",".join(str(v) for v in values)
+                text = ",".join(_scalar(v) for v in values)
         else:
-            text = str(value)
+            text = _scalar(value)
         parts.append(f"{fd.name}={text}")
     return " ".join(parts)
+
+
+def _scalar(value: object) -> str:
+    # str() of a message is protobuf's text format, one line per field: not a table cell
+    return "{" + _fields(value) + "}" if isinstance(value, Message) else str(value)
+
+
+def one_line(text: str) -> str:
+    """`text` as a table cell: line breaks, tabs and other control characters escaped (as
+    Python writes them: \\n), so that one record is one line whatever its strings hold (an
+    engine's reason, a node's name)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 class Row(NamedTuple):
@@ -246,14 +265,14 @@ class Table:
 
     def _start(self) -> None:
         rows = [HEADER, *self.pending]
-        self.widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER) - 1)]
+        self.widths = [max(len(one_line(r[i])) for r in rows) for i in range(len(HEADER) - 1)]
         for row in rows:
             self._write(row)
         self.pending = []
 
     def _write(self, row: Row) -> None:
         assert self.widths is not None
-        cells = list(row)
+        cells = [one_line(cell) for cell in row]
         line = "  ".join(cell.ljust(w) for cell, w in zip(cells[:-1], self.widths, strict=True))
         self.out.write((line + "  " + cells[-1]).rstrip() + "\n")
 
@@ -262,11 +281,21 @@ class Table:
             self._start()
 
 
+def item_json(item: AuditItem) -> dict[str, Any]:
+    """A record as one JSON Lines object: its id, kind and body under the kind's name, in the
+    CLI's one JSON form (proto/message_json.py: zero fields kept, int64 as numbers)."""
+    out: dict[str, Any] = {"id": item.id, "kind": item.kind}
+    if item.body is not None:
+        out[item.kind] = message_json_dict(item.body)
+    return out
+
+
 def emit(items: Iterable[AuditItem], output: str, out: TextIO) -> int:
+    """Write `items` as the table or as JSON Lines (`output`: table or json); the count."""
     if output == "json":
         n = 0
         for item in items:
-            out.write(orjson.dumps(item.to_json_dict()).decode() + "\n")
+            out.write(orjson.dumps(item_json(item)).decode() + "\n")
             n += 1
         return n
     table = Table(out)

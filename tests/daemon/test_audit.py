@@ -395,8 +395,8 @@ def test_bad_sources_exit_2_naming_the_source(
     rc, _, err = audit(capsys, "query", "--store", str(not_a_db))
     assert rc == 2 and f"cannot open audit store {not_a_db}" in err
     assert not_a_db.read_text() == INCIDENT[3]
-    rc, _, err = audit(capsys, "query", "--daemon", "nowhere")
-    assert rc == 2 and "--daemon 'nowhere' is not host:port" in err
+    rc, _, err = audit(capsys, "query", "--daemon", "nowhere:http")  # a bare host takes port 7463
+    assert rc == 2 and "--daemon: 'nowhere:http' is not an address: port 'http' is not 0 to 65535" in err
     rc, _, err = audit(capsys, "query", "--daemon", "127.0.0.1:1")
     assert rc == 2 and "the daemon at 127.0.0.1:1: UNAVAILABLE" in err
     rc, _, err = audit(capsys, "query", "--kind", "kill", *store_of(daemon))

@@ -192,20 +192,29 @@ def test_acknowledgements_and_rule_modes_are_stored_verified_and_shown(daemon: S
         json.loads(line)
         for line in kvguard("audit", "query", "--store", daemon.store, "-o", "json").stdout.splitlines()
     ]
+    # JSON as the CLI writes every message: zero and empty fields kept (proto/message_json.py).
+    empty = {"node": "", "reason": "", "commands": [], "nodes": []}
     assert [r["action"] for r in as_json if r["kind"] == "action"] == [
-        {
+        empty
+        | {
             "acknowledge": {"cursor": cursor},
             "node": finding.node,
             "reason": "known test",
             "by": "unverified:alice",
             "ts_ns": ack.action.ts_ns,
         },
-        {
+        empty
+        | {
             "rule_mode": {"rule": "stale_read", "mode": "monitor"},
             "by": "unverified:unknown",
             "ts_ns": mode.action.ts_ns,
         },
-        {"rule_mode": {"rule": "stale_read"}, "by": "unverified:bob", "ts_ns": back.action.ts_ns},
+        empty
+        | {
+            "rule_mode": {"rule": "stale_read", "mode": ""},
+            "by": "unverified:bob",
+            "ts_ns": back.action.ts_ns,
+        },
     ]
     verified = kvguard("audit", "verify", "--store", daemon.store)
     assert verified.returncode == 0, verified.stderr

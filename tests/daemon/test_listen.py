@@ -138,5 +138,6 @@ def test_an_address_in_use_stops_the_start_in_one_line(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         run = kvguard_daemon(tmp_path, "--listen", f"127.0.0.1:{port}")
     assert run.returncode == 2 and run.stdout == ""
-    assert run.stderr.splitlines()[-1] == f"kvguard daemon: cannot listen on 127.0.0.1:{port}"
+    said = run.stderr.splitlines()[-1]
+    assert said == f"kvguard daemon: cannot listen on 127.0.0.1:{port}: the address is in use"
     assert "Traceback" not in run.stderr

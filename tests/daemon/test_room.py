@@ -142,7 +142,7 @@ def test_under_its_reserve_the_daemon_takes_no_events_until_there_is_room(
             "0/64",
         ]
         as_json = json.loads(kvguard_fleet(daemon.address, "-o", "json").stdout)
-        assert int(as_json["store"]["used_bytes"]) > 0 and as_json["store"]["reserve_bytes"] == str(24 * MiB)
+        assert int(as_json["store"]["used_bytes"]) > 0 and as_json["store"]["reserve_bytes"] == 24 * MiB
     finally:
         sink.close()
         agent.stop()
