@@ -1,0 +1,227 @@
+"""`kvguard alerts`: the daemon's alerts for a SIEM, as a client of its AlertService (as
+falcosidekick runs beside Falco): OCSF, CEF or JSON lines, on stdout (to pipe into any
+collector) or to outputs named by URL (syslog over UDP, TCP or TLS; HTTP; a file).
+
+Invariants: with --follow the stream is resumed after the last cursor received whenever it
+breaks (the daemon restarts, the network), so no alert is missed or repeated; each output
+has its own queue and thread (daemon/sinks/outputs.py): a slow one drops its oldest alerts
+and says so in-band, never holding back stdout or the others. Without --follow it prints
+what the audit log holds and exits. A reader of stdout that goes away ends it quietly.
+Exit codes: 0 all delivered; 1 some alert was dropped, rejected or left undelivered by an
+output; 2 unusable options or an unreachable daemon (without --follow); 141 stdout's reader
+went away (cli/__init__.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvguard.cli.options import (
+    Subcommands,
+    add_command,
+    add_daemon_argument,
+    add_tls_arguments,
+    positive_count,
+    seconds,
+    tls_from_args,
+)
+from kvguard.proto.vocabulary import SEVERITIES
+
+if TYPE_CHECKING:  # grpc and protobuf load when the command runs, not for every kvguard command
+    from kvguard.daemon.sinks.outputs import QueuedOutput
+    from kvguard.proto.filter import Filter
+    from kvguard.proto.kvguard.v1 import services_pb2 as svc
+    from kvguard.tui.client import DaemonClient
+
+FORMAT_NAMES = ("json", "ocsf", "cef")
+PAGE = 1000  # audit records one query reads (without --follow)
+DEFAULT_QUEUE = 10_000  # alerts an output holds while it is slow or down (outputs.DEFAULT_CAPACITY)
+
+Emit = Callable[["svc.Alert"], None]
+
+
+def _say(line: str) -> None:
+    print(f"kvguard alerts: {line}", file=sys.stderr, flush=True)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops it as Ctrl-C does: outputs drain, then it exits
+
+
+def dump(client: DaemonClient, f: Filter, emit: Emit) -> int:
+    """What the audit log holds after f.after, a page at a time; the last cursor emitted."""
+    from dataclasses import replace
+
+    from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+    after = f.after
+    while True:
+        records = client.query(replace(f, kind="finding", after=after, limit=PAGE))
+        for record in records:
+            emit(svc.Alert(cursor=record.id, finding=record.finding))
+            after = record.id
+        if len(records) < PAGE:
+            return after
+
+
+def follow(client: DaemonClient, f: Filter, emit: Emit) -> None:
+    """The live stream from f.after on, opened again after the last cursor received whenever
+    it breaks; returns only by an exception (KeyboardInterrupt, a refusal by the daemon)."""
+    from dataclasses import replace
+
+    from kvguard.tui.client import Backoff, Unreachable
+
+    backoff = Backoff(first=0.25, cap=5.0)
+    cursor = f.after
+    down = False
+    while True:
+        try:
+            cancel, alerts = client.subscribe(replace(f, after=cursor))
+            try:
+                for alert in alerts:
+                    if down:
+                        _say(f"following {client.address} again, after cursor {cursor}")
+                        down = False
+                    emit(alert)
+                    cursor = alert.cursor
+                    backoff.succeeded()
+            finally:
+                cancel()
+            raise Unreachable("AlertService.Subscribe", "ENDED", "the daemon ended the stream")
+        except Unreachable as exc:
+            if not down:
+                _say(f"{client.address}: {exc}; resuming after cursor {cursor} when it is back")
+                down = True
+            client.reset()
+            time.sleep(backoff.failed())
+
+
+def _headers(lines: list[str]) -> dict[str, str]:
+    headers = {}
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if not sep or not name.strip():
+            raise ValueError(f"--to-header {line!r}: not 'Name: value'")
+        headers[name.strip()] = value.strip()
+    return headers
+
+
+def _stdout_writer(line_of: Callable[[svc.Alert], str]) -> Emit:
+    def write(alert: svc.Alert) -> None:
+        sys.stdout.write(line_of(alert) + "\n")
+        sys.stdout.flush()  # a pipe's reader sees each alert as it comes
+
+    return write
+
+
+def _offer_to(outputs: list[QueuedOutput]) -> Emit:
+    def offer(alert: svc.Alert) -> None:
+        for output in outputs:
+            output.offer(alert)
+
+    return offer
+
+
+def cmd_alerts(args: argparse.Namespace) -> int:
+    from kvguard.daemon.sinks.fields import severities_from
+    from kvguard.daemon.sinks.formats import FORMATS
+    from kvguard.daemon.sinks.outputs import open_output
+    from kvguard.proto.filter import Filter
+    from kvguard.tui.client import DaemonClient, DaemonError
+
+    fmt = FORMATS[args.format]
+    try:
+        headers = _headers(args.to_header or [])
+        outputs = [
+            open_output(url, fmt, ca=args.to_ca or args.tls_ca, headers=headers, capacity=args.queue)
+            for url in args.to or []
+        ]
+    except ValueError as exc:
+        _say(f"--to {exc}" if not str(exc).startswith("--") else str(exc))
+        return 2
+    severities = severities_from(args.min_severity) if args.min_severity != SEVERITIES[-1] else frozenset()
+    f = Filter(severities=severities, after=args.after)
+    forward = _offer_to(outputs) if outputs else _stdout_writer(fmt.line)
+    last = [args.after]  # the cursor of the last alert forwarded
+
+    def emit(alert: svc.Alert) -> None:
+        forward(alert)
+        last[0] = alert.cursor
+
+    client = DaemonClient(args.daemon, tls_from_args(args))
+    signal.signal(signal.SIGTERM, _terminate)
+    for output in outputs:
+        output.start()
+    rc = 0
+    try:
+        if args.follow:
+            follow(client, f, emit)
+        else:
+            dump(client, f, emit)
+    except KeyboardInterrupt:
+        if args.follow:  # where a forwarder started again picks up without a gap
+            _say(f"stopped after cursor {last[0]} (--after {last[0]} resumes there)")
+    except DaemonError as exc:
+        _say(f"{args.daemon}: {exc}")
+        rc = 2
+    finally:
+        client.close()
+        for output in outputs:
+            left = output.close(args.drain)
+            if left or output.dropped or output.rejected:
+                _say(
+                    f"{output.name}: {output.sent} sent, {output.dropped} dropped, "
+                    f"{output.rejected} rejected, {left} undelivered"
+                )
+                rc = rc or 1
+    return rc
+
+
+def add_parser(sub: Subcommands) -> None:
+    """Add `alerts` to the `kvguard` subcommands."""
+    p = add_command(
+        sub,
+        "alerts",
+        "the alert feed for SIEMs: OCSF, CEF or JSON lines to stdout, syslog, HTTP or a file",
+        "The daemon's alerts, as a SIEM takes them: printed (what the audit log holds, or followed live with "
+        "--follow) on stdout, or sent to syslog (UDP, TCP, TLS), an HTTP collector or a file. Each --to "
+        "output has its own queue: a slow one drops its oldest alerts and says so in-band.",
+        "kvguard alerts --follow --format cef --min-severity high --to syslog+tls://siem:6514 --to-ca ca.pem",
+    )
+    p.add_argument("-f", "--follow", action="store_true", help="follow the live alerts (resumes by itself)")
+    p.add_argument("--format", choices=FORMAT_NAMES, default="json", help="the encoding of each alert")
+    p.add_argument(
+        "--min-severity", choices=SEVERITIES, default=SEVERITIES[-1], help="the lowest severity sent"
+    )
+    p.add_argument(
+        "--to",
+        action="append",
+        metavar="URL",
+        help="an output (repeatable; stdout when none): syslog+udp://HOST:PORT, syslog+tcp://..., "
+        "syslog+tls://... (?facility=NAME, local0 if none), http(s)://..., file:///PATH",
+    )
+    p.add_argument("--after", type=int, default=0, metavar="CURSOR", help="start after this alert's cursor")
+    p.add_argument(
+        "--to-ca",
+        metavar="PEM",
+        help="the CA that signs syslog+tls and https receivers (default: --tls-ca, else the system's)",
+    )
+    p.add_argument(
+        "--to-header",
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="an HTTP header (repeated)",
+    )
+    p.add_argument("--queue", type=positive_count, default=DEFAULT_QUEUE, help="alerts each output holds")
+    p.add_argument(
+        "--drain", type=seconds, default=10.0, metavar="SECONDS", help="at exit, how long outputs may deliver"
+    )
+    add_daemon_argument(p)
+    add_tls_arguments(p)
+    p.set_defaults(func=cmd_alerts)

@@ -1,0 +1,79 @@
+"""What every encoding of an alert shares: its severity's rank and number in each format,
+whether its action stopped the request, its stable id, its time, and the synthetic alert an
+output sends in-band when it had to drop alerts.
+
+Invariant: an alert's uid is a function of its cursor (the audit record's id) alone, so the
+same alert forwarded twice (a retry, a replay) is recognised as one by the receiving SIEM;
+severities and actions unknown to this version map to "unknown", never to an error.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from kvguard import __version__
+from kvguard.ledger.findings import KILL_ACTIONS
+from kvguard.proto import pb
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.vocabulary import SEVERITIES
+
+PRODUCT = "kvguard"
+VENDOR = "kvguard"
+VERSION = __version__
+DROPPED_FINDING = "alerts_dropped"  # the synthetic alert's kind (not a ledger finding)
+FORWARDER_RULE = "kvguard.forwarder"
+BLOCKING_ACTIONS = KILL_ACTIONS | {"deny"}  # the request (or the share) did not go on
+
+
+def severities_from(lowest: str) -> frozenset[str]:
+    """The severities at `lowest` or above (SEVERITIES runs from critical down to info)."""
+    if lowest not in SEVERITIES:
+        raise ValueError(f"{lowest!r} is not a severity (one of {', '.join(SEVERITIES)})")
+    return frozenset(SEVERITIES[: SEVERITIES.index(lowest) + 1])
+
+
+def blocked(action: str) -> bool:
+    """Whether the daemon's action stopped the offending request (or share), rather than
+    only reporting it."""
+    return action in BLOCKING_ACTIONS
+
+
+def uid(alert: svc.Alert) -> str:
+    """The alert's stable id: its cursor; a drop notice's names the cursors it stands for."""
+    if alert.finding.finding == DROPPED_FINDING:
+        details = alert.finding.details
+        return f"kvguard-dropped-{details['first_cursor']}-{details['last_cursor']}"
+    return f"kvguard-{alert.cursor}"
+
+
+def time_ns(alert: svc.Alert) -> int:
+    """When the finding happened (its event's clock); now for one that carries no time."""
+    return alert.finding.ts_ns or time.time_ns()
+
+
+def dropped_notice(output: str, count: int, first_cursor: int, last_cursor: int) -> svc.Alert:
+    """The alert an output sends in place of `count` alerts it dropped (cursors from
+    `first_cursor` to `last_cursor`): the SIEM sees the gap, and where to read it back from
+    the audit log (`kvguard audit` after first_cursor - 1)."""
+    return svc.Alert(
+        cursor=0,
+        finding=pb.Finding(
+            finding=DROPPED_FINDING,
+            severity="high",
+            action="alert",
+            rule=FORWARDER_RULE,
+            node=socket.gethostname(),
+            ts_ns=time.time_ns(),
+            message=(
+                f"{count} alert(s) dropped by output {output} (its queue was full: the output is slow "
+                f"or down); cursors {first_cursor} to {last_cursor} are in the daemon's audit log"
+            ),
+            details={
+                "dropped": str(count),
+                "first_cursor": str(first_cursor),
+                "last_cursor": str(last_cursor),
+                "output": output,
+            },
+        ),
+    )

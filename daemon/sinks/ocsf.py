@@ -1,0 +1,112 @@
+"""An alert as an OCSF Detection Finding (class 2004, category 2 Findings), schema 1.6.0,
+with the Security Control profile (action and disposition: was the request stopped?).
+
+Invariant: every attribute the schema requires of the class and of the objects used is
+present with a value from its enum (checked against the schema's JSON in the tests); what
+OCSF has no attribute for (victim, sequence, tags, details) goes under `unmapped`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvguard.daemon.sinks import fields
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+SCHEMA_VERSION = "1.6.0"
+CLASS_UID = 2004
+CLASS_NAME = "Detection Finding"
+CATEGORY_UID = 2
+CATEGORY_NAME = "Findings"
+ACTIVITY_CREATE = 1  # each alert is a new finding
+STATUS_NEW = 1
+
+# OCSF severity_id: 1 Informational, 2 Low, 3 Medium, 4 High, 5 Critical (0 Unknown)
+SEVERITY_IDS = {"info": (1, "Informational"), "low": (2, "Low"), "medium": (3, "Medium")}
+SEVERITY_IDS |= {"high": (4, "High"), "critical": (5, "Critical")}
+UNKNOWN = (0, "Unknown")
+# (action_id, action), (disposition_id, disposition) of the Security Control profile
+STOPPED = ((2, "Denied"), (2, "Blocked"))
+REPORTED = ((1, "Allowed"), (17, "Logged"))
+ANALYTIC_RULE = 1  # analytic.type_id: Rule
+
+
+def _action(action: str) -> tuple[tuple[int, str], tuple[int, str]]:
+    if fields.blocked(action):
+        return STOPPED
+    if action:
+        return REPORTED  # alert, log, alert+quarantine: the request went on
+    return UNKNOWN, UNKNOWN
+
+
+def event(alert: svc.Alert) -> dict[str, Any]:
+    """The Detection Finding (a JSON object) that `alert` is."""
+    f = alert.finding
+    severity_id, severity = SEVERITY_IDS.get(f.severity, UNKNOWN)
+    (action_id, action), (disposition_id, disposition) = _action(f.action)
+    title = f"{f.finding} on {f.node}" if f.node else f.finding
+    resource: dict[str, Any] = {"type": "kv_cache_pool", "role_id": 3, "role": "Affected"}
+    if f.node:
+        resource |= {"hostname": f.node, "name": f.node}
+    if f.HasField("pool"):
+        resource |= {"uid": f"{f.node}/pool/{f.pool}", "data": {"pool": f.pool, "pages": list(f.pages)}}
+    out: dict[str, Any] = {
+        "class_uid": CLASS_UID,
+        "class_name": CLASS_NAME,
+        "category_uid": CATEGORY_UID,
+        "category_name": CATEGORY_NAME,
+        "activity_id": ACTIVITY_CREATE,
+        "activity_name": "Create",
+        "type_uid": CLASS_UID * 100 + ACTIVITY_CREATE,
+        "type_name": f"{CLASS_NAME}: Create",
+        "time": fields.time_ns(alert) // 1_000_000,
+        "severity_id": severity_id,
+        "severity": severity,
+        "status_id": STATUS_NEW,
+        "status": "New",
+        "is_alert": True,
+        "message": f.message or title,
+        "action_id": action_id,
+        "action": action,
+        "disposition_id": disposition_id,
+        "disposition": disposition,
+        "metadata": {
+            "version": SCHEMA_VERSION,
+            "product": {"name": fields.PRODUCT, "vendor_name": fields.VENDOR, "version": fields.VERSION},
+            "profiles": ["security_control"],
+            "uid": fields.uid(alert),
+        },
+        "finding_info": {
+            "uid": fields.uid(alert),
+            "title": title,
+            "desc": f.message or title,
+            "types": [f.finding],
+            "analytic": {
+                "name": f.rule or f.finding,
+                "uid": f.rule or f.finding,
+                "type_id": ANALYTIC_RULE,
+                "type": "Rule",
+            },
+        },
+        "resources": [resource],
+        "unmapped": {
+            "cursor": alert.cursor,
+            "kvguard_action": f.action,
+            "req": f.req,
+            "victim_req": f.victim_req,
+            "victim_tenant": f.victim_tenant,
+            "seq": f.seq,
+            "ts_ns": f.ts_ns,
+            "tags": list(f.tags),
+            "details": dict(sorted(f.details.items())),
+        },
+    }
+    if f.tenant:
+        out["actor"] = {"user": {"name": f.tenant, "uid": f.tenant, "type_id": 99, "type": "Tenant"}}
+    return out
+
+
+def line(alert: svc.Alert) -> str:
+    """The finding as one line of JSON."""
+    return json.dumps(event(alert), ensure_ascii=False, separators=(",", ":"))
