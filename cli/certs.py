@@ -1,0 +1,357 @@
+"""`kvguard certs`: a private CA and the certificates of a test or small cluster, made in one
+command, each with what its holder may do under mutual TLS (proto/channel.py's roles):
+
+  init DIR    a new CA (ca.pem, ca.key), the daemon's certificate for the names and addresses
+              it is reached by, and any nodes', readers' and operators' certificates named;
+  issue DIR   one more node, reader or operator certificate from DIR's CA;
+  show PEM    what a certificate says: its subject, names, role, issuer and validity.
+
+A node's certificate names the node (CN and DNS SAN: the daemon takes a node's events only
+from a certificate that names it); a reader's carries the URI SAN READER_URI, an operator's
+OPERATOR_URI. Keys are ECDSA P-256, written 0600 and never over an existing file.
+
+Invariant: nothing is written unless every name is valid and no file would be overwritten;
+the CA's key stays in DIR, which should then go offline for anything beyond a test cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvguard.cli.options import Subcommands, add_command, add_group
+
+NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62})$")  # a node's, reader's or operator's name
+KINDS = ("node", "reader", "operator")
+
+
+class CertsError(ValueError):
+    """A name, a directory or a file that cannot be used; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Wanted:
+    kind: str  # daemon, node, reader, operator
+    name: str
+    hosts: tuple[str, ...] = ()  # the daemon's DNS names and IP addresses
+
+    @property
+    def stem(self) -> str:
+        return "daemon" if self.kind == "daemon" else f"{self.kind}-{self.name}"
+
+
+def _checked_name(kind: str, name: str) -> str:
+    if not NAME.match(name):
+        raise CertsError(
+            f"{kind} name {name!r}: use 1-63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def _checked_host(host: str) -> str:
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if not host or not all(re.match(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$", x) for x in labels):
+        raise CertsError(f"daemon host {host!r}: not a DNS name or an IP address")
+    return host
+
+
+def _plan(directory: Path, wanted: list[Wanted], with_ca: bool) -> None:
+    """Refuse before writing anything: a file that exists, a name given twice."""
+    stems = ["ca"] if with_ca else []
+    stems += [w.stem for w in wanted]
+    twice = sorted({s for s in stems if stems.count(s) > 1})
+    if twice:
+        raise CertsError(f"named twice: {', '.join(twice)}")
+    existing = [str(directory / f"{s}{ext}") for s in stems for ext in (".pem", ".key")]
+    existing = [p for p in existing if os.path.exists(p)]
+    if existing:
+        raise CertsError(f"would overwrite {', '.join(existing)}: choose another directory or remove them")
+
+
+def _write(path: Path, data: bytes, private: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    fd = os.open(path, flags, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+class Authority:
+    """A CA's certificate and key, and the certificates it signs."""
+
+    def __init__(self, cert: Any, key: Any) -> None:
+        self.cert, self.key = cert, key
+
+    @classmethod
+    def create(cls, directory: Path, cn: str, days: int) -> Authority:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=False,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256())
+        )
+        authority = cls(cert, key)
+        authority._save(directory / "ca", cert, key)
+        return authority
+
+    @classmethod
+    def load(cls, directory: Path) -> Authority:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        pem, key = directory / "ca.pem", directory / "ca.key"
+        for path in (pem, key):
+            if not path.exists():
+                raise CertsError(f"{path}: no such file (make the CA with `kvguard certs init {directory}`)")
+        try:
+            cert = x509.load_pem_x509_certificate(pem.read_bytes())
+            private = serialization.load_pem_private_key(key.read_bytes(), None)
+        except (ValueError, TypeError) as exc:
+            raise CertsError(f"{directory}: the CA's files cannot be read: {exc}") from None
+        return cls(cert, private)
+
+    def issue(self, directory: Path, wanted: Wanted, days: int) -> Path:
+        """Sign `wanted`'s certificate; write <stem>.pem and <stem>.key; return the .pem."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        from kvguard.proto.channel import OPERATOR_URI, READER_URI
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        sans: list[x509.GeneralName] = []
+        if wanted.kind == "daemon":
+            cn, usage = "kvguard-daemon", ExtendedKeyUsageOID.SERVER_AUTH
+            for host in wanted.hosts:
+                try:
+                    sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+                except ValueError:
+                    sans.append(x509.DNSName(host))
+        else:
+            cn, usage = wanted.name, ExtendedKeyUsageOID.CLIENT_AUTH
+            if wanted.kind == "node":
+                sans.append(x509.DNSName(wanted.name))
+            else:
+                sans.append(
+                    x509.UniformResourceIdentifier(READER_URI if wanted.kind == "reader" else OPERATOR_URI)
+                )
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(min(now + datetime.timedelta(days=days), self.cert.not_valid_after_utc))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.cert.public_key()), critical=False
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+        stem = directory / wanted.stem
+        self._save(stem, cert, key)
+        return stem.with_suffix(".pem")
+
+    @staticmethod
+    def _save(stem: Path, cert: Any, key: Any) -> None:
+        from cryptography.hazmat.primitives import serialization
+
+        _write(
+            stem.with_suffix(".key"),
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ),
+            private=True,
+        )
+        _write(stem.with_suffix(".pem"), cert.public_bytes(serialization.Encoding.PEM), private=False)
+
+
+def _wanted(args: argparse.Namespace) -> list[Wanted]:
+    wanted = []
+    for kind in KINDS:
+        for name in getattr(args, kind) or []:
+            wanted.append(Wanted(kind, _checked_name(kind, name)))
+    return wanted
+
+
+def describe(pem: Path) -> list[tuple[str, str]]:
+    """What a certificate says, as (field, value) lines."""
+    from cryptography import x509
+
+    from kvguard.proto.channel import OPERATOR_URI, READER_URI
+
+    try:
+        cert = x509.load_pem_x509_certificate(pem.read_bytes())
+    except FileNotFoundError:
+        raise CertsError(f"{pem}: no such file") from None
+    except ValueError as exc:
+        raise CertsError(f"{pem}: not a PEM certificate ({exc})") from None
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        names = x509.SubjectAlternativeName([])
+    uris = names.get_values_for_type(x509.UniformResourceIdentifier)
+    is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    role = (
+        "CA"
+        if is_ca
+        else "operator"
+        if OPERATOR_URI in uris
+        else "reader"
+        if READER_URI in uris
+        else "node or daemon"
+    )
+    dns = names.get_values_for_type(x509.DNSName)
+    ips = [str(ip) for ip in names.get_values_for_type(x509.IPAddress)]
+    return [
+        ("subject", cert.subject.rfc4514_string()),
+        ("role", role),
+        ("names", ", ".join([*dns, *ips, *uris]) or "-"),
+        ("issuer", cert.issuer.rfc4514_string()),
+        (
+            "valid",
+            f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} to {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC",
+        ),
+        ("serial", f"{cert.serial_number:x}"),
+    ]
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    """Exit 0 with the files made (or the certificate shown), 2 on a name, file or CA unusable."""
+    try:
+        if args.certs_command == "show":
+            for field, value in describe(Path(args.pem)):
+                print(f"{field:8} {value}")
+            return 0
+        directory = Path(args.dir)
+        wanted = _wanted(args)
+        if args.certs_command == "init":
+            hosts = tuple(_checked_host(h) for h in (args.daemon_host or ["localhost", "127.0.0.1"]))
+            wanted.insert(0, Wanted("daemon", "daemon", hosts))
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # the CA key lives here
+            _plan(directory, wanted, with_ca=True)
+            authority = Authority.create(directory, args.ca_name, args.ca_days)
+            made = [directory / "ca.pem"]
+        else:
+            if not wanted:
+                raise CertsError("name at least one --node, --reader or --operator")
+            authority = Authority.load(directory)
+            _plan(directory, wanted, with_ca=False)
+            made = []
+        made += [authority.issue(directory, w, args.days) for w in wanted]
+    except CertsError as exc:
+        print(f"kvguard certs: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvguard certs: {exc.filename or args.dir}: {exc.strerror}", file=sys.stderr)
+        return 2
+    for pem in made:
+        print(
+            f"{pem} ({pem.with_suffix('.key').name} beside it)" if pem.name != "ca.pem" else f"{pem} (the CA)"
+        )
+    ca = directory / "ca.pem"
+    print(f"\nuse: --tls-ca {ca} --tls-cert {directory}/STEM.pem --tls-key {directory}/STEM.key")
+    return 0
+
+
+def add_parser(sub: Subcommands) -> None:
+    """Add `certs init|issue|show` to the `kvguard` subcommands."""
+    verbs = add_group(
+        sub,
+        "certs",
+        "make a private CA and the cluster's mutual-TLS certificates",
+        "Make a private CA and the daemon's, nodes', readers' and operators' certificates "
+        "(for a test or small cluster).",
+        "kvguard certs init /etc/kvguard/pki --daemon-host kvg.example --node p0 --operator alice",
+    )
+
+    def named(q: argparse.ArgumentParser) -> None:
+        q.add_argument("dir", help="the directory of the CA and its certificates")
+        q.add_argument("--node", action="append", metavar="NAME", help="a node's certificate (repeatable)")
+        q.add_argument("--reader", action="append", metavar="NAME", help="a reader's: audit, alerts, fleet")
+        q.add_argument(
+            "--operator", action="append", metavar="NAME", help="an operator's: also act (kill ...)"
+        )
+        q.add_argument("--days", type=int, default=397, help="each certificate's validity (default 397)")
+        q.set_defaults(func=cmd_certs)
+
+    init = add_command(
+        verbs,
+        "init",
+        "a new CA, the daemon's certificate and any named",
+        "Make a new CA in DIR, the daemon's certificate for the names it is reached by, and any named.",
+        "kvguard certs init pki --daemon-host 10.0.0.5 --node p0 --node d0 --reader siem --operator alice",
+    )
+    named(init)
+    init.add_argument(
+        "--daemon-host",
+        action="append",
+        metavar="HOST",
+        help="a DNS name or IP address clients reach the daemon by "
+        "(repeatable; default localhost, 127.0.0.1)",
+    )
+    init.add_argument("--ca-name", default="kvguard CA", help="the CA's common name")
+    init.add_argument("--ca-days", type=int, default=3650, help="the CA's validity (default 3650)")
+    named(
+        add_command(
+            verbs,
+            "issue",
+            "more certificates from DIR's CA",
+            "Sign more node, reader or operator certificates with the CA made by `certs init DIR`.",
+            "kvguard certs issue pki --node d1",
+        )
+    )
+    show = add_command(
+        verbs,
+        "show",
+        "what a certificate says",
+        "Show a certificate's subject, names, role, issuer and validity.",
+        "kvguard certs show pki/operator-alice.pem",
+    )
+    show.add_argument("pem", help="a certificate (PEM)")
+    show.set_defaults(func=cmd_certs)

@@ -1,0 +1,113 @@
+"""`kvguard certs`: the CA and certificates it makes work as the roles they say, on a real
+daemon under mutual TLS (a node streams as itself only, a reader reads and may not act, an
+operator acts under its name); its keys are private; it never overwrites; a bad name or a
+missing CA is said, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from daemon_helpers import stale_reads
+
+from kvguard.agents.upstream import AgentStream, DaemonRefused
+from kvguard.cli.process import start_daemon
+from kvguard.proto.channel import Tls, channel
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
+
+
+def certs(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvguard", "certs", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def tls(pki: Path, stem: str) -> Tls:
+    loaded = Tls.load(str(pki / "ca.pem"), str(pki / f"{stem}.pem"), str(pki / f"{stem}.key"))
+    assert loaded is not None
+    return loaded
+
+
+def test_the_certificates_it_makes_hold_the_roles_they_say(tmp_path: Path) -> None:
+    pki = tmp_path / "pki"
+    made = certs("init", str(pki), "--node", "p0", "--reader", "siem", "--operator", "alice")
+    assert made.returncode == 0, made.stderr
+    stems = ["ca", "daemon", "node-p0", "reader-siem", "operator-alice"]
+    assert [line.split()[0] for line in made.stdout.splitlines()[:5]] == [
+        str(pki / f"{s}.pem") for s in stems
+    ]
+    assert sorted(p.name for p in pki.iterdir()) == sorted(f"{s}{e}" for s in stems for e in (".pem", ".key"))
+    assert {oct(p.stat().st_mode & 0o777) for p in pki.glob("*.key")} == {"0o600"}
+    assert oct(pki.stat().st_mode & 0o777) == "0o700"
+    shown = certs("show", str(pki / "operator-alice.pem"))
+    assert "role     operator" in shown.stdout and "subject  CN=alice" in shown.stdout
+    assert "issuer   CN=kvguard CA" in shown.stdout
+
+    daemon = start_daemon(
+        str(tmp_path / "audit.db"),
+        0,
+        *("--tls-ca", str(pki / "ca.pem"), "--tls-cert", str(pki / "daemon.pem")),
+        *("--tls-key", str(pki / "daemon.key")),
+    )
+    try:
+        # The node's certificate streams p0's events (the daemon judges them: an alert) ...
+        node = AgentStream(channel(daemon.address, tls(pki, "node-p0")), "p0")
+        ack = node.send(stale_reads("p0", 1))
+        node.close()
+        assert ack.accepted > 0 and not ack.rejected
+        # ... and not d0's: a node's certificate speaks for the node it names.
+        # the hello is refused
+        with pytest.raises(
+            DaemonRefused, match=r"node 'd0' is not named by the client's certificate \(it names p0\)"
+        ):
+            AgentStream(channel(daemon.address, tls(pki, "node-p0")), "d0")
+        # The reader sees the fleet, and may not act.
+        with channel(daemon.address, tls(pki, "reader-siem")) as ch:
+            state = svc_grpc.FleetServiceStub(ch).State(svc.FleetRequest(), timeout=10)
+            assert [n.node for n in state.nodes] == ["p0"] and sum(state.findings.values()) > 0
+            with pytest.raises(grpc.RpcError) as denied:
+                svc_grpc.ControlServiceStub(ch).Act(
+                    svc.Action(rule_mode=svc.RuleMode(rule="stale_read_cross_tenant", mode="monitor")),
+                    timeout=10,
+                )
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # The operator acts, under its certificate's name.
+        with channel(daemon.address, tls(pki, "operator-alice")) as ch:
+            done = svc_grpc.ControlServiceStub(ch).Act(
+                svc.Action(rule_mode=svc.RuleMode(rule="stale_read_cross_tenant", mode="monitor")), timeout=10
+            )
+        assert done.action.by == "cn:alice"
+        # One more node later, from the same CA: it streams as d1.
+        assert certs("issue", str(pki), "--node", "d1").returncode == 0
+        late = AgentStream(channel(daemon.address, tls(pki, "node-d1")), "d1")
+        assert late.send(stale_reads("d1", 1)).accepted > 0
+        late.close()
+    finally:
+        daemon.stop()
+
+
+def test_it_overwrites_nothing_and_says_what_it_refuses(tmp_path: Path) -> None:
+    pki = tmp_path / "pki"
+    assert certs("init", str(pki)).returncode == 0
+    before = {p.name: p.read_bytes() for p in pki.iterdir()}
+    again = certs("init", str(pki), "--node", "p0")
+    assert again.returncode == 2 and "would overwrite" in again.stderr and str(pki / "ca.pem") in again.stderr
+    bad = certs("issue", str(pki), "--node", "p0", "--operator", "bad name")
+    assert bad.returncode == 2
+    assert bad.stderr == (
+        "kvguard certs: operator name 'bad name': use 1-63 letters, digits, '.', '_' or '-', "
+        "starting with a letter or digit\n"
+    )
+    twice = certs("issue", str(pki), "--node", "p0", "--node", "p0")
+    assert twice.returncode == 2 and "named twice: node-p0" in twice.stderr
+    host = certs("init", str(tmp_path / "other"), "--daemon-host", "bad_host!")
+    assert host.returncode == 2 and "daemon host 'bad_host!': not a DNS name or an IP address" in host.stderr
+    assert {p.name: p.read_bytes() for p in pki.iterdir()} == before  # nothing written
+    assert not (tmp_path / "other").exists() or not any((tmp_path / "other").iterdir())
+    missing = certs("issue", str(tmp_path / "nowhere"), "--node", "p0")
+    assert missing.returncode == 2 and "ca.pem: no such file" in missing.stderr
+    assert certs("show", str(pki / "ca.key")).stderr.startswith(f"kvguard certs: {pki / 'ca.key'}: not a PEM")
