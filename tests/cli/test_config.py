@@ -1,0 +1,119 @@
+"""The services' configuration, as an operator writes it: kvguard.yaml, its conf.d drop-ins,
+KVGUARD_* variables and flags, in that order of strength; `config show` says each value and
+where it came from, `config check` names a bad file's key and reason, and a daemon started
+on the file runs as it says (its store where the file puts it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvguard.cli.process import Service
+
+
+def kvguard(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
+    return subprocess.run(
+        [sys.executable, "-m", "kvguard", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean | (env or {}),
+    )
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_files_dropins_environment_and_flags_in_that_order(tmp_path: Path) -> None:
+    main = write(
+        tmp_path / "kvguard.yaml",
+        "daemon:\n  listen: 127.0.0.1:7000\n  store: /var/lib/kvguard/a.db\n  mode: monitor\n"
+        "  snapshot-every: 1000\nagent:\n  daemon: kvg.example\n",
+    )
+    write(tmp_path / "conf.d" / "10-store.yaml", "daemon:\n  store: /srv/b.db\n  clock_skew_ms: 2.5\n")
+    write(tmp_path / "conf.d" / "20-later.yml", "daemon:\n  store: /srv/c.db\n")
+    write(tmp_path / "conf.d" / "notes.txt", "not: read\n")  # not a drop-in
+    env = {"KVGUARD_DAEMON_MODE": "enforce", "KVGUARD_CONFIG": str(main)}
+    shown = kvguard("config", "show", "daemon", "-o", "json", env=env)
+    assert shown.returncode == 0, shown.stderr
+    rows = {r["option"]: (str(r["value"]), r["source"]) for r in json.loads(shown.stdout)}
+    assert rows["listen"] == ("127.0.0.1:7000", str(main))
+    assert rows["store"] == ("/srv/c.db", str(tmp_path / "conf.d" / "20-later.yml"))  # the later drop-in
+    assert rows["clock-skew-ms"] == ("2.5", str(tmp_path / "conf.d" / "10-store.yaml"))
+    assert rows["mode"] == ("enforce", "env KVGUARD_DAEMON_MODE")
+    assert rows["snapshot-every"] == ("1000", str(main))
+    assert rows["insecure"] == ("False", "default")
+    agent = json.loads(kvguard("config", "show", "agent", "-o", "json", env=env).stdout)
+    assert {r["option"]: r["value"] for r in agent}["daemon"] == "kvg.example:7463"  # the default port
+    table = kvguard("config", "show", "daemon", env=env).stdout
+    assert any(line.split()[:2] == ["daemon.store", "/srv/c.db"] for line in table.splitlines()), table
+    check = kvguard("config", "check", env=env)
+    assert check.returncode == 0 and "6 setting(s)" in check.stdout and str(main) in check.stdout
+
+
+def test_a_daemon_runs_as_its_file_says_and_its_flags_win(tmp_path: Path) -> None:
+    store = tmp_path / "from-file.db"
+    main = write(
+        tmp_path / "kvguard.yaml", f"daemon:\n  listen: 127.0.0.1:0\n  store: {store}\n  mode: monitor\n"
+    )
+    daemon = Service("daemon", "--config", str(main), ready="READY ")
+    try:
+        assert store.exists()  # the store is the file's
+    finally:
+        daemon.stop()
+    flagged = tmp_path / "from-flag.db"
+    daemon = Service("daemon", "--config", str(main), "--store", str(flagged), ready="READY ")
+    try:
+        assert flagged.exists()
+    finally:
+        daemon.stop()
+
+
+def test_a_bad_configuration_is_named_with_its_reason(tmp_path: Path) -> None:
+    cases = {
+        "daemon:\n  lisen: 127.0.0.1:7000\n": "daemon: unknown option 'lisen' (did you mean 'listen'?)",
+        "deamon:\n  listen: x\n": "unknown section 'deamon' (did you mean 'daemon'?)",
+        "daemon:\n  mode: audit\n": "daemon: mode: 'audit' is not one of monitor, enforce",
+        "daemon:\n  snapshot-every: lots\n": "daemon: snapshot-every: 'lots': ",
+        "daemon:\n  insecure: maybe\n": "daemon: insecure: 'maybe' is not true or false",
+        "daemon:\n  listen: [a, b]\n": "daemon: listen: takes one value, not list",
+        "- daemon\n": "not a mapping of sections (daemon, agent)",
+        "daemon: [1]\n": "section 'daemon' is not a mapping of options",
+        "daemon:\n  listen: 'a\n": "cannot be read: ",
+    }
+    for text, said in cases.items():
+        main = write(tmp_path / "kvguard.yaml", text)
+        check = kvguard("config", "check", "--config", str(main))
+        assert check.returncode == 2, (text, check.stdout)
+        assert check.stderr.startswith(f"kvguard config: {main}: ") and said in check.stderr, (
+            text,
+            check.stderr,
+        )
+        assert "Traceback" not in check.stderr
+    # The environment's values are checked as the files' are; the service refuses to start.
+    ok = write(tmp_path / "kvguard.yaml", "daemon:\n  listen: 127.0.0.1:0\n")
+    bad = kvguard("daemon", "--config", str(ok), env={"KVGUARD_DAEMON_CLOCK_SKEW_MS": "soon"})
+    assert (
+        bad.returncode == 2
+        and "env KVGUARD_DAEMON_CLOCK_SKEW_MS: daemon: clock-skew-ms: 'soon'" in bad.stderr
+    )
+    assert "Traceback" not in bad.stderr
+    missing = kvguard("config", "check", "--config", str(tmp_path / "nope.yaml"))
+    assert (
+        missing.returncode == 2 and f"{tmp_path / 'nope.yaml'}: no such configuration file" in missing.stderr
+    )
+
+
+def test_the_shipped_example_is_a_usable_configuration() -> None:
+    example = Path(__file__).resolve().parents[2] / "deploy" / "kvguard.yaml"
+    check = kvguard("config", "check", "--config", str(example))
+    assert check.returncode == 0, check.stderr
+    rows = json.loads(kvguard("config", "show", "daemon", "--config", str(example), "-o", "json").stdout)
+    assert {r["option"]: r["source"] for r in rows}["metrics-listen"] == str(example)
