@@ -34,11 +34,13 @@ class Histogram:
     def __init__(self) -> None:
         self.counts = [0] * (len(BOUNDS_S) + 1)
         self.count = 0
+        self.sum_s = 0.0  # for the Prometheus histogram's _sum
         self.max_s = 0.0
 
     def record(self, seconds: float) -> None:
         self.counts[bisect_left(BOUNDS_S, seconds)] += 1
         self.count += 1
+        self.sum_s += seconds
         if seconds > self.max_s:
             self.max_s = seconds
 
