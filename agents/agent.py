@@ -35,7 +35,14 @@ from google.protobuf.message import DecodeError
 from kvguard.agents.door import Door
 from kvguard.agents.probes import CONTEXT_WAIT_S, gpu_facts, read_engine
 from kvguard.agents.spool import Position, Source, Spool
-from kvguard.agents.upstream import STATUS_EVERY_S, AgentStream, DaemonRefused, GuardState, node_status
+from kvguard.agents.upstream import (
+    STATUS_EVERY_S,
+    AgentStream,
+    DaemonReach,
+    DaemonRefused,
+    GuardState,
+    node_status,
+)
 from kvguard.cuda_hooks.shim import PROBE as SHIM_PROBE
 from kvguard.cuda_hooks.shim import ShimListener, ShimRecord
 from kvguard.cuda_hooks.tcp_stream import WireReport
@@ -92,6 +99,7 @@ class NodeAgent:
         self.lock = threading.Lock()
         self._engines_changed = threading.Condition(self.lock)
         self.stopping = threading.Event()
+        self.heartbeat_at = time.monotonic()  # serve()'s loop's last turn (what the watchdog reads)
         self._sockets: tuple[socket.socket, ShimListener] | None = None  # listen()'s
         self.counters: dict[str, int] = {
             "events": 0,
@@ -113,6 +121,7 @@ class NodeAgent:
         self.door = Door(max_guards, self.counters, _say)
         self._counters_said: dict[str, int] = {}
         self._channel = channel(daemon, tls)
+        self.reach = DaemonReach(self._channel, daemon, _say, self.stopping)  # says if the daemon is down
         for path in sorted(self.spool_dir.glob("*.spool")):
             self._spool(unquote(path.stem))  # events of an earlier run go out first
         self.witness: Witness = NullWitness("not asked for")
@@ -163,6 +172,7 @@ class NodeAgent:
         server, shims = self._sockets
         said = time.monotonic()
         while not self.stopping.is_set():
+            self.heartbeat_at = time.monotonic()  # at least every accept timeout (0.5 s)
             try:
                 conn, _ = server.accept()
             except TimeoutError:
@@ -370,6 +380,7 @@ class NodeAgent:
             try:
                 relay = functools.partial(self._relay, node)  # commands go to the guard as they come
                 stream = AgentStream(self._channel, node, AGENT, on_command=relay, on_ack=spool.wake)
+                self.reach.reachable()  # the hello's ack came back
                 spool.ack(stream.durable)
                 delay = 0.1
                 in_flight: deque[list[Position]] = deque()  # sent, not acknowledged, oldest first
@@ -409,10 +420,13 @@ class NodeAgent:
             except (grpc.RpcError, DaemonRefused) as exc:
                 self.counters["reconnects"] += 1
                 detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-                print(
-                    f"kvguard agent: daemon {self.daemon} unavailable for {node} ({detail}); retrying",
-                    file=sys.stderr,
-                )
+                if isinstance(exc, grpc.RpcError) and exc.code() is grpc.StatusCode.UNAVAILABLE:
+                    self.reach.unreachable(detail)  # said once for the agent, not at every retry
+                else:
+                    print(
+                        f"kvguard agent: daemon {self.daemon} unavailable for {node} ({detail}); retrying",
+                        file=sys.stderr,
+                    )
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
             finally:

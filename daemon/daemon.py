@@ -3,12 +3,16 @@ start, and the parts around it, all on one asyncio event loop in one thread: the
 (ingest.py: batches applied, judged, committed in groups), the commands back to the nodes
 (commands.py), operators' actions (control.py), each node's liveness (nodes.py), the alert
 fan-out (fanout.py), the periodic snapshots (snapshots.py) and the store's room (room.py). The
-gRPC services (service.py) call into it.
+gRPC services (service.py) call into it. Its rules are reloaded in place (`reload_rules`), and
+its loop marks each turn of a heartbeat that systemd's watchdog reads (`start_heartbeat`).
 
 Invariants: the ledger starts from the store's latest sound snapshot plus every event stored
 after it, so a restart loses nothing and changes no verdict; only the loop's thread changes
 the ledger (the fleet state reads it under the ingest's lock); the daemon times its own part
-of each alert (receipt to verdict, to durable alert, to its write, to the ack).
+of each alert (receipt to verdict, to durable alert, to its write, to the ack); a reload
+loads and checks the new rules off the loop and swaps them in whole on it, between two
+findings, and rules that fail to load leave the old ones in force and raise a critical alert
+of the daemon's own (kind "internal", rule kvguard_reload_failed), stored and sent like any.
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 from kvguard.daemon.commands import Commands, Reply
 from kvguard.daemon.control import Control
@@ -33,12 +42,58 @@ from kvguard.daemon.seen import Seen
 from kvguard.daemon.snapshots import SNAPSHOT_EVERY, Snapshots, restored
 from kvguard.daemon.store import Store
 from kvguard.daemon.writer import InlineWriter, Writer
-from kvguard.ledger import CLOCK_SKEW_NS, Ledger, snapshot
+from kvguard.ledger import CLOCK_SKEW_NS, Finding, Ledger, snapshot
 from kvguard.ledger.limits import UNBOUNDED, Limits
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
-from kvguard.ruleset import Ruleset, load_ruleset
+from kvguard.ruleset import Rule, Ruleset, RulesetError, load_ruleset
 
 REPLAY_REFUSALS_SAID = 10  # stored events refused at start that are logged one by one (all are counted)
+RELOAD_FAILED_RULE = "kvguard_reload_failed"  # the rule id of the daemon's alert on a refused reload
+ON_LOOP_TIMEOUT_S = 60.0  # how long a reload waits for the loop (a loop stuck longer: the watchdog's)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class RulesChange:
+    """What a reload changed, by rule id."""
+
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    changed: tuple[str, ...]
+    rules: int  # in the new rule set
+
+    def __str__(self) -> str:
+        said = [f"{len(ids)} {what}" for what, ids in (("added", self.added), ("removed", self.removed))]
+        said.append(f"{len(self.changed)} changed")
+        named = ", ".join(self.added + self.removed + self.changed)
+        return f"{self.rules} rules; " + ", ".join(said) + (f" ({named})" if named else "")
+
+
+def _signature(rule: Rule) -> tuple[object, ...]:
+    """What decides a rule's verdicts and output (not where it is written)."""
+    return (
+        rule.description,
+        rule.kinds,
+        rule.severity,
+        rule.action,
+        rule.output.source,
+        rule.condition.source if rule.condition is not None else None,
+        rule.tags,
+        tuple((e.name, e.condition.source) for e in rule.exceptions),
+        rule.enabled,
+    )
+
+
+def rules_change(old: Ruleset, new: Ruleset) -> RulesChange:
+    """The rules `new` adds, removes and changes against `old`, by id, each in load order."""
+    before = {rule.id: _signature(rule) for rule in old.rules}
+    after = {rule.id: _signature(rule) for rule in new.rules}
+    return RulesChange(
+        added=tuple(i for i in after if i not in before),
+        removed=tuple(i for i in before if i not in after),
+        changed=tuple(i for i in after if i in before and after[i] != before[i]),
+        rules=len(new.rules),
+    )
 
 
 class Daemon:
@@ -118,6 +173,68 @@ class Daemon:
         # Whether there is room for more: measured before anything is taken, then every second.
         self.room = StoreRoom(
             store.space, store.engine.url.render_as_string(hide_password=True), store_reserve
+        )
+        self.heartbeat_at = time.monotonic()  # the loop's last turn of its heartbeat (start_heartbeat)
+
+    def start_heartbeat(self, every: float) -> None:
+        """Let the loop note the time at least every `every` seconds, in `heartbeat_at`: what
+        the watchdog reads to tell a loop that goes round from one that is stuck."""
+
+        def beat() -> None:
+            self.heartbeat_at = time.monotonic()
+            self.loop.call_later(every, beat)
+
+        self.loop.call_soon_threadsafe(beat)
+
+    def _on_loop(self, call: Callable[[], T]) -> T:
+        """`call()` run on the daemon's loop, from another thread; its result."""
+        done: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(call())
+            except BaseException as exc:  # handed to the caller's thread
+                done.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(run)
+        return done.result(ON_LOOP_TIMEOUT_S)
+
+    def reload_rules(self, path: Path | None) -> RulesChange:
+        """Load the rules at `path` (None: the bundled ones) on the calling thread, then swap
+        them in whole on the loop: the next finding is judged by them. RulesetError if they do
+        not load: the rules in force stay, and the daemon's critical alert saying so is stored
+        (and sent to subscribers) before this raises."""
+        try:
+            ruleset = load_ruleset(path)
+        except RulesetError as exc:
+            self.counters["reloads_refused"] += 1
+            alert = self._reload_failed(path, exc)
+            with contextlib.suppress(TimeoutError):  # a loop that is late stores it when it goes round
+                self._on_loop(lambda: self.pipeline.alert(alert)).result(ON_LOOP_TIMEOUT_S)
+            raise
+        change = rules_change(self.ruleset, ruleset)
+
+        def swap() -> None:
+            self.ruleset = self.pipeline.ruleset = self.control.ruleset = ruleset
+
+        self._on_loop(swap)
+        self.counters["reloads"] += 1
+        return change
+
+    @staticmethod
+    def _reload_failed(path: Path | None, exc: RulesetError) -> Finding:
+        where = str(path) if path is not None else "the bundled rules"
+        first = exc.errors[0]
+        more = f" and {len(exc.errors) - 1} more" if len(exc.errors) > 1 else ""
+        return Finding(
+            finding="internal",
+            ts_ns=time.time_ns(),
+            message=f"rules reload from {where} refused: {first}{more}; the previous rules stay in force",
+            details={"rules": where, "errors": "\n".join(str(e) for e in exc.errors)},
+            severity="critical",
+            action="alert",
+            rule=RELOAD_FAILED_RULE,
+            tags=("kvguard",),
         )
 
     @property

@@ -197,6 +197,22 @@ class Ingest:
             self._submit()
         return group.committed, at
 
+    def alert(self, finding: Finding) -> Future[int]:
+        """An alert of the daemon's own (a Finding it decided itself: no rule judges it), into
+        the chain after everything applied so far (on the loop); once durable it reaches the
+        subscribers as a detector's finding does. The future of its group's first record id."""
+        group = self._next
+        partial = self._inbox[0] if self._inbox and self._inbox[0].index >= 0 else None
+        if partial is not None and partial.run >= 0:  # what it applied so far comes first
+            group.add(EventRun(partial.index, partial.run, partial.done))
+            partial.run = -1
+        group.findings.append((group.rows, finding, time.perf_counter()))
+        group.add(Record.of_finding(finding))
+        self.counters["findings"] += 1
+        if not self._committing:
+            self._submit()
+        return group.committed
+
     def committed(self, first_id: int) -> None:
         """The writer's report: the oldest group in flight is durable. Its alerts go out, then
         its acks (its commands went out before the commit, so a stream's commands reach its

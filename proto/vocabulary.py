@@ -1,5 +1,7 @@
 """The finding kinds and severities of the event contract (EVENTS.md, "Findings"): one list,
-read by the ledger that raises findings and by the clients that filter them.
+read by the ledger that raises findings and by the clients that filter them; and the kinds of
+the findings kvguard raises about itself (INTERNAL_KINDS), which no detector raises and no
+rule judges: they are stored and sent to subscribers like the others.
 
 Invariant: names are only ever added, never renamed (they are stored in audit records).
 """
@@ -19,4 +21,14 @@ FINDING_KINDS: tuple[str, ...] = (
     "cross_tenant_share",
     "anomaly",
 )
+# The daemon's own alerts (severity and rule set by the daemon): "internal" is kvguard failing
+# at something an operator must see, such as a rules reload that was refused
+# (rule kvguard_reload_failed).
+INTERNAL_KINDS: tuple[str, ...] = ("internal",)
 SEVERITIES: tuple[str, ...] = ("critical", "high", "medium", "low", "info")
+# The fleet state's counters (FleetState.counters) of the ledger's routine work; every other
+# `ledger_` counter, and every `stream_` and `rejected` one, is input the daemon refused or
+# could not judge: shown as such (`kvguard fleet`, metrics) until it is placed here.
+LEDGER_WORK: frozenset[str] = frozenset(
+    {"ledger_page_transitions", "ledger_suppressed", "ledger_retired", "ledger_forgotten", "ledger_restarts"}
+)
