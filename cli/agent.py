@@ -1,6 +1,12 @@
 """`kvguard agent`: the node agent. The in-engine guards of one machine connect to its Unix
 socket; it spools their events to disk, delivers them to the daemon in order, and carries
 the daemon's kill and quarantine commands back. It prints `READY` on stdout once it serves.
+
+Under systemd (Type=notify; deploy/systemd/) it says READY=1 once its socket listens, STOPPING=1
+on stop and, with WatchdogSec=, WATCHDOG=1 only while its accept loop goes round
+(proto/sd_notify.py). SIGHUP (systemctl reload) reloads nothing, as the agent has no
+configuration it can change while it runs: it says its counters, between RELOADING=1 and
+READY=1, so that a reload of every kvguard unit succeeds and shows the agent alive.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from kvguard.cli.options import (
     AGENT_SOCKET,
     Subcommands,
     add_command,
+    add_daemon_argument,
     add_tls_arguments,
     positive_count,
     power_of_two,
@@ -30,7 +37,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
     import threading
 
     from kvguard.agents.agent import NodeAgent
+    from kvguard.proto.sd_notify import Notifier, Watchdog
 
+    notifier = Notifier(name="kvguard agent")  # systemd's, when it started the agent (Type=notify)
     tls = tls_from_args(args)
     agent = NodeAgent(
         args.socket,
@@ -59,14 +68,36 @@ def cmd_agent(args: argparse.Namespace) -> int:
             "kvguard agent: the eBPF wire witness watches each guarded engine's TCP transfers",
             file=sys.stderr,
         )
+    reload, wake = threading.Event(), threading.Event()
+
+    def on_stop(*_: object) -> None:
+        agent.stopping.set()
+        wake.set()
+
+    def on_reload(*_: object) -> None:
+        reload.set()
+        wake.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: agent.stopping.set())
+        signal.signal(sig, on_stop)
+    signal.signal(signal.SIGHUP, on_reload)
     try:
         agent.listen()
     except OSError as exc:
         print(f"kvguard agent: cannot listen on --socket {args.socket}: {exc}", file=sys.stderr)
         agent.stop()
         return 2
+    metrics = None
+    if args.metrics_listen:
+        from kvguard.agents.metrics import AgentCollector
+        from kvguard.proto.metrics_http import MetricsError, serve_metrics
+
+        try:
+            metrics = serve_metrics(args.metrics_listen, AgentCollector(agent))
+        except MetricsError as exc:
+            print(f"kvguard agent: {exc}", file=sys.stderr)
+            agent.stop()
+            return 2
     thread = threading.Thread(target=agent.serve, daemon=True)
     thread.start()
     print(
@@ -74,9 +105,28 @@ def cmd_agent(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     print("READY", flush=True)
-    agent.stopping.wait()
+    status = f"guards connect to {args.socket}; daemon {args.daemon}"
+    notifier.ready(status)
+    watchdog = None
+    if notifier.watchdog_s is not None:  # WatchdogSec=: pinged only while the accept loop goes round
+        watchdog = Watchdog(notifier, lambda: agent.heartbeat_at, "the agent's accept loop").start()
+    while not agent.stopping.is_set():
+        wake.wait()
+        wake.clear()
+        if reload.is_set() and not agent.stopping.is_set():
+            reload.clear()
+            notifier.reloading("SIGHUP: nothing to reload; saying the counters")
+            agent.say_counters()
+            print("kvguard agent: SIGHUP: no configuration to reload", file=sys.stderr, flush=True)
+            notifier.ready(status)
+    notifier.stopping("stopping: the spool keeps what the daemon has not acknowledged")
     thread.join(timeout=2)
+    if watchdog is not None:
+        watchdog.stop()
+    if metrics is not None:
+        metrics.stop()
     agent.stop()
+    notifier.close()
     return 0
 
 
@@ -110,7 +160,7 @@ def add_parser(sub: Subcommands) -> None:
         help="how long a guard may take to say hello, or to finish a message it has begun (default 5); "
         "a connection past it is closed and counted",
     )
-    p.add_argument("--daemon", default="127.0.0.1:7463", help="the daemon's gRPC address")
+    add_daemon_argument(p)
     p.add_argument("--spool", default="/var/lib/kvguard/spool", help="where unacknowledged events wait")
     p.add_argument(
         "--probe",
@@ -140,4 +190,9 @@ def add_parser(sub: Subcommands) -> None:
         "NODE/ebpf's dropped",
     )
     add_tls_arguments(p)
+    p.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)",
+    )
     p.set_defaults(func=cmd_agent)

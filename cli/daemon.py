@@ -1,6 +1,10 @@
 """`kvguard daemon`: the global ledger, the audit store and the alert feed, served over gRPC
 until SIGINT or SIGTERM. It prints `READY PORT` on stdout once it serves (cli/process.py
-waits for that line) and saves a ledger snapshot on a clean stop.
+waits for that line) and saves a ledger snapshot on a clean stop. SIGHUP reloads the rules.
+
+Under systemd (Type=notify; deploy/systemd/) it says READY=1 once the store, ledger, rules and
+listener are up, RELOADING=1 then READY=1 around a reload, STOPPING=1 on stop, and, with
+WatchdogSec=, WATCHDOG=1 only while its loop goes round (proto/sd_notify.py).
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvguard.cli.options import (
     Subcommands,
@@ -15,11 +20,16 @@ from kvguard.cli.options import (
     add_tls_arguments,
     byte_count,
     events_count,
+    listen_address,
     microseconds,
     milliseconds,
     positive_count,
     tls_from_args,
 )
+
+if TYPE_CHECKING:
+    from kvguard.daemon.daemon import Daemon
+    from kvguard.proto.sd_notify import Notifier
 
 # The daemon's modules (grpc, SQLAlchemy) and the ruleset (CEL) are imported when the command
 # runs, so that `kvguard --help` does not wait for them.
@@ -35,8 +45,18 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from kvguard.daemon.service import serve
     from kvguard.daemon.store import AuditKeyError, RowError, Store, StoreError, read_audit_key
     from kvguard.ledger.limits import Limits
+    from kvguard.proto.sd_notify import Notifier, Watchdog
     from kvguard.ruleset import RulesetError, load_ruleset
 
+    notifier = Notifier(name="kvguard daemon")  # systemd's, when it started the daemon (Type=notify)
+    stop, reload, wake = threading.Event(), threading.Event(), threading.Event()
+
+    def on_signal(flag: threading.Event) -> None:
+        flag.set()
+        wake.set()
+
+    # systemctl reload (ExecReload): one that comes while the daemon starts waits for READY.
+    signal.signal(signal.SIGHUP, lambda *_: on_signal(reload))
     tls = tls_from_args(args)
     try:  # before anything is opened: a listener that must not serve stops the start
         warning = check_listener(args.listen, tls=tls is not None, insecure=args.insecure)
@@ -131,6 +151,26 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         print(f"kvguard daemon: {exc}", file=sys.stderr)
         return 2
     port = server.port
+    metrics = None
+    if args.metrics_listen:
+        from kvguard.daemon.metrics import DaemonCollector
+        from kvguard.proto.metrics_http import MetricsError, serve_metrics
+
+        try:
+            metrics = serve_metrics(args.metrics_listen, DaemonCollector(daemon.fleet, daemon.latencies))
+        except MetricsError as exc:
+            server.stop(grace=0)
+            daemon.close()
+            writer.close()
+            store.close()
+            print(f"kvguard daemon: {exc}", file=sys.stderr)
+            return 2
+        print(
+            f"kvguard daemon: metrics on http://{args.metrics_listen.rsplit(':', 1)[0]}:{metrics.port}"
+            "/metrics",
+            file=sys.stderr,
+            flush=True,
+        )
     print(
         f"kvguard daemon listening on port {port}; store {store.url}; ledger from the snapshot after record "
         f"{daemon.counters['snapshot_through']} and {daemon.counters['rebuilt_events']} events after it"
@@ -138,19 +178,61 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    print(f"READY {port}", flush=True)
-    stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+        signal.signal(sig, lambda *_: on_signal(stop))
+    print(f"READY {port}", flush=True)
+    notifier.ready(f"serving on port {port}")
+    watchdog = None
+    if notifier.watchdog_s is not None:  # WatchdogSec=: pinged only while the loop goes round
+        daemon.start_heartbeat(min(1.0, notifier.watchdog_s / 4))
+        watchdog = Watchdog(notifier, lambda: daemon.heartbeat_at, "the daemon's loop").start()
+    while not stop.is_set():
+        wake.wait()
+        wake.clear()
+        if reload.is_set() and not stop.is_set():
+            reload.clear()
+            _reload_rules(daemon, Path(args.rules) if args.rules else None, notifier, port)
+    notifier.stopping("stopping: committing what was received, then saving a ledger snapshot")
+    if metrics is not None:
+        metrics.stop()
     server.stop(grace=2)
     daemon.close()  # what was received is applied and submitted before the writer finishes
+    if watchdog is not None:
+        watchdog.stop()
     writer.close()
     # The next start loads this and replays only what comes after it.
     through = daemon.save_snapshot()
     print(f"kvguard daemon: ledger snapshot saved after record {through}", file=sys.stderr, flush=True)
     store.close()
+    notifier.close()
     return 0
+
+
+def _reload_rules(daemon: Daemon, rules: Path | None, notifier: Notifier, port: int) -> None:
+    """SIGHUP: the rules at `rules` checked, then in force; or, if they do not load, the old
+    ones kept, the reasons said (file, line, why) and the daemon's critical alert stored."""
+    from kvguard.daemon.daemon import RELOAD_FAILED_RULE
+    from kvguard.ruleset import RulesetError
+
+    where = str(rules) if rules is not None else "the bundled rules"
+    notifier.reloading(f"reloading the rules from {where}")
+    try:
+        change = daemon.reload_rules(rules)
+    except RulesetError as exc:
+        print(
+            f"kvguard daemon: rules reload from {where} refused; the previous rules stay in force "
+            f"(alert {RELOAD_FAILED_RULE}):\n{exc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        notifier.ready(f"serving on port {port}; the last rules reload was refused (see the log)")
+        return
+    except TimeoutError:  # the loop did not take them: the watchdog, if any, restarts the daemon
+        print(f"kvguard daemon: rules reload from {where}: the daemon's loop did not answer", file=sys.stderr)
+        notifier.ready(f"serving on port {port}; the last rules reload did not finish")
+        return
+    print(f"kvguard daemon: rules reloaded from {where}: {change}", file=sys.stderr, flush=True)
+    notifier.ready(f"serving on port {port}; rules reloaded: {change}")
 
 
 def add_parser(sub: Subcommands) -> None:
@@ -169,8 +251,10 @@ def add_parser(sub: Subcommands) -> None:
     )
     p.add_argument(
         "--listen",
+        type=listen_address,
         default="127.0.0.1:7463",
-        help="gRPC address (host:port); without mutual TLS only a loopback address, unless --insecure",
+        help="gRPC address (host[:port], port 7463 if none); without mutual TLS only a loopback address, "
+        "unless --insecure",
     )
     p.add_argument(
         "--insecure",
@@ -179,6 +263,12 @@ def add_parser(sub: Subcommands) -> None:
         "audit log and speak as any node (for a network you trust; said once at start)",
     )
     p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
+    p.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (counts, nodes, pools, latencies; "
+        "no tenant or request is named; default: off)",
+    )
     p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
     p.add_argument(
         "--mode", choices=("monitor", "enforce"), default="enforce", help="monitor: never order a kill"
