@@ -303,7 +303,7 @@ class Router:
 
 
 class Stopped(Exception):
-    """SIGTERM reached `kvguard testbed up`."""
+    """SIGINT or SIGTERM reached `kvguard testbed up`."""
 
 
 def _stopped(signum: int, frame: FrameType | None) -> None:
@@ -315,8 +315,11 @@ def up(config: ClusterConfig) -> int:
     from kvguard.testbed.openai_api import listen, serve  # FastAPI is loaded only to serve
 
     # uvicorn takes SIGINT and SIGTERM while it serves and raises them again once it has shut
-    # down; this handler turns SIGTERM into an exception, so that the workers are stopped.
+    # down; this handler turns either into one exception, so that the workers are stopped. SIGINT
+    # gets it too: left to Python's default it went a second way, through asyncio's runner,
+    # and once in CI `up` died of it instead of stopping its workers.
     signal.signal(signal.SIGTERM, _stopped)
+    signal.signal(signal.SIGINT, _stopped)
     router: Router | None = None
     try:
         router = Router(config)
@@ -335,7 +338,7 @@ def up(config: ClusterConfig) -> int:
             flush=True,
         )
         serve(router, sock)
-    except (KeyboardInterrupt, Stopped):
+    except (KeyboardInterrupt, Stopped):  # a Ctrl-C before the handlers are in place
         pass
     finally:
         # A second signal while the workers flush and stop must not cut that short.

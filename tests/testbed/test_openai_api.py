@@ -163,13 +163,14 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
 def test_the_workers_end_with_testbed_up(tmp_path: Path, stop: signal.Signals) -> None:
-    up = subprocess.Popen(
-        [sys.executable, "-m", "kvguard", "testbed", "up", "--port", "0", "--audit-dir", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,  # only the router gets the signal, not its workers too
-    )
+    with (tmp_path / "stderr").open("w") as stderr:  # shown if it fails
+        up = subprocess.Popen(
+            [sys.executable, "-m", "kvguard", "testbed", "up", "--port", "0", "--audit-dir", str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,  # only the router gets the signal, not its workers too
+        )
     pids: list[int] = []
     try:
         assert up.stdout is not None
@@ -178,7 +179,8 @@ def test_the_workers_end_with_testbed_up(tmp_path: Path, stop: signal.Signals) -
         pids += json.loads(line[6:])["pids"].values()
         assert len(pids) == 2 and all(alive(pid) for pid in pids)
         up.send_signal(stop)
-        assert up.wait(timeout=30) == (-signal.SIGKILL if stop == signal.SIGKILL else 0)
+        rc = up.wait(timeout=30)
+        assert rc == (-signal.SIGKILL if stop == signal.SIGKILL else 0), (tmp_path / "stderr").read_text()
         deadline = time.monotonic() + 15  # SIGKILL: the kernel's SIGTERM (PR_SET_PDEATHSIG) ends them
         while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
