@@ -36,7 +36,6 @@ from kvguard.daemon.audit.source import (
     AuditItem,
     Source,
     UsageError,
-    first_line,
     open_source,
 )
 from kvguard.proto import pb
@@ -95,6 +94,8 @@ def _run(prog: str, args: argparse.Namespace, body: Callable[[Source], int]) -> 
         print(f"{prog}: the daemon at {source.label}: {code}: {detail}", file=sys.stderr)
         return 2
     except (SQLAlchemyError, RowError) as exc:
+        from kvguard.daemon.store import first_line
+
         print(f"{prog}: reading audit store {source.label} failed: {first_line(exc)}", file=sys.stderr)
         return 2
     finally:

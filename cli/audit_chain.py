@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -31,40 +30,6 @@ from kvguard.cli.options import Subcommands, add_command, add_output_argument
 
 # The store (SQLAlchemy, alembic) is imported when a command runs, so that `kvguard --help`
 # does not wait for it.
-
-
-def missing_store(where: str) -> str | None:
-    """Why `where` names no audit store to read (no such file, not a file, no `records`
-    table, unreachable), or None; it creates nothing (`Store()` would create what is missing)."""
-    from sqlalchemy import create_engine, inspect
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    from kvguard.daemon.audit.source import first_line
-    from kvguard.daemon.store import store_url
-
-    url = store_url(where)
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return f"--store {where!r} is neither a SQLAlchemy URL nor a file path"
-    database = parsed.database or ""
-    local = parsed.drivername.startswith("sqlite") and database not in ("", ":memory:")
-    if local and not database.startswith("file:"):
-        path = Path(database)
-        if not path.exists():
-            return f"no audit store at {where} (no such file)"
-        if not path.is_file():
-            return f"audit store {where} is not a file"
-    try:
-        probe = create_engine(url)
-        try:
-            has_records = inspect(probe).has_table("records")
-        finally:
-            probe.dispose()
-    except Exception as exc:  # driver missing, not a database, unreachable server
-        return f"cannot open audit store {where}: {first_line(exc)}"
-    return None if has_records else f"{where} is not a kvguard audit store (no records table)"
 
 
 class Verdict:
@@ -102,7 +67,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace, verdict: Verdict) -> int:
-    from kvguard.daemon.store import AuditKeyError, RowError, Store, StoreError, read_audit_key
+    from kvguard.daemon.store import AuditKeyError, RowError, Store, StoreError, missing_store, read_audit_key
 
     try:
         keys = [read_audit_key(path) for path in args.audit_key or ()]
@@ -160,7 +125,7 @@ def _verdict(store: Any, verdict: Verdict) -> int:
 def cmd_seal(args: argparse.Namespace) -> int:
     """`kvguard audit seal`: exit 0 once sealed (or the key rotated), 1 when it was not, 2 when
     there is no such store."""
-    from kvguard.daemon.store import AuditKeyError, Store, StoreError, read_audit_key
+    from kvguard.daemon.store import AuditKeyError, Store, StoreError, missing_store, read_audit_key
 
     if (missing := missing_store(args.store)) is not None:  # a new store is sealed by its daemon
         print(
@@ -215,7 +180,7 @@ def _loss(store: Any) -> str:
 def cmd_head(args: argparse.Namespace) -> int:
     """`kvguard audit head`: exit 0 once the head is written, 1 when it was not, 2 when there is
     no such store."""
-    from kvguard.daemon.store import AuditKeyError, RowError, Store, StoreError, read_audit_key
+    from kvguard.daemon.store import AuditKeyError, RowError, Store, StoreError, missing_store, read_audit_key
 
     if (missing := missing_store(args.store)) is not None:
         print(f"kvguard audit head: {missing}", file=sys.stderr)

@@ -96,7 +96,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
             # replaced by a new one that vouches only for what comes next.
             if store.count():
                 raise StoreError(
-                    f"audit store {store.url} is not sealed but has records: seal it once with "
+                    f"audit store {store.shown} is not sealed but has records: seal it once with "
                     "`kvguard audit seal` (or, if it was sealed, its seal was removed: verify it)"
                 )
             store.seal()
@@ -105,9 +105,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         # commit's head would cover the loss up.
         complete = store.completeness()
         if not complete.proven:
-            raise StoreError(f"audit store {store.url}: not proven complete: {complete.said}")
+            raise StoreError(f"audit store {store.shown}: not proven complete: {complete.said}")
         if complete.through < store.count():  # a head that lags (a crash): caught up, as a commit would
-            print(f"kvguard daemon: audit store {store.url}: {complete.said}", file=sys.stderr, flush=True)
+            print(f"kvguard daemon: audit store {store.shown}: {complete.said}", file=sys.stderr, flush=True)
             store.adopt_head()
     except (AuditKeyError, StoreError) as exc:
         print(f"kvguard daemon: {exc}", file=sys.stderr)
@@ -172,8 +172,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
             flush=True,
         )
     print(
-        f"kvguard daemon listening on port {port}; store {store.url}; ledger from the snapshot after record "
-        f"{daemon.counters['snapshot_through']} and {daemon.counters['rebuilt_events']} events after it"
+        f"kvguard daemon listening on port {port}; store {store.shown}; ledger from the snapshot after "
+        f"record {daemon.counters['snapshot_through']} and {daemon.counters['rebuilt_events']} events "
+        "after it"
         f"{woken}",
         file=sys.stderr,
         flush=True,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from kvguard.proto import pb
@@ -77,35 +76,10 @@ class StoreSource:
     """The audit store itself (read only)."""
 
     def __init__(self, where: str) -> None:
-        from sqlalchemy import create_engine, inspect
-        from sqlalchemy.engine import make_url
-        from sqlalchemy.exc import ArgumentError
+        from kvguard.daemon.store import Store, first_line, missing_store
 
-        from kvguard.daemon.store import Store, store_url
-
-        url = store_url(where)
-        try:
-            parsed = make_url(url)
-        except ArgumentError:
-            raise UsageError(f"--store {where!r} is neither a SQLAlchemy URL nor a file path") from None
-        database = parsed.database or ""
-        local = parsed.drivername.startswith("sqlite") and database not in ("", ":memory:")
-        if local and not database.startswith("file:"):
-            path = Path(database)
-            if not path.exists():
-                raise UsageError(f"no audit store at {where} (no such file)")
-            if not path.is_file():
-                raise UsageError(f"audit store {where} is not a file")
-        try:
-            probe = create_engine(url)
-            try:
-                has_records = inspect(probe).has_table("records")
-            finally:
-                probe.dispose()
-        except Exception as exc:  # driver missing, not a database, unreachable server
-            raise UsageError(f"cannot open audit store {where}: {first_line(exc)}") from None
-        if not has_records:
-            raise UsageError(f"{where} is not a kvguard audit store (no records table)")
+        if (missing := missing_store(where)) is not None:
+            raise UsageError(missing)
         try:
             self.store = Store(where)
         except Exception as exc:
@@ -144,11 +118,6 @@ class DaemonSource:
 
     def close(self) -> None:
         self.channel.close()
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
 
 
 def open_source(store: str | None, daemon: str | None, tls: Tls | None = None) -> Source:

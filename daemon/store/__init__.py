@@ -10,7 +10,15 @@
 
 from kvguard.daemon.store.chain import GENESIS, AuditKeyError, new_audit_key, read_audit_key
 from kvguard.daemon.store.rows import RUN_MAX, RUN_SPAN_NS, EventRun, Record, named_of, rows_of, run_rows
-from kvguard.daemon.store.schema import RowError, migrate, migrations, store_url
+from kvguard.daemon.store.schema import (
+    RowError,
+    first_line,
+    migrate,
+    migrations,
+    missing_store,
+    shown_url,
+    store_url,
+)
 from kvguard.daemon.store.store import Store, StoreError
 
 __all__ = [
@@ -23,12 +31,15 @@ __all__ = [
     "RowError",
     "Store",
     "StoreError",
+    "first_line",
     "migrate",
     "migrations",
+    "missing_store",
     "named_of",
     "new_audit_key",
     "read_audit_key",
     "rows_of",
     "run_rows",
+    "shown_url",
     "store_url",
 ]

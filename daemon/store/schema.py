@@ -17,7 +17,20 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import BigInteger, Column, Engine, Integer, LargeBinary, MetaData, String, Table
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Engine,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    inspect,
+    make_url,
+)
+from sqlalchemy.exc import ArgumentError
 
 from kvguard.proto.limits import NODE_BYTES, REQ_BYTES, TENANT_BYTES
 
@@ -119,6 +132,48 @@ def checked(table: str, label: str, values: dict[str, Any]) -> dict[str, Any]:
 def store_url(where: str) -> str:
     """A SQLAlchemy URL, or a plain file path taken as a SQLite database."""
     return where if "://" in where else f"sqlite:///{Path(where).resolve()}"
+
+
+def first_line(exc: BaseException) -> str:
+    """What a failure said, in one line: a driver's own words, without SQLAlchemy's statement
+    and background link."""
+    said = str(getattr(exc, "orig", None) or exc).strip() or type(exc).__name__
+    return said.splitlines()[0]
+
+
+def missing_store(where: str) -> str | None:
+    """Why `where` names no audit store to read (no such file, not a file, no `records`
+    table, unreachable), or None; it creates nothing (`Store()` would create what is missing)."""
+    url = store_url(where)
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return f"--store {where!r} is neither a SQLAlchemy URL nor a file path"
+    database = parsed.database or ""
+    local = parsed.drivername.startswith("sqlite") and database not in ("", ":memory:")
+    if local and not database.startswith("file:"):
+        path = Path(database)
+        if not path.exists():
+            return f"no audit store at {where} (no such file)"
+        if not path.is_file():
+            return f"audit store {where} is not a file"
+    try:
+        probe = create_engine(url)
+        try:
+            has_records = inspect(probe).has_table("records")
+        finally:
+            probe.dispose()
+    except Exception as exc:  # driver missing, not a database, unreachable server
+        return f"cannot open audit store {shown_url(url)}: {first_line(exc)}"
+    return None if has_records else f"{where} is not a kvguard audit store (no records table)"
+
+
+def shown_url(url: str) -> str:
+    """The store's URL as logs and messages show it: its password masked."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url.split("://", 1)[0] + "://(unparsable URL)"
 
 
 def migrations(conn: Any) -> Config:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import create_engine, event, func, select, text
+from sqlalchemy.exc import SQLAlchemyError
 
 from kvguard.daemon.store import head, reads, snapshot_rows
 from kvguard.daemon.store.chain import GENESIS, chain, seal_tag, snapshot_digest
@@ -32,9 +33,11 @@ from kvguard.daemon.store.schema import (
     COLUMNS,
     RowError,
     checked,
+    first_line,
     migrate,
     records,
     seal,
+    shown_url,
     store_url,
 )
 from kvguard.daemon.store.snapshot_rows import SNAPSHOT_PART
@@ -76,10 +79,20 @@ class Store:
         seals it made (StoreError for a key that made none of this store's seals), and its
         head in `head_file` (default: head.default_path)."""
         self.url = store_url(where)
+        self.shown = shown_url(self.url)
         self.head_file = head_file or head.default_path(self.url)
         self._head_unsynced = False
         self._head_synced_at = 0.0
         self._head_failed = ""  # why the head could not be written last (said once)
+        try:
+            self._open(keys)
+        except (SQLAlchemyError, ImportError, OSError) as exc:
+            # A typo'd URL, a server that is down, a directory that is not there: the operator's
+            # to fix, said in a line (the driver's first), not as SQLAlchemy's traceback.
+            raise StoreError(f"audit store {self.shown} cannot be opened: {first_line(exc)}") from None
+
+    def _open(self, keys: tuple[bytes | None, ...]) -> None:
+        """Connect, migrate, read the seals and the chain's end."""
         sqlite = self.url.startswith("sqlite")
         self.engine = create_engine(self.url, connect_args={"check_same_thread": False} if sqlite else {})
         if sqlite:
@@ -134,7 +147,7 @@ class Store:
             ]
             if seals and not made:
                 raise StoreError(
-                    f"audit store {self.url}: an audit key given is not one its chain is sealed with"
+                    f"audit store {self.shown}: an audit key given is not one its chain is sealed with"
                 )
             found.update((i, key) for i in made)
         return seals, found
@@ -157,14 +170,14 @@ class Store:
         key rotated: `rotate`) only by the holder of its current key."""
         key = key if key is not None else (self._given[-1] if self._given else None)
         if key is None:
-            raise StoreError(f"audit store {self.url}: no key to seal with")
+            raise StoreError(f"audit store {self.shown}: no key to seal with")
         if self._seals and not (rotate and len(self._seals) - 1 in self._keys):
             raise StoreError(
-                f"audit store {self.url}: sealed already (the current seal from record {self._seals[-1][0]} "
-                "on)" + ("; rotating its key needs the current one" if rotate else "")
+                f"audit store {self.shown}: sealed already (the current seal from record "
+                f"{self._seals[-1][0]} on)" + ("; rotating its key needs the current one" if rotate else "")
             )
         if rotate and not self._seals:
-            raise StoreError(f"audit store {self.url}: not sealed, so there is no key to rotate")
+            raise StoreError(f"audit store {self.shown}: not sealed, so there is no key to rotate")
         with self.engine.begin() as conn:
             last = _ending(conn, None)
             from_id = (last[0] if last else 0) + 1
@@ -184,7 +197,7 @@ class Store:
         key = self._keys.get(len(self._seals) - 1)
         if key is None:
             raise StoreError(
-                f"audit store {self.url}: its chain is sealed (the current seal from record "
+                f"audit store {self.shown}: its chain is sealed (the current seal from record "
                 f"{self._seals[-1][0]} on); writing to it needs that audit key (--audit-key)"
             )
         return key
@@ -218,7 +231,7 @@ class Store:
             except Exception as exc:  # any failure means: not durable
                 with contextlib.suppress(Exception):  # the commit failure is what gets reported
                     self._raw.rollback()
-                raise StoreError(f"audit store {self.url}: commit failed: {exc}") from exc
+                raise StoreError(f"audit store {self.shown}: commit failed: {exc}") from exc
             self._next_id, self._last_hash = record_id, prev
             self._write_head(mac)
         if self._checkpoints is not None:
@@ -241,7 +254,7 @@ class Store:
             if exc.strerror != self._head_failed:
                 self._head_failed = exc.strerror or str(exc)
                 print(
-                    f"kvguard: audit store {self.url}: its head file {self.head_file} cannot be written "
+                    f"kvguard: audit store {self.shown}: its head file {self.head_file} cannot be written "
                     f"({self._head_failed}): completeness is proven only up to the head it holds",
                     file=sys.stderr,
                     flush=True,
@@ -293,7 +306,7 @@ class Store:
         before heads were kept, or one whose loss of records was looked into); returns its
         last record. Sealed with the current audit key, which a sealed store needs."""
         if self.head_file is None:
-            raise StoreError(f"audit store {self.url}: an in-memory store has no head")
+            raise StoreError(f"audit store {self.shown}: an in-memory store has no head")
         key = self.write_key()
         with self.engine.connect() as conn:
             end = _ending(conn, None)
@@ -397,7 +410,9 @@ class Store:
         with self.engine.begin() as conn:
             last = _ending(conn, through)
             if through is not None and (last is None or last[0] != through):
-                raise StoreError(f"audit store {self.url}: no record ends at id {through} to snapshot after")
+                raise StoreError(
+                    f"audit store {self.shown}: no record ends at id {through} to snapshot after"
+                )
             through, after = last if last else (0, GENESIS)
             snapshot_rows.insert(conn, through, body, snapshot_digest(after, body, mac), part_bytes)
         return int(through)

@@ -4,6 +4,7 @@ agent processes, real pipes, real stores.
 - a second daemon on a taken port refuses to start, naming the address; the first serves on;
 - an address without a port means 7463, on the daemon's --listen and every client's --daemon;
 - `audit verify` of a store that does not exist says so, exits 2 and creates nothing;
+- a daemon whose store cannot be opened says why in one line (password masked), exit 2;
 - a reader that goes away (`| head`) ends a command quietly, exit 141;
 - an agent says once that it cannot reach the daemon, keeps spooling, and says when it can;
 - `audit query`'s table is one line a record, whatever the record holds;
@@ -158,6 +159,23 @@ def test_verify_of_a_store_that_does_not_exist_says_so_and_creates_nothing(tmp_p
         run = kvguard("audit", command, "--store", str(other))
         assert run.returncode == 2 and "is not a kvguard audit store (no records table)" in run.stderr
         assert other.read_bytes() == b""
+
+
+@pytest.mark.parametrize(
+    ("store", "said"),
+    [
+        ("sqlite:////nonexistent-dir/audit.db", "unable to open database file"),
+        ("mysql://kvguard@127.0.0.1/kvguard", "No module named 'MySQLdb'"),
+        ("postgresql+psycopg://kvguard:s3cret@127.0.0.1:1/kvguard", "Connection refused"),
+    ],
+    ids=["no-directory", "no-driver", "no-server"],
+)
+def test_a_daemon_whose_store_cannot_be_opened_says_why_in_a_line(store: str, said: str) -> None:
+    run = kvguard("daemon", "--listen", "127.0.0.1:0", "--store", store)
+    assert run.returncode == 2 and run.stdout == ""
+    (line,) = run.stderr.splitlines()  # one line, no traceback
+    shown = store.replace("s3cret", "***")  # a password never reaches the log
+    assert line.startswith(f"kvguard daemon: audit store {shown} cannot be opened: ") and said in line
 
 
 def test_verify_of_a_real_store_as_json(daemon: Service) -> None:
