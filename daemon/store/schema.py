@@ -164,7 +164,8 @@ def missing_store(where: str) -> str | None:
         finally:
             probe.dispose()
     except Exception as exc:  # driver missing, not a database, unreachable server
-        return f"cannot open audit store {shown_url(url)}: {first_line(exc)}"
+        shown = shown_url(where) if "://" in where else where  # as given, its password masked
+        return f"cannot open audit store {shown}: {first_line(exc)}"
     return None if has_records else f"{where} is not a kvguard audit store (no records table)"
 
 
