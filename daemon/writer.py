@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import signal
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
@@ -29,6 +30,11 @@ READY_TIMEOUT_S = 60.0  # for the writer process to start and open the store
 
 
 def _serve(where: str, key: bytes | None, head_file: str | None, conn: Connection) -> None:
+    # The daemon stops the writer (None on the pipe, after its last group), or its death does
+    # (EOF). A Ctrl-C, or systemd's SIGTERM to the whole service, reaches the writer too: dying
+    # of it would lose the groups still on their way, and the daemon's last snapshot with them.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         store = Store(where, key, head_file=head_file)
     except Exception as exc:  # said to the daemon, which refuses to start
