@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import socket
-import sys
 import threading
 import time
 from collections import deque
@@ -51,6 +50,9 @@ from kvguard.proto import pb, wire
 from kvguard.proto.channel import MAX_BATCH_BYTES, MAX_MESSAGE, Tls, channel
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.local import PEER_CLOSED, FrameTimeout, listening, peer_of, recv_frame, send_frame
+from kvguard.proto.logs import logger
+
+log = logger("agent")
 
 AGENT = "kvguard-agent"  # how the agent names itself to the daemon
 WITNESS = "ebpf"  # a node's witness reports as node/ebpf: its own sequence, beside the guard's
@@ -118,10 +120,12 @@ class NodeAgent:
             "guards_gone": 0,
         }
         self.frame_timeout = frame_timeout
-        self.door = Door(max_guards, self.counters, _say)
+        self.door = Door(max_guards, self.counters, log.warning)
         self._counters_said: dict[str, int] = {}
         self._channel = channel(daemon, tls)
-        self.reach = DaemonReach(self._channel, daemon, _say, self.stopping)  # says if the daemon is down
+        self.reach = DaemonReach(
+            self._channel, daemon, log.warning, self.stopping
+        )  # says if the daemon is down
         for path in sorted(self.spool_dir.glob("*.spool")):
             self._spool(unquote(path.stem))  # events of an earlier run go out first
         self.witness: Witness = NullWitness("not asked for")
@@ -134,7 +138,7 @@ class NodeAgent:
                 buffer_pages=witness_buffer_pages,
             )
             if not self.witness.available:
-                print(f"kvguard agent: no eBPF wire witness: {self.witness.reason}", file=sys.stderr)
+                log.warning(f"no eBPF wire witness: {self.witness.reason}")
 
     def _spool(self, node: str) -> Spool:
         with self.lock:
@@ -233,29 +237,23 @@ class NodeAgent:
                 mine, foreign = batch.of_node(node)
                 if foreign:  # a guard speaks for its own node only
                     self.counters["rejected"] += foreign
-                    print(
-                        f"kvguard agent: the guard of {node} sent {foreign} event(s) of other nodes; refused",
-                        file=sys.stderr,
-                    )
+                    log.warning(f"the guard of {node} sent {foreign} event(s) of other nodes; refused")
                 spool.append([batch.event(i) for i in mine], batch.positions(mine))
                 self.counters["events"] += len(mine)
         except FrameTimeout as exc:
             self.counters["frame_timeouts"] += 1
-            print(f"kvguard agent: guard {node or '(no hello)'} dropped: {exc}", file=sys.stderr)
+            log.warning(f"guard {node or '(no hello)'} dropped: {exc}")
         except (DecodeError, ValueError, ConnectionError) as exc:
             # A misbehaving peer on the local socket: say who and why, count it, drop it.
             # (ConnectionError also covers a guard that simply went away: not counted.)
             if not (isinstance(exc, ConnectionError) and str(exc) == PEER_CLOSED):
                 self.counters["malformed"] += 1
-                print(f"kvguard agent: guard {node or '(no hello)'} dropped: {exc}", file=sys.stderr)
+                log.warning(f"guard {node or '(no hello)'} dropped: {exc}")
             elif node:
                 # The engine exited, or its adapter turned guarding off after a failure of its
                 # own (the engine's log says which): either way the node is unguarded now.
                 self.counters["guards_gone"] += 1
-                print(
-                    f"kvguard agent: the guard of {node} went away; {node} is unguarded until it reconnects",
-                    file=sys.stderr,
-                )
+                log.warning(f"the guard of {node} went away; {node} is unguarded until it reconnects")
         except OSError:
             pass
         finally:
@@ -319,7 +317,7 @@ class NodeAgent:
 
     def _shim_refused(self, pid: int, reason: str) -> None:
         self.counters["shim_refused"] += 1
-        print(f"kvguard agent: a shim record from process {pid} refused: {reason}", file=sys.stderr)
+        log.warning(f"a shim record from process {pid} refused: {reason}")
 
     def _witnessed(self, node: str, report: WireReport) -> None:
         self._source(f"{node}/{WITNESS}").emit(wire=wire_event(report))
@@ -330,18 +328,17 @@ class NodeAgent:
         transfer engine posts from threads of its own): the witness cannot attribute them."""
         posts = self.witness.unlabelled_posts
         if posts and not self.counters["rdma_unlabelled"]:
-            print(
-                f"kvguard agent: a watched engine posted {posts} RDMA work request chain(s) outside any "
+            log.warning(
+                f"a watched engine posted {posts} RDMA work request chain(s) outside any "
                 "named transfer: the RDMA witness cannot attribute them (name transfers in the threads "
-                "that post: kvguard_xfer_begin/end)",
-                file=sys.stderr,
+                "that post: kvguard_xfer_begin/end)"
             )
         self.counters["rdma_unlabelled"] = posts
 
     def _witness_lost(self, lost: int) -> None:
         """The kernel dropped witness events (its buffer was full): every watched node's
         witness says so in-band, as its heartbeat's `dropped`."""
-        print(f"kvguard agent: the eBPF witness lost {lost} event(s) so far", file=sys.stderr)
+        log.warning(f"the eBPF witness lost {lost} event(s) so far")
         names = {f"{node}/{WITNESS}" for node in self.door.nodes()}
         for name in names:
             self._source(name).emit(heartbeat=pb.Heartbeat(agent_version=AGENT, dropped=lost))
@@ -363,7 +360,7 @@ class NodeAgent:
         rejected = {(r.epoch, r.seq) for r in ack.rejected}
         for r in ack.rejected:
             at = f"epoch {r.epoch} seq {r.seq}" if r.epoch else f"seq {r.seq}"
-            print(f"kvguard agent: the daemon refused {node} {at}: {r.reason}", file=sys.stderr)
+            log.warning(f"the daemon refused {node} {at}: {r.reason}")
         self.counters["rejected"] += len(rejected)
         self.counters["acked"] += ack.accepted + ack.repeats
         spool.ack(max((ack.durable_epoch, ack.durable_seq), batch[-1]), rejected)
@@ -407,10 +404,9 @@ class NodeAgent:
                             self._acknowledged(node, spool, in_flight.popleft(), stream.next_ack())
                             continue
                         # The daemon would refuse the message, and the agent resend it, forever.
-                        print(
-                            f"kvguard agent: {node} seq {batch[0]} is {len(bodies[0])} bytes, over "
-                            f"the daemon's {MAX_MESSAGE}; dropped",
-                            file=sys.stderr,
+                        log.warning(
+                            f"{node} seq {batch[0]} is {len(bodies[0])} bytes, over "
+                            f"the daemon's {MAX_MESSAGE}; dropped"
                         )
                         self.counters["oversized"] += 1
                         spool.ack((0, 0), {batch[0]})
@@ -423,10 +419,7 @@ class NodeAgent:
                 if isinstance(exc, grpc.RpcError) and exc.code() is grpc.StatusCode.UNAVAILABLE:
                     self.reach.unreachable(detail)  # said once for the agent, not at every retry
                 else:
-                    print(
-                        f"kvguard agent: daemon {self.daemon} unavailable for {node} ({detail}); retrying",
-                        file=sys.stderr,
-                    )
+                    log.warning(f"daemon {self.daemon} unavailable for {node} ({detail}); retrying")
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
             finally:
@@ -437,14 +430,12 @@ class NodeAgent:
         self.counters["commands"] += 1
         conn = self.door.guard(node)
         if conn is None:
-            print(f"kvguard agent: no guard of {node} connected for command {command.id}", file=sys.stderr)
+            log.warning(f"no guard of {node} connected for command {command.id}")
             return
         try:
             send_frame(conn, svc.DaemonMessage(command=command))
         except OSError as exc:  # gone, or not reading within the frame timeout: a frame may be cut
-            print(
-                f"kvguard agent: command {command.id} not delivered to {node}'s guard: {exc}", file=sys.stderr
-            )
+            log.warning(f"command {command.id} not delivered to {node}'s guard: {exc}")
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)  # the guard dials again, on a clean stream
 
@@ -474,11 +465,11 @@ class NodeAgent:
             reading = read_engine(engine, source)
             for problem in reading.problems:
                 if problem not in unread:
-                    print(f"kvguard agent: probe {node}: {problem} (after {waited:.0f} s)", file=sys.stderr)
+                    log.warning(f"probe {node}: {problem} (after {waited:.0f} s)")
                     with self.lock:
                         self.counters["probe_unreadable"] += 1
             if unread and not reading.problems:
-                print(f"kvguard agent: probe {node}: {source} read in full again", file=sys.stderr)
+                log.info(f"probe {node}: {source} read in full again")
             unread = reading.problems
             facts = reading.facts
             if facts is not None and facts.pool_tokens and (facts.context_len or waited >= CONTEXT_WAIT_S):
@@ -489,12 +480,11 @@ class NodeAgent:
                 if last is None or unsourced != last:
                     events.emit(pool=report)
                     last = unsourced
-                    print(
-                        f"kvguard agent: probe {node}: pool of {facts.pool_tokens} tokens "
+                    log.info(
+                        f"probe {node}: pool of {facts.pool_tokens} tokens "
                         f"({report.num_pages} pages of {report.page_size}, "
                         f"{report.reserved_pages} reserved), "
-                        f"context {facts.context_len or 'unknown'}, from {report.source}",
-                        file=sys.stderr,
+                        f"context {facts.context_len or 'unknown'}, from {report.source}"
                     )
             self.stopping.wait(interval)
 
@@ -503,7 +493,7 @@ class NodeAgent:
         if self.counters != self._counters_said:
             self._counters_said = dict(self.counters)
             line = " ".join(f"{name}={n}" for name, n in self.counters.items())
-            print(f"kvguard agent: counters: {line}", file=sys.stderr)
+            log.info(f"counters: {line}")
 
     def stop(self) -> None:
         self.stopping.set()
@@ -512,10 +502,6 @@ class NodeAgent:
         self._channel.close()
         for spool in self.spools.values():
             spool.close()
-
-
-def _say(line: str) -> None:
-    print(f"kvguard agent: {line}", file=sys.stderr)
 
 
 def _refuse(conn: socket.socket, code: str, reason: str) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -24,6 +23,9 @@ from urllib.parse import quote
 
 from kvguard.agents.spool_file import Position, read_records, record
 from kvguard.proto import pb
+from kvguard.proto.logs import logger
+
+log = logger("agent")
 
 __all__ = ["Position", "Source", "Spool"]
 # A batch goes ahead of an ack once AHEAD_MIN events wait, or the oldest has waited
@@ -185,8 +187,7 @@ class Source:
 
     def _damaged(self, why: str) -> int:
         seq = time.time_ns() // 1000
-        said = f"kvguard agent: {self._path} {why}; {self.name} goes on from {seq}"
-        print(said, file=sys.stderr, flush=True)
+        log.warning(f"{self._path} {why}; {self.name} goes on from {seq}")
         return seq
 
     def emit(self, **payload: object) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,9 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from kvguard.proto import pb, wire
+from kvguard.proto.logs import logger
+
+log = logger("agent")
 
 MAGIC = b"\xffKVS"
 _HEAD = struct.Struct(">4sII")  # MAGIC, length, CRC-32 of the length's 4 bytes and the body
@@ -56,7 +58,7 @@ def read_records(path: Path, node: str) -> Found:
     if data and _next_whole(data, 0) == len(data) and data[:4] != MAGIC:  # not one record of ours
         _read_earlier(data, node, found, damaged)
         found.rewrite = True
-        print(f"kvguard agent: spool {path} is of the earlier format: read, written anew", file=sys.stderr)
+        log.info(f"spool {path} is of the earlier format: read, written anew")
     else:
         offset = 0
         while offset < len(data):
@@ -137,10 +139,6 @@ def _set_aside(path: Path, data: bytes, damaged: list[tuple[int, int, str]]) -> 
         for offset, end, why in damaged:
             out.write(f"# {path.name} offset {offset}, {end - offset} bytes: {why}\n".encode())
             out.write(data[offset:end] + b"\n")
-            print(
-                f"kvguard agent: spool {path}: {end - offset} bytes at offset {offset} set aside in "
-                f"{aside}: {why}",
-                file=sys.stderr,
-            )
+            log.warning(f"spool {path}: {end - offset} bytes at offset {offset} set aside in {aside}: {why}")
         out.flush()
         os.fsync(out.fileno())

@@ -12,19 +12,23 @@ READY=1, so that a reload of every kvguard unit succeeds and shows the agent ali
 from __future__ import annotations
 
 import argparse
-import sys
 
 from kvguard.cli.options import (
     AGENT_SOCKET,
     Subcommands,
     add_command,
     add_daemon_argument,
+    add_log_arguments,
     add_tls_arguments,
     positive_count,
     power_of_two,
     seconds,
     tls_from_args,
 )
+from kvguard.proto.logs import configure as configure_logs
+from kvguard.proto.logs import logger
+
+log = logger("agent")
 
 # The agent's modules (grpc, NVML, eBPF) are imported when the command runs, so that
 # `kvguard --help` does not wait for them.
@@ -39,7 +43,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from kvguard.agents.agent import NodeAgent
     from kvguard.proto.sd_notify import Notifier, Watchdog
 
-    notifier = Notifier(name="kvguard agent")  # systemd's, when it started the agent (Type=notify)
+    configure_logs(args.log_level, args.log_format)
+    notifier = Notifier(component="agent")  # systemd's, when it started the agent (Type=notify)
     tls = tls_from_args(args)
     agent = NodeAgent(
         args.socket,
@@ -55,19 +60,16 @@ def cmd_agent(args: argparse.Namespace) -> int:
     for spec in args.probe or []:
         parts = spec.split(":", 3)
         if len(parts) != 4:
-            print(f"kvguard agent: --probe {spec!r} is not NODE:ENGINE:ROLE:SOURCE", file=sys.stderr)
+            log.error(f"--probe {spec!r} is not NODE:ENGINE:ROLE:SOURCE")
             return 2
         try:
             agent.add_probe(*parts)
         except ValueError as exc:
-            print(f"kvguard agent: {exc}", file=sys.stderr)
+            log.error(str(exc))
             return 2
-    print(f"kvguard agent: {agent.gpu.describe()}", file=sys.stderr)  # as its node statuses say
+    log.info(f"{agent.gpu.describe()}")  # as its node statuses say
     if agent.witness.available:
-        print(
-            "kvguard agent: the eBPF wire witness watches each guarded engine's TCP transfers",
-            file=sys.stderr,
-        )
+        log.info("the eBPF wire witness watches each guarded engine's TCP transfers")
     reload, wake = threading.Event(), threading.Event()
 
     def on_stop(*_: object) -> None:
@@ -84,7 +86,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     try:
         agent.listen()
     except OSError as exc:
-        print(f"kvguard agent: cannot listen on --socket {args.socket}: {exc}", file=sys.stderr)
+        log.error(f"cannot listen on --socket {args.socket}: {exc}")
         agent.stop()
         return 2
     metrics = None
@@ -95,15 +97,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
         try:
             metrics = serve_metrics(args.metrics_listen, AgentCollector(agent))
         except MetricsError as exc:
-            print(f"kvguard agent: {exc}", file=sys.stderr)
+            log.error(str(exc))
             agent.stop()
             return 2
     thread = threading.Thread(target=agent.serve, daemon=True)
     thread.start()
-    print(
-        f"kvguard agent: guards connect to {args.socket}; daemon {args.daemon}; spool {args.spool}",
-        file=sys.stderr,
-    )
+    log.info(f"guards connect to {args.socket}; daemon {args.daemon}; spool {args.spool}")
     print("READY", flush=True)
     status = f"guards connect to {args.socket}; daemon {args.daemon}"
     notifier.ready(status)
@@ -117,7 +116,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             reload.clear()
             notifier.reloading("SIGHUP: nothing to reload; saying the counters")
             agent.say_counters()
-            print("kvguard agent: SIGHUP: no configuration to reload", file=sys.stderr, flush=True)
+            log.info("SIGHUP: no configuration to reload")
             notifier.ready(status)
     notifier.stopping("stopping: the spool keeps what the daemon has not acknowledged")
     thread.join(timeout=2)
@@ -190,6 +189,7 @@ def add_parser(sub: Subcommands) -> None:
         "NODE/ebpf's dropped",
     )
     add_tls_arguments(p)
+    add_log_arguments(p)
     p.add_argument(
         "--metrics-listen",
         metavar="HOST:PORT",

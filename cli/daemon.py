@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from kvguard.cli.options import (
     Subcommands,
     add_command,
+    add_log_arguments,
     add_tls_arguments,
     byte_count,
     events_count,
@@ -26,6 +27,10 @@ from kvguard.cli.options import (
     positive_count,
     tls_from_args,
 )
+from kvguard.proto.logs import configure as configure_logs
+from kvguard.proto.logs import logger
+
+log = logger("daemon")
 
 if TYPE_CHECKING:
     from kvguard.daemon.daemon import Daemon
@@ -48,7 +53,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from kvguard.proto.sd_notify import Notifier, Watchdog
     from kvguard.ruleset import RulesetError, load_ruleset
 
-    notifier = Notifier(name="kvguard daemon")  # systemd's, when it started the daemon (Type=notify)
+    configure_logs(args.log_level, args.log_format)
+    notifier = Notifier(component="daemon")  # systemd's, when it started the daemon (Type=notify)
     stop, reload, wake = threading.Event(), threading.Event(), threading.Event()
 
     def on_signal(flag: threading.Event) -> None:
@@ -61,14 +67,14 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     try:  # before anything is opened: a listener that must not serve stops the start
         warning = check_listener(args.listen, tls=tls is not None, insecure=args.insecure)
     except ListenerError as exc:
-        print(f"kvguard daemon: {exc}", file=sys.stderr)
+        log.error(str(exc))
         return 2
     if warning is not None:
-        print(f"kvguard daemon: {warning}", file=sys.stderr, flush=True)
+        log.warning(str(warning))
     try:
         ruleset = load_ruleset(Path(args.rules) if args.rules else None)
     except RulesetError as exc:
-        print(f"kvguard daemon: the ruleset is not usable:\n{exc}", file=sys.stderr)
+        log.error(f"the ruleset is not usable:\n{exc}")
         return 2
     woken = ""
     if args.cpu_latency_us is not None:
@@ -77,7 +83,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         try:
             cpu_latency.hold(args.cpu_latency_us)  # its descriptor stays open until the daemon exits
         except cpu_latency.CpuLatencyError as exc:
-            print(f"kvguard daemon: --cpu-latency-us: {exc}", file=sys.stderr)
+            log.error(f"--cpu-latency-us: {exc}")
             return 2
         woken = f"; idle CPUs wake within {args.cpu_latency_us} µs" + (
             " (they poll)" if args.cpu_latency_us == 0 else ""
@@ -107,13 +113,13 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         if not complete.proven:
             raise StoreError(f"audit store {store.shown}: not proven complete: {complete.said}")
         if complete.through < store.count():  # a head that lags (a crash): caught up, as a commit would
-            print(f"kvguard daemon: audit store {store.shown}: {complete.said}", file=sys.stderr, flush=True)
+            log.warning(f"audit store {store.shown}: {complete.said}")
             store.adopt_head()
     except (AuditKeyError, StoreError) as exc:
-        print(f"kvguard daemon: {exc}", file=sys.stderr)
+        log.error(str(exc))
         return 2
     except RowError as exc:  # a row edited outside kvguard: the rows after it cannot be trusted to read
-        print(f"kvguard daemon: audit store {args.store}: {exc}; see `kvguard audit verify`", file=sys.stderr)
+        log.error(f"audit store {args.store}: {exc}; see `kvguard audit verify`")
         return 2
     # hashing and inserts run on another core, overlapping the ledger
     writer = StoreWriter(args.store, key=key, head_file=store.head_file)
@@ -136,11 +142,11 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         )
     except StoreError as exc:  # its writer could not open the store: serving would lose every batch
         writer.close()
-        print(f"kvguard daemon: {exc}", file=sys.stderr)
+        log.error(str(exc))
         return 2
     except RowError as exc:  # met while rebuilding the ledger from the store
         writer.close()
-        print(f"kvguard daemon: audit store {args.store}: {exc}; see `kvguard audit verify`", file=sys.stderr)
+        log.error(f"audit store {args.store}: {exc}; see `kvguard audit verify`")
         return 2
     try:
         server = serve(daemon, args.listen, tls, insecure=args.insecure)
@@ -148,7 +154,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         daemon.close()
         writer.close()
         store.close()
-        print(f"kvguard daemon: {exc}", file=sys.stderr)
+        log.error(str(exc))
         return 2
     port = server.port
     metrics = None
@@ -163,21 +169,14 @@ def cmd_daemon(args: argparse.Namespace) -> int:
             daemon.close()
             writer.close()
             store.close()
-            print(f"kvguard daemon: {exc}", file=sys.stderr)
+            log.error(str(exc))
             return 2
-        print(
-            f"kvguard daemon: metrics on http://{args.metrics_listen.rsplit(':', 1)[0]}:{metrics.port}"
-            "/metrics",
-            file=sys.stderr,
-            flush=True,
-        )
-    print(
-        f"kvguard daemon listening on port {port}; store {store.shown}; ledger from the snapshot after "
+        log.info(f"metrics on http://{args.metrics_listen.rsplit(':', 1)[0]}:{metrics.port}/metrics")
+    log.info(
+        f"listening on port {port}; store {store.shown}; ledger from the snapshot after "
         f"record {daemon.counters['snapshot_through']} and {daemon.counters['rebuilt_events']} events "
         "after it"
-        f"{woken}",
-        file=sys.stderr,
-        flush=True,
+        f"{woken}"
     )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: on_signal(stop))
@@ -203,7 +202,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     writer.close()
     # The next start loads this and replays only what comes after it.
     through = daemon.save_snapshot()
-    print(f"kvguard daemon: ledger snapshot saved after record {through}", file=sys.stderr, flush=True)
+    log.info(f"ledger snapshot saved after record {through}")
     store.close()
     notifier.close()
     return 0
@@ -220,19 +219,17 @@ def _reload_rules(daemon: Daemon, rules: Path | None, notifier: Notifier, port: 
     try:
         change = daemon.reload_rules(rules)
     except RulesetError as exc:
-        print(
-            f"kvguard daemon: rules reload from {where} refused; the previous rules stay in force "
-            f"(alert {RELOAD_FAILED_RULE}):\n{exc}",
-            file=sys.stderr,
-            flush=True,
+        log.error(
+            f"rules reload from {where} refused; the previous rules stay in force "
+            f"(alert {RELOAD_FAILED_RULE}):\n{exc}"
         )
         notifier.ready(f"serving on port {port}; the last rules reload was refused (see the log)")
         return
     except TimeoutError:  # the loop did not take them: the watchdog, if any, restarts the daemon
-        print(f"kvguard daemon: rules reload from {where}: the daemon's loop did not answer", file=sys.stderr)
+        log.warning(f"rules reload from {where}: the daemon's loop did not answer")
         notifier.ready(f"serving on port {port}; the last rules reload did not finish")
         return
-    print(f"kvguard daemon: rules reloaded from {where}: {change}", file=sys.stderr, flush=True)
+    log.info(f"rules reloaded from {where}: {change}")
     notifier.ready(f"serving on port {port}; rules reloaded: {change}")
 
 
@@ -264,6 +261,7 @@ def add_parser(sub: Subcommands) -> None:
         "audit log and speak as any node (for a network you trust; said once at start)",
     )
     p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
+    add_log_arguments(p)
     p.add_argument(
         "--metrics-listen",
         metavar="HOST:PORT",

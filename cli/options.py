@@ -225,6 +225,20 @@ def add_output_argument(parser: argparse.ArgumentParser, *aliases: str, help: st
 # ------------------------------------------------------------------------------------ mutual TLS
 
 
+def add_log_arguments(parser: argparse.ArgumentParser) -> None:
+    """--log-level and --log-format of a service (kvguard.proto.logs)."""
+    from kvguard.proto.logs import FORMATS, LEVELS
+
+    parser.add_argument("--log-level", choices=LEVELS, default="info", help="the least level logged")
+    parser.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="text",
+        help="text ('kvguard daemon: ...') or json (one object a line: time, level, component, message, "
+        "the event's fields)",
+    )
+
+
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
     """--tls-ca, --tls-cert and --tls-key: mutual TLS on the command's gRPC (proto/channel.py)."""
     group = parser.add_argument_group("mutual TLS (all three, or none for plaintext on a trusted network)")

@@ -19,7 +19,6 @@ import contextlib
 import inspect
 import ipaddress
 import socket
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -27,6 +26,9 @@ from typing import Any
 import grpc
 
 from kvguard.proto.channel import NODE, OPERATOR, OPERATOR_URI, READER, READER_URI, peer_role
+from kvguard.proto.logs import logger
+
+log = logger("daemon")
 
 Resolve = Callable[..., list[tuple[Any, ...]]]  # socket.getaddrinfo's shape
 
@@ -165,7 +167,7 @@ class RoleCheck(grpc.aio.ServerInterceptor):
             reason = f"{method} takes {takes}; this one ({who}) is {article} {role}'s, which {_MAY[role]}"
         with contextlib.suppress(RuntimeError):  # a loop already closed: the daemon is stopping
             self.loop.call_soon_threadsafe(self.counters.update, {f"access_denied_{role or 'unknown'}": 1})
-        print(f"kvguard daemon: refused {context.peer()}: {reason}", file=sys.stderr, flush=True)
+        log.warning(f"refused {context.peer()}: {reason}")
         return reason
 
 

@@ -16,7 +16,6 @@ from the stored actions, the quarantined pages from the stored commands.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections import Counter
 from typing import Any
@@ -33,7 +32,10 @@ from kvguard.ledger.requests import ENDED
 from kvguard.proto import pb
 from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.logs import logger
 from kvguard.ruleset import Ruleset
+
+log = logger("daemon")
 
 MAX_REASON = 1024  # characters of an operator's reason
 MAX_NAME = 128  # characters of who did it, as recorded
@@ -94,11 +96,7 @@ class Control:
             try:
                 action = svc.Action.FromString(body)
             except DecodeError:
-                print(
-                    f"kvguard daemon: action record {record_id} does not parse; see `kvguard audit verify`",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                log.warning(f"action record {record_id} does not parse; see `kvguard audit verify`")
                 continue
             if action.HasField("rule_mode"):
                 rule = action.rule_mode.rule
@@ -106,11 +104,9 @@ class Control:
                 if rule in known:
                     self.commands.set_rule_mode(rule, action.rule_mode.mode, action.by)
                 else:  # a ruleset changed since: said, not applied
-                    print(
-                        f"kvguard daemon: rule {rule!r}, set to {action.rule_mode.mode or 'the daemon mode'} "
-                        f"by {action.by} (record {record_id}), is not in the ruleset: not restored",
-                        file=sys.stderr,
-                        flush=True,
+                    log.warning(
+                        f"rule {rule!r}, set to {action.rule_mode.mode or 'the daemon mode'} "
+                        f"by {action.by} (record {record_id}), is not in the ruleset: not restored"
                     )
         for _, node, body in self.store.records_of("command"):
             command = svc.Command.FromString(body)
@@ -187,7 +183,7 @@ class Control:
             self.commands.set_rule_mode(action.rule_mode.rule, action.rule_mode.mode, by)
         self.counters[f"action_{which}"] += 1
         said = self._said(action)
-        print(f"kvguard daemon: {by}: {said}", file=sys.stderr, flush=True)
+        log.info(f"{by}: {said}")
         return svc.ActionResult(record=first + at + len(orders), action=action, message=said)
 
     def _kill(self, action: svc.Action) -> list[tuple[str, svc.Command]]:
@@ -331,6 +327,6 @@ class ControlServicer:
             return await self.control.act(request, by)
         except ActionRefused as exc:
             self.control.counters["actions_refused"] += 1
-            print(f"kvguard daemon: {by}: action refused: {exc}", file=sys.stderr, flush=True)
+            log.warning(f"{by}: action refused: {exc}")
             await context.abort(exc.code, str(exc))
             raise  # abort raises; this is for the type checker

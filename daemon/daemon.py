@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import sys
 import threading
 import time
 from collections import Counter
@@ -45,7 +44,10 @@ from kvguard.daemon.writer import InlineWriter, Writer
 from kvguard.ledger import CLOCK_SKEW_NS, Finding, Ledger, snapshot
 from kvguard.ledger.limits import UNBOUNDED, Limits
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.logs import logger
 from kvguard.ruleset import Rule, Ruleset, RulesetError, load_ruleset
+
+log = logger("daemon")
 
 REPLAY_REFUSALS_SAID = 10  # stored events refused at start that are logged one by one (all are counted)
 RELOAD_FAILED_RULE = "kvguard_reload_failed"  # the rule id of the daemon's alert on a refused reload
@@ -126,11 +128,9 @@ class Daemon:
                 self.counters["replay_refused"] += 1
                 if self.counters["replay_refused"] <= REPLAY_REFUSALS_SAID:
                     epoch, seq = batch.position(i)
-                    print(
-                        f"kvguard daemon: stored event seq {seq} (epoch {epoch}) of node {node} cannot be "
-                        f"applied again ({exc}); skipped: see `kvguard audit verify`",
-                        file=sys.stderr,
-                        flush=True,
+                    log.warning(
+                        f"stored event seq {seq} (epoch {epoch}) of node {node} cannot be "
+                        f"applied again ({exc}); skipped: see `kvguard audit verify`"
                     )
             self.seen.record(node, batch, skip, len(batch))
             rebuilt += len(batch) - skip

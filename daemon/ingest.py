@@ -19,10 +19,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import sys
 import threading
 import time
-import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -38,7 +36,10 @@ from kvguard.daemon.writer import Writer
 from kvguard.ledger import BadEvent, Finding, Ledger
 from kvguard.proto import wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.logs import fields, logger
 from kvguard.ruleset import Ruleset
+
+log = logger("daemon")
 
 APPLY_SLICE = 256  # events applied in one step of the loop: the most a delivery waits behind
 DELIVERING_SLICE = 16  # ... while alerts are being written to subscribers (each write waits a turn)
@@ -141,7 +142,7 @@ class Ingest:
         try:
             whole = self._apply(self._inbox[0], self._next, limit)
         except Exception as exc:  # a bug: the ledger may have moved past what the group holds
-            traceback.print_exc(file=sys.stderr)
+            log.exception("applying a batch failed; stopping")
             self.failed(exc)  # stop; the restart rebuilds from the store
             return
         if whole:
@@ -246,7 +247,7 @@ class Ingest:
     @staticmethod
     def failed(exc: BaseException) -> None:
         # The ledger has moved past what is durable: stop, and rebuild from the store.
-        print(f"kvguard daemon: {exc}; stopping", file=sys.stderr, flush=True)
+        log.error(f"{exc}; stopping")
         os._exit(70)
 
     def _apply(self, batch: Batch, group: Group, limit: int) -> bool:
@@ -335,7 +336,7 @@ class Ingest:
                     "different bytes: a tampered or forged copy, refused",
                     "tampered",
                 )
-                print(f"kvguard daemon: {exc}", file=sys.stderr, flush=True)
+                log.warning(str(exc))
             self.counters[exc.kind] += 1
             ack.rejected.add(seq=seq, epoch=at, reason=str(exc))
             return self._refusal(node, events, i, exc.kind, str(exc))
@@ -344,16 +345,14 @@ class Ingest:
             at, seq = events.position(i)
             reason = f"internal error applying the event: {exc!r}"
             ack.rejected.add(seq=seq, epoch=at, reason=reason)
-            traceback.print_exc(file=sys.stderr)
+            log.exception(f"{node}: {reason}", extra=fields(node=node, seq=seq, epoch=at))
             return self._refusal(node, events, i, "internal", reason)
         now = self.ledger.nodes.get(node)
         if now is not None and epoch is not None and now.epoch != epoch:  # its engine restarted
             self.counters["restarts"] += 1
-            print(
-                f"kvguard daemon: node {node} restarted (epoch {epoch} -> {now.epoch}): what its previous "
-                "engine held is released; its pools are judged afresh",
-                file=sys.stderr,
-                flush=True,
+            log.info(
+                f"node {node} restarted (epoch {epoch} -> {now.epoch}): what its previous "
+                "engine held is released; its pools are judged afresh"
             )
         return found
 

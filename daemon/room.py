@@ -10,13 +10,15 @@ for PostgreSQL, one query), never on the daemon's loop.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.logs import logger
+
+log = logger("daemon")
 
 CHECK_S = 1.0
 GROWTH_WINDOW_S = 60.0  # the growth rate is the store's over this long
@@ -62,9 +64,7 @@ class StoreRoom:
             used, free = self._measure()
         except Exception as exc:  # a store that cannot be measured is not refused for it
             if not self._unmeasured:
-                print(
-                    f"kvguard daemon: the store's room cannot be measured: {exc}", file=sys.stderr, flush=True
-                )
+                log.warning(f"the store's room cannot be measured: {exc}")
             self._unmeasured = True
             return
         self._unmeasured = False
@@ -96,14 +96,12 @@ class StoreRoom:
             said = (
                 refusing or f"the audit store has room again ({size(state.free_bytes)} free): taking events"
             )
-            print(f"kvguard daemon: {said}", file=sys.stderr, flush=True)
+            log.warning(str(said))
         near = bool(state.full_in_s) and state.full_in_s < WARN_S and not refusing
         if near and not self._warned:
-            print(
-                f"kvguard daemon: the audit store {self.where} grows {size(state.growth_bytes_per_s)}/s with "
-                f"{size(state.free_bytes)} free: it reaches its reserve in {state.full_in_s / 60:.0f} min",
-                file=sys.stderr,
-                flush=True,
+            log.warning(
+                f"the audit store {self.where} grows {size(state.growth_bytes_per_s)}/s with "
+                f"{size(state.free_bytes)} free: it reaches its reserve in {state.full_in_s / 60:.0f} min"
             )
         self._warned = near
 

@@ -11,7 +11,6 @@ later; the copy is always reaped, and killed when the daemon stops.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections import Counter
 from concurrent.futures import Future
@@ -19,6 +18,9 @@ from concurrent.futures import Future
 from kvguard.daemon.store import Store
 from kvguard.ledger import Ledger, snapshot
 from kvguard.ledger.forked import Forked
+from kvguard.proto.logs import logger
+
+log = logger("daemon")
 
 SNAPSHOT_EVERY = 1 << 22  # events after which the next group is followed by a snapshot
 
@@ -45,7 +47,7 @@ def restored(store: Store, fresh: Ledger) -> tuple[Ledger, int]:
 
 
 def _say(text: str) -> None:
-    print(f"kvguard daemon: {text}", file=sys.stderr, flush=True)
+    log.warning(text)
 
 
 class Snapshots:

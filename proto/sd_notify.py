@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+
+from kvguard.proto.logs import logger
 
 
 class Notifier:
     """Notifications to the service manager named by `environ` (default: this process's)."""
 
-    def __init__(self, environ: Mapping[str, str] | None = None, name: str = "kvguard") -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None, component: str = "daemon") -> None:
         env = os.environ if environ is None else environ
-        self.name = name  # who says it, in the one line written when a send fails
+        self.log = logger(component)  # who says it, in the one line written when a send fails
         path = env.get("NOTIFY_SOCKET", "")
         # An abstract socket's name starts with a NUL byte; systemd writes it as "@".
         self.address: str | bytes | None = path or None
@@ -56,11 +57,9 @@ class Notifier:
             except OSError as exc:
                 self.failed += 1
                 if self.failed == 1:
-                    print(
-                        f"{self.name}: cannot notify systemd at NOTIFY_SOCKET={_shown(self.address)}: {exc} "
-                        "(counted; said once)",
-                        file=sys.stderr,
-                        flush=True,
+                    self.log.warning(
+                        f"cannot notify systemd at NOTIFY_SOCKET={_shown(self.address)}: {exc} "
+                        "(counted; said once)"
                     )
                 return False
             self.sent += 1
@@ -138,16 +137,14 @@ class Watchdog:
                 if self.notifier.watchdog():
                     self.pinged += 1
                 if stuck:
-                    print(f"{self.notifier.name}: {self.what} goes round again", file=sys.stderr, flush=True)
+                    self.notifier.log.info(f"{self.what} goes round again")
                 stuck = False
                 continue
             self.withheld += 1
             if not stuck:
-                print(
-                    f"{self.notifier.name}: {self.what} has not gone round for {silent:.1f} s: watchdog "
-                    "pings withheld (systemd restarts the service once its WatchdogSec passes)",
-                    file=sys.stderr,
-                    flush=True,
+                self.notifier.log.error(
+                    f"{self.what} has not gone round for {silent:.1f} s: watchdog pings withheld "
+                    "(systemd restarts the service once its WatchdogSec passes)"
                 )
             stuck = True
 

@@ -17,7 +17,6 @@ import contextlib
 import os
 import socket
 import ssl
-import sys
 import threading
 import time
 import urllib.error
@@ -29,6 +28,9 @@ from urllib.parse import parse_qs, urlsplit
 from kvguard.daemon.sinks import fields, syslog
 from kvguard.daemon.sinks.formats import Format, http_body
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.logs import logger
+
+log = logger("alerts")
 
 DEFAULT_CAPACITY = 10_000  # alerts one output holds while it is slow or down
 CONNECT_TIMEOUT_S = 5.0
@@ -41,7 +43,7 @@ Log = Callable[[str], None]
 
 
 def _stderr(line: str) -> None:
-    print(f"kvguard alerts: {line}", file=sys.stderr, flush=True)
+    log.warning(line)
 
 
 class OutputError(Exception):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -43,6 +42,9 @@ from kvguard.daemon.store.schema import (
 from kvguard.daemon.store.snapshot_rows import SNAPSHOT_PART
 from kvguard.proto import pb, wire
 from kvguard.proto.filter import Filter
+from kvguard.proto.logs import logger
+
+log = logger("store")
 
 WAL_RESTART_S = 1.0  # how often the writer lets SQLite start its WAL over (restart_wal)
 
@@ -253,11 +255,9 @@ class Store:
         except OSError as exc:
             if exc.strerror != self._head_failed:
                 self._head_failed = exc.strerror or str(exc)
-                print(
-                    f"kvguard: audit store {self.shown}: its head file {self.head_file} cannot be written "
-                    f"({self._head_failed}): completeness is proven only up to the head it holds",
-                    file=sys.stderr,
-                    flush=True,
+                log.warning(
+                    f"audit store {self.shown}: its head file {self.head_file} cannot be written "
+                    f"({self._head_failed}): completeness is proven only up to the head it holds"
                 )
             return
         self._head_failed = ""

@@ -188,7 +188,7 @@ def test_without_notify_socket_nothing_is_sent_and_a_watchdog_for_another_pid_is
 def test_a_notify_socket_that_is_gone_is_counted_and_said_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    gone = Notifier({"NOTIFY_SOCKET": str(tmp_path / "no-such-socket")}, name="kvguard test")
+    gone = Notifier({"NOTIFY_SOCKET": str(tmp_path / "no-such-socket")}, component="test")
     assert not gone.ready() and not gone.watchdog()
     assert gone.failed == 2 and gone.sent == 0
     err = capsys.readouterr().err
