@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvguard {argv[0] if argv else ''}: configuration: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    args.argv = argv  # a service reads its configuration again on reload (cli/reload.py)
     try:
         code = int(args.func(args))
         sys.stdout.flush()  # here, not at exit: a reader gone is caught below

@@ -41,7 +41,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
     import threading
 
     from kvguard.agents.agent import NodeAgent
+    from kvguard.cli.reload import reload_logs
     from kvguard.proto.sd_notify import Notifier, Watchdog
+    from kvguard.proto.signals import Signals
 
     configure_logs(args.log_level, args.log_format)
     notifier = Notifier(component="agent")  # systemd's, when it started the agent (Type=notify)
@@ -70,19 +72,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     log.info(f"{agent.gpu.describe()}")  # as its node statuses say
     if agent.witness.available:
         log.info("the eBPF wire witness watches each guarded engine's TCP transfers")
-    reload, wake = threading.Event(), threading.Event()
-
-    def on_stop(*_: object) -> None:
-        agent.stopping.set()
-        wake.set()
-
-    def on_reload(*_: object) -> None:
-        reload.set()
-        wake.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_stop)
-    signal.signal(signal.SIGHUP, on_reload)
+    signals = Signals(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     try:
         agent.listen()
     except OSError as exc:
@@ -109,14 +99,15 @@ def cmd_agent(args: argparse.Namespace) -> int:
     watchdog = None
     if notifier.watchdog_s is not None:  # WatchdogSec=: pinged only while the accept loop goes round
         watchdog = Watchdog(notifier, lambda: agent.heartbeat_at, "the agent's accept loop").start()
-    while not agent.stopping.is_set():
-        wake.wait()
-        wake.clear()
-        if reload.is_set() and not agent.stopping.is_set():
-            reload.clear()
-            notifier.reloading("SIGHUP: nothing to reload; saying the counters")
+    while True:
+        taken = signals.wait()
+        if taken & {signal.SIGINT, signal.SIGTERM}:
+            agent.stopping.set()
+            break
+        if signal.SIGHUP in taken:
+            notifier.reloading("SIGHUP: the log settings read again; saying the counters")
             agent.say_counters()
-            log.info("SIGHUP: no configuration to reload")
+            reload_logs(args)
             notifier.ready(status)
     notifier.stopping("stopping: the spool keeps what the daemon has not acknowledged")
     thread.join(timeout=2)
@@ -126,6 +117,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         metrics.stop()
     agent.stop()
     notifier.close()
+    signals.close()
     return 0
 
 

@@ -230,6 +230,32 @@ def configure(argv: list[str], parser: argparse.ArgumentParser) -> str:
     return command
 
 
+def files(argv: list[str]) -> list[Path]:
+    """The files the configuration of `argv` is read from, whether they exist now or not:
+    the main file and its drop-ins (what a running service watches for changes)."""
+    path, _ = config_path(argv)
+    dropins = path.parent / "conf.d"
+    found = sorted(p for p in dropins.iterdir() if p.suffix in (".yaml", ".yml")) if dropins.is_dir() else []
+    return [path, *found]
+
+
+def reread(argv: list[str]) -> argparse.Namespace:
+    """The command line `argv` parsed again over the configuration as it is now (a reload):
+    ConfigError if the files or the environment are not usable."""
+    import contextlib
+    import io
+
+    from kvguard.cli import build_parser
+
+    parser = build_parser()
+    configure(argv, parser)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as said:
+            return parser.parse_args(argv)
+    except SystemExit:
+        raise ConfigError(said.getvalue().strip().splitlines()[-1]) from None
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     """`config check`: exit 0 when the files and environment are usable, else 2, saying why.
     `config show`: each setting of a command with its value and where it came from."""

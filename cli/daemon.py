@@ -1,6 +1,7 @@
 """`kvguard daemon`: the global ledger, the audit store and the alert feed, served over gRPC
 until SIGINT or SIGTERM. It prints `READY PORT` on stdout once it serves (cli/process.py
-waits for that line) and saves a ledger snapshot on a clean stop. SIGHUP reloads the rules.
+waits for that line) and saves a ledger snapshot on a clean stop. SIGHUP, or a change to its
+configuration files or rules, reloads them (cli/reload.py).
 
 Under systemd (Type=notify; deploy/systemd/) it says READY=1 once the store, ledger, rules and
 listener are up, RELOADING=1 then READY=1 around a reload, STOPPING=1 on stop, and, with
@@ -25,6 +26,7 @@ from kvguard.cli.options import (
     microseconds,
     milliseconds,
     positive_count,
+    seconds_or_off,
     tls_from_args,
 )
 from kvguard.proto.logs import configure as configure_logs
@@ -33,8 +35,7 @@ from kvguard.proto.logs import logger
 log = logger("daemon")
 
 if TYPE_CHECKING:
-    from kvguard.daemon.daemon import Daemon
-    from kvguard.proto.sd_notify import Notifier
+    pass
 
 # The daemon's modules (grpc, SQLAlchemy) and the ruleset (CEL) are imported when the command
 # runs, so that `kvguard --help` does not wait for them.
@@ -43,26 +44,21 @@ if TYPE_CHECKING:
 def cmd_daemon(args: argparse.Namespace) -> int:
     """Serve until stopped: exit 0, or 2 on an unusable ruleset, store, key or option."""
     import signal
-    import threading
 
+    from kvguard.cli.reload import Reloader
     from kvguard.daemon.access import ListenerError, check_listener
     from kvguard.daemon.daemon import Daemon
     from kvguard.daemon.service import serve
     from kvguard.daemon.store import AuditKeyError, RowError, Store, StoreError, read_audit_key
     from kvguard.ledger.limits import Limits
     from kvguard.proto.sd_notify import Notifier, Watchdog
+    from kvguard.proto.signals import Signals
     from kvguard.ruleset import RulesetError, load_ruleset
 
     configure_logs(args.log_level, args.log_format)
     notifier = Notifier(component="daemon")  # systemd's, when it started the daemon (Type=notify)
-    stop, reload, wake = threading.Event(), threading.Event(), threading.Event()
-
-    def on_signal(flag: threading.Event) -> None:
-        flag.set()
-        wake.set()
-
     # systemctl reload (ExecReload): one that comes while the daemon starts waits for READY.
-    signal.signal(signal.SIGHUP, lambda *_: on_signal(reload))
+    signals = Signals(signal.SIGHUP)
     tls = tls_from_args(args)
     try:  # before anything is opened: a listener that must not serve stops the start
         warning = check_listener(args.listen, tls=tls is not None, insecure=args.insecure)
@@ -178,20 +174,22 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         "after it"
         f"{woken}"
     )
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: on_signal(stop))
+    signals.listen(signal.SIGINT, signal.SIGTERM)
     print(f"READY {port}", flush=True)
     notifier.ready(f"serving on port {port}")
     watchdog = None
     if notifier.watchdog_s is not None:  # WatchdogSec=: pinged only while the loop goes round
         daemon.start_heartbeat(min(1.0, notifier.watchdog_s / 4))
         watchdog = Watchdog(notifier, lambda: daemon.heartbeat_at, "the daemon's loop").start()
-    while not stop.is_set():
-        wake.wait()
-        wake.clear()
-        if reload.is_set() and not stop.is_set():
-            reload.clear()
-            _reload_rules(daemon, Path(args.rules) if args.rules else None, notifier, port)
+    reloader = Reloader(args, daemon, notifier, port)
+    while True:
+        taken = signals.wait(args.reload_interval or None)
+        if taken & {signal.SIGINT, signal.SIGTERM}:
+            break
+        if signal.SIGHUP in taken:
+            reloader.reload("SIGHUP")
+        elif args.reload_interval and reloader.changed():
+            reloader.reload("a file changed")
     notifier.stopping("stopping: committing what was received, then saving a ledger snapshot")
     if metrics is not None:
         metrics.stop()
@@ -205,32 +203,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     log.info(f"ledger snapshot saved after record {through}")
     store.close()
     notifier.close()
+    signals.close()
     return 0
-
-
-def _reload_rules(daemon: Daemon, rules: Path | None, notifier: Notifier, port: int) -> None:
-    """SIGHUP: the rules at `rules` checked, then in force; or, if they do not load, the old
-    ones kept, the reasons said (file, line, why) and the daemon's critical alert stored."""
-    from kvguard.daemon.daemon import RELOAD_FAILED_RULE
-    from kvguard.ruleset import RulesetError
-
-    where = str(rules) if rules is not None else "the bundled rules"
-    notifier.reloading(f"reloading the rules from {where}")
-    try:
-        change = daemon.reload_rules(rules)
-    except RulesetError as exc:
-        log.error(
-            f"rules reload from {where} refused; the previous rules stay in force "
-            f"(alert {RELOAD_FAILED_RULE}):\n{exc}"
-        )
-        notifier.ready(f"serving on port {port}; the last rules reload was refused (see the log)")
-        return
-    except TimeoutError:  # the loop did not take them: the watchdog, if any, restarts the daemon
-        log.warning(f"rules reload from {where}: the daemon's loop did not answer")
-        notifier.ready(f"serving on port {port}; the last rules reload did not finish")
-        return
-    log.info(f"rules reloaded from {where}: {change}")
-    notifier.ready(f"serving on port {port}; rules reloaded: {change}")
 
 
 def add_parser(sub: Subcommands) -> None:
@@ -262,6 +236,14 @@ def add_parser(sub: Subcommands) -> None:
     )
     p.add_argument("--store", default="kvguard-audit.db", help="SQLAlchemy URL, or a SQLite file path")
     add_log_arguments(p)
+    p.add_argument(
+        "--reload-interval",
+        type=seconds_or_off,
+        default=2.0,
+        metavar="S",
+        help="how often the configuration files and the --rules directory are checked for changes, "
+        "which reload them as SIGHUP does (0: only on SIGHUP)",
+    )
     p.add_argument(
         "--metrics-listen",
         metavar="HOST:PORT",

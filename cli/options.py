@@ -144,6 +144,11 @@ def seconds(text: str) -> float:
     return s
 
 
+def seconds_or_off(text: str) -> float:
+    """An argparse type: a duration in seconds up to a day, or 0 for never."""
+    return 0.0 if _number(text, float, "a number of seconds") == 0 else seconds(text)
+
+
 def listen_address(text: str) -> str:
     """An argparse type: a gRPC address as host:port, the port DEFAULT_PORT where none is given
     (`localhost`, `10.0.0.5`, `[::1]`); a local socket (unix:PATH) as it is. An IPv6 address

@@ -207,10 +207,8 @@ class Daemon:
         try:
             ruleset = load_ruleset(path)
         except RulesetError as exc:
-            self.counters["reloads_refused"] += 1
-            alert = self._reload_failed(path, exc)
-            with contextlib.suppress(TimeoutError):  # a loop that is late stores it when it goes round
-                self._on_loop(lambda: self.pipeline.alert(alert)).result(ON_LOOP_TIMEOUT_S)
+            where = str(path) if path is not None else "the bundled rules"
+            self.refuse_reload(f"rules reload from {where}", [str(e) for e in exc.errors], rules=where)
             raise
         change = rules_change(self.ruleset, ruleset)
 
@@ -221,21 +219,23 @@ class Daemon:
         self.counters["reloads"] += 1
         return change
 
-    @staticmethod
-    def _reload_failed(path: Path | None, exc: RulesetError) -> Finding:
-        where = str(path) if path is not None else "the bundled rules"
-        first = exc.errors[0]
-        more = f" and {len(exc.errors) - 1} more" if len(exc.errors) > 1 else ""
-        return Finding(
+    def refuse_reload(self, what: str, errors: list[str], **details: str) -> None:
+        """A reload (of the rules, or of the configuration) was refused for `errors`: count it
+        and store the daemon's critical alert saying what and why, sent like any finding."""
+        self.counters["reloads_refused"] += 1
+        more = f" and {len(errors) - 1} more" if len(errors) > 1 else ""
+        alert = Finding(
             finding="internal",
             ts_ns=time.time_ns(),
-            message=f"rules reload from {where} refused: {first}{more}; the previous rules stay in force",
-            details={"rules": where, "errors": "\n".join(str(e) for e in exc.errors)},
+            message=f"{what} refused: {errors[0]}{more}; the previous settings stay in force",
+            details={**details, "errors": "\n".join(errors)},
             severity="critical",
             action="alert",
             rule=RELOAD_FAILED_RULE,
             tags=("kvguard",),
         )
+        with contextlib.suppress(TimeoutError):  # a loop that is late stores it when it goes round
+            self._on_loop(lambda: self.pipeline.alert(alert)).result(ON_LOOP_TIMEOUT_S)
 
     @property
     def mode(self) -> str:

@@ -4,6 +4,7 @@ alert says so, stored and served to subscribers like any finding."""
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -38,10 +39,15 @@ def lower_stale_read(rules: Path) -> None:
 
 
 def reload_and_wait(daemon: Service, said: str, timeout: float = 30) -> str:
-    """SIGHUP, then what the daemon writes on stderr until it says `said` (read as it comes:
-    what is left is read by Service.stop)."""
-    assert daemon.proc.stderr is not None
+    """SIGHUP, then what the daemon writes on stderr until it says `said`."""
     daemon.proc.send_signal(signal.SIGHUP)
+    return wait_for_said(daemon, said, timeout)
+
+
+def wait_for_said(daemon: Service, said: str, timeout: float = 30) -> str:
+    """What the daemon writes on stderr until it says `said` (read as it comes: what is left
+    is read by Service.stop)."""
+    assert daemon.proc.stderr is not None
     fd, text = daemon.proc.stderr.fileno(), b""
     deadline = time.monotonic() + timeout
     while said.encode() not in text:
@@ -64,7 +70,8 @@ def stale_read(stream: AgentStream, node: str, n: int) -> None:
 
 def test_a_reload_applies_the_changed_rule_to_findings_made_after_it(tmp_path: Path, store_url: str) -> None:
     rules = rules_copy(tmp_path)
-    daemon = start_daemon(store_url, 0, "--rules", str(rules), "--mode", "monitor")
+    # Reloaded on SIGHUP only, so that the rules are not taken halfway through their edit.
+    daemon = start_daemon(store_url, 0, "--rules", str(rules), "--mode", "monitor", "--reload-interval", "0")
     try:
         with grpc.insecure_channel(daemon.address) as channel:
             stream = AgentStream(channel, "p1")
@@ -88,7 +95,7 @@ def test_rules_that_do_not_load_leave_the_old_ones_in_force_and_raise_a_critical
     tmp_path: Path, store_url: str
 ) -> None:
     rules = rules_copy(tmp_path)
-    daemon = start_daemon(store_url, 0, "--rules", str(rules), "--mode", "monitor")
+    daemon = start_daemon(store_url, 0, "--rules", str(rules), "--mode", "monitor", "--reload-interval", "0")
     try:
         with grpc.insecure_channel(daemon.address) as channel:
             alerts = svc_grpc.AlertServiceStub(channel)
@@ -102,7 +109,7 @@ def test_rules_that_do_not_load_leave_the_old_ones_in_force_and_raise_a_critical
                 "- rule: broken\n  description: d\n  finding: stale_read\n  severity: dire\n"
                 "  action: alert\n  output: x\n"
             )
-            said = reload_and_wait(daemon, "the previous rules stay in force")
+            said = reload_and_wait(daemon, "the previous settings stay in force")
             internal = next(live).finding
             stale_read(stream, "p2", 2)  # still judged by the old rules
             after = next(live).finding
@@ -125,7 +132,7 @@ def test_rules_that_do_not_load_leave_the_old_ones_in_force_and_raise_a_critical
         "alert",
     )
     assert f"rules reload from {rules} refused: {broken}:4: " in internal.message
-    assert internal.message.endswith("the previous rules stay in force")
+    assert internal.message.endswith("the previous settings stay in force")
     assert internal.details["rules"] == str(rules) and f"{broken}:4: " in internal.details["errors"]
     assert (after.req, after.rule, after.severity) == ("p2-r1", "stale_read", "high")
     assert again == internal
@@ -136,3 +143,46 @@ def test_rules_that_do_not_load_leave_the_old_ones_in_force_and_raise_a_critical
         ("stale_read", "stale_read", "high"),
     ]
     assert stored[1] == internal
+
+
+def test_a_changed_configuration_is_taken_without_a_signal_and_a_bad_one_is_refused(
+    tmp_path: Path, store_url: str
+) -> None:
+    rules = rules_copy(tmp_path)
+    config = tmp_path / "kvguard.yaml"
+    config.write_text(f"daemon:\n  rules: {rules}\n  mode: monitor\n")
+    daemon = start_daemon(store_url, 0, "--config", str(config), "--reload-interval", "0.2")
+    try:
+        with grpc.insecure_channel(daemon.address) as channel:
+            stream = AgentStream(channel, "p3")
+            stale_read(stream, "p3", 1)
+            # The rules and the log format changed together, in a drop-in: taken as a whole.
+            lower_stale_read(rules)
+            (tmp_path / "conf.d").mkdir()
+            (tmp_path / "conf.d" / "50-logs.yaml").write_text("daemon:\n  log-format: json\n")
+            said = wait_for_said(daemon, "rules reloaded from")
+            stale_read(stream, "p3", 2)
+            # A setting that cannot change while the daemon serves waits for the next start.
+            config.write_text(f"daemon:\n  rules: {rules}\n  mode: monitor\n  clock-skew-ms: 50\n")
+            later = wait_for_said(daemon, "taken at the next start")
+            # A configuration that does not load changes nothing and raises the alert.
+            config.write_text(f"daemon:\n  rules: {rules}\n  mdoe: enforce\n")
+            refused = wait_for_said(daemon, "configuration reload refused")
+            stale_read(stream, "p3", 3)  # still monitor, still the lowered rule
+            stream.close()
+    finally:
+        err = daemon.stop()
+    assert "0 added, 0 removed, 1 changed (stale_read)" in said
+    (moved,) = [json.loads(line) for line in later.splitlines() if "next start" in line]  # JSON now
+    assert moved["level"] == "warning" and moved["message"].endswith(": --clock-skew-ms")
+    (record,) = [json.loads(line) for line in refused.splitlines() if "refused" in line]
+    assert record["level"] == "error" and f"{config}: daemon: unknown option 'mdoe'" in record["message"]
+    assert "did you mean 'mode'" in record["message"]
+    found = [(f.req, f.rule, f.severity) for f in stored_findings(store_url)]
+    assert found == [
+        ("p3-r0", "stale_read", "high"),
+        ("p3-r1", "stale_read", "low"),  # the rules changed with the log format
+        ("", "kvguard_reload_failed", "critical"),
+        ("p3-r2", "stale_read", "low"),  # the refused reload changed nothing
+    ]
+    assert "Traceback" not in err

@@ -111,8 +111,8 @@ def test_the_daemon_says_ready_pings_the_watchdog_and_says_its_reload_and_stop(
     log, err = _ready_pings_reload_stop(daemon, notify)
     ready, reloading, reloaded, stopping = [m for m in log if "WATCHDOG" not in m]
     assert ready["STATUS"] == f"serving on port {port}"
-    assert reloading["STATUS"] == "reloading the rules from the bundled rules"
-    assert reloaded["STATUS"].startswith(f"serving on port {port}; rules reloaded: ")
+    assert reloading["STATUS"] == "reloading (SIGHUP)"
+    assert reloaded["STATUS"].startswith(f"serving on port {port}; reloaded (SIGHUP): rules ")
     assert "0 added, 0 removed, 0 changed" in reloaded["STATUS"]
     assert stopping["STATUS"].startswith("stopping")
     assert "rules reloaded from the bundled rules" in err and "cannot notify" not in err
@@ -126,7 +126,7 @@ def test_the_agent_says_ready_pings_the_watchdog_and_answers_a_reload(
     log, err = _ready_pings_reload_stop(agent, notify)
     ready = log[0]
     assert ready["STATUS"] == f"guards connect to {sock}; daemon 127.0.0.1:1"
-    assert "SIGHUP: no configuration to reload" in err
+    assert "log settings reloaded: level info, format text" in err
 
 
 def test_the_watchdog_goes_quiet_while_the_daemon_loop_is_stuck(tmp_path: Path) -> None:
