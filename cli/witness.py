@@ -25,6 +25,7 @@ def cmd_witness(args: argparse.Namespace) -> int:
     from kvguard.cuda_hooks.witness import open_witness, wire_event
     from kvguard.proto import pb
     from kvguard.proto.capture import event_to_json
+    from kvguard.proto.signals import Signals
 
     seq = 0
     lock = threading.Lock()
@@ -42,11 +43,10 @@ def cmd_witness(args: argparse.Namespace) -> int:
         return 1
     for pid in args.pid:
         witness.watch(pid, args.node)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    signals = Signals(signal.SIGINT, signal.SIGTERM)
     print(f"kvguard witness: watching {', '.join(map(str, args.pid))}", file=sys.stderr, flush=True)
-    stop.wait(args.seconds or None)
+    signals.wait(args.seconds or None)  # either signal, or the time is up
+    signals.close()
     witness.close()
     return 0
 
