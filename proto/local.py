@@ -90,8 +90,10 @@ def listening(path: Path, kind: int = socket.SOCK_STREAM, mode: int = 0o600) -> 
     flag's sake). It is bound in a directory of its own that only its owner may enter, given
     its mode there, and then moved to its path: it is never reachable with wider permissions,
     and a client that finds the path is never refused for want of a listener."""
-    private = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))  # mode 0700
-    bound = private / "socket"
+    # Names as short as they can be: a Unix socket's path holds at most 107 bytes, and the
+    # one bound first must fit wherever `path` itself fits.
+    private = Path(tempfile.mkdtemp(prefix=".k", dir=path.parent))  # mode 0700
+    bound = private / "s"
     server = socket.socket(socket.AF_UNIX, kind)
     try:
         server.bind(str(bound))

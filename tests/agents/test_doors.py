@@ -26,7 +26,7 @@ from kvguard.agents.guard import AgentSink, Guard
 from kvguard.cli.process import start_agent, start_daemon
 from kvguard.proto import pb, wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
-from kvguard.proto.local import recv_frame, send_frame
+from kvguard.proto.local import listening, recv_frame, send_frame
 from kvguard.ruleset import load_ruleset
 
 RULES = load_ruleset()
@@ -192,6 +192,22 @@ def test_the_socket_is_its_owners_only(tmp_path: Path) -> None:
             assert _connects_as(65534, room / "agent.sock") == "connected"
     finally:
         agent.stop()
+        shutil.rmtree(room)
+
+
+def test_a_socket_path_that_fits_is_listened_on_however_long(tmp_path: Path) -> None:
+    # A Unix socket's path holds at most 107 bytes. One of 100 (its shim's 105) fits, and so
+    # must the path it is bound at first, in a private directory beside it.
+    room = Path(tempfile.mkdtemp(prefix="kvguard-long-"))
+    try:
+        deep = room / ("d" * (100 - len(str(room)) - len("/agent.sock") - 1))
+        deep.mkdir()
+        path = deep / "agent.sock"
+        assert len(str(path)) == 100
+        server = listening(path)
+        server.close()
+        assert sorted(p.name for p in deep.iterdir()) == ["agent.sock"]
+    finally:
         shutil.rmtree(room)
 
 
