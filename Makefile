@@ -22,9 +22,11 @@ $(STAMP): pyproject.toml setup.py $(EXTENSIONS)
 demo: $(STAMP)
 	$(BIN)/kvguard demo $(if $(TOP),--top)
 
-# The rule fixtures (`kvguard rules test`) run inside pytest (tests/ruleset/).
+# The rule fixtures (`kvguard rules test`) run inside pytest (tests/ruleset/). Two workers,
+# each taking whole test files (a file's fixtures and services stay in one process): most
+# tests wait on real processes and sockets, so two overlap well even on two cores.
 test: lint shim engines
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # The real engines the adapters' tests drive: SGLang and vLLM from PyPI at pinned versions,
 # each in its own venv beside the local CPU torch, with this checkout of kvguard linked in
