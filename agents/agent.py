@@ -31,6 +31,7 @@ from urllib.parse import unquote
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvguard.agents.canary import Canary
 from kvguard.agents.door import Door
 from kvguard.agents.probes import CONTEXT_WAIT_S, gpu_facts, read_engine
 from kvguard.agents.spool import Position, Source, Spool
@@ -84,8 +85,12 @@ class NodeAgent:
         witness_buffer_pages: int = 1024,
         max_guards: int = MAX_GUARDS,
         frame_timeout: float = FRAME_TIMEOUT_S,
+        canary_interval_s: float = 0.0,
     ) -> None:
         self.socket_path = Path(socket_path)
+        self.canary_interval_s = canary_interval_s  # 0: no self-test canary (agents/canary.py)
+        self.canaries: dict[str, Canary] = {}  # node -> its canary (a guard's node only)
+        self._to_guards: dict[str, threading.Lock] = {}  # one frame at a time on a guard's socket
         self.daemon = daemon
         self.spool_dir = Path(spool_dir)
         self.spool_dir.mkdir(parents=True, exist_ok=True)
@@ -108,6 +113,7 @@ class NodeAgent:
             "acked": 0,
             "rejected": 0,
             "commands": 0,
+            "canaries": 0,
             "reconnects": 0,
             "oversized": 0,
             "malformed": 0,
@@ -145,6 +151,9 @@ class NodeAgent:
             spool = self.spools.get(node)
             if spool is None:
                 spool = self.spools[node] = Spool(self.spool_dir, node)
+                self._to_guards[node] = threading.Lock()
+                if self.canary_interval_s > 0 and "/" not in node:
+                    self.canaries[node] = Canary(node, self.canary_interval_s, log.warning)
                 self.counters["spool_set_aside"] += spool.set_aside
                 threading.Thread(target=self._upstream, args=(node, spool), daemon=True).start()
             return spool
@@ -382,11 +391,19 @@ class NodeAgent:
                 delay = 0.1
                 in_flight: deque[list[Position]] = deque()  # sent, not acknowledged, oldest first
                 said, due = None, 0.0  # the guard last said, and when a status is due anyway
+                canary = self.canaries.get(node)
                 while not self.stopping.is_set():
                     # A probe's stream (node/probe) speaks of its node's guard.
                     guard = self.guards.get(node.split("/", 1)[0], GuardState("none", self.started_ns))
+                    if canary is not None and guard.guard == "connected":
+                        now = time.monotonic()
+                        ask = canary.due(now)
+                        if ask is not None:
+                            self._to_guard(node, ask)
+                        canary.check(now)
                     if guard != said or time.monotonic() >= due:
-                        stream.status(node_status(guard, self.gpu, len(spool.pending), AGENT))
+                        fields = canary.fields() if canary is not None else {}
+                        stream.status(node_status(guard, self.gpu, len(spool.pending), AGENT, **fields))
                         said, due = guard, time.monotonic() + STATUS_EVERY_S
                     full = len(in_flight) >= IN_FLIGHT
                     ack = stream.next_ack(timeout=0.2 if full else 0) if in_flight else None
@@ -427,13 +444,23 @@ class NodeAgent:
                     stream.close()
 
     def _relay(self, node: str, command: svc.Command) -> None:
-        self.counters["commands"] += 1
+        """A command of the daemon for the node's guard (a canary's echo: timed first)."""
+        if command.WhichOneof("body") == "canary":
+            canary = self.canaries.get(node)
+            if canary is not None and canary.echoed(command.canary.nonce) is not None:
+                self.counters["canaries"] += 1
+        else:
+            self.counters["commands"] += 1
+        self._to_guard(node, command)
+
+    def _to_guard(self, node: str, command: svc.Command) -> None:
         conn = self.door.guard(node)
         if conn is None:
             log.warning(f"no guard of {node} connected for command {command.id}")
             return
         try:
-            send_frame(conn, svc.DaemonMessage(command=command))
+            with self._to_guards[node]:  # the node's stream relays, its upstream asks for canaries
+                send_frame(conn, svc.DaemonMessage(command=command))
         except OSError as exc:  # gone, or not reading within the frame timeout: a frame may be cut
             log.warning(f"command {command.id} not delivered to {node}'s guard: {exc}")
             with contextlib.suppress(OSError):

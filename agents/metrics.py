@@ -25,6 +25,7 @@ OWN = {
     "events": ("kvguard_agent_events", "events taken from guards, probes and the witness"),
     "acked": ("kvguard_agent_acked_events", "events the daemon acknowledged as durable"),
     "commands": ("kvguard_agent_commands", "daemon commands relayed to guards"),
+    "canaries": ("kvguard_agent_canaries", "self-test canaries that came back from the daemon"),
     "reconnects": ("kvguard_agent_daemon_reconnects", "streams to the daemon opened again"),
     "witnessed": ("kvguard_agent_witnessed_transfers", "KV transfers the eBPF witness saw"),
     "shim_records": ("kvguard_agent_shim_records", "records from the LD_PRELOAD shim"),
@@ -82,6 +83,24 @@ class AgentCollector(Collector):
         for node, state in sorted(dict(agent.guards).items()):
             guard.add_metric([node], 1.0 if state.guard == "connected" else 0.0)
         yield guard
+        back = GaugeMetricFamily(
+            "kvguard_agent_canary_last_success_timestamp_seconds",
+            "when the node's self-test canary last came back (guard, agent, daemon and back)",
+            labels=["node"],
+        )
+        rtt = GaugeMetricFamily(
+            "kvguard_agent_canary_round_trip_seconds", "the last canary's round trip", labels=["node"]
+        )
+        late = GaugeMetricFamily(
+            "kvguard_agent_canary_late",
+            "1 while the node's canary is overdue (said in the log)",
+            labels=["node"],
+        )
+        for node, canary in sorted(dict(agent.canaries).items()):
+            back.add_metric([node], canary.ok_ns / 1e9)
+            rtt.add_metric([node], canary.rtt_s)
+            late.add_metric([node], 1.0 if canary.late else 0.0)
+        yield from (back, rtt, late)
         gpus = GaugeMetricFamily(
             "kvguard_agent_gpu_info", "GPUs (NVML at start)", labels=["gpu", "name", "uuid", "driver"]
         )

@@ -41,10 +41,13 @@ class GuardState(NamedTuple):
     pid: int = 0
 
 
-def node_status(guard: GuardState, gpu: GpuFacts, spooled: int, agent: str) -> svc.NodeStatus:
+def node_status(
+    guard: GuardState, gpu: GpuFacts, spooled: int, agent: str, **canary: int | bool
+) -> svc.NodeStatus:
     """The agent's word on a node: its guard, the host's GPUs, the events it holds
-    unacknowledged, and the agent (`agent` and kvguard's version)."""
+    unacknowledged, the agent (`agent` and kvguard's version), and its canary (canary.py)."""
     return svc.NodeStatus(
+        **canary,
         guard=guard.guard,
         guard_since_ns=guard.since_ns,
         guard_pid=guard.pid,

@@ -23,6 +23,7 @@ from kvguard.cli.options import (
     positive_count,
     power_of_two,
     seconds,
+    seconds_or_off,
     tls_from_args,
 )
 from kvguard.proto.logs import configure as configure_logs
@@ -58,6 +59,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         witness_buffer_pages=args.witness_buffer_pages,
         max_guards=args.max_guards,
         frame_timeout=args.frame_timeout,
+        canary_interval_s=args.canary_interval,
     )
     for spec in args.probe or []:
         parts = spec.split(":", 3)
@@ -90,6 +92,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             log.error(str(exc))
             agent.stop()
             return 2
+        log.info(f"metrics on http://{args.metrics_listen.rsplit(':', 1)[0]}:{metrics.port}/metrics")
     thread = threading.Thread(target=agent.serve, daemon=True)
     thread.start()
     log.info(f"guards connect to {args.socket}; daemon {args.daemon}; spool {args.spool}")
@@ -150,6 +153,15 @@ def add_parser(sub: Subcommands) -> None:
         metavar="SECONDS",
         help="how long a guard may take to say hello, or to finish a message it has begun (default 5); "
         "a connection past it is closed and counted",
+    )
+    p.add_argument(
+        "--canary-interval",
+        type=seconds_or_off,
+        default=0.0,
+        metavar="SECONDS",
+        help="how often each connected guard is asked for a self-test canary, which must come back "
+        "from the daemon on the command path (node status, metrics; overdue after 3 intervals, said "
+        "once); 0: none",
     )
     add_daemon_argument(p)
     p.add_argument("--spool", default="/var/lib/kvguard/spool", help="where unacknowledged events wait")

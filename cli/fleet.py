@@ -53,13 +53,20 @@ def _node_row(node: svc.NodeState, now_ns: int) -> tuple[str, ...]:
         f"{p.report.pool}:{p.report.role} {p.pages_in_use}/{p.report.num_pages}" for p in node.pools
     )
     if node.HasField("status"):
-        guard, heard = node.status.guard, age(now_ns - node.status_ns)
+        status = node.status
+        guard, heard = status.guard, age(now_ns - node.status_ns)
+        if status.canary_late:
+            canary = f"LATE {age(now_ns - status.canary_waiting_since_ns)}"
+        elif status.canary_ok_ns:
+            canary = f"ok {status.canary_rtt_us / 1000:.0f}ms"
+        else:
+            canary = "-"  # the agent sends none (--canary-interval 0), or none came back yet
     else:
-        guard = heard = "-"
+        guard = heard = canary = "-"
     agent = "yes" if node.connected else "no"
     rate = f"{node.events_per_s:.1f}" if node.received_ns else "-"
     lag = f"{node.lag_ms:.0f}" if node.received_ns else "-"
-    return (node.node, str(node.last_seq), agent, guard, heard, rate, lag, str(node.dropped), pools)
+    return (node.node, str(node.last_seq), agent, guard, canary, heard, rate, lag, str(node.dropped), pools)
 
 
 def render(state: svc.FleetState, out: TextIO) -> None:
@@ -82,6 +89,7 @@ def render(state: svc.FleetState, out: TextIO) -> None:
             "LAST SEQ",
             "AGENT",
             "GUARD",
+            "CANARY",
             "HEARD AGO",
             "EV/S",
             "LAG MS",

@@ -131,6 +131,17 @@ class Commands:
             if self.outboxes.get(node) == send:
                 del self.outboxes[node]
 
+    def echo(self, node: str, nonce: int) -> None:
+        """The node's self-test canary back to its stream now, or never (a late echo would say
+        the path works when it did not): neither numbered nor stored."""
+        with self._lock:
+            outbox = self.outboxes.get(node)
+        if outbox is None:
+            self.counters["canaries_unsent"] += 1
+            return
+        outbox(svc.DaemonMessage(command=svc.Command(canary=svc.Canary(nonce=nonce, echo=True))))
+        self.counters["canaries"] += 1
+
     def send(self, node: str, command: svc.Command) -> None:
         """To the node's stream; kept for its next stream while it has none (an agent that
         reconnects resends what was not acknowledged, which the ledger has seen: the command

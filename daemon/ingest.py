@@ -34,12 +34,13 @@ from kvguard.daemon.snapshots import Snapshots
 from kvguard.daemon.store import EventRun, Record
 from kvguard.daemon.writer import Writer
 from kvguard.ledger import BadEvent, Finding, Ledger
-from kvguard.proto import wire
+from kvguard.proto import pb, wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.logs import fields, logger
 from kvguard.ruleset import Ruleset
 
 log = logger("daemon")
+HEARTBEAT = wire.PAYLOAD["heartbeat"]  # its canary goes back to the node (Commands.echo)
 
 APPLY_SLICE = 256  # events applied in one step of the loop: the most a delivery waits behind
 DELIVERING_SLICE = 16  # ... while alerts are being written to subscribers (each write waits a turn)
@@ -347,6 +348,8 @@ class Ingest:
             ack.rejected.add(seq=seq, epoch=at, reason=reason)
             log.exception(f"{node}: {reason}", extra=fields(node=node, seq=seq, epoch=at))
             return self._refusal(node, events, i, "internal", reason)
+        if events.heads[i]["kind"] in (HEARTBEAT, 0):  # 0: bytes protobuf reads (rare)
+            self._canary(node, events.event(i))
         now = self.ledger.nodes.get(node)
         if now is not None and epoch is not None and now.epoch != epoch:  # its engine restarted
             self.counters["restarts"] += 1
@@ -355,6 +358,13 @@ class Ingest:
                 "engine held is released; its pools are judged afresh"
             )
         return found
+
+    def _canary(self, node: str, body: bytes) -> None:
+        """A heartbeat that carries the agent's self-test canary, applied in the node's order
+        like any event: back to the node on its command path (neither is stored)."""
+        event = pb.Event.FromString(body)
+        if event.WhichOneof("payload") == "heartbeat" and event.heartbeat.canary:
+            self.commands.echo(node, event.heartbeat.canary)
 
     @staticmethod
     def _refusal(node: str, events: wire.Batch, i: int, kind: str, reason: str) -> Record:

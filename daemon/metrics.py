@@ -110,6 +110,11 @@ class DaemonCollector(Collector):
         lag = gauge("kvguard_node_lag_seconds", "age of the newest event of the node's last batch on arrival")
         last = gauge("kvguard_node_last_received_timestamp_seconds", "when the node's last batch arrived")
         spooled = gauge("kvguard_node_spooled_events", "events the node's agent holds, not yet acknowledged")
+        canary_ok = gauge(
+            "kvguard_node_canary_last_success_timestamp_seconds",
+            "when the node's self-test canary last came back to its agent (guard, agent, daemon, back)",
+        )
+        canary_late = gauge("kvguard_node_canary_late", "1 while the node's agent says its canary is overdue")
         seq = gauge("kvguard_node_last_sequence", "the sequence number of the node's last event (this epoch)")
         dropped = CounterMetricFamily(
             "kvguard_node_dropped_events", "events the node dropped", labels=["node"]
@@ -135,6 +140,9 @@ class DaemonCollector(Collector):
                 status = node.status
                 guard.add_metric([name], 1.0 if status.guard == "connected" else 0.0)
                 spooled.add_metric([name], status.spooled)
+                if status.canary_ok_ns or status.canary_waiting_since_ns:
+                    canary_ok.add_metric([name], status.canary_ok_ns / 1e9)
+                    canary_late.add_metric([name], 1.0 if status.canary_late else 0.0)
                 for gpu in status.gpus:
                     index = str(gpu.index)
                     gpu_info.add_metric([name, index, gpu.name, gpu.uuid], 1.0)
@@ -147,7 +155,7 @@ class DaemonCollector(Collector):
                 capacity.add_metric([name, label], (r.num_pages - r.reserved_pages) * r.page_size)
                 if r.context_len:
                     context.add_metric([name, label], r.context_len)
-        yield from (connected, guard, lag, last, spooled, seq, dropped, restarts)
+        yield from (connected, guard, lag, last, spooled, canary_ok, canary_late, seq, dropped, restarts)
         yield from (gpu_info, gpu_total, gpu_used, pages, in_use, capacity, context)
 
     def _store(self, room: svc.StoreRoom) -> Iterator[Metric]:

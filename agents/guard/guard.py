@@ -80,6 +80,8 @@ class Guard:
         self.node = node
         # This engine process's incarnation: a restarted engine's events begin a new one.
         self.epoch = time.time_ns() if epoch is None else epoch
+        self.agent_version = ""  # as the engine's last heartbeat gave it (a canary's heartbeat too)
+        self.canary_ok_ns = 0  # when the agent's self-test canary last came back here (0: never)
         self.mode = mode
         self.rule_modes = dict(rule_modes or {})
         self.ruleset = ruleset if ruleset is not None else load_ruleset()
@@ -200,7 +202,8 @@ class Guard:
 
     def command(self, command: svc.Command) -> None:
         """A command of the daemon, relayed by the agent (the sink hands it here): a kill is
-        recorded and goes to the engine's abort path, a quarantine to its free list."""
+        recorded and goes to the engine's abort path, a quarantine to its free list; the agent's
+        self-test canary goes out as a heartbeat, and its echo is noted (canary_ok_ns)."""
         which = command.WhichOneof("body")
         if which == "kill":
             k = command.kill
@@ -213,6 +216,16 @@ class Guard:
                 self._on_kill(k.req, why)
         elif which == "quarantine" and self._on_quarantine is not None:
             self._on_quarantine(command.quarantine.pool, list(command.quarantine.pages))
+        elif which == "canary":
+            if command.canary.echo:  # back from the daemon: events and commands both get through
+                self.canary_ok_ns = time.time_ns()
+            else:  # the agent asks: it goes out in order, behind what the engine reported
+                self._emit(
+                    "heartbeat",
+                    agent_version=self.agent_version,
+                    dropped=self.sink.dropped,
+                    canary=command.canary.nonce,
+                )
 
     # ------------------------------------------------------------------ configuration and lifecycle
 
@@ -244,6 +257,7 @@ class Guard:
         )
 
     def heartbeat(self, agent_version: str = "") -> Verdict:
+        self.agent_version = agent_version
         return self._emit("heartbeat", agent_version=agent_version, dropped=self.sink.dropped)
 
     # ------------------------------------------------------------------ pages

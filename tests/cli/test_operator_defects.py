@@ -21,12 +21,11 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_helpers import stored, wait_for
+from agent_helpers import Lines, stored, wait_for
 
 from kvguard.agents.guard import AgentSink, Guard
 from kvguard.cli.options import listen_address
@@ -229,24 +228,6 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(daemon: Service, outpu
 
 
 # ------------------------------------------------------------- 5. an agent without its daemon
-
-
-class Lines:
-    """A process's stderr, read as it comes on a thread of its own."""
-
-    def __init__(self, service: Service) -> None:
-        assert service.proc.stderr is not None
-        self.stream = service.proc.stderr
-        self.lines: list[str] = []
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        for line in self.stream:
-            self.lines.append(line.rstrip("\n"))
-
-    def having(self, text: str) -> list[str]:
-        return [line for line in list(self.lines) if text in line]
 
 
 def test_an_agent_says_once_it_cannot_reach_the_daemon_keeps_spooling_and_says_when_it_can(

@@ -258,9 +258,9 @@ def test_kvguard_fleet_shows_each_nodes_guard_and_when_its_agent_last_spoke(sqli
         stream.close()
     lines = shown.stdout.splitlines()
     header = next(line for line in lines if line.startswith("NODE"))
-    names = "NODE LAST SEQ AGENT GUARD HEARD AGO EV/S LAG MS DROPPED POOLS (pages in use / pages)"
+    names = "NODE LAST SEQ AGENT GUARD CANARY HEARD AGO EV/S LAG MS DROPPED POOLS (pages in use / pages)"
     assert header.split() == names.split()
     (row,) = [line.split() for line in lines if line.startswith("e0 ")]
-    assert row[:4] == ["e0", "0", "yes", "gone"] and row[5:] == ["-", "-", "0"]
-    assert row[4].endswith("s") and float(row[4][:-1]) >= 0
+    assert row[:5] == ["e0", "0", "yes", "gone", "-"] and row[6:] == ["-", "-", "0"]  # no canary
+    assert row[5].endswith("s") and float(row[5][:-1]) >= 0
     assert "; mode enforce" in shown.stdout

@@ -1,14 +1,17 @@
 """What the agent's test files share: waiting for what a real agent and daemon do in their own
-time, the events a store holds, and the leak a monitor-mode guard lets through."""
+time, a service's stderr read as it comes, the events a store holds, and the leak a
+monitor-mode guard lets through."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
 from kvguard.agents.guard import Guard
+from kvguard.cli.process import Service
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
 
@@ -42,3 +45,21 @@ def leak(guard: Guard) -> None:
     guard.admit("g1", "globex", 16, "decode")
     guard.alloc("g1", 0, [40])
     guard.check_attention(0, ["g1"], np.array([[40]]), np.array([16]))
+
+
+class Lines:
+    """A process's stderr, read as it comes on a thread of its own."""
+
+    def __init__(self, service: Service) -> None:
+        assert service.proc.stderr is not None
+        self.stream = service.proc.stderr
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.stream:
+            self.lines.append(line.rstrip("\n"))
+
+    def having(self, text: str) -> list[str]:
+        return [line for line in list(self.lines) if text in line]

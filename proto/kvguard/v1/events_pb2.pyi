@@ -353,12 +353,14 @@ class Kill(_message.Message):
     def __init__(self, req: _Optional[str] = ..., finding: _Optional[str] = ..., by: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("agent_version", "dropped")
+    __slots__ = ("agent_version", "dropped", "canary")
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
     agent_version: str
     dropped: int
-    def __init__(self, agent_version: _Optional[str] = ..., dropped: _Optional[int] = ...) -> None: ...
+    canary: int
+    def __init__(self, agent_version: _Optional[str] = ..., dropped: _Optional[int] = ..., canary: _Optional[int] = ...) -> None: ...
 
 class Scrub(_message.Message):
     __slots__ = ("pool", "pages")

@@ -46,7 +46,7 @@ class Gpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_used: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("guard", "guard_since_ns", "guard_pid", "gpus", "gpu_unavailable", "driver", "spooled", "agent_version")
+    __slots__ = ("guard", "guard_since_ns", "guard_pid", "gpus", "gpu_unavailable", "driver", "spooled", "agent_version", "canary_ok_ns", "canary_rtt_us", "canary_waiting_since_ns", "canary_late")
     GUARD_FIELD_NUMBER: _ClassVar[int]
     GUARD_SINCE_NS_FIELD_NUMBER: _ClassVar[int]
     GUARD_PID_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,10 @@ class NodeStatus(_message.Message):
     DRIVER_FIELD_NUMBER: _ClassVar[int]
     SPOOLED_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANARY_OK_NS_FIELD_NUMBER: _ClassVar[int]
+    CANARY_RTT_US_FIELD_NUMBER: _ClassVar[int]
+    CANARY_WAITING_SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    CANARY_LATE_FIELD_NUMBER: _ClassVar[int]
     guard: str
     guard_since_ns: int
     guard_pid: int
@@ -63,7 +67,11 @@ class NodeStatus(_message.Message):
     driver: str
     spooled: int
     agent_version: str
-    def __init__(self, guard: _Optional[str] = ..., guard_since_ns: _Optional[int] = ..., guard_pid: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_unavailable: _Optional[str] = ..., driver: _Optional[str] = ..., spooled: _Optional[int] = ..., agent_version: _Optional[str] = ...) -> None: ...
+    canary_ok_ns: int
+    canary_rtt_us: int
+    canary_waiting_since_ns: int
+    canary_late: bool
+    def __init__(self, guard: _Optional[str] = ..., guard_since_ns: _Optional[int] = ..., guard_pid: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_unavailable: _Optional[str] = ..., driver: _Optional[str] = ..., spooled: _Optional[int] = ..., agent_version: _Optional[str] = ..., canary_ok_ns: _Optional[int] = ..., canary_rtt_us: _Optional[int] = ..., canary_waiting_since_ns: _Optional[int] = ..., canary_late: _Optional[bool] = ...) -> None: ...
 
 class Rejected(_message.Message):
     __slots__ = ("seq", "reason", "epoch")
@@ -115,17 +123,27 @@ class QuarantinePages(_message.Message):
     epoch: int
     def __init__(self, pool: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., finding: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
+class Canary(_message.Message):
+    __slots__ = ("nonce", "echo")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
+    nonce: int
+    echo: bool
+    def __init__(self, nonce: _Optional[int] = ..., echo: _Optional[bool] = ...) -> None: ...
+
 class Command(_message.Message):
-    __slots__ = ("id", "kill", "quarantine", "by")
+    __slots__ = ("id", "kill", "quarantine", "canary", "by")
     ID_FIELD_NUMBER: _ClassVar[int]
     KILL_FIELD_NUMBER: _ClassVar[int]
     QUARANTINE_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
     BY_FIELD_NUMBER: _ClassVar[int]
     id: int
     kill: KillRequest
     quarantine: QuarantinePages
+    canary: Canary
     by: str
-    def __init__(self, id: _Optional[int] = ..., kill: _Optional[_Union[KillRequest, _Mapping]] = ..., quarantine: _Optional[_Union[QuarantinePages, _Mapping]] = ..., by: _Optional[str] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., kill: _Optional[_Union[KillRequest, _Mapping]] = ..., quarantine: _Optional[_Union[QuarantinePages, _Mapping]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ..., by: _Optional[str] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message")
