@@ -33,7 +33,8 @@ from google.protobuf.message import DecodeError
 
 from kvguard.agents.canary import Canary
 from kvguard.agents.door import Door
-from kvguard.agents.probes import CONTEXT_WAIT_S, gpu_facts, read_engine
+from kvguard.agents.engine_watch import watch_engine
+from kvguard.agents.probes import gpu_facts
 from kvguard.agents.spool import Position, Source, Spool
 from kvguard.agents.upstream import (
     STATUS_EVERY_S,
@@ -477,43 +478,12 @@ class NodeAgent:
         if role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"probe {node}: role {role!r} is not prefill, decode or colocated")
         self.counters.setdefault("probe_unreadable", 0)
-        threading.Thread(target=self._probe, args=(node, engine, role, source, interval), daemon=True).start()
+        watch = (node, engine, role, source, interval, self._source(node), self.stopping, self._unreadable)
+        threading.Thread(target=watch_engine, args=watch, daemon=True).start()
 
-    def _probe(self, node: str, engine: str, role: str, source: str, interval: float) -> None:
-        """Read the engine every `interval`; report its pool when the pool and its context
-        are known (the pool alone after CONTEXT_WAIT_S), and again whenever they change.
-        Each thing it cannot read is said once, on one line, until it is read again."""
-        events = self._source(node)
-        last: pb.PoolReport | None = None
-        unread: tuple[str, ...] = ()
-        started = time.monotonic()
-        while not self.stopping.is_set():
-            waited = time.monotonic() - started
-            reading = read_engine(engine, source)
-            for problem in reading.problems:
-                if problem not in unread:
-                    log.warning(f"probe {node}: {problem} (after {waited:.0f} s)")
-                    with self.lock:
-                        self.counters["probe_unreadable"] += 1
-            if unread and not reading.problems:
-                log.info(f"probe {node}: {source} read in full again")
-            unread = reading.problems
-            facts = reading.facts
-            if facts is not None and facts.pool_tokens and (facts.context_len or waited >= CONTEXT_WAIT_S):
-                report = facts.report(0, role)
-                unsourced = pb.PoolReport()
-                unsourced.CopyFrom(report)
-                unsourced.ClearField("source")  # where it was read is not a change of the pool
-                if last is None or unsourced != last:
-                    events.emit(pool=report)
-                    last = unsourced
-                    log.info(
-                        f"probe {node}: pool of {facts.pool_tokens} tokens "
-                        f"({report.num_pages} pages of {report.page_size}, "
-                        f"{report.reserved_pages} reserved), "
-                        f"context {facts.context_len or 'unknown'}, from {report.source}"
-                    )
-            self.stopping.wait(interval)
+    def _unreadable(self) -> None:
+        with self.lock:
+            self.counters["probe_unreadable"] += 1
 
     def say_counters(self) -> None:
         """The counters on one line, if they changed since they were last said."""
