@@ -24,7 +24,7 @@ from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.tui.app import TopApp
 from kvguard.tui.client import DaemonClient
 from kvguard.tui.screens.modals import ConfirmScreen, HelpScreen
-from kvguard.tui.widgets.status import ActionLine, Banner
+from kvguard.tui.widgets.status import ActionLine, Banner, StatusLine
 
 Until = Callable[..., Awaitable[None]]
 Text = Callable[[App], str]
@@ -176,6 +176,26 @@ def test_help_lists_the_keys_and_esc_closes_it(shared_fleet, until: Until, scree
                 assert app.current_mode == mode
             await pilot.press("escape", "escape")  # back, as a browser goes back
             assert app.current_mode == "pool"
+            await pilot.press("q")
+        assert app.return_code == 0
+
+    asyncio.run(drive())
+
+
+def test_a_refresh_after_a_screens_widgets_are_gone_draws_nothing_and_raises_nothing(
+    shared_fleet, until: Until
+) -> None:
+    # As the app closes it takes each screen's widgets down while the screen is still mounted,
+    # and an alert that arrives meanwhile makes the app refresh it (seen once in CI).
+    app = shared_fleet.app()
+
+    async def drive() -> None:
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("3")
+            await until(pilot, lambda: app.current_mode == "alerts")
+            await app.screen.query_one(StatusLine).remove()
+            app.refresh_screen()
+            await pilot.pause()
             await pilot.press("q")
         assert app.return_code == 0
 

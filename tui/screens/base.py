@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from textual.app import ComposeResult
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer
 
@@ -54,10 +55,15 @@ class DashboardScreen(Screen[None]):
         if not self.is_mounted:
             return
         data = self.data
-        self.query_one(StatusLine).show(data)
-        self.query_one(Banner).show(data)
-        self.query_one(ActionLine).show(data)
-        self.update_view(data)
+        try:
+            self.query_one(StatusLine).show(data)
+            self.query_one(Banner).show(data)
+            self.query_one(ActionLine).show(data)
+            self.update_view(data)
+        except NoMatches:
+            # Its widgets are gone while it is still mounted: the app is closing and takes the
+            # screen down, and a refresh its timers made meanwhile has nothing left to draw.
+            return
 
     def update_view(self, data: Dashboard) -> None:
         """The screen's own part of refresh_view."""
