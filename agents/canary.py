@@ -25,22 +25,19 @@ KEEP = 16  # canaries out at once that are still matched (older ones count as lo
 
 
 class Canary:
-    def __init__(
-        self, node: str, interval_s: float, say: Callable[[str], None], now: float | None = None
-    ) -> None:
+    def __init__(self, node: str, interval_s: float, say: Callable[[str], None]) -> None:
         self.node, self.interval_s, self._say = node, interval_s, say
         self._lock = threading.Lock()
         self._nonce = time.time_ns()  # unlike any an earlier run of the agent sent
         self._out: dict[int, tuple[float, int]] = {}  # nonce -> (monotonic, wall ns) when sent
-        self._due = (time.monotonic() if now is None else now) + interval_s
+        self._due = time.monotonic() + interval_s
         self.ok_ns = 0
         self.rtt_s = 0.0
         self.late = False
-        self.sent = self.back = 0
 
     def due(self, now: float) -> svc.Command | None:
         """The command asking the guard for a canary, when one is due (else None)."""
-        if self.interval_s <= 0 or now < self._due:
+        if now < self._due:
             return None
         self._due = now + self.interval_s
         with self._lock:
@@ -48,7 +45,6 @@ class Canary:
             self._out[self._nonce] = (now, time.time_ns())
             for old in sorted(self._out)[:-KEEP]:
                 del self._out[old]
-            self.sent += 1
             return svc.Command(canary=svc.Canary(nonce=self._nonce))
 
     def echoed(self, nonce: int) -> float | None:
@@ -62,7 +58,6 @@ class Canary:
             for old in [n for n in self._out if n < nonce]:
                 del self._out[old]
             self.ok_ns, self.rtt_s = time.time_ns(), now - sent[0]
-            self.back += 1
             was_late, self.late = self.late, False
         if was_late:
             self._say(

@@ -71,7 +71,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         except ValueError as exc:
             log.error(str(exc))
             return 2
-    log.info(f"{agent.gpu.describe()}")  # as its node statuses say
+    log.info(agent.gpu.describe())  # as its node statuses say
     if agent.witness.available:
         log.info("the eBPF wire witness watches each guarded engine's TCP transfers")
     signals = Signals(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -92,7 +92,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             log.error(str(exc))
             agent.stop()
             return 2
-        log.info(f"metrics on http://{args.metrics_listen.rsplit(':', 1)[0]}:{metrics.port}/metrics")
+        log.info(f"metrics on {metrics.url}")
     thread = threading.Thread(target=agent.serve, daemon=True)
     thread.start()
     log.info(f"guards connect to {args.socket}; daemon {args.daemon}; spool {args.spool}")

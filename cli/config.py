@@ -242,18 +242,18 @@ def files(argv: list[str]) -> list[Path]:
 def reread(argv: list[str]) -> argparse.Namespace:
     """The command line `argv` parsed again over the configuration as it is now (a reload):
     ConfigError if the files or the environment are not usable."""
-    import contextlib
-    import io
-
     from kvguard.cli import build_parser
 
     parser = build_parser()
     configure(argv, parser)
+    # Not redirected: sys.stderr is the service's log, and its other threads write there
+    # meanwhile. argparse says why on it before it exits.
     try:
-        with contextlib.redirect_stderr(io.StringIO()) as said:
-            return parser.parse_args(argv)
+        return parser.parse_args(argv)
     except SystemExit:
-        raise ConfigError(said.getvalue().strip().splitlines()[-1]) from None
+        raise ConfigError(
+            "the command line does not parse over this configuration (argparse said why)"
+        ) from None
 
 
 def cmd_config(args: argparse.Namespace) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvguard.cli.options import (
     Subcommands,
@@ -33,9 +32,6 @@ from kvguard.proto.logs import configure as configure_logs
 from kvguard.proto.logs import logger
 
 log = logger("daemon")
-
-if TYPE_CHECKING:
-    pass
 
 # The daemon's modules (grpc, SQLAlchemy) and the ruleset (CEL) are imported when the command
 # runs, so that `kvguard --help` does not wait for them.
@@ -66,7 +62,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         log.error(str(exc))
         return 2
     if warning is not None:
-        log.warning(str(warning))
+        log.warning(warning)
     try:
         ruleset = load_ruleset(Path(args.rules) if args.rules else None)
     except RulesetError as exc:
@@ -167,7 +163,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
             store.close()
             log.error(str(exc))
             return 2
-        log.info(f"metrics on http://{args.metrics_listen.rsplit(':', 1)[0]}:{metrics.port}/metrics")
+        log.info(f"metrics on {metrics.url}")
     log.info(
         f"listening on port {port}; store {store.shown}; ledger from the snapshot after "
         f"record {daemon.counters['snapshot_through']} and {daemon.counters['rebuilt_events']} events "

@@ -55,10 +55,11 @@ class Reloader:
 
     def __init__(self, args: argparse.Namespace, daemon: Daemon, notifier: Notifier, port: int) -> None:
         self.args, self.daemon, self.notifier, self.port = args, daemon, notifier, port
+        self.argv: list[str] | None = getattr(args, "argv", None)  # None: not from the command line
         self.seen = fingerprint(self._watched())
 
     def _watched(self) -> list[Path]:
-        config = files(self.args.argv) if getattr(self.args, "argv", None) is not None else []
+        config = files(self.argv) if self.argv is not None else []
         return config + ([Path(self.args.rules)] if self.args.rules else [])  # bundled rules: fixed
 
     def changed(self) -> bool:
@@ -80,9 +81,9 @@ class Reloader:
         # next reload's (taken after the read, it would go unseen).
         self.seen = fingerprint(self._watched())
         fresh = self.args
-        if getattr(self.args, "argv", None) is not None:
+        if self.argv is not None:
             try:
-                fresh = reread(self.args.argv)
+                fresh = reread(self.argv)
             except ConfigError as exc:
                 self._refused("configuration reload", str(exc))
                 return

@@ -96,7 +96,7 @@ class StoreRoom:
             said = (
                 refusing or f"the audit store has room again ({size(state.free_bytes)} free): taking events"
             )
-            log.warning(str(said))
+            log.warning(said)
         near = bool(state.full_in_s) and state.full_in_s < WARN_S and not refusing
         if near and not self._warned:
             log.warning(

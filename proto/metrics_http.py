@@ -19,9 +19,11 @@ class MetricsError(OSError):
 
 @dataclass
 class MetricsServer:
-    """The HTTP endpoint (/metrics) on its own thread; `port` the one it listens on."""
+    """The HTTP endpoint (/metrics) on its own thread; `port` the one it listens on, `url`
+    where to scrape it."""
 
     port: int
+    url: str
     stop: Callable[[], None]
 
 
@@ -47,4 +49,5 @@ def serve_metrics(listen: str, collector: Collector) -> MetricsServer:
         server.server_close()
         thread.join(5)
 
-    return MetricsServer(server.server_address[1], stop)
+    bound = server.server_address[1]
+    return MetricsServer(bound, f"http://{listen.rsplit(':', 1)[0]}:{bound}/metrics", stop)
