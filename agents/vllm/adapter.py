@@ -51,11 +51,13 @@ from typing import Any
 import numpy as np
 
 from kvguard.agents.attach import Attachment, Settings, SettingsError, VersionRefused, check_version
+from kvguard.agents.vllm import frontend, witness
+from kvguard.agents.vllm.frontend import TENANT_ARG
 from kvguard.agents.vllm.state import EMPTY, PoolState
 
 log = logging.getLogger("kvguard.adapter")
 
-KNOWN_VERSIONS = ("0.33.0",)
+KNOWN_VERSIONS = ("0.32.0", "0.33.0")
 _ACTIVE: VllmAdapter | None = None  # the adapter the class patches dispatch to
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
 _LOCK = threading.Lock()
@@ -66,9 +68,18 @@ def tenant_reader(field: str) -> Callable[[Any], str]:
     """How a request's tenant is read, from the operator's KVGUARD_TENANT_FIELD."""
     if not field or field == "cache_salt":
         return lambda request: request.cache_salt or ""
-    if field.startswith("header:"):
-        name = field[len("header:") :]
-        return lambda request: str((request.trace_headers or {}).get(name, "") or "")
+    if field.startswith("header:") or field in ("api-key", "user"):
+        # The API server stamps it on the sampling parameters (frontend.py); without the API
+        # server (vLLM as a library), a trace header of that name is the tenant.
+        name = field[len("header:") :] if field.startswith("header:") else ""
+
+        def stamped(request: Any) -> str:
+            extra = getattr(request.sampling_params, "extra_args", None) or {}
+            if TENANT_ARG in extra:
+                return str(extra[TENANT_ARG] or "")
+            return str((request.trace_headers or {}).get(name, "") or "") if name else ""
+
+        return stamped
     path = field[len("attr:") :].split(".") if field.startswith("attr:") else field.split(".")
 
     def read(request: Any) -> str:
@@ -80,6 +91,15 @@ def tenant_reader(field: str) -> Callable[[Any], str]:
         return str(value)
 
     return read
+
+
+def tenant_source(field: str) -> str:
+    """Where tenants come from, in the words of the start-up line."""
+    where = "cache_salt" if not field or field == "cache_salt" else field
+    return (
+        f"tenants from {where} (a request without one has no tenant: cross-tenant sharing "
+        "among such requests is not judged)"
+    )
 
 
 def _state(manager: Any) -> PoolState | None:
@@ -105,6 +125,7 @@ class VllmAdapter:
         self.pools = 0
         self._config = threading.local()  # the VllmConfig of a Scheduler being built
         self._external_kills: dict[str, str] = {}  # ordered by the daemon, applied at the next step
+        self._told: list[tuple[int, str, str]] = []  # stopped: (client, request, why) to send out
 
     # ------------------------------------------------------------------ install
 
@@ -179,6 +200,9 @@ class VllmAdapter:
         pool = self.pools
         self.pools += 1
         settings = attachment.settings
+        load_witness, no_witness = (
+            witness.find(vllm_config, cfg.num_blocks) if kv_transfer is not None else (None, "")
+        )
         state = PoolState(
             attachment,
             pool,
@@ -189,6 +213,7 @@ class VllmAdapter:
             "decode" if role == "decode" else "prefill",
             tenant_reader(settings.tenant_field),
             paired=role == "decode",
+            witness=load_witness,
         )
         manager.__dict__["_kvguard"] = state
         state.take(
@@ -204,6 +229,25 @@ class VllmAdapter:
                 reserved_pages=1,
                 cluster=settings.cluster,
             )
+        )
+        loads = (
+            ""
+            if kv_transfer is None
+            else "; connector loads witnessed in the KV tensors"
+            if load_witness is not None
+            else f"; connector loads taken at the connector's word ({no_witness})"
+        )
+        log.warning(
+            "kvguard: guarding vLLM %s pool %d (%s, %d blocks of %d, context %d, %s mode); %s%s",
+            self.engine_version or vllm.__version__,
+            pool,
+            role,
+            cfg.num_blocks,
+            spec.block_size,
+            int(args["max_model_len"]),
+            settings.mode,
+            tenant_source(settings.tenant_field),
+            loads,
         )
 
     def allocate_slots(
@@ -239,7 +283,12 @@ class VllmAdapter:
         n_hit = len(hit.blocks[0]) if hit is not None else 0
         local = request.num_computed_tokens + args.get("num_new_computed_tokens", 0)
         external = args.get("num_external_computed_tokens", 0)
-        state.attachment.contain("allocate_slots", state.allocated, request, before, n_hit, local, external)
+        # delay_cache_blocks is vLLM's "the connector loads asynchronously": without it the
+        # load happens in the worker, inside this step's forward.
+        in_step = not args.get("delay_cache_blocks", False)
+        state.attachment.contain(
+            "allocate_slots", state.allocated, request, before, n_hit, local, external, in_step
+        )
 
     def free(self, orig: Callable[..., Any], manager: Any, request: Any) -> Any:
         state = _state(manager)
@@ -273,13 +322,13 @@ class VllmAdapter:
         if state is not None and self._external_kills:
             # The daemon's kills, on the scheduler's own thread, before this step allocates.
             kills, self._external_kills = self._external_kills, {}
-            state.attachment.contain("schedule (daemon kill)", self._abort, scheduler, None, kills)
+            state.attachment.contain("schedule (daemon kill)", self._stop, state, scheduler, None, kills)
         out = orig(scheduler, *args, **kwargs)
         if state is None or not state.attachment.active:
             return out
         kills = state.attachment.contain("schedule", self._step, state, scheduler, out) or {}
         if kills:
-            state.attachment.contain("schedule (abort)", self._abort, scheduler, out, kills)
+            state.attachment.contain("schedule (stop)", self._stop, state, scheduler, out, kills)
         return out
 
     def _step(self, state: PoolState, scheduler: Any, out: Any) -> dict[str, str]:
@@ -288,12 +337,19 @@ class VllmAdapter:
         kills.update(state.step(requests, list(out.num_scheduled_tokens.values())))
         return kills
 
-    def _abort(self, scheduler: Any, out: Any | None, kills: dict[str, str]) -> None:
+    def _stop(self, state: PoolState, scheduler: Any, out: Any | None, kills: dict[str, str]) -> None:
+        """End the condemned requests through vLLM's own error path (FINISHED_ERROR: their
+        blocks freed, out of this step's batch), and tell each client why, with the outputs
+        of the next update_from_output (`_told`)."""
         from vllm.v1.request import RequestStatus
 
         for req, why in kills.items():
-            log.warning("kvguard: aborting vLLM request %s: %s", req, why)
-        scheduler.finish_requests(list(kills), RequestStatus.FINISHED_ABORTED)
+            log.warning("kvguard: stopping vLLM request %s: %s", req, why)
+        for request in scheduler.finish_requests(list(kills), RequestStatus.FINISHED_ERROR):
+            finding = state.guard.killed.get(request.request_id)
+            kind = finding.finding if finding is not None else "unverifiable"
+            reason = frontend.stop_reason(request.request_id, kind, state.guard.node)
+            self._told.append((request.client_index, request.request_id, reason))
         if out is not None:
             strip(out, set(kills))
 
@@ -324,12 +380,41 @@ class VllmAdapter:
 
     def update_from_output(self, orig: Callable[..., Any], scheduler: Any, args: Any, kwargs: Any) -> Any:
         state = _state(scheduler.kv_cache_manager)
-        runner = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
-        output = getattr(runner, "kv_connector_output", None)
-        if state is not None and output is not None and state.attachment.active:
-            # Before vLLM reacts (rewinds, fails, promotes or frees): what the worker reports.
-            state.attachment.contain("update_from_output (connector)", self._xfer, state, scheduler, output)
-        return orig(scheduler, *args, **kwargs)
+        if state is not None and state.attachment.active:
+            runner = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
+            output = getattr(runner, "kv_connector_output", None)
+            if output is not None:
+                # Before vLLM reacts (rewinds, fails, promotes or frees): what the worker reports.
+                state.attachment.contain(
+                    "update_from_output (connector)", self._xfer, state, scheduler, output
+                )
+            if state.after_forward:
+                # Loads made in the forward, checked before vLLM hands out what it computed:
+                # a request stopped here has its sampled tokens dropped by vLLM itself.
+                kills = state.attachment.contain("update_from_output (loads)", state.forwarded) or {}
+                if kills:
+                    state.attachment.contain(
+                        "update_from_output (stop)", self._stop, state, scheduler, None, kills
+                    )
+        result = orig(scheduler, *args, **kwargs)
+        if self._told:
+            result = self._tell(result)
+        return result
+
+    def _tell(self, result: dict[int, Any]) -> dict[int, Any]:
+        """Each stopped request's end, to its client: vLLM's FinishReason.ERROR with kvguard's
+        words (frontend.py makes them the HTTP error the client reads)."""
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+        told, self._told = self._told, []
+        for client, rid, reason in told:
+            end = EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=reason)
+            outputs = result.get(client)
+            if outputs is None:
+                result[client] = EngineCoreOutputs(outputs=[end])
+            else:
+                outputs.outputs = [*outputs.outputs, end]
+        return result
 
     def _xfer(self, state: PoolState, scheduler: Any, output: Any) -> None:
         state.flush(list(state.pending))

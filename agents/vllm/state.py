@@ -7,22 +7,39 @@ a share naming its grantee, its free, a transfer receipt); a block's `grantee` i
 it was last granted to, which is the origin of any later prefix hit on it (the hit is judged
 by the ledger: a freed block still holding its grantee's KV is a legitimate hit). Blocks a KV
 connector loads into count as written only through a `done` receipt, for no more than what
-landed (up to the first invalid block, within what the sender holds); blocks vLLM keeps past
-a request's end for its connector are held (transfer_send / transfer_recv) until it is done.
+landed (up to the first invalid block, within what the sender holds; a load in the step's own
+forward, as a synchronous connector makes it: the blocks the load witness saw change); blocks
+vLLM keeps past a request's end for its connector are held (transfer_send / transfer_recv)
+until it is done. A request whose KV a synchronous connector loads in this step's forward is
+checked after that forward, before anything computed from it leaves the engine core.
 The step's pages, slots and block tables are built as numpy arrays over the whole batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvguard.agents.attach import Attachment
 from kvguard.agents.guard import Verdict
+from kvguard.agents.vllm.witness import LoadWitness
 
 EMPTY = np.zeros(0, np.int64)
+
+
+@dataclass(slots=True)
+class Load:
+    """KV a connector loads into a request's blocks: the blocks, the first token they hold,
+    the tokens it said it would load, and (a load in the step's forward, witnessed) the
+    blocks' digests before it."""
+
+    blocks: np.ndarray
+    local: int
+    external: int
+    before: np.ndarray | None = None
 
 
 class PoolState:
@@ -40,6 +57,7 @@ class PoolState:
         tenant_of: Any,
         *,
         paired: bool = False,
+        witness: LoadWitness | None = None,
     ) -> None:
         self.attachment = attachment
         self.guard = attachment.guard
@@ -55,8 +73,10 @@ class PoolState:
         self.pending_mask = np.zeros(num_blocks, bool)
         self.grantee = np.full(num_blocks, "", dtype=object)
         self.admitted: set[str] = set()
-        # request -> (blocks a connector loads into, first token they hold, tokens expected)
-        self.xfer_in: dict[str, tuple[np.ndarray, int, int]] = {}
+        self.witness = witness
+        self.xfer_in: dict[str, Load] = {}  # loads a connector reports done later (finished_recving)
+        self.loading: dict[str, Load] = {}  # loads in the coming forward (a synchronous connector)
+        self.after_forward: list[tuple[Any, int]] = []  # (request, tokens) checked after the forward
         self.held: dict[str, tuple[np.ndarray, str]] = {}  # request -> (blocks, holder) past its end
         self.kills: dict[str, str] = {}  # request -> why, to end through vLLM's abort path
 
@@ -93,10 +113,13 @@ class PoolState:
 
     # ------------------------------------------------------------------ allocation
 
-    def allocated(self, request: Any, before: int, n_hit: int, local: int, external: int) -> None:
+    def allocated(
+        self, request: Any, before: int, n_hit: int, local: int, external: int, in_step: bool = False
+    ) -> None:
         """After allocate_slots granted blocks: admit on first sight, report the prefix hits
         (share, origin = each block's grantee), keep the new grants for the step; blocks for
-        `external` tokens past the `local` computed ones wait for a connector's receipt."""
+        `external` tokens past the `local` computed ones wait for a connector's receipt, or,
+        `in_step` (a synchronous connector), for the witness after this step's forward."""
         rid = request.request_id
         blocks = self.vllm_table(rid)
         new = np.fromiter((b.block_id for b in blocks[before:]), np.int64, len(blocks) - before)
@@ -119,7 +142,11 @@ class PoolState:
             self.share(rid, hits)
         if external > 0:  # blocks a KV connector loads into: their receipt names them
             pages = self.tables[rid][local // self.bs : -(-(local + external) // self.bs)].copy()
-            self.xfer_in[rid] = (pages, local, external)
+            if in_step:
+                before = self.witness.digests(pages) if self.witness is not None else None
+                self.loading[rid] = Load(pages, local, external, before)
+            else:
+                self.xfer_in[rid] = Load(pages, local, external)
             if self.paired:
                 prefill = peer(request) or "remote-prefill"
                 tenant = self.tenant_of(request)
@@ -153,6 +180,7 @@ class PoolState:
         self.flush([rid])
         self.tables.pop(rid, None)
         self.xfer_in.pop(rid, None)
+        self.loading.pop(rid, None)
         self.held.pop(rid, None)
         pages = block_ids[::-1]
         pages = pages[pages != self.null]
@@ -186,7 +214,7 @@ class PoolState:
         if entry is None:  # no load kvguard saw reserved (granted before it watched): nothing to say
             self.release(rid)
             return
-        pages, local, expected = entry
+        pages, local, expected = entry.blocks, entry.local, entry.external
         bad = np.flatnonzero(np.isin(pages, invalid))
         landed = min(expected, int(bad[0]) * self.bs) if len(bad) else expected
         landed = min(landed, max(0, sender_tokens(request, self.bs) - local))
@@ -221,12 +249,57 @@ class PoolState:
     def step(self, requests: Sequence[Any], scheduled: Sequence[int]) -> dict[str, str]:
         """One scheduler step, after vLLM advanced each request's num_computed_tokens by its
         scheduled tokens: the KV it writes, the grants made for it and the check of every
-        request's block table up to its context, in one guard call. The requests to end."""
-        keep = [i for i, r in enumerate(requests) if r.request_id not in self.kills]
-        names = [requests[i].request_id for i in keep]
+        request's block table up to its context, in one guard call. A request whose KV is
+        loaded in this step's forward waits for `forwarded`. The requests to end."""
+        now, later = [], []
+        for request, tokens in zip(requests, scheduled, strict=True):
+            rid = request.request_id
+            if rid not in self.kills:
+                (later if rid in self.loading else now).append((request, tokens))
+        self.after_forward += later
+        return self._step(now)
+
+    def forwarded(self) -> dict[str, str]:
+        """After the step's forward: the loads it made, as the witness saw them land, then the
+        step of the requests that read them, checked. The requests to end."""
+        todo, self.after_forward = self.after_forward, []
+        for request, _ in todo:
+            self.loaded(request)
+        return self._step([(r, tokens) for r, tokens in todo if r.request_id not in self.kills])
+
+    def loaded(self, request: Any) -> None:
+        """A load made in the forward, reported as what landed: the blocks the witness saw
+        change, from the first (all of them, at the connector's word, without a witness),
+        against the tokens the connector said it would load."""
+        rid = request.request_id
+        load = self.loading.pop(rid, None)
+        if load is None:
+            return
+        blocks = load.blocks
+        n = len(blocks) if load.before is None else self.witness.landed(blocks, load.before)  # type: ignore[union-attr]
+        landed = min(load.external, max(0, n * self.bs - load.local % self.bs))
+        status = "done" if landed else "failed"
+        pages = blocks[: -(-landed // self.bs)] if landed else blocks
+        self.take(
+            self.guard.xfer_recv(
+                rid,
+                rid,
+                peer(request),
+                self.pool,
+                pages,
+                landed,
+                0,
+                status=status,
+                claimed_tokens=load.external,
+            ),
+            rid,
+        )
+
+    def _step(self, batch: Sequence[tuple[Any, int]]) -> dict[str, str]:
+        names = [request.request_id for request, _ in batch]
         n = len(names)
-        sched = np.fromiter((scheduled[i] for i in keep), np.int64, n)
-        ends = np.fromiter((requests[i].num_computed_tokens for i in keep), np.int64, n)
+        sched = np.fromiter((tokens for _, tokens in batch), np.int64, n)
+        ends = np.fromiter((request.num_computed_tokens for request, _ in batch), np.int64, n)
         tables = [self.table(rid) for rid in names]
         lens = np.fromiter((len(t) for t in tables), np.int64, n)
         flat = np.concatenate(tables) if n else EMPTY

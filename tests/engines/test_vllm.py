@@ -58,7 +58,11 @@ def test_unsalted_cross_tenant_share_is_caught_and_killed(batch: dict[str, Any])
     assert (share["req"], share["tenant"]) == ("b-1", "tenant-b")
     assert (share["victim_req"], share["victim_tenant"]) == ("a-1", "tenant-a")
     assert share["pages"] == result["blocks_a"][:4]  # the four prefix blocks
-    assert result["killed"] == ["b-1"] and result["finished"]["b-1"] == "FINISHED_ABORTED"
+    assert result["killed"] == ["b-1"] and result["finished"]["b-1"] == "FINISHED_ERROR"
+    # Its client is told, in this step's outputs, by kvguard's words: nothing of tenant-a.
+    ((told, why),) = result["told"]
+    assert told == "b-1" and why.startswith("kvguard stopped request b-1: ") and "cross_tenant_share" in why
+    assert "tenant-a" not in why and "a-1" not in why
     assert result["finished"]["a-1"] == "RUNNING"  # the rest of the batch goes on
     assert all("b-1" not in step for step in result["trace"])  # never reached a forward
     seen = events(capture)
@@ -111,7 +115,7 @@ def test_plugin_entry_point_reports_the_pool(tmp_path: Path) -> None:
 
 def test_unknown_version_is_refused_in_one_line(tmp_path: Path) -> None:
     result, capture = scenario("refused", tmp_path)
-    assert "vllm 0.99.0 is not a version this adapter knows (0.33.0)" in result["refused"]
+    assert "vllm 0.99.0 is not a version this adapter knows (0.32.0, 0.33.0)" in result["refused"]
     assert not result["attachment"] and not result["guarded"]
     assert result["status"] == "RUNNING" and result["trace"][0] == {"q-1": 16}  # the engine went on
     assert result["_stderr"].count("not a version this adapter knows") == 1
@@ -199,7 +203,8 @@ def test_pd_decode_partial_load_is_a_short_transfer(batch: dict[str, Any]) -> No
     assert (recv["pages"], recv["tokens"], recv["status"]) == ([1, 2], 8, "done")
     assert result["after_recv"]["computed"] == 8  # vLLM's own rewind agrees on what landed
     assert live_kinds(result) == {("transfer_mismatch", "d-1")} and result["killed"] == ["d-1"]
-    assert result["final"] == "FINISHED_ABORTED" and result["gone"]
+    assert result["final"] == "FINISHED_ERROR" and result["gone"]
+    assert [rid for rid, _ in result["told"]] == ["d-1"]
     assert all("d-1" not in step for step in result["trace"])
     assert kinds(replay(capture)) == {("transfer_mismatch", "d-1")}
 
@@ -214,7 +219,8 @@ def test_pd_decode_receipt_short_of_the_prompt_is_a_mismatch(batch: dict[str, An
     assert (recv["pages"], recv["tokens"], recv["status"]) == ([1, 2, 3], 12, "done")
     assert result["bootstrap"][0]["prompt_tokens"] == 18
     assert live_kinds(result) == {("transfer_mismatch", "d-1")} and result["killed"] == ["d-1"]
-    assert result["final"] == "FINISHED_ABORTED" and result["gone"]
+    assert result["final"] == "FINISHED_ERROR" and result["gone"]
+    assert [rid for rid, _ in result["told"]] == ["d-1"]
     assert all("d-1" not in step for step in result["trace"])
     seen = events(capture)
     assert any(e.get("kill", {}).get("req") == "d-1" for e in seen)

@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SCENARIO, CAPTURE = sys.argv[1], sys.argv[2]
 CURRENT = ""  # in a batch, "NAME,MODE" of the scenario running (its result line says it)
+TOLD: list = []  # (request, stop_reason) of the ERROR ends the engine core sent its clients
 BS = 4
 
 if SCENARIO == "plugin":
@@ -36,6 +37,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -135,7 +137,11 @@ def step(s: Scheduler, trace: list, kv: KVConnectorOutput | None = None) -> dict
         sampled_token_ids=sampled,
         kv_connector_output=kv,
     )
-    s.update_from_output(out, mro)
+    for outputs in s.update_from_output(out, mro).values():
+        # What the engine core sends each client: a stopped request's end, in kvguard's words.
+        TOLD.extend(
+            (o.request_id, o.stop_reason) for o in outputs.outputs if o.finish_reason == FinishReason.ERROR
+        )
     trace.append({r: n for r, n in out.num_scheduled_tokens.items()})
     return out
 
@@ -168,6 +174,7 @@ def result(attachment, s, **extra) -> None:
                     for f in guard.findings
                 ],
                 "killed": sorted(guard.killed),
+                "told": TOLD,
                 "errors": guard.errors,
                 "failed": attachment.failed,
                 "failures": attachment.failures,
@@ -485,6 +492,7 @@ if SCENARIO == "batch":  # several in one process (vLLM imported once): NAME,CAP
     for spec in sys.argv[2:]:
         name, CAPTURE, mode = spec.split(",")
         CURRENT = f"{name},{mode}"
+        TOLD.clear()
         SCENARIOS[name]()
         sys.stdout.flush()
 else:
