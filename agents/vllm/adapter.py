@@ -200,9 +200,6 @@ class VllmAdapter:
         pool = self.pools
         self.pools += 1
         settings = attachment.settings
-        load_witness, no_witness = (
-            witness.find(vllm_config, cfg.num_blocks) if kv_transfer is not None else (None, "")
-        )
         state = PoolState(
             attachment,
             pool,
@@ -213,7 +210,6 @@ class VllmAdapter:
             "decode" if role == "decode" else "prefill",
             tenant_reader(settings.tenant_field),
             paired=role == "decode",
-            witness=load_witness,
         )
         manager.__dict__["_kvguard"] = state
         state.take(
@@ -230,15 +226,8 @@ class VllmAdapter:
                 cluster=settings.cluster,
             )
         )
-        loads = (
-            ""
-            if kv_transfer is None
-            else "; connector loads witnessed in the KV tensors"
-            if load_witness is not None
-            else f"; connector loads taken at the connector's word ({no_witness})"
-        )
         log.warning(
-            "kvguard: guarding vLLM %s pool %d (%s, %d blocks of %d, context %d, %s mode); %s%s",
+            "kvguard: guarding vLLM %s pool %d (%s, %d blocks of %d, context %d, %s mode); %s",
             self.engine_version or vllm.__version__,
             pool,
             role,
@@ -247,7 +236,6 @@ class VllmAdapter:
             int(args["max_model_len"]),
             settings.mode,
             tenant_source(settings.tenant_field),
-            loads,
         )
 
     def allocate_slots(
@@ -380,9 +368,13 @@ class VllmAdapter:
 
     def update_from_output(self, orig: Callable[..., Any], scheduler: Any, args: Any, kwargs: Any) -> Any:
         state = _state(scheduler.kv_cache_manager)
+        runner = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
+        output = getattr(runner, "kv_connector_output", None)
+        # The workers' load witness rides in invalid_block_ids: taken out before vLLM reads it.
+        witnessed, unchanged = (
+            witness.taken(output.invalid_block_ids) if output is not None else (False, EMPTY)
+        )
         if state is not None and state.attachment.active:
-            runner = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
-            output = getattr(runner, "kv_connector_output", None)
             if output is not None:
                 # Before vLLM reacts (rewinds, fails, promotes or frees): what the worker reports.
                 state.attachment.contain(
@@ -391,10 +383,12 @@ class VllmAdapter:
             if state.after_forward:
                 # Loads made in the forward, checked before vLLM hands out what it computed:
                 # a request stopped here has its sampled tokens dropped by vLLM itself.
-                kills = state.attachment.contain("update_from_output (loads)", state.forwarded) or {}
-                if kills:
+                forwarded = state.attachment.contain(
+                    "update_from_output (loads)", state.forwarded, witnessed, unchanged
+                )
+                if forwarded:
                     state.attachment.contain(
-                        "update_from_output (stop)", self._stop, state, scheduler, None, kills
+                        "update_from_output (stop)", self._stop, state, scheduler, None, forwarded
                     )
         result = orig(scheduler, *args, **kwargs)
         if self._told:

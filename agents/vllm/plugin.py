@@ -19,12 +19,14 @@ def register() -> None:
     if os.environ.get("KVGUARD_DISABLE", "") == "1":
         return
     try:
-        from kvguard.agents.vllm import adapter, frontend
+        from kvguard.agents.vllm import adapter, frontend, witness
 
         if adapter._ACTIVE is None:
             adapter.VllmAdapter().install()
-        # The API server's half: a request the engine core stopped reads as kvguard's error.
+        # The API server's half: a request the engine core stopped reads as kvguard's error;
+        # the workers' half: what a synchronous connector's loads really filled.
         frontend.install()
+        witness.install()
     except Exception as exc:  # kvguard's own defect: vLLM starts unguarded
         log.error(
             "kvguard: vLLM plugin failed to install (%s: %s); vLLM runs unguarded", type(exc).__name__, exc

