@@ -34,6 +34,7 @@ from google.protobuf.message import DecodeError
 from kvguard.agents.canary import Canary
 from kvguard.agents.door import Door
 from kvguard.agents.engine_watch import watch_engine
+from kvguard.agents.engines import engine as engine_entry
 from kvguard.agents.probes import gpu_facts
 from kvguard.agents.spool import Position, Source, Spool
 from kvguard.agents.upstream import (
@@ -473,8 +474,7 @@ class NodeAgent:
         """Watch an engine that has no in-engine guard: read its pool and context where it
         states them (a startup log file, or its HTTP server), and report them as `pool`
         events of node `node`, whose sequence this agent keeps (in the spool directory)."""
-        if engine not in ("sglang", "vllm"):
-            raise ValueError(f"probe {node}: engine {engine!r} is not sglang or vllm")
+        engine_entry(engine, f"probe {node}")  # a ValueError naming the engines known
         if role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"probe {node}: role {role!r} is not prefill, decode or colocated")
         self.counters.setdefault("probe_unreadable", 0)

@@ -90,6 +90,60 @@ def check_version(engine: str, found: str, known: tuple[str, ...]) -> None:
         )
 
 
+class EngineAttach:
+    """How every adapter gets its guard in an engine process, one lifecycle for all: the
+    engine's version checked against its ENGINES entry, the settings read (the environment,
+    unless given), and the Attachment made, once, on first need (`attachment`). A refusal
+    (a version the adapter does not know, a bad setting, no socket) is said in one line and
+    kept (`refused`): the engine then runs unguarded, never guarded wrongly."""
+
+    def __init__(
+        self,
+        engine: str,
+        version: Callable[[], str],
+        *,
+        settings: Settings | None = None,
+        attachment: Attachment | None = None,
+        on_kill: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.version = version
+        self.settings = settings if settings is not None else (attachment.settings if attachment else None)
+        self.made = attachment
+        self.refused = ""  # why this engine is not guarded ("" while it may be)
+        self._on_kill = on_kill
+
+    def version_known(self) -> bool:
+        """Whether the running engine is a version its adapter knows (said once if not)."""
+        if self.made is not None:
+            return True
+        if not self.refused:
+            from kvguard.agents.engines import ENGINES
+
+            try:
+                check_version(self.engine, self.version(), ENGINES[self.engine].versions)
+            except VersionRefused as exc:
+                self._refuse(str(exc))
+        return not self.refused
+
+    def attachment(self) -> Attachment | None:
+        """The guard, made on first need; None once refused."""
+        if self.made is not None or not self.version_known():
+            return self.made
+        try:
+            settings = self.settings if self.settings is not None else Settings.from_env()
+            self.made = Attachment(self.engine, settings, on_kill=self._on_kill)
+        except (SettingsError, OSError) as exc:
+            self._refuse(f"kvguard: not guarding this {self.engine} process: {exc}")
+            return None
+        self.settings = settings
+        return self.made
+
+    def _refuse(self, why: str) -> None:
+        self.refused = why
+        log.error("%s", why)
+
+
 class Attachment:
     """One engine process's guard and the adapter's failure state. Hooks run their kvguard
     work through `contain`; `stopped` tells the adapter's admission hook to refuse requests."""

@@ -353,7 +353,7 @@ def _lacks(source: str, facts: PoolFacts, names: dict[str, str]) -> list[str]:
     return [f"{source}: no {words}" for name, words in names.items() if not getattr(facts, name)]
 
 
-def _read_sglang_http(base: str) -> tuple[PoolFacts | None, list[str]]:
+def read_sglang_http(base: str) -> tuple[PoolFacts | None, list[str]]:
     problems: list[str] = []
     facts: PoolFacts | None = None
     url = base + "/server_info"
@@ -387,7 +387,7 @@ def _read_sglang_http(base: str) -> tuple[PoolFacts | None, list[str]]:
     return facts, problems
 
 
-def _read_vllm_http(base: str) -> tuple[PoolFacts | None, list[str]]:
+def read_vllm_http(base: str) -> tuple[PoolFacts | None, list[str]]:
     problems: list[str] = []
     facts: PoolFacts | None = None
     url = base + "/v1/models"
@@ -409,46 +409,6 @@ def _read_vllm_http(base: str) -> tuple[PoolFacts | None, list[str]]:
             problems.append(f"{url}: vllm:cache_config_info has no num_gpu_blocks yet (not profiled)")
         facts = facts.merged(more) if facts else more
     return facts, problems
-
-
-def read_engine(engine: str, source: str) -> Reading:
-    """An engine's pool facts from its log file or its HTTP server, and what could not be
-    read there (SGLang: /server_info, else /get_server_info, then /v1/models and /metrics
-    for what is still missing; vLLM: /v1/models for the context and /metrics for the pool)."""
-    if source.startswith(("http://", "https://")):
-        base = source.rstrip("/")
-        try:
-            facts, problems = _read_sglang_http(base) if engine == "sglang" else _read_vllm_http(base)
-        except (ValueError, TypeError, AttributeError, KeyError) as exc:  # a field of the wrong shape
-            return Reading(None, (f"{base}: a document is not as the engine writes it ({exc!r})",))
-        if facts is not None and not facts.pool_tokens:
-            facts = None
-    else:
-        try:
-            with open(source, encoding="utf-8", errors="replace") as log:
-                lines = log.readlines()
-        except OSError as exc:
-            return Reading(None, (f"log {source}: cannot read ({exc.strerror or exc})",))
-        facts = parse_sglang_log(lines) if engine == "sglang" else parse_vllm_log(lines)
-        problems = _log_problems(engine, source, facts)
-    if facts is not None and not facts.missing():
-        return Reading(facts, ())
-    if not problems:  # every source answered, and none stated it
-        problems = [f"{source}: {', '.join(facts.missing() if facts else ['the pool'])} not stated"]
-    return Reading(facts, tuple(dict.fromkeys(problems)))
-
-
-def _log_problems(engine: str, source: str, facts: PoolFacts | None) -> list[str]:
-    if facts is None:
-        line = "'max_total_num_tokens=' (scheduler)" if engine == "sglang" else "'KV cache size: N tokens'"
-        return [f"log {source}: no {line} line yet"]
-    problems = []
-    if not facts.context_len:
-        problems.append(f"log {source}: the context length is not stated")
-    if not facts.page_size:
-        why = "no server_args line" if engine == "sglang" else "block_size is logged only when set"
-        problems.append(f"log {source}: the page size is not stated ({why}; reported as 1)")
-    return problems
 
 
 @dataclass

@@ -12,10 +12,11 @@ import os
 import stat
 import sys
 
+from kvguard.agents.engines import ENGINES
 from kvguard.cli.options import AGENT_SOCKET, Subcommands, add_command
 
 # The engines' plugin allow-lists: when the operator set one, kvguard is added to it.
-PLUGIN_LISTS = ("SGLANG_PLUGINS", "VLLM_PLUGINS")
+PLUGIN_LISTS = tuple(engine.allow_list for engine in ENGINES.values())
 
 
 def engine_environment(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, str]:

@@ -31,7 +31,6 @@ from kvguard.agents.sglang.pages import NONE, PageBook, groups
 
 log = logging.getLogger("kvguard.adapter")
 
-KNOWN_VERSIONS = ("0.5.23",)
 POOL = 0  # the scheduler's one KV pool (hybrid pools: not yet mapped)
 UNNAMED = "?"  # the other side of a PD pair: SGLang knows its bootstrap address, not its node name
 

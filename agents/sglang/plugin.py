@@ -17,13 +17,26 @@ from typing import Any
 
 import numpy as np
 
-from kvguard.agents.attach import Attachment, Settings, SettingsError, VersionRefused, check_version
-from kvguard.agents.sglang.adapter import KNOWN_VERSIONS, SglangAdapter, host_ints
+from kvguard.agents.attach import EngineAttach
+from kvguard.agents.sglang.adapter import SglangAdapter, host_ints
 
 log = logging.getLogger("kvguard.adapter")
 
 _adapter: SglangAdapter | None = None
-_refused = ""  # why this process is not guarded ("" while it may be)
+
+
+def _version() -> str:
+    import sglang
+
+    return sglang.__version__
+
+
+def _stop_rid(rid: str, why: str) -> None:
+    if _adapter is not None:
+        _adapter.stop_rid(rid, why)
+
+
+_lifecycle = EngineAttach("sglang", _version, on_kill=_stop_rid)
 
 
 def install(adapter: SglangAdapter) -> SglangAdapter:
@@ -36,36 +49,20 @@ def install(adapter: SglangAdapter) -> SglangAdapter:
 
 def current() -> SglangAdapter | None:
     """The process's adapter, made from the environment the first time a hook needs it."""
-    global _adapter, _refused
-    if _adapter is None and not _refused:
-        try:
-            settings = Settings.from_env()
-            attachment = Attachment("sglang", settings, on_kill=lambda rid, why: _stop_rid(rid, why))
-        except (SettingsError, OSError) as exc:
-            _refused = str(exc)
-            log.error("kvguard: not guarding this SGLang process: %s", exc)
+    global _adapter
+    if _adapter is None:
+        attachment = _lifecycle.attachment()
+        if attachment is None:
             return None
         _adapter = SglangAdapter(attachment)
     return _adapter
 
 
-def _stop_rid(rid: str, why: str) -> None:
-    if _adapter is not None:
-        _adapter.stop_rid(rid, why)
-
-
 def load() -> None:
-    """The entry point SGLang calls (in each of its processes)."""
-    global _refused
-    import sglang
-
-    try:
-        check_version("sglang", sglang.__version__, KNOWN_VERSIONS)
-    except VersionRefused as exc:
-        _refused = str(exc)
-        log.error("%s", exc)
-        return
-    _register()
+    """The entry point SGLang calls (in each of its processes): a version this adapter does
+    not know registers no hook at all."""
+    if _lifecycle.version_known():
+        _register()
 
 
 def _run(what: str, fn: Callable[..., Any], *args: Any) -> Any:

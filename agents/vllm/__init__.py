@@ -2,6 +2,6 @@
 one made from the environment), `plugin.register` is the `vllm.general_plugins` entry point.
 How tenants are read and what each vLLM hook maps to: see `adapter`."""
 
-from kvguard.agents.vllm.adapter import KNOWN_VERSIONS, VllmAdapter, attach, tenant_reader
+from kvguard.agents.vllm.adapter import VllmAdapter, attach, tenant_reader
 
-__all__ = ["KNOWN_VERSIONS", "VllmAdapter", "attach", "tenant_reader"]
+__all__ = ["VllmAdapter", "attach", "tenant_reader"]

@@ -1,11 +1,13 @@
-"""kvguard inside vLLM 0.33.0's v1 engine core (`VllmAdapter`): class patches on
+"""kvguard inside vLLM's v1 engine core (0.32, 0.33; `VllmAdapter`): class patches on
 `KVCacheManager` and `Scheduler` that report each change of KV-block ownership to the guard.
 
 Invariants: the patches are installed once per process and dispatch by manager instance
 (each guarded manager carries its `PoolState`); every hook runs kvguard's part through
 `Attachment.contain`, so a kvguard failure never raises into vLLM; vLLM is interrupted only
-to end the requests a verdict names, through its own abort path
-(`Scheduler.finish_requests(ids, FINISHED_ABORTED)`), before the forward of the step.
+to end the requests a verdict names, through its own error path
+(`Scheduler.finish_requests(ids, FINISHED_ERROR)`), before the forward of the step (after
+it, for a request whose KV a synchronous connector loaded in it: before its token leaves),
+and each such request's client is sent its end, in kvguard's words (`_tell`, frontend.py).
 
 What each hook maps to:
 - `KVCacheManager.__init__` -> `pool` (num_blocks, block_size, reserved_pages=1 for the null
@@ -27,14 +29,17 @@ What each hook maps to:
   `bootstrap` (prefill node = its kv_transfer_params' remote engine, prompt_tokens = the
   external tokens it waits for). `Scheduler.update_from_output`, before vLLM reacts to the
   worker's kv_connector_output (failure handling, promotion, frees): `xfer_recv` for each
-  finished_recving (state.py: what landed), `xfer_send` + `release` for finished_sending.
+  finished_recving (state.py: what landed), `xfer_send` + `release` for finished_sending;
+  for a load a synchronous connector made in the step's forward: `xfer_recv` of what the
+  workers' load witness saw land (witness.py), then that request's step, checked.
 - A finished request whose blocks vLLM keeps for the connector (delay_free_blocks: a send
   still to go, a load still in flight) -> `hold` (transfer_send / transfer_recv) until then.
 
 Tenants: `settings.tenant_field` (KVGUARD_TENANT_FIELD) names where a request's tenant is
-read: empty or `cache_salt` (the default): the request's cache_salt; `header:NAME`: the
-trace header NAME; `attr:PATH` (or a bare PATH): the dotted attribute path on the Request
-(e.g. `lora_request.lora_name`). A request with no value there has tenant "": unknown, which
+read: empty or `cache_salt` (the default): the request's cache_salt; `header:NAME`,
+`api-key`, `user`: what the API server stamped (frontend.py; without it, the trace header
+NAME); `attr:PATH` (or a bare PATH): the dotted attribute path on the Request (e.g.
+`lora_request.lora_name`). A request with no value there has tenant "": unknown, which
 the ledger never judges as a cross-tenant share (vLLM shares unsalted prefixes among all
 unsalted requests, which it treats as one tenant).
 """
@@ -50,14 +55,13 @@ from typing import Any
 
 import numpy as np
 
-from kvguard.agents.attach import Attachment, Settings, SettingsError, VersionRefused, check_version
+from kvguard.agents.attach import Attachment, EngineAttach, Settings
 from kvguard.agents.vllm import frontend, witness
 from kvguard.agents.vllm.frontend import TENANT_ARG
 from kvguard.agents.vllm.state import EMPTY, PoolState
 
 log = logging.getLogger("kvguard.adapter")
 
-KNOWN_VERSIONS = ("0.32.0", "0.33.0")
 _ACTIVE: VllmAdapter | None = None  # the adapter the class patches dispatch to
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
 _LOCK = threading.Lock()
@@ -118,10 +122,10 @@ class VllmAdapter:
         settings: Settings | None = None,
         engine_version: str | None = None,
     ) -> None:
-        self.attachment = attachment
-        self.settings = settings if settings is not None else (attachment.settings if attachment else None)
         self.engine_version = engine_version
-        self.refused = ""  # why this engine is not guarded ("" while it is)
+        self.lifecycle = EngineAttach(
+            "vllm", self._version, settings=settings, attachment=attachment, on_kill=self._on_kill
+        )
         self.pools = 0
         self._config = threading.local()  # the VllmConfig of a Scheduler being built
         self._external_kills: dict[str, str] = {}  # ordered by the daemon, applied at the next step
@@ -138,22 +142,19 @@ class VllmAdapter:
             _ACTIVE = self
         return self
 
-    def _attach(self) -> Attachment | None:
-        """The guard, made on first need; a refused version or bad settings: one line, none."""
-        if self.attachment is not None or self.refused:
-            return self.attachment
-        try:
-            import vllm
+    @property
+    def attachment(self) -> Attachment | None:
+        return self.lifecycle.made
 
-            check_version("vllm", self.engine_version or vllm.__version__, KNOWN_VERSIONS)
-            settings = self.settings if self.settings is not None else Settings.from_env()
-        except (VersionRefused, SettingsError) as exc:
-            self.refused = str(exc)
-            log.error("%s", exc)
-            return None
-        self.settings = settings
-        self.attachment = Attachment("vllm", settings, on_kill=self._on_kill)
-        return self.attachment
+    @property
+    def refused(self) -> str:
+        """Why this engine is not guarded ("" while it is)."""
+        return self.lifecycle.refused
+
+    def _version(self) -> str:
+        import vllm
+
+        return self.engine_version or vllm.__version__
 
     def _on_kill(self, req: str, reason: str) -> None:
         # The daemon's command arrives on the sink's thread: vLLM's scheduler is not
@@ -163,7 +164,7 @@ class VllmAdapter:
     # ------------------------------------------------------------------ KV cache manager
 
     def on_manager(self, manager: Any, bound: inspect.BoundArguments) -> None:
-        attachment = self._attach()
+        attachment = self.lifecycle.attachment()
         if attachment is None:
             return
         attachment.contain("KVCacheManager.__init__", self._pool, attachment, manager, bound)
@@ -195,7 +196,6 @@ class VllmAdapter:
         kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
         role = ROLES.get(getattr(kv_transfer, "kv_role", "") or "", "colocated")
         model_config = getattr(vllm_config, "model_config", None)
-        import vllm
 
         pool = self.pools
         self.pools += 1
@@ -219,7 +219,7 @@ class VllmAdapter:
                 spec.block_size,
                 cfg.num_blocks,
                 engine="vllm",
-                engine_version=self.engine_version or vllm.__version__,
+                engine_version=self._version(),
                 model=str(getattr(model_config, "served_model_name", "") or ""),
                 context_len=int(args["max_model_len"]),
                 reserved_pages=1,
@@ -228,7 +228,7 @@ class VllmAdapter:
         )
         log.warning(
             "kvguard: guarding vLLM %s pool %d (%s, %d blocks of %d, context %d, %s mode); %s",
-            self.engine_version or vllm.__version__,
+            self._version(),
             pool,
             role,
             cfg.num_blocks,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from endpoints import serve
 
+from kvguard.agents.engine_watch import read_engine
 from kvguard.agents.probes import (
     from_openai_models,
     from_sglang_server_info,
@@ -22,7 +23,6 @@ from kvguard.agents.probes import (
     parse_prometheus,
     parse_sglang_log,
     parse_vllm_log,
-    read_engine,
 )
 from kvguard.daemon.store import Store
 from kvguard.proto import pb

@@ -355,7 +355,10 @@ def version_refused(capture: str, mode: str) -> dict:
 
     sglang.__version__ = "0.6.0"
     plugin.load()
-    return {"hooked": hasattr(PagedTokenToKVPoolAllocator.alloc, "__wrapped__"), "refused": plugin._refused}
+    return {
+        "hooked": hasattr(PagedTokenToKVPoolAllocator.alloc, "__wrapped__"),
+        "refused": plugin._lifecycle.refused,
+    }
 
 
 def contained(capture: str, mode: str) -> dict:

@@ -19,6 +19,7 @@ import pytest
 from endpoints import serve
 from engine_venvs import run_scenario
 
+from kvguard.agents.engine_watch import read_engine
 from kvguard.agents.probes import (
     from_openai_models,
     from_sglang_metrics,
@@ -27,7 +28,6 @@ from kvguard.agents.probes import (
     parse_prometheus,
     parse_sglang_log,
     parse_vllm_log,
-    read_engine,
 )
 from kvguard.daemon.store import Store
 from kvguard.ledger.findings import Finding
