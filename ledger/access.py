@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 
 from kvguard.ledger.findings import NOBODY, BadEvent, Findings
-from kvguard.ledger.pages import live_grants
+from kvguard.ledger.pages import HOLDER_INDEX, live_grants
 from kvguard.ledger.pools import Pool
 from kvguard.ledger.requests import Request
+
+SEND_HOLD, OFFLOAD_HOLD = HOLDER_INDEX["transfer_send"], HOLDER_INDEX["offload"]
 
 
 @dataclass(slots=True)
@@ -149,6 +151,26 @@ class Access:
         self.stats.page_transitions += len(pages)
         if not pool.pages.read_clean(pages, r.idx, tokens):
             self._read_slow(r, pool, pages, tokens)
+
+    def read_held(self, r: Request, pool: Pool, pages: np.ndarray, tokens: int) -> None:
+        """KV that leaves the node after its request's grant ended, under a hold that keeps it
+        for the sender (asynchronous senders, deferred release, offloading): clean on each page
+        that is still held so and still holds the request's own KV, written under the
+        generation the page still has; every other page is read as `read` judges it (once
+        the last hold is gone, a send is a use after free)."""
+        pp = pool.pages
+        state = pp.state[pages]
+        kept = (
+            ((pp.holds[SEND_HOLD, pages] > 0) | (pp.holds[OFFLOAD_HOLD, pages] > 0))
+            & (state["owner"] == ~r.idx)
+            & (state["writer"] == r.idx)
+            & (state["wgen"] == state["gen"])
+        )
+        if not kept.any():
+            self.read(r, pool, pages, tokens)
+        elif not kept.all():
+            rest = pages[~kept]
+            self.read(r, pool, rest, min(tokens, len(rest) * pp.page_size))
 
     def _read_slow(self, r: Request, pool: Pool, pages: np.ndarray, tokens: int) -> None:
         """The findings of a read that is not clean at once: its stale pages (granted to the

@@ -222,8 +222,9 @@ class Transfers:
         if r.ended and not (pool.pages.holds[SEND_HOLD, pages] > 0).all():
             self._found.progress(r, f"xfer_send {x.xfer} to {x.peer_node}")
         if x.status == "done":
-            # What leaves the node must be the sender's own KV, like what attention reads.
-            self.access.read(r, pool, pages, x.tokens)
+            # What leaves the node must be the sender's own KV, like what attention reads, or
+            # kept for the sender by a hold once its grant ended (an asynchronous sender).
+            self.access.read_held(r, pool, pages, x.tokens)
         checksums = np.array(x.checksums, np.uint64)
         t.send = Side(
             node.name, x.pool, pages, x.tokens, x.bytes, checksums, x.status, self._found.seq, x.peer_node
