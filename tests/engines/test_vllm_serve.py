@@ -14,6 +14,7 @@ of the batch answered as if nothing happened."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import socket
@@ -26,9 +27,11 @@ from typing import Any
 import openai
 import pytest
 from audit_cli import audit, events, query, until
+from engine_venvs import kinds, replay
 from vllm_servers import VllmServer, connector, tiny_model
 
 from kvguard.cli.process import start_agent, start_daemon
+from kvguard.proto.capture import event_to_json
 
 PROMPT_A = "Tenant A asks about the quarterly report. " * 9  # 81 tokens: two full blocks of 32
 PROMPT_B = "Tenant B writes a poem about the sea. " * 9
@@ -63,7 +66,7 @@ class Live:
         self.model = tiny_model(root)
         self.servers: list[VllmServer] = []
 
-    def serve(self, node: str, *vllm_args: str) -> VllmServer:
+    def serve(self, node: str, tenant_field: str, *vllm_args: str) -> VllmServer:
         server = VllmServer(
             self.model,
             free_port(),
@@ -71,7 +74,7 @@ class Live:
             self.socket,
             self.root / f"{node}.log",
             *vllm_args,
-            tenant_field="header:x-tenant",
+            tenant_field=tenant_field,
         )
         self.servers.append(server)
         return server
@@ -83,22 +86,30 @@ class Live:
         self.daemon.stop()
 
 
-def client(server: VllmServer) -> openai.OpenAI:
-    # No retries: a stopped request must read as stopped, not be sent again.
-    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="sk-test", max_retries=0, timeout=60)
+def client(server: VllmServer, tenant: str = "") -> openai.OpenAI:
+    """The tenant's own client: its API key is `sk-TENANT`. No retries: a stopped request must
+    read as stopped, not be sent again."""
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key=f"sk-{tenant}", max_retries=0, timeout=60)
+
+
+def key_tenant(tenant: str) -> str:
+    """The tenant kvguard names for that client's API key (--tenant-field api-key)."""
+    return "key-" + hashlib.sha256(f"sk-{tenant}".encode()).hexdigest()[:16]
 
 
 def complete(server: VllmServer, prompt: Any, tenant: str, salt: str = "", tokens: int = 8) -> dict[str, Any]:
-    """One greedy completion (ignore_eos: exactly `tokens` tokens): what the client got, and
-    how long it took."""
+    """One greedy completion (ignore_eos: exactly `tokens` tokens) of the tenant, who is named
+    by every source a server may read (a gateway's header, its API key, the `user` field):
+    what the client got, and how long it took."""
     start = time.monotonic()
     body: dict[str, Any] = {"ignore_eos": True, **({"cache_salt": salt} if salt else {})}
     try:
-        r = client(server).completions.create(
+        r = client(server, tenant).completions.create(
             model="tiny",
             prompt=prompt,
             max_tokens=tokens,
             temperature=0,
+            user=tenant,
             extra_body=body,
             extra_headers={"x-tenant": tenant},
         )
@@ -162,7 +173,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
 
 @pytest.fixture(scope="module")
 def colocated(live: Live) -> VllmServer:
-    server = live.serve("vllm-c0")
+    server = live.serve("vllm-c0", "header:x-tenant")
     server.wait_ready()
     return server
 
@@ -171,9 +182,11 @@ def colocated(live: Live) -> VllmServer:
 def pd(live: Live) -> tuple[VllmServer, VllmServer]:
     kv = live.root / "kv-store"
     kv.mkdir()
-    prefill = live.serve("vllm-p0", "--kv-transfer-config", connector("kv_producer", kv))
+    # Tenants from the two other sources only the API server sees.
+    prefill = live.serve("vllm-p0", "user", "--kv-transfer-config", connector("kv_producer", kv))
     decode = live.serve(
         "vllm-d0",
+        "api-key",
         "--kv-transfer-config",
         connector("kv_consumer", kv, "PlantedFaultConnector", "planted_connectors"),
     )
@@ -255,7 +268,7 @@ def test_a_cross_tenant_share_is_stopped_at_once_and_said_truthfully(
 
 def test_a_stopped_stream_ends_with_an_error_event(live: Live, colocated: VllmServer) -> None:
     messages = [{"role": "user", "content": "Tenant B writes a poem about the sea, for B only. " * 7}]
-    chat = client(colocated).chat.completions
+    chat = client(colocated, "tenant-h").chat.completions
     kw: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0}
     chat.create(extra_headers={"x-tenant": "tenant-h"}, **kw)
     start, text = time.monotonic(), ""
@@ -298,6 +311,11 @@ def test_pd_clean_traffic_is_answered_and_nothing_is_found(
     )
     assert findings(live.store, "vllm-d0") == []
     assert findings(live.store, "vllm-p0") == []
+    # The tenant as each server reads it: the OpenAI `user` field, the API key (hashed).
+    tenants = {(e.node, e.admit.tenant) for e in events(live.store) if e.HasField("admit")}
+    assert {t for n, t in tenants if n == "vllm-p0"} == {"tenant-p"}
+    assert {t for n, t in tenants if n == "vllm-d0"} == {key_tenant("tenant-p")}
+    assert "tenants from user" in prefill.tail(200_000) and "tenants from api-key" in decode.tail(200_000)
 
 
 def test_pd_short_loads_are_stopped_before_any_output(
@@ -337,3 +355,15 @@ def test_pd_short_loads_are_stopped_before_any_output(
 
 def json_text(value: Any) -> str:
     return json.dumps(value)
+
+
+def test_the_live_events_replay_to_the_same_verdicts(live: Live, tmp_path: Path) -> None:
+    """What the servers reported, as the daemon stored it, replayed offline (`kvguard replay`):
+    the same findings, naming the same requests, as the daemon's own."""
+    stored = {
+        (f["finding"], f["req"]) for f in (r["finding"] for r in query(live.store, "--kind", "finding"))
+    }
+    assert {kind for kind, _ in stored} == {"cross_tenant_share", "transfer_mismatch"}
+    capture = tmp_path / "live.jsonl"
+    capture.write_text("".join(event_to_json(e) + "\n" for e in events(live.store)))
+    assert kinds(replay(capture)) == stored
