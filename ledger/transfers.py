@@ -2,6 +2,9 @@
 decode reservation, the sender, the receiver, each wire probe) reconciled, and the RDMA writes
 a probe saw posted judged against the receiver's pages.
 
+A transfer received by a request other than the one that sent it is KV another request stored
+in an external tier and this one loaded: a share from the storing request, judged by tenant.
+
 Invariants (Transfers is the only writer of transfers and of the verdicts that wait):
 - a transfer is compared as soon as two sides have spoken; bytes a probe saw beyond the
   sender's claim are wrong at once, a shortfall once the probe saw the transfer end, else it
@@ -217,8 +220,8 @@ class Transfers:
             pages = self.access.pages_read(pool, pages, x.tokens)
         r = self.requests.of_event(x.req, "xfer_send")
         t = self._transfer(x.xfer, r)
-        if t.req != r.id:
-            raise BadEvent(f"xfer_send: transfer {x.xfer} belongs to request {t.req}, not {r.id}")
+        if t.req != r.id:  # the same KV stored again by another request (a content-addressed tier)
+            t = self._transfer(f"{x.xfer}<{r.id}", r)
         if r.ended and not (pool.pages.holds[SEND_HOLD, pages] > 0).all():
             self._found.progress(r, f"xfer_send {x.xfer} to {x.peer_node}")
         if x.status == "done":
@@ -258,7 +261,11 @@ class Transfers:
         r = self.requests.of_event(x.req, "xfer_recv")
         t = self._transfer(x.xfer, r)
         if t.req != r.id:
-            raise BadEvent(f"xfer_recv: transfer {x.xfer} belongs to request {t.req}, not {r.id}")
+            # KV another request stored, loaded by this one (an external tier: LMCache, an
+            # offloading connector, a Mooncake store): a share from the storing request, judged
+            # by tenant like a prefix hit; the receipt is this request's own load of it.
+            self._loaded_from(r, self.requests.get(t.req), t, pool, pages)
+            t = self._transfer(f"{x.xfer}>{r.id}", r)
         if x.status in ("done", "refused") and need:
             slots = pool.pages.slots_read(need, x.tokens)
             self.access.write(r, pool, pages[:need], slots, drain=True, land=x.status == "done")
@@ -304,6 +311,22 @@ class Transfers:
             )
             self._compare(r, t, claim, t.recv)
         self._reconcile(r, t)
+
+    def _loaded_from(
+        self, r: Request, origin: Request | None, t: Transfer, pool: Pool, pages: np.ndarray
+    ) -> None:
+        if origin is None or not (origin.tenant and r.tenant) or origin.tenant == r.tenant:
+            return
+        self._found.report(
+            "cross_tenant_share",
+            f"{r.tenant} request {r.id} loaded KV that {origin.tenant} request {origin.id} stored "
+            f"(transfer {t.xfer}) into {len(pages)} page(s) of pool {pool.pool} on {pool.node}",
+            req=r,
+            victim=origin.idx,
+            pool=pool.pool,
+            pages=pages,
+            key=(t.xfer, "tier"),
+        )
 
     def on_wire(self, node: Node, w: pb.Wire) -> None:
         if not w.xfer:

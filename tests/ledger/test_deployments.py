@@ -1,6 +1,6 @@
 """What real deployments do that the event contract must judge right (issue 38): KV that
 outlives its request's grant under a hold (asynchronous senders, deferred release,
-offloading)."""
+offloading), and KV one request stored in an external tier that another loads."""
 
 from __future__ import annotations
 
@@ -63,3 +63,72 @@ def test_a_held_page_given_to_someone_else_is_not_the_senders_to_send() -> None:
     assert [(f.finding, f.req, list(f.pages), f.victim_req) for f in found] == [
         ("use_after_free", "a", [2], "b")
     ]
+
+
+def tier(loader_tenant: str) -> EventLog:
+    """Request a (tenant t1) stores its KV in an external tier (transfer "tier:h1", LMCache or
+    an offloading connector, keyed by content); later request b loads it into its own pages."""
+    log = EventLog()
+    log.add("n0", "pool", pool=0, role="colocated", page_size=16, num_pages=64, context_len=512)
+    log.add("n0", "admit", req="a", tenant="t1", prompt_tokens=32, stage="prefill")
+    log.add("n0", "alloc", req="a", pool=0, pages=[1, 2])
+    log.add("n0", "write", req="a", pool=0, pages=[1, 2])
+    log.add(
+        "n0",
+        "xfer_send",
+        req="a",
+        xfer="tier:h1",
+        peer_node="cpu-tier",
+        pool=0,
+        pages=[1, 2],
+        tokens=32,
+        status="done",
+    )
+    log.add("n0", "finish", req="a", output_tokens=1)
+    log.add("n0", "free", req="a", pool=0, pages=[1, 2])
+    log.add("n0", "admit", req="b", tenant=loader_tenant, prompt_tokens=40, stage="prefill")
+    log.add("n0", "alloc", req="b", pool=0, pages=[5, 6, 7])
+    log.add(
+        "n0",
+        "xfer_recv",
+        req="b",
+        xfer="tier:h1",
+        peer_node="cpu-tier",
+        pool=0,
+        pages=[5, 6],
+        tokens=32,
+        status="done",
+    )
+    log.add("n0", "write", req="b", pool=0, pages=[7], slots=[8])
+    log.add("n0", "read", reads=[{"req": "b", "pool": 0, "pages": [5, 6, 7], "tokens": 40}])
+    return log
+
+
+def test_kv_one_request_stored_and_another_of_its_tenant_loads_is_clean() -> None:
+    assert judged(tier("t1")) == []
+
+
+def test_kv_another_tenant_stored_is_a_cross_tenant_share_naming_it() -> None:
+    (found,) = judged(tier("t2"))
+    assert (found.finding, found.req, found.tenant) == ("cross_tenant_share", "b", "t2")
+    assert (found.victim_req, found.victim_tenant, list(found.pages)) == ("a", "t1", [5, 6])
+    assert "loaded KV that t1 request a stored (transfer tier:h1)" in found.message
+
+
+def test_the_same_kv_stored_again_by_another_request_is_no_bad_event() -> None:
+    log = tier("t1")
+    log.add("n0", "admit", req="c", tenant="t1", prompt_tokens=32, stage="prefill")
+    log.add("n0", "alloc", req="c", pool=0, pages=[9, 10])
+    log.add("n0", "write", req="c", pool=0, pages=[9, 10])
+    log.add(
+        "n0",
+        "xfer_send",
+        req="c",
+        xfer="tier:h1",
+        peer_node="cpu-tier",
+        pool=0,
+        pages=[9, 10],
+        tokens=32,
+        status="done",
+    )
+    assert judged(log) == []
