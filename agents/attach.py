@@ -165,6 +165,7 @@ class Attachment:
         )
         self.failed = ""  # the first failure of the adapter itself, in words ("" while none)
         self.failures = 0
+        self.refused = False  # `failed` says what the engine runs that the adapter does not map
 
     @property
     def active(self) -> bool:
@@ -173,7 +174,7 @@ class Attachment:
     @property
     def stopped(self) -> bool:
         """The engine must admit nothing more: the adapter failed and the operator chose stop."""
-        return bool(self.failed) and self.settings.on_failure == "stop"
+        return bool(self.failed) and not self.refused and self.settings.on_failure == "stop"
 
     def contain(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run kvguard's part of a hook; a failure of kvguard itself is contained here (None)."""
@@ -184,6 +185,16 @@ class Attachment:
         except Exception as exc:  # kvguard's own defect: never the engine's problem
             self.fail(f"{what}: {type(exc).__name__}: {exc}")
             return None
+
+    def refuse(self, why: str) -> None:
+        """A part of the engine the adapter does not map, found at start (a layout, a transfer
+        backend): said in one line, and the engine goes on unguarded rather than guarded
+        wrongly, whatever KVGUARD_ON_FAILURE says (this is no failure of kvguard's)."""
+        if self.failed:
+            return
+        self.failed, self.refused = why, True
+        log.error("%s", why)
+        self.guard.sink.close()  # the agent learns it from the guard's connection ending
 
     def fail(self, why: str) -> None:
         self.failures += 1

@@ -151,7 +151,38 @@ def _set_finish_with_abort(
     return result
 
 
+MAPPED_POOLS = ("MHATokenToKVPool",)  # the KV pool classes the adapter maps
+MAPPED_TRANSFERS = ("fake",)  # PD transfer backends whose senders and receivers it hooks
+
+
+def unmapped(scheduler: Any) -> list[str]:
+    """What an SGLang scheduler runs that the adapter does not map, in words (none: [])."""
+    found = []
+    allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
+    kv = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
+    if kv is not None and type(kv).__name__ not in MAPPED_POOLS:
+        found.append(f"KV pool {type(kv).__name__} (MLA, SWA and hybrid pools are not mapped)")
+    if getattr(scheduler, "is_hybrid_swa", False):
+        found.append("hybrid sliding-window pools")
+    if getattr(scheduler, "enable_hierarchical_cache", False):
+        found.append("HiCache (the hierarchical cache)")
+    mode = str(getattr(getattr(scheduler, "server_args", None), "disaggregation_mode", "null"))
+    backend = getattr(scheduler, "transfer_backend", None)
+    name = str(getattr(backend, "value", backend))
+    if mode in ("prefill", "decode") and backend is not None and name not in MAPPED_TRANSFERS:
+        found.append(f"PD transfer backend {name} (its senders and receivers override poll and send)")
+    return found
+
+
 def _scheduler_made(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    adapter = current()
+    parts = unmapped(scheduler) if adapter is not None else []
+    if adapter is not None and parts:
+        adapter.attachment.refuse(
+            f"kvguard: this SGLang setup is not mapped yet ({'; '.join(parts)}); "
+            "not guarding it rather than guarding it wrongly"
+        )
+        return
     mode = str(getattr(scheduler.server_args, "disaggregation_mode", "null"))
     _run(
         "pool report",

@@ -183,13 +183,11 @@ class VllmAdapter:
             or args.get("dcp_world_size", 1) != 1
             or args.get("pcp_world_size", 1) != 1
         ):
-            log.error(
-                "kvguard: this vLLM KV cache layout (%d group(s), %s, context parallel %s/%s) is not "
-                "mapped yet; not guarding it rather than guarding it wrongly",
-                len(groups),
-                type(spec).__name__ if spec is not None else "hybrid",
-                args.get("dcp_world_size", 1),
-                args.get("pcp_world_size", 1),
+            attachment.refuse(
+                f"kvguard: this vLLM KV cache layout ({len(groups)} group(s), "
+                f"{type(spec).__name__ if spec is not None else 'hybrid'}, context parallel "
+                f"{args.get('dcp_world_size', 1)}/{args.get('pcp_world_size', 1)}) is not mapped yet; "
+                "not guarding it rather than guarding it wrongly"
             )
             return
         vllm_config = getattr(self._config, "value", None)

@@ -361,6 +361,53 @@ def version_refused(capture: str, mode: str) -> dict:
     }
 
 
+def unmapped_refused(capture: str, mode: str) -> dict:
+    """What SGLang can run that the adapter does not map, as its own classes make it: each said
+    at the scheduler's start, and the scheduler then unguarded (no pool reported)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.utils import TransferBackend
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    def scheduler(kv: object, mode: str = "null", backend: object = None, **flags: object) -> SimpleNamespace:
+        alloc = PagedTokenToKVPoolAllocator(
+            size=16, page_size=PAGE, dtype=torch.float16, device="cpu", kvcache=kv, need_sort=False
+        )
+        return SimpleNamespace(
+            token_to_kv_pool_allocator=alloc,
+            server_args=SimpleNamespace(disaggregation_mode=mode),
+            transfer_backend=backend,
+            **flags,
+        )
+
+    mha = MHATokenToKVPool(
+        size=16, page_size=PAGE, dtype=torch.float16, head_num=2, head_dim=8, layer_num=1, device="cpu",
+        enable_memory_saver=False,
+    )  # fmt: skip
+    mla = MLATokenToKVPool(
+        size=16, page_size=PAGE, dtype=torch.float16, kv_lora_rank=16, qk_rope_head_dim=8, layer_num=1,
+        device="cpu", enable_memory_saver=False,
+    )  # fmt: skip
+    cases = {
+        "mapped": scheduler(mha, "decode", TransferBackend.FAKE),
+        "mla": scheduler(mla),
+        "mooncake": scheduler(mha, "prefill", TransferBackend.MOONCAKE),
+        "nixl": scheduler(mha, "decode", TransferBackend.NIXL),
+        "hicache": scheduler(mha, enable_hierarchical_cache=True),
+        "swa": scheduler(mha, is_hybrid_swa=True),
+    }
+    found = {name: plugin.unmapped(s) for name, s in cases.items()}
+    settings = Settings(node="u0", capture=capture, mode=mode, on_failure="stop")
+    adapter = plugin.install(SglangAdapter(Attachment("sglang", settings)))
+    plugin._scheduler_made(None, cases["mooncake"])
+    return {
+        "unmapped": found,
+        "refused": adapter.attachment.failed,
+        "stopped": adapter.attachment.stopped,
+        "reported": adapter.book is not None,
+    }
+
+
 def contained(capture: str, mode: str) -> dict:
     """kvguard itself fails inside a hook: SGLang's call returns as it would, once said."""
     e = Engine("c0", "colocated", capture, mode)
@@ -378,7 +425,8 @@ def contained(capture: str, mode: str) -> dict:
 def run(name: str, capture: str, mode: str) -> dict:
     result = globals()[name](capture, mode)
     if plugin._adapter is not None:
-        result["adapter_failed"] = plugin._adapter.attachment.failed
+        attachment = plugin._adapter.attachment  # a refusal (unmapped_refused) is no failure
+        result["adapter_failed"] = "" if attachment.refused else attachment.failed
         plugin._adapter.guard.sink.close()
     return result
 

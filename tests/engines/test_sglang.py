@@ -110,6 +110,28 @@ def test_an_unknown_sglang_version_is_refused_in_one_line(tmp_path: Path) -> Non
     assert result["_stderr"].count("not a version this adapter knows") == 1
 
 
+def test_what_the_adapter_does_not_map_is_refused_at_the_schedulers_start(tmp_path: Path) -> None:
+    """MLA, hybrid SWA and HiCache pools, and the Mooncake and NIXL transfer backends (their
+    senders and receivers override poll and send): each named at start, and the engine then
+    runs unguarded (never guarded wrongly), even under KVGUARD_ON_FAILURE=stop."""
+    result = alone(tmp_path, "unmapped_refused")
+    found = result["unmapped"]
+    assert found["mapped"] == []
+    assert found["mla"] == ["KV pool MLATokenToKVPool (MLA, SWA and hybrid pools are not mapped)"]
+    assert found["mooncake"] == [
+        "PD transfer backend mooncake (its senders and receivers override poll and send)"
+    ]
+    assert found["nixl"] == ["PD transfer backend nixl (its senders and receivers override poll and send)"]
+    assert found["hicache"] == ["HiCache (the hierarchical cache)"]
+    assert found["swa"] == ["hybrid sliding-window pools"]
+    assert result["refused"] == (
+        "kvguard: this SGLang setup is not mapped yet (PD transfer backend mooncake (its senders and "
+        "receivers override poll and send)); not guarding it rather than guarding it wrongly"
+    )
+    assert result["stopped"] is False and result["reported"] is False
+    assert result["_stderr"].count("is not mapped yet") == 1
+
+
 def test_a_failure_of_kvguard_never_reaches_sglang(batch: dict[str, Any]) -> None:
     result = batch["contained,enforce"]
     assert result["first"] == list(range(4, 12)) and result["second"] == list(range(12, 20))

@@ -14,7 +14,7 @@ from engine_venvs import kinds, replay, run_batch, run_scenario
 # Run in one process of the vLLM venv (the plugin and the version refusal need their own).
 BATCH = [
     "salted", "unsalted", "mixed", "small_pool", "pd_decode", "pd_decode_fail", "pd_decode_recompute",
-    "pd_decode_partial", "pd_decode_short", "pd_decode_abort", "pd_prefill", "contained",
+    "pd_decode_partial", "pd_decode_short", "pd_decode_abort", "pd_prefill", "contained", "hybrid_refused",
 ]  # fmt: skip
 
 
@@ -275,3 +275,13 @@ def test_pd_prefill_frees_only_after_the_send(batch: dict[str, Any]) -> None:
     ]
     assert order == ["finish", "hold", "xfer_send", "release", "free"]
     assert replay(capture) == []
+
+
+def test_a_hybrid_layout_is_refused_when_its_manager_is_made(batch: dict[str, Any]) -> None:
+    result, capture = batch["hybrid_refused"]
+    assert result["refused"] is True and result["guarded"] is False
+    assert result["failed"] == (
+        "kvguard: this vLLM KV cache layout (2 group(s), hybrid, context parallel 1/1) is not mapped yet; "
+        "not guarding it rather than guarding it wrongly"
+    )
+    assert events(capture) == []  # nothing reported of a pool kvguard does not guard

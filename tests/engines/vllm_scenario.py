@@ -304,6 +304,25 @@ def refused() -> None:
     )
 
 
+def hybrid_refused() -> None:
+    """A hybrid layout (full attention and sliding window, one block-id space, two tables) is
+    not mapped: refused when its KV cache manager is made, said once, and left unguarded."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    attachment, _ = guard_for()
+    spec = {"block_size": BS, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
+    groups = [
+        KVCacheGroupSpec(["layers.0"], FullAttentionSpec(**spec)),
+        KVCacheGroupSpec(["layers.1"], SlidingWindowSpec(**spec, sliding_window=8)),
+    ]
+    cfg = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+    manager = KVCacheManager(
+        cfg, max_model_len=64, scheduler_block_size=BS, hash_block_size=BS, enable_caching=True
+    )
+    result(attachment, None, refused=attachment.refused, guarded="_kvguard" in manager.__dict__)
+
+
 def contained() -> None:
     attachment, _ = guard_for()
 
@@ -480,6 +499,7 @@ SCENARIOS = {
     "plugin": plugin,
     "refused": refused,
     "contained": contained,
+    "hybrid_refused": hybrid_refused,
     "pd_decode": lambda: pd_decode("clean"),
     "pd_decode_fail": lambda: pd_decode("fail_first"),
     "pd_decode_recompute": lambda: pd_decode("recompute_first"),
