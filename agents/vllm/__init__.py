@@ -2,6 +2,7 @@
 one made from the environment), `plugin.register` is the `vllm.general_plugins` entry point.
 How tenants are read and what each vLLM hook maps to: see `adapter`."""
 
-from kvguard.agents.vllm.adapter import VllmAdapter, attach, tenant_reader
+from kvguard.agents.vllm.adapter import VllmAdapter, attach
+from kvguard.agents.vllm.tenants import tenant_reader
 
 __all__ = ["VllmAdapter", "attach", "tenant_reader"]

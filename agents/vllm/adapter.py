@@ -34,14 +34,7 @@ What each hook maps to:
   workers' load witness saw land (witness.py), then that request's step, checked.
 - A finished request whose blocks vLLM keeps for the connector (delay_free_blocks: a send
   still to go, a load still in flight) -> `hold` (transfer_send / transfer_recv) until then.
-
-Tenants: `settings.tenant_field` (KVGUARD_TENANT_FIELD) names where a request's tenant is
-read: empty or `cache_salt` (the default): the request's cache_salt; `header:NAME`,
-`api-key`, `user`: what the API server stamped (frontend.py; without it, the trace header
-NAME); `attr:PATH` (or a bare PATH): the dotted attribute path on the Request (e.g.
-`lora_request.lora_name`). A request with no value there has tenant "": unknown, which
-the ledger never judges as a cross-tenant share (vLLM shares unsalted prefixes among all
-unsalted requests, which it treats as one tenant).
+Tenants: tenants.py.
 """
 
 from __future__ import annotations
@@ -57,8 +50,8 @@ import numpy as np
 
 from kvguard.agents.attach import Attachment, EngineAttach, Settings
 from kvguard.agents.vllm import frontend, witness
-from kvguard.agents.vllm.frontend import TENANT_ARG
 from kvguard.agents.vllm.state import EMPTY, PoolState
+from kvguard.agents.vllm.tenants import tenant_reader, tenant_source
 
 log = logging.getLogger("kvguard.adapter")
 
@@ -66,44 +59,6 @@ _ACTIVE: VllmAdapter | None = None  # the adapter the class patches dispatch to
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
 _LOCK = threading.Lock()
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
-
-
-def tenant_reader(field: str) -> Callable[[Any], str]:
-    """How a request's tenant is read, from the operator's KVGUARD_TENANT_FIELD."""
-    if not field or field == "cache_salt":
-        return lambda request: request.cache_salt or ""
-    if field.startswith("header:") or field in ("api-key", "user"):
-        # The API server stamps it on the sampling parameters (frontend.py); without the API
-        # server (vLLM as a library), a trace header of that name is the tenant.
-        name = field[len("header:") :] if field.startswith("header:") else ""
-
-        def stamped(request: Any) -> str:
-            extra = getattr(request.sampling_params, "extra_args", None) or {}
-            if TENANT_ARG in extra:
-                return str(extra[TENANT_ARG] or "")
-            return str((request.trace_headers or {}).get(name, "") or "") if name else ""
-
-        return stamped
-    path = field[len("attr:") :].split(".") if field.startswith("attr:") else field.split(".")
-
-    def read(request: Any) -> str:
-        value = request
-        for part in path:
-            value = getattr(value, part, None)
-            if value is None:
-                return ""
-        return str(value)
-
-    return read
-
-
-def tenant_source(field: str) -> str:
-    """Where tenants come from, in the words of the start-up line."""
-    where = "cache_salt" if not field or field == "cache_salt" else field
-    return (
-        f"tenants from {where} (a request without one has no tenant: cross-tenant sharing "
-        "among such requests is not judged)"
-    )
 
 
 def _state(manager: Any) -> PoolState | None:
@@ -302,6 +257,14 @@ class VllmAdapter:
             orig(*bound.args, **bound.kwargs)
         finally:
             self._config.value = None
+        state = _state(scheduler.kv_cache_manager)
+        if state is not None and getattr(scheduler, "defer_async_loads", False):
+            # 0.33 with HiSparse on an overlapping consumer: loads start steps after their
+            # blocks are granted, fenced by steps the adapter does not follow.
+            state.attachment.refuse(
+                "kvguard: vLLM's deferred async loads (HiSparse on an overlapping KV consumer) "
+                "are not mapped yet; not guarding it rather than guarding it wrongly"
+            )
 
     def schedule(self, orig: Callable[..., Any], scheduler: Any, args: Any, kwargs: Any) -> Any:
         state = _state(scheduler.kv_cache_manager)

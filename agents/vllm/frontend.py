@@ -12,7 +12,7 @@ It also carries each request's tenant from where the deployment keeps it, which 
 server sees, to the engine core: under KVGUARD_TENANT_FIELD `header:NAME` (a header the
 gateway sets), `api-key` (the bearer token, hashed) or `user` (the OpenAI `user` field), the
 tenant rides in the request's sampling_params.extra_args as `kvguard_tenant`, which the
-engine core's tenant reader takes (adapter.tenant_reader). vLLM drops trace headers unless
+engine core's tenant reader takes (tenants.tenant_reader). vLLM drops trace headers unless
 tracing is on, so they cannot carry it. kvguard stamps that key on every request, so a
 client's own `vllm_xargs` can never name its tenant.
 
