@@ -65,6 +65,7 @@ class LedgerStats:
     forgotten: int = 0  # retired requests no page tag named any more: gone, their index reused
     restarts: int = 0  # nodes whose engine began a new incarnation (epoch) after a first one
     gaps_given_up: int = 0  # missing sequence numbers no longer waited for (sequence.MAX_GAPS)
+    untenanted: int = 0  # admissions with no tenant: never judged across tenants
 
     def totals(self) -> dict[str, int]:
         """The plain counts (not the per-kind counters), by name."""

@@ -35,6 +35,10 @@ class Lifecycle:
         if r.ended:
             self._found.progress(r, f"admit to {a.stage} on {node.name}")
         self.requests.admitted(r, a.tenant, a.prompt_tokens)
+        if not a.tenant:
+            self._found.stats.untenanted += (
+                1  # counted and shown (fleet, metrics): never judged across tenants
+            )
         tokens, context = node.capacity()
         limits = [
             (limit, what)

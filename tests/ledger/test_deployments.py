@@ -132,3 +132,13 @@ def test_the_same_kv_stored_again_by_another_request_is_no_bad_event() -> None:
         status="done",
     )
     assert judged(log) == []
+
+
+def test_a_request_with_no_tenant_is_counted() -> None:
+    """It is never judged across tenants (vLLM shares an unsalted prefix among all unsalted
+    requests), so the ledger counts it: the fleet's view and the metrics show the count."""
+    log = tier("")
+    ledger = Ledger()
+    found = [f for e in log.lines if not isinstance(e, str) for f in ledger.apply(e)]
+    assert found == [] and ledger.stats.untenanted == 1
+    assert ledger.stats.totals()["untenanted"] == 1

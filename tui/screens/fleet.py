@@ -30,7 +30,7 @@ COLUMNS += ("ROLE", "ENGINE", "GPU", "EPOCH")
 # The daemon's counters that say input was refused, or events could not be judged.
 REFUSED = ("stream_", "rejected", "access_denied", "actions_refused")
 UNJUDGED = {f"ledger_{name}" for name in ("missing", "remote_unjudged", "remote_unmapped", "orphan_wire")}
-UNJUDGED |= {"ledger_gaps_given_up"}
+UNJUDGED |= {"ledger_gaps_given_up", "ledger_untenanted"}
 
 
 def health(node: svc.NodeState, now_ns: int) -> Text:
