@@ -34,6 +34,7 @@ from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.ruleset import Ruleset, load_ruleset
 
 Mode = Literal["monitor", "enforce"]
+STOPPED = "kvguard stopped request "  # how what a stopped request's client reads begins (`told`)
 
 
 def _int64(values: Iterable[int] | np.ndarray) -> np.ndarray:
@@ -190,6 +191,22 @@ class Guard:
         self.killed[req] = finding
         self._emit(
             "kill", req, finding=finding.finding if finding else "unverifiable", by=by or f"guard@{self.node}"
+        )
+
+    def told(self, req: str) -> str:
+        """What the client of a request this guard stopped reads, whatever the engine: why in
+        a word, and the id the audit log has; nothing of any other request or tenant (a
+        finding's message may name its victim: that is for the operator, in the audit log)."""
+        finding = self.killed.get(req)
+        kind = finding.finding if finding is not None else "unverifiable"
+        why = (
+            "an operator stopped it"
+            if kind == "operator_kill"
+            else f"it failed a KV-isolation check ({kind})"
+        )
+        return (
+            f"{STOPPED}{req}: {why} on node {self.node}; nothing computed from KV it does not own "
+            f"was returned. Operators: kvguard audit request {req}"
         )
 
     # ------------------------------------------------------------------ commands from the daemon

@@ -338,10 +338,13 @@ class SglangAdapter:
         return np.asarray([r.extend_len for r in reqs], np.int64)
 
     def stop(self, req: Any, reason: str) -> None:
-        """SGLang's own abort of a request: the scheduler finishes it with this error."""
+        """SGLang's own abort of a request: the scheduler finishes it with an error (HTTP 403; a
+        stream: an error event) in kvguard's words for its client (`Guard.told`: nothing of
+        any other tenant); `reason`, the finding's, goes to the log and the audit log only."""
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-        req.to_finish = FINISH_ABORT(f"kvguard: {reason}", HTTPStatus.FORBIDDEN, "KVGuardViolation")
+        log.warning("kvguard: stopping SGLang request %s: %s", req.rid, reason)
+        req.to_finish = FINISH_ABORT(self.guard.told(str(req.rid)), HTTPStatus.FORBIDDEN, "KVGuardViolation")
 
     def stop_rid(self, rid: str, reason: str) -> None:
         """The daemon's kill (on the sink's reader thread): the request, while it holds a row and

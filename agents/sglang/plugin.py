@@ -65,11 +65,11 @@ def load() -> None:
         _register()
 
 
-def _run(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+def _run(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     adapter = current()
     if adapter is None:
         return None
-    return adapter.attachment.contain(what, fn, adapter, *args)
+    return adapter.attachment.contain(what, fn, adapter, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------- the hooks

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from kvguard.agents.attach import Attachment, EngineAttach, Settings
-from kvguard.agents.vllm import frontend, witness
+from kvguard.agents.vllm import witness
 from kvguard.agents.vllm.state import EMPTY, PoolState
 from kvguard.agents.vllm.tenants import tenant_reader, tenant_source
 
@@ -295,10 +295,8 @@ class VllmAdapter:
         for req, why in kills.items():
             log.warning("kvguard: stopping vLLM request %s: %s", req, why)
         for request in scheduler.finish_requests(list(kills), RequestStatus.FINISHED_ERROR):
-            finding = state.guard.killed.get(request.request_id)
-            kind = finding.finding if finding is not None else "unverifiable"
-            reason = frontend.stop_reason(request.request_id, kind, state.guard.node)
-            self._told.append((request.client_index, request.request_id, reason))
+            rid = request.request_id
+            self._told.append((request.client_index, rid, state.guard.told(rid)))
         if out is not None:
             strip(out, set(kills))
 

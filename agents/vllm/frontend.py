@@ -3,7 +3,7 @@ for its client at once, with an HTTP error that says so (a stream: an error even
 with vLLM's quiet `finish_reason: "abort"` and HTTP 200.
 
 The engine core ends a stopped request with vLLM's own FinishReason.ERROR and kvguard's
-message as its stop_reason (`stop_reason()`, adapter.py). vLLM's API server turns ERROR into
+message as its stop_reason (`Guard.told`, adapter.py). vLLM's API server turns ERROR into
 HTTP 500 "Internal server error"; here, for a kvguard stop only, the words are kvguard's: the
 finding's kind and the request id `kvguard audit request` finds, nothing of any other
 request or tenant.
@@ -32,9 +32,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvguard.agents.guard.guard import STOPPED
+
 log = logging.getLogger("kvguard.adapter")
 
-MARK = "kvguard stopped request "
+MARK = STOPPED  # what the engine core's stop_reason begins with for a kvguard stop
 LIMIT = 4096  # stopped requests whose client has not been answered yet, at most
 _STOPPED: OrderedDict[str, str] = OrderedDict()  # vLLM's external request id -> message
 _PATCHED: dict[str, Callable[..., Any]] = {}
@@ -68,14 +70,6 @@ def api_key_tenant(authorization: str) -> str:
     if scheme.lower() != "bearer" or not token.strip():
         return ""
     return "key-" + hashlib.sha256(token.strip().encode()).hexdigest()[:16]
-
-
-def stop_reason(req: str, finding: str, node: str) -> str:
-    """What the client of a stopped request reads: why in one word, and where to look."""
-    return (
-        f"{MARK}{req}: it failed a KV-isolation check ({finding}) on node {node}; nothing computed "
-        f"from KV it does not own was returned. Operators: kvguard audit request {req}"
-    )
 
 
 def noted(external_id: str, reason: str) -> None:
