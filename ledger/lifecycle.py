@@ -61,10 +61,15 @@ class Lifecycle:
         self.requests.end(self.requests.of_event(x.req, "reject"), "rejected", x.reason)
 
     def on_abort(self, node: Node, x: pb.Abort) -> None:
-        self.requests.end(self.requests.of_event(x.req, "abort"), "aborted", x.reason)
+        r = self.requests.of_event(x.req, "abort")
+        self.requests.draining.pop(r.idx, None)  # the engine ended it: nothing more drains
+        self.requests.end(r, "aborted", x.reason)
 
     def on_kill(self, node: Node, x: pb.Kill) -> None:
-        self.requests.end(self.requests.of_event(x.req, "kill"), "killed", f"{x.finding} by {x.by}".strip())
+        r = self.requests.of_event(x.req, "kill")
+        if "@" not in x.by:  # not the engine's own guard (guard@node): the daemon, an operator
+            self.requests.killed_from_outside(r)
+        self.requests.end(r, "killed", f"{x.finding} by {x.by}".strip())
 
     def on_finish(self, node: Node, x: pb.Finish) -> None:
         r = self.requests.of_event(x.req, "finish")

@@ -129,6 +129,8 @@ class Requests:
         self.recent: OrderedDict[int, Request] = OrderedDict()  # in use, least recently queued first
         self.retired: dict[int, Request] = {}  # least recently named first
         self.free: list[int] = []  # indices to reuse
+        # Killed from outside the engine (the daemon, an operator): steps it may still finish.
+        self.draining: dict[int, int] = {}
 
     def __len__(self) -> int:
         """Requests known now (in use or retired; forgotten ones are not)."""
@@ -217,6 +219,27 @@ class Requests:
     def set_state(self, r: Request, state: str) -> None:
         self.columns["state"][r.idx] = STATE[state]
 
+    def killed_from_outside(self, r: Request) -> None:
+        """A kill ordered from outside the engine reaches it between steps: the forward already
+        under way for the request (its next step, and that step's reads) finishes, its output
+        dropped by the engine, and is a drain, not progress (SGLang runs it; vLLM does not)."""
+        if not r.ended:
+            self.draining[r.idx] = 1
+
+    def drains(self, r: Request, step: bool) -> bool:
+        """Whether this write (`step`) or read of an ended request is the drain of the forward
+        under way when it was killed from outside; anything after it is progress."""
+        left = self.draining.get(r.idx)
+        if left is None:
+            return False
+        if not step:
+            return True
+        if left <= 0:
+            del self.draining[r.idx]
+            return False
+        self.draining[r.idx] = left - 1
+        return True
+
     def end(self, r: Request, state: str, reason: str) -> None:
         """The request ends (rejected, aborted, killed) unless it has already."""
         if not r.ended:
@@ -293,6 +316,7 @@ class Requests:
         del self.retired[r.idx]
         del self.index[r.id]
         self.objects[r.idx] = None
+        self.draining.pop(r.idx, None)
         self.free.append(r.idx)
 
     def readers(self, reqs: Any) -> np.ndarray:

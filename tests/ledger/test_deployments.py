@@ -142,3 +142,38 @@ def test_a_request_with_no_tenant_is_counted() -> None:
     found = [f for e in log.lines if not isinstance(e, str) for f in ledger.apply(e)]
     assert found == [] and ledger.stats.untenanted == 1
     assert ledger.stats.totals()["untenanted"] == 1
+
+
+def killed(by: str, steps: int) -> list[Finding]:
+    """Request a decodes; a kill reaches its engine between steps; `steps` more steps of it
+    are reported (with their reads) before the engine's abort."""
+    log = EventLog()
+    log.add("n0", "pool", pool=0, role="colocated", page_size=16, num_pages=64, context_len=512)
+    log.add("n0", "admit", req="a", tenant="t1", prompt_tokens=16, stage="prefill")
+    log.add("n0", "alloc", req="a", pool=0, pages=[1, 2])
+    log.add("n0", "write", req="a", pool=0, pages=[1, 2], slots=[16, 1])
+    log.add("n0", "kill", req="a", finding="operator_kill", by=by)
+    for n in range(steps):
+        log.add("n0", "step", pool=0, reqs=["a"], counts=[1], pages=[2], slots=[2 + n])
+        log.add("n0", "read", reads=[{"req": "a", "pool": 0, "pages": [1, 2], "tokens": 18 + n}])
+    log.add("n0", "abort", req="a", reason="kvguard stopped request a")
+    log.add("n0", "free", req="a", pool=0, pages=[1, 2])
+    return judged(log)
+
+
+def test_the_forward_under_way_when_a_kill_came_from_outside_is_a_drain() -> None:
+    """SGLang learns of a kill between steps and still runs the forward it has already formed
+    (its output dropped): that one step is a drain. A second is progress, and so is any step
+    after a kill the engine's own guard made (it drops the request before the forward)."""
+    assert killed("unverified:alice", 1) == []
+    assert killed("daemon", 1) == []
+    found = killed("daemon", 2)
+    assert {(f.finding, f.details["event"]) for f in found} == {
+        ("rejected_progress", "step"),
+        ("rejected_progress", "read"),
+    }
+    found = killed("guard@n0", 1)
+    assert {(f.finding, f.details["event"]) for f in found} == {
+        ("rejected_progress", "step"),
+        ("rejected_progress", "read"),
+    }
