@@ -11,17 +11,15 @@ import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from audit_cli import commands, events, query, until
 from engine_venvs import ROOT, engine_python
 
 from kvguard.cli.process import start_agent, start_daemon
-from kvguard.daemon.store import Store
 from kvguard.proto import pb
-from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 NODE = "sg-d0"
 SUCCESS = 4  # SGLang's KVPoll
@@ -33,45 +31,6 @@ MISMATCH = (
     "KV transfer of tenant-b request b-1 does not add up (tokens): decode sg-d0 expected 32 prompt "
     "tokens (8 page(s) reserved) for b-1 but transfer room-42 delivered 4 (1 page(s))"
 )
-
-
-def until(read: Callable[[], Any], done: Callable[[Any], bool], timeout: float = 20) -> Any:
-    """What `read` returns once `done` holds of it, or after `timeout` seconds (the agent and the
-    daemon store in their own time)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = read()
-        if done(got) or time.monotonic() > deadline:
-            return got
-        time.sleep(0.2)
-
-
-def query(store: str, *args: str) -> list[dict[str, Any]]:
-    """`kvguard audit query --store STORE ARGS -o json`: the records, as the operator reads them."""
-    done = subprocess.run(
-        [sys.executable, "-m", "kvguard", "audit", "query", "--store", store, *args, "-o", "json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-
-
-def events(store: str) -> list[pb.Event]:
-    s = Store(store)
-    try:
-        return [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")]
-    finally:
-        s.close()
-
-
-def commands(store: str) -> list[svc.Command]:
-    s = Store(store)
-    try:
-        return [svc.Command.FromString(body) for _, _, body in s.rows(kind="command")]
-    finally:
-        s.close()
 
 
 def engine_under_kvguard_run(sock: str) -> dict[str, Any]:

@@ -112,8 +112,8 @@ def test_an_operators_kill_ends_the_request_for_its_client_at_once(live: Live) -
     Each client reads kvguard's words at once (the stream: an error event; the plain one:
     HTTP 403); a third request, running beside them, is answered in full."""
     stream = client(live.server).completions.create(
-        model="tiny", prompt="Tenant B writes a poem about the sea.", max_tokens=900, temperature=0, stream=True,
-        extra_body={"ignore_eos": True, "cache_salt": "tenant-s"},
+        model="tiny", prompt="Tenant B writes a poem about the sea.", max_tokens=900, temperature=0,
+        stream=True, extra_body={"ignore_eos": True, "cache_salt": "tenant-s"},
     )  # fmt: skip
     chunks = iter(stream)
     rid = next(chunks).id  # SGLang names the response by the request's id
