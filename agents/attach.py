@@ -70,6 +70,14 @@ class Settings:
             tenant_field=env.get("KVGUARD_TENANT_FIELD", ""),
         )
 
+    def tenants(self) -> str:
+        """Where tenants come from, in the words of an adapter's start-up line."""
+        where = self.tenant_field if self.tenant_field not in ("", "cache_salt") else "cache_salt"
+        return (
+            f"tenants from {where} (a request without one has no tenant: cross-tenant sharing "
+            "among such requests is not judged)"
+        )
+
     def sink(self) -> EventSink:
         if self.socket:
             return AgentSink(self.socket, self.node)

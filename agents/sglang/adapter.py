@@ -119,7 +119,7 @@ class SglangAdapter:
         self.allocator, self.rows_pool = allocator, req_to_token_pool
         book = self.book = PageBook(int(allocator.size // allocator.page_size), int(allocator.page_size))
         log.info(
-            "kvguard: guarding sglang %s as node %s (%s, %s): pool %d tokens in pages of %d, context %d",
+            "kvguard: guarding sglang %s as node %s (%s, %s): pool %d tokens in pages of %d, context %d; %s",
             sglang.__version__,
             self.guard.node,
             self.guard.mode,
@@ -127,6 +127,7 @@ class SglangAdapter:
             allocator.size,
             book.page_size,
             context_len,
+            self.attachment.settings.tenants(),
         )
         return self.guard.pool(
             POOL,

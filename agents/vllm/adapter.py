@@ -51,7 +51,7 @@ import numpy as np
 from kvguard.agents.attach import Attachment, EngineAttach, Settings
 from kvguard.agents.vllm import witness
 from kvguard.agents.vllm.state import EMPTY, PoolState
-from kvguard.agents.vllm.tenants import tenant_reader, tenant_source
+from kvguard.agents.vllm.tenants import tenant_reader
 
 log = logging.getLogger("kvguard.adapter")
 
@@ -188,7 +188,7 @@ class VllmAdapter:
             spec.block_size,
             int(args["max_model_len"]),
             settings.mode,
-            tenant_source(settings.tenant_field),
+            settings.tenants(),
         )
 
     def allocate_slots(

@@ -1,5 +1,5 @@
 """Where the engine core reads a request's tenant (`tenant_reader`), from the operator's
-KVGUARD_TENANT_FIELD, and how the adapter's start-up line says so (`tenant_source`).
+KVGUARD_TENANT_FIELD (the start-up line says so: `Settings.tenants`).
 
 Tenants: `settings.tenant_field` (KVGUARD_TENANT_FIELD) names where a request's tenant is
 read: empty or `cache_salt` (the default): the request's cache_salt; `header:NAME`,
@@ -45,12 +45,3 @@ def tenant_reader(field: str) -> Callable[[Any], str]:
         return str(value)
 
     return read
-
-
-def tenant_source(field: str) -> str:
-    """Where tenants come from, in the words of the start-up line."""
-    where = "cache_salt" if not field or field == "cache_salt" else field
-    return (
-        f"tenants from {where} (a request without one has no tenant: cross-tenant sharing "
-        "among such requests is not judged)"
-    )

@@ -80,7 +80,9 @@ def stop(live: Live, req: str) -> float:
 
 
 def test_clean_traffic_is_answered_and_nothing_is_found(live: Live) -> None:
-    assert f"kvguard: guarding sglang 0.5.23 as node {NODE} (enforce, colocated)" in live.server.tail(100_000)
+    started = live.server.tail(100_000)
+    assert f"kvguard: guarding sglang 0.5.23 as node {NODE} (enforce, colocated)" in started
+    assert "tenants from cache_salt (a request without one has no tenant" in started
     first = complete(live.server, PROMPT, "tenant-a")
     again = complete(live.server, PROMPT, "tenant-a")  # a radix-cache hit, same tenant
     other = complete(live.server, PROMPT, "tenant-b")  # the same prompt, another tenant
