@@ -48,17 +48,27 @@ def taken(invalid: set[int]) -> tuple[bool, np.ndarray]:
     return MARK in ours, unchanged
 
 
+CHUNK = 256  # blocks digested at a time: bounds the scratch memory on the tensor's device
+
+
 def digests(layers: list[tuple[Any, int]], blocks: np.ndarray) -> np.ndarray:
-    """One digest per block over the given (tensor, block dimension) layers."""
+    """One digest per block over the given (tensor, block dimension) layers: the block's
+    bytes read as 32-bit words, weighted by position and summed, on the tensor's device."""
     import torch
 
     total = np.zeros(len(blocks), np.int64)
     for tensor, dim in layers:
-        index = torch.as_tensor(blocks, dtype=torch.long, device=tensor.device)
-        rows = tensor.index_select(dim, index).movedim(dim, 0).contiguous()
-        raw = rows.view(torch.uint8).reshape(len(blocks), -1).to(torch.int64)
-        weights = torch.arange(1, raw.shape[1] + 1, device=raw.device, dtype=torch.int64)
-        total = total * 1_000_003 + (raw * weights).sum(dim=1).cpu().numpy()
+        parts = []
+        for at in range(0, len(blocks), CHUNK):
+            index = torch.as_tensor(blocks[at : at + CHUNK], dtype=torch.long, device=tensor.device)
+            rows = tensor.index_select(dim, index).movedim(dim, 0).contiguous()
+            words = rows.view(torch.uint8).reshape(len(index), -1)
+            if words.shape[1] % 4 == 0:
+                words = words.view(torch.int32)
+            words = words.to(torch.int64)
+            weights = torch.arange(1, words.shape[1] + 1, device=words.device, dtype=torch.int64)
+            parts.append((words * weights).sum(dim=1).cpu().numpy())
+        total = total * 1_000_003 + np.concatenate(parts)
     return total
 
 
