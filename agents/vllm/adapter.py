@@ -330,9 +330,8 @@ class VllmAdapter:
         runner = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
         output = getattr(runner, "kv_connector_output", None)
         # The workers' load witness rides in invalid_block_ids: taken out before vLLM reads it.
-        witnessed, unchanged = (
-            witness.taken(output.invalid_block_ids) if output is not None else (False, EMPTY)
-        )
+        invalid = getattr(output, "invalid_block_ids", None)
+        witnessed, unchanged = witness.taken(invalid) if isinstance(invalid, set) else (False, EMPTY)
         if state is not None and state.attachment.active:
             if output is not None:
                 # Before vLLM reacts (rewinds, fails, promotes or frees): what the worker reports.
@@ -350,7 +349,7 @@ class VllmAdapter:
                         "update_from_output (stop)", self._stop, state, scheduler, None, forwarded
                     )
         result = orig(scheduler, *args, **kwargs)
-        if self._told:
+        if self._told and isinstance(result, dict):
             result = self._tell(result)
         return result
 
