@@ -42,17 +42,18 @@ def query(store: str, *args: str) -> list[dict[str, Any]]:
     return audit("query", "--store", store, *args)
 
 
-def events(store: str) -> list[pb.Event]:
+def rows(store: str, kind: str, parse: Callable[[bytes], Any]) -> list[Any]:
+    """The store's records of one kind, in order, each parsed from its bytes."""
     s = Store(store)
     try:
-        return [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")]
+        return [parse(body) for _, _, body in s.rows(kind=kind)]
     finally:
         s.close()
+
+
+def events(store: str) -> list[pb.Event]:
+    return rows(store, "event", pb.Event.FromString)
 
 
 def commands(store: str) -> list[svc.Command]:
-    s = Store(store)
-    try:
-        return [svc.Command.FromString(body) for _, _, body in s.rows(kind="command")]
-    finally:
-        s.close()
+    return rows(store, "command", svc.Command.FromString)
