@@ -72,7 +72,7 @@ class Ownership:
     def alloc(self, node: Node, pool: Pool, pages: np.ndarray, req: str) -> None:
         pp = pool.pages
         r = self.requests.of_event(req, "alloc")
-        if r.ended and not self.requests.drains(r, "alloc"):
+        if r.ended:
             self._found.progress(r, f"alloc of {len(pages)} page(s) on {node.name}")
         since = self._since(pool)
         if pp.grant(pages, r.idx, since):  # some still in use, or reserved: judged, then granted
@@ -177,7 +177,7 @@ class Ownership:
         payload: str = "write",
     ) -> None:
         r = self.requests.of_event(req, payload)
-        if r.ended and not self.requests.drains(r, "step" if payload == "step" else "write"):
+        if r.ended and not self.requests.drains(r, step=payload == "step"):
             self._found.progress(r, f"{payload} of {len(pages)} page(s) on {node.name}")
         self.access.write(r, pool, pages, slots, drain=False)
         self.requests.add(r, "written_pages", len(pages))
@@ -366,7 +366,7 @@ class Ownership:
         """An attention launch whose every entry is valid: (reader, pool, pages it covers, tokens)."""
         for r, pool, pages, tokens in checked:
             self.transfers.settle(r, "read its pages")
-            if r.ended and not self.requests.drains(r, "read"):
+            if r.ended and not self.requests.drains(r, step=False):
                 self._found.progress(r, f"read (attention) on {node.name}")
             self.requests.add(r, "reads", 1)
             self.access.read(r, pool, pages, tokens)

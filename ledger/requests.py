@@ -221,27 +221,23 @@ class Requests:
 
     def killed_from_outside(self, r: Request) -> None:
         """A kill ordered from outside the engine reaches it between steps: the forward already
-        under way for the request (the pages granted for it, its step, that step's reads)
-        finishes, its output dropped by the engine, and is a drain, not progress (SGLang runs
-        it; vLLM does not)."""
+        under way for the request (its next step, and that step's reads) finishes, its output
+        dropped by the engine, and is a drain, not progress (SGLang runs it; vLLM does not)."""
         if not r.ended:
             self.draining[r.idx] = 1
 
-    def drains(self, r: Request, what: str) -> bool:
-        """Whether this `alloc`, `step` (write) or `read` of an ended request is part of the
-        forward under way when it was killed from outside (its grants, its write, its reads);
-        anything after that forward's step is progress."""
+    def drains(self, r: Request, step: bool) -> bool:
+        """Whether this write (`step`) or read of an ended request is the drain of the forward
+        under way when it was killed from outside; anything after it is progress."""
         left = self.draining.get(r.idx)
         if left is None:
             return False
-        if what == "read":
+        if not step:
             return True
-        if left <= 0:  # the forward's step has been: nothing more is part of it
-            if what == "step":
-                del self.draining[r.idx]
+        if left <= 0:
+            del self.draining[r.idx]
             return False
-        if what == "step":
-            self.draining[r.idx] = left - 1
+        self.draining[r.idx] = left - 1
         return True
 
     def end(self, r: Request, state: str, reason: str) -> None:

@@ -154,8 +154,6 @@ def killed(by: str, steps: int) -> list[Finding]:
     log.add("n0", "write", req="a", pool=0, pages=[1, 2], slots=[16, 1])
     log.add("n0", "kill", req="a", finding="operator_kill", by=by)
     for n in range(steps):
-        if n == steps - 1:  # the last forward crosses into a page of its own, granted first
-            log.add("n0", "alloc", req="a", pool=0, pages=[3 + n])
         log.add("n0", "step", pool=0, reqs=["a"], counts=[1], pages=[2], slots=[2 + n])
         log.add("n0", "read", reads=[{"req": "a", "pool": 0, "pages": [1, 2], "tokens": 18 + n}])
     log.add("n0", "abort", req="a", reason="kvguard stopped request a")
@@ -165,20 +163,17 @@ def killed(by: str, steps: int) -> list[Finding]:
 
 def test_the_forward_under_way_when_a_kill_came_from_outside_is_a_drain() -> None:
     """SGLang learns of a kill between steps and still runs the forward it has already formed
-    (its output dropped): that forward, a page granted for it included, is a drain. A second
-    is progress, and so is any forward after a kill the engine's own guard made (it drops the
-    request before the forward)."""
+    (its output dropped): that one step is a drain. A second is progress, and so is any step
+    after a kill the engine's own guard made (it drops the request before the forward)."""
     assert killed("unverified:alice", 1) == []
     assert killed("daemon", 1) == []
     found = killed("daemon", 2)
     assert {(f.finding, f.details["event"]) for f in found} == {
-        ("rejected_progress", "alloc"),
         ("rejected_progress", "step"),
         ("rejected_progress", "read"),
     }
     found = killed("guard@n0", 1)
     assert {(f.finding, f.details["event"]) for f in found} == {
-        ("rejected_progress", "alloc"),
         ("rejected_progress", "step"),
         ("rejected_progress", "read"),
     }
