@@ -9,10 +9,10 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from audit_cli import events
 
 from kvguard.agents.guard import Guard
 from kvguard.cli.process import Service
+from kvguard.daemon.store import Store
 from kvguard.proto import pb
 
 
@@ -28,7 +28,11 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
 
 def stored(store: str) -> list[pb.Event]:
     """The events the audit store holds, in order."""
-    return events(store)
+    s = Store(store)
+    try:
+        return [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")]
+    finally:
+        s.close()
 
 
 def leak(guard: Guard) -> None:

@@ -42,18 +42,17 @@ def query(store: str, *args: str) -> list[dict[str, Any]]:
     return audit("query", "--store", store, *args)
 
 
-def rows(store: str, kind: str, parse: Callable[[bytes], Any]) -> list[Any]:
-    """The store's records of one kind, in order, each parsed from its bytes."""
+def events(store: str) -> list[pb.Event]:
     s = Store(store)
     try:
-        return [parse(body) for _, _, body in s.rows(kind=kind)]
+        return [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")]
     finally:
         s.close()
 
 
-def events(store: str) -> list[pb.Event]:
-    return rows(store, "event", pb.Event.FromString)
-
-
 def commands(store: str) -> list[svc.Command]:
-    return rows(store, "command", svc.Command.FromString)
+    s = Store(store)
+    try:
+        return [svc.Command.FromString(body) for _, _, body in s.rows(kind="command")]
+    finally:
+        s.close()
