@@ -14,13 +14,17 @@ What each hook maps to:
   block, context_len = max_model_len, role from kv_transfer_config: kv_producer -> prefill,
   kv_consumer -> decode, else colocated). Only one full-attention group is mapped; any other
   layout (hybrid, sliding window, Mamba, context parallel) is left unguarded, said in one line.
-- `allocate_slots` -> `admit` (first blocks of a request), `share` (prefix-cache hits: the
-  blocks vLLM appended from new_computed_blocks, origin = the request each block was last
-  granted to), and new grants (including blocks for connector-loaded tokens), kept until the
-  step. Eviction names no request: it is the grant of the block to someone else.
+- `allocate_slots` for the waiting queue (its turn begins at `_handle_blocked_waiting_request`)
+  -> `admit` (first blocks of a request), `share` (prefix-cache hits: the blocks vLLM appended
+  from new_computed_blocks, origin = the request each block was last granted to), and new
+  grants (including blocks for connector-loaded tokens), kept until the step. The running
+  loop's calls (one a running request, a step) run vLLM's method unwrapped: their grants are
+  the SchedulerOutput's new_block_ids, reported by the step. Eviction names no request: it is
+  the grant of the block to someone else.
 - `free` / `pop_blocks_for_free` -> `free` (the request's blocks, in vLLM's reverse order);
   preemption is such a free, then hits on its own freed blocks when it resumes.
-- `Scheduler.schedule` -> one `Guard.step` per step: the KV each scheduled request writes
+- `Scheduler.schedule` -> one `Guard.step` per step, from its SchedulerOutput (what the workers
+  run) and kvguard's incremental tables (tables.py): the KV each scheduled request writes
   (the blocks its scheduled tokens land in, slots valid after the write), its grants, and
   the check of its block table up to its context; killed requests are aborted and taken out
   of the SchedulerOutput before it reaches the workers.
@@ -43,6 +47,7 @@ import functools
 import inspect
 import logging
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -165,6 +170,7 @@ class VllmAdapter:
             paired=role == "decode",
         )
         manager.__dict__["_kvguard"] = state
+        state.direct_allocate = types.MethodType(_ORIGINAL["KVCacheManager.allocate_slots"], manager)
         state.take(
             attachment.guard.pool(
                 pool,
@@ -235,7 +241,7 @@ class VllmAdapter:
         state = _state(manager)
         if state is None or not state.attachment.active:
             return orig(manager, request)
-        blocks = state.attachment.contain("free", state.table, request.request_id)
+        blocks = state.attachment.contain("free", state.freeing, request.request_id)
         result = orig(manager, request)
         if blocks is not None:
             state.attachment.contain("free", state.freed, request.request_id, blocks)
@@ -267,23 +273,35 @@ class VllmAdapter:
             )
 
     def schedule(self, orig: Callable[..., Any], scheduler: Any, args: Any, kwargs: Any) -> Any:
-        state = _state(scheduler.kv_cache_manager)
+        manager = scheduler.kv_cache_manager
+        state = _state(manager)
         if state is not None and self._external_kills:
             # The daemon's kills, on the scheduler's own thread, before this step allocates.
             kills, self._external_kills = self._external_kills, {}
             state.attachment.contain("schedule (daemon kill)", self._stop, state, scheduler, None, kills)
-        out = orig(scheduler, *args, **kwargs)
         if state is None or not state.attachment.active:
-            return out
-        kills = state.attachment.contain("schedule", self._step, state, scheduler, out) or {}
+            return orig(scheduler, *args, **kwargs)
+        # The running loop calls allocate_slots once a running request, most granting nothing:
+        # it runs vLLM's own method (the step reports its grants from the SchedulerOutput),
+        # until the waiting queue's turn (`waiting_turn`).
+        manager.__dict__["allocate_slots"] = state.direct_allocate
+        try:
+            out = orig(scheduler, *args, **kwargs)
+        finally:
+            manager.__dict__.pop("allocate_slots", None)
+        kills = state.attachment.contain("schedule", self._step, state, out) or {}
         if kills:
             state.attachment.contain("schedule (stop)", self._stop, state, scheduler, out, kills)
         return out
 
-    def _step(self, state: PoolState, scheduler: Any, out: Any) -> dict[str, str]:
+    def waiting_turn(self, scheduler: Any) -> None:
+        """The scheduler turns to a waiting request: its allocate_slots is kvguard's again (admission,
+        prefix hits, connector loads are seen there)."""
+        scheduler.kv_cache_manager.__dict__.pop("allocate_slots", None)
+
+    def _step(self, state: PoolState, out: Any) -> dict[str, str]:
         kills = dict(state.kills)  # ended at allocation (a denied share): not in the step
-        requests = [scheduler.requests[rid] for rid in out.num_scheduled_tokens]
-        kills.update(state.step(requests, list(out.num_scheduled_tokens.values())))
+        kills.update(state.step(out))
         return kills
 
     def _stop(self, state: PoolState, scheduler: Any, out: Any | None, kills: dict[str, str]) -> None:
@@ -475,6 +493,14 @@ def _patch() -> None:
 
         return hook
 
+    def waiting(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def hook(self: Any, request: Any) -> Any:
+            if _ACTIVE is not None:
+                _ACTIVE.waiting_turn(self)
+            return orig(self, request)
+
+        return hook
+
     def update(orig: Callable[..., Any]) -> Callable[..., Any]:
         def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
             if _ACTIVE is None:
@@ -490,6 +516,7 @@ def _patch() -> None:
     wrap(Scheduler, "__init__", sched_init)
     wrap(Scheduler, "schedule", schedule)
     wrap(Scheduler, "_free_request", free_request)
+    wrap(Scheduler, "_handle_blocked_waiting_request", waiting)
     wrap(Scheduler, "update_from_output", update)
 
 

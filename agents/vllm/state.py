@@ -12,11 +12,17 @@ forward, as a synchronous connector makes it: the blocks the load witness saw ch
 vLLM keeps past a request's end for its connector are held (transfer_send / transfer_recv)
 until it is done. A request whose KV a synchronous connector loads in this step's forward is
 checked after that forward, before anything computed from it leaves the engine core.
-The step's pages, slots and block tables are built as numpy arrays over the whole batch.
+Block tables are kept incrementally, one row a request in one array (`Tables`): a request's
+blocks are appended as vLLM grants them (the waiting queue's grants from `allocate_slots`, the
+running requests' from the step's `SchedulerOutput.new_block_ids`, which is what the workers'
+tables are built from), never rebuilt. The step's pages, slots and block tables are numpy
+arrays over the whole batch, gathered from those rows; no Python runs per request of a step.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +31,7 @@ import numpy as np
 
 from kvguard.agents.attach import Attachment
 from kvguard.agents.guard import Verdict
-
-EMPTY = np.zeros(0, np.int64)
+from kvguard.agents.vllm.tables import EMPTY, Tables
 
 
 @dataclass(slots=True)
@@ -37,6 +42,7 @@ class Load:
     blocks: np.ndarray
     local: int
     external: int
+    peer: str = ""
 
 
 class PoolState:
@@ -64,30 +70,46 @@ class PoolState:
         self.stage = stage
         self.tenant_of = tenant_of
         self.paired = paired  # a decode pool (kv_consumer): external loads are transfers from prefill
-        self.tables: dict[str, np.ndarray] = {}  # request -> its block ids, in vLLM's order
+        self.tables = Tables(null_block, width=64)
         self.pending: dict[str, tuple[int, np.ndarray]] = {}  # request -> (table position, new ids)
         self.pending_mask = np.zeros(num_blocks, bool)
+        self.early: set[str] = set()  # running requests whose grants of this step went before it
         self.grantee = np.full(num_blocks, "", dtype=object)
         self.admitted: set[str] = set()
         self.xfer_in: dict[str, Load] = {}  # loads a connector reports done later (finished_recving)
         self.loading: dict[str, Load] = {}  # loads in the coming forward (a synchronous connector)
-        self.after_forward: list[tuple[Any, int]] = []  # (request, tokens) checked after the forward
+        self.after_forward: list[tuple[str, int, int]] = []  # (request, start, tokens): after the forward
         self.held: dict[str, tuple[np.ndarray, str]] = {}  # request -> (blocks, holder) past its end
         self.kills: dict[str, str] = {}  # request -> why, to end through vLLM's abort path
+        self.direct_allocate: Any = None  # vLLM's own allocate_slots, bound to the manager
 
     # ------------------------------------------------------------------ vLLM's own tables
 
     def vllm_table(self, rid: str) -> list[Any]:
         return self.group.req_to_blocks.get(rid, ())
 
-    def table(self, rid: str) -> np.ndarray:
-        """The request's block ids; read again from vLLM when kvguard's copy disagrees."""
-        mine = self.tables.get(rid, EMPTY)
+    def vllm_blocks(self, rid: str, start: int = 0) -> np.ndarray:
         blocks = self.vllm_table(rid)
-        if len(mine) != len(blocks):
-            mine = np.fromiter((b.block_id for b in blocks), np.int64, len(blocks))
-            self.tables[rid] = mine
-        return mine
+        return np.fromiter((b.block_id for b in blocks[start:]), np.int64, max(0, len(blocks) - start))
+
+    def table(self, rid: str) -> np.ndarray:
+        """The request's block ids, as kvguard was told them (a view)."""
+        return self.tables.table(rid)
+
+    def unreported(self, rid: str, upto: int | None = None) -> None:
+        """Blocks vLLM appended to a request's table that kvguard has not reported (granted in
+        this step's running loop, whose grants the step reports from its SchedulerOutput, but
+        freed or hit on before that): granted now, so that what follows names blocks the
+        ledger knows; the step will not report them again."""
+        self.flush([rid])
+        known = self.tables.length(rid)
+        vllm = len(self.vllm_table(rid)) if upto is None else upto
+        if vllm > known:
+            new = self.vllm_blocks(rid, known)[: vllm - known]
+            self.tables.put(rid, known, new)
+            self.take(self.guard.alloc(rid, self.pool, new))
+            self.grantee[new] = rid
+            self.early.add(rid)
 
     # ------------------------------------------------------------------ verdicts
 
@@ -116,13 +138,13 @@ class PoolState:
         `external` tokens past the `local` computed ones wait for a connector's receipt, or,
         `in_step` (a synchronous connector), for the witness after this step's forward."""
         rid = request.request_id
-        blocks = self.vllm_table(rid)
-        new = np.fromiter((b.block_id for b in blocks[before:]), np.int64, len(blocks) - before)
-        old = self.tables.get(rid, EMPTY)
-        self.tables[rid] = np.concatenate((old[:before], new)) if len(old) >= before else self.table(rid)
         if rid not in self.admitted:
             self.admitted.add(rid)
             self.take(self.guard.admit(rid, self.tenant_of(request), request.num_prompt_tokens, self.stage))
+        if self.tables.length(rid) < before:  # blocks it held that kvguard was not told of
+            self.unreported(rid, before)
+        new = self.vllm_blocks(rid, before)
+        self.tables.put(rid, before, new)
         hits, grants = new[:n_hit], new[n_hit:]
         hits = hits[hits != self.null]
         if rid in self.pending:  # granted twice before a step: the first grant goes now
@@ -136,11 +158,11 @@ class PoolState:
             self.flush([rid])
             self.share(rid, hits)
         if external > 0:  # blocks a KV connector loads into: their receipt names them
-            pages = self.tables[rid][local // self.bs : -(-(local + external) // self.bs)].copy()
+            pages = self.table(rid)[local // self.bs : -(-(local + external) // self.bs)].copy()
             if in_step:
-                self.loading[rid] = Load(pages, local, external)
+                self.loading[rid] = Load(pages, local, external, peer(request))
             else:
-                self.xfer_in[rid] = Load(pages, local, external)
+                self.xfer_in[rid] = Load(pages, local, external, peer(request))
             if self.paired:
                 prefill = peer(request) or "remote-prefill"
                 tenant = self.tenant_of(request)
@@ -150,6 +172,13 @@ class PoolState:
         if self.pending_mask[hits].any():  # a hit on a block granted this very step
             self.flush(list(self.pending))
         origins = self.grantee[hits]
+        if not origins.all():
+            # Every block but the null one was granted while kvguard watched: one without a
+            # grantee was granted in this step's running loop, not reported yet.
+            for holder, blocks in list(self.group.req_to_blocks.items()):
+                if holder in self.tables and len(blocks) > self.tables.length(holder):
+                    self.unreported(holder)
+            origins = self.grantee[hits]
         for origin in np.unique(origins).tolist():
             if origin:  # a block never granted while kvguard watched has no known origin
                 self.take(self.guard.share(rid, self.pool, hits[origins == origin], origin), rid)
@@ -169,10 +198,20 @@ class PoolState:
         self.take(self.guard.alloc_each(self.pool, names, pages, [len(p) for p in parts]))
         self.grantee[pages] = np.repeat(np.array(names, dtype=object), [len(p) for p in parts])
 
+    def freeing(self, rid: str) -> np.ndarray:
+        """The blocks vLLM is about to free for the request (its own table, read only when
+        kvguard's copy is not as long)."""
+        if len(self.vllm_table(rid)) == self.tables.length(rid):
+            return self.table(rid).copy()
+        return self.vllm_blocks(rid)
+
     def freed(self, rid: str, block_ids: np.ndarray) -> None:
-        """The request gives its blocks back (vLLM frees a table in reverse order)."""
+        """The request gives its blocks back (vLLM frees a table in reverse order): any of them
+        granted in this step and not reported yet are granted first."""
+        if rid in self.tables and len(block_ids) > self.tables.length(rid):
+            self.unreported(rid, len(block_ids))
         self.flush([rid])
-        self.tables.pop(rid, None)
+        self.tables.drop(rid)
         self.xfer_in.pop(rid, None)
         self.loading.pop(rid, None)
         self.held.pop(rid, None)
@@ -240,33 +279,67 @@ class PoolState:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, requests: Sequence[Any], scheduled: Sequence[int]) -> dict[str, str]:
-        """One scheduler step, after vLLM advanced each request's num_computed_tokens by its
-        scheduled tokens: the KV it writes, the grants made for it and the check of every
-        request's block table up to its context, in one guard call. A request whose KV is
-        loaded in this step's forward waits for `forwarded`. The requests to end."""
-        now, later = [], []
-        for request, tokens in zip(requests, scheduled, strict=True):
-            rid = request.request_id
-            if rid not in self.kills:
-                (later if rid in self.loading else now).append((request, tokens))
-        self.after_forward += later
-        return self._step(now)
+    def step(self, out: Any) -> dict[str, str]:
+        """One scheduler step, from its SchedulerOutput (what the workers run): the KV each
+        scheduled request writes, the grants made for it (the running requests' from the
+        output's new_block_ids; the waiting queue's came by allocate_slots) and the check of
+        every request's block table up to its context, in one guard call. A request whose KV
+        is loaded in this step's forward waits for `forwarded`. The requests to end."""
+        new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
+        ids: list[str] = cached.req_ids
+        start: list[int] = cached.num_computed_tokens
+        if new:
+            ids = [r.req_id for r in new] + ids
+            start = [r.num_computed_tokens for r in new] + start
+        granted = self._running_grants(cached)
+        n = len(ids)
+        sched = np.fromiter(map(out.num_scheduled_tokens.__getitem__, ids), np.int64, n)
+        starts = np.fromiter(start, np.int64, n)
+        if self.kills or self.loading:  # rare: requests ended at allocation, loads in the forward
+            later = [i for i, rid in enumerate(ids) if rid in self.loading and rid not in self.kills]
+            self.after_forward += [(ids[i], int(starts[i]), int(sched[i])) for i in later]
+            now = [i for i, rid in enumerate(ids) if rid not in self.kills and rid not in self.loading]
+            ids, starts, sched = [ids[i] for i in now], starts[now], sched[now]
+        self.early.clear()
+        return self._step(ids, starts, sched, granted)
+
+    def _running_grants(self, cached: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The blocks this step's running loop granted, appended to their requests' tables:
+        (rows, where each request's grants begin, how many), for the step to report."""
+        new_ids = cached.new_block_ids
+        if new_ids.count(None) == len(new_ids):
+            return EMPTY, EMPTY, EMPTY
+        skip = cached.resumed_req_ids | self.early  # their blocks came by allocate_slots
+        rids, parts, flat = [], [], []
+        mask = np.fromiter(map(operator.is_not, new_ids, itertools.repeat(None)), bool, len(new_ids))
+        for i in np.flatnonzero(mask).tolist():
+            rid, blocks = cached.req_ids[i], new_ids[i][0]
+            if blocks and rid not in skip:
+                rids.append(rid)
+                parts.append(len(blocks))
+                flat += blocks
+        if not rids:
+            return EMPTY, EMPTY, EMPTY
+        rows = self.tables.rows(rids)
+        counts = np.array(parts, np.int64)
+        return rows, self.tables.append(rows, counts, np.array(flat, np.int64)), counts
 
     def forwarded(self, witnessed: bool, unchanged: np.ndarray) -> dict[str, str]:
         """After the step's forward: the loads it made, as the workers' load witness saw them
         land (witness.py), then the step of the requests that read them, checked. The
         requests to end."""
         todo, self.after_forward = self.after_forward, []
-        for request, _ in todo:
-            self.loaded(request, witnessed, unchanged)
-        return self._step([(r, tokens) for r, tokens in todo if r.request_id not in self.kills])
+        for rid, _, _ in todo:
+            self.loaded(rid, witnessed, unchanged)
+        todo = [entry for entry in todo if entry[0] not in self.kills]
+        starts = np.array([entry[1] for entry in todo], np.int64)
+        sched = np.array([entry[2] for entry in todo], np.int64)
+        return self._step([entry[0] for entry in todo], starts, sched, (EMPTY, EMPTY, EMPTY))
 
-    def loaded(self, request: Any, witnessed: bool, unchanged: np.ndarray) -> None:
+    def loaded(self, rid: str, witnessed: bool, unchanged: np.ndarray) -> None:
         """A load made in the forward, reported as what landed: its blocks up to the first the
         witness saw unchanged (all of them, at the connector's word, when it was not
         witnessed), against the tokens the connector said it would load."""
-        rid = request.request_id
         load = self.loading.pop(rid, None)
         if load is None:
             return
@@ -280,7 +353,7 @@ class PoolState:
             self.guard.xfer_recv(
                 rid,
                 rid,
-                peer(request),
+                load.peer,
                 self.pool,
                 blocks[: -(-landed // self.bs)],
                 landed,
@@ -290,56 +363,79 @@ class PoolState:
             rid,
         )
 
-    def _step(self, batch: Sequence[tuple[Any, int]]) -> dict[str, str]:
-        names = [request.request_id for request, _ in batch]
-        n = len(names)
-        sched = np.fromiter((tokens for _, tokens in batch), np.int64, n)
-        ends = np.fromiter((request.num_computed_tokens for request, _ in batch), np.int64, n)
-        tables = [self.table(rid) for rid in names]
-        lens = np.fromiter((len(t) for t in tables), np.int64, n)
-        flat = np.concatenate(tables) if n else EMPTY
-        starts_at = np.concatenate(([0], np.cumsum(lens)[:-1])) if n else EMPTY
-        first, last = (ends - sched) // self.bs, (ends - 1) // self.bs
-        counts = np.where(sched > 0, last - first + 1, 0)
-        if (first + counts > lens).any():
-            raise ValueError("a request's scheduled tokens reach past the blocks vLLM granted it")
-        row = np.repeat(np.arange(n), counts)
-        part_at = np.concatenate(([0], np.cumsum(counts)[:-1])) if n else EMPTY
-        pos = first[row] + np.arange(int(counts.sum())) - part_at[row]
-        pages = flat[starts_at[row] + pos]
-        slots = np.minimum(self.bs, ends[row] - pos * self.bs)
-        # A request's new grants ride in the step when they are the tail of what it writes.
-        grants = np.zeros(n, np.int64)
-        index = {rid: i for i, rid in enumerate(names)}
-        for rid, (at, ids) in list(self.pending.items()):
-            i = index.get(rid)
-            if i is not None and counts[i] and at >= first[i] and at + len(ids) - 1 == last[i]:
-                grants[i] = len(ids)
-                del self.pending[rid]
-                self.pending_mask[ids] = False
-        self.flush(list(self.pending))
+    def _step(
+        self,
+        ids: list[str],
+        starts: np.ndarray,
+        sched: np.ndarray,
+        granted: tuple[np.ndarray, np.ndarray, np.ndarray],
+    ) -> dict[str, str]:
+        n, bs, tables = len(ids), self.bs, self.tables
         if not n:
+            self._flush_granted(granted, np.zeros(0, bool))
+            self.flush(list(self.pending))
             return self.take_kills()
-        width = int(lens.max()) if n else 0
-        tables2d = np.full((n, width), self.null, np.int64)
-        rows = np.repeat(np.arange(n), lens)
-        tables2d[rows, np.arange(len(flat)) - starts_at[rows]] = flat
+        rows = tables.rows(ids)
+        ends = starts + sched
+        first, last = starts // bs, (ends - 1) // bs
+        counts = np.where(sched > 0, last - first + 1, 0)
+        if (first + counts > tables.count[rows]).any():
+            raise ValueError("a request's scheduled tokens reach past the blocks vLLM granted it")
+        rep = np.repeat(np.arange(n), counts)
+        pos = first[rep] + np.arange(len(rep)) - (np.cumsum(counts) - counts)[rep]
+        pages = tables.blocks[rows[rep], pos]
+        slots = np.minimum(bs, ends[rep] - pos * bs)
+        # A request's new grants ride in the step when they are the tail of what it writes;
+        # the rest are reported first, on their own.
+        grants = np.zeros(n, np.int64)
+        g_rows, g_at, g_n = granted
+        if len(g_rows):
+            index = np.full(len(tables.count), -1, np.int64)
+            index[rows] = np.arange(n)
+            i = index[g_rows]
+            ride = (i >= 0) & (counts[i] > 0) & (g_at >= first[i]) & (g_at + g_n - 1 == last[i])
+            grants[i[ride]] = g_n[ride]
+            self._flush_granted(granted, ride)
+        if self.pending:
+            at_of = {rid: i for i, rid in enumerate(ids)}
+            for rid, (at, blocks) in list(self.pending.items()):
+                i = at_of.get(rid, -1)
+                if i >= 0 and counts[i] and at >= first[i] and at + len(blocks) - 1 == last[i]:
+                    grants[i] = len(blocks)
+                    del self.pending[rid]
+                    self.pending_mask[blocks] = False
+            self.flush(list(self.pending))
+        names = tables.names[rows]
+        width = int(-(-ends.max() // bs))
         self.take(
             self.guard.step(
                 self.pool,
-                names,
+                names.tolist(),
                 pages,
                 slots,
                 counts=counts,
                 grants=grants,
-                block_tables=tables2d,
+                block_tables=tables.blocks[rows, :width],
                 context_lens=ends,
             )
         )
-        fresh = (pos - first[row]) >= (counts - grants)[row]  # each part's last grants[i] pages
-        if fresh.any():
-            self.grantee[pages[fresh]] = np.array(names, dtype=object)[row[fresh]]
+        if grants.any():
+            fresh = (pos - first[rep]) >= (counts - grants)[rep]  # each part's last grants[i] pages
+            self.grantee[pages[fresh]] = names[rep[fresh]]
         return self.take_kills()
+
+    def _flush_granted(self, granted: tuple[np.ndarray, np.ndarray, np.ndarray], ride: np.ndarray) -> None:
+        """Report the running loop's grants that do not ride in the step, in one call."""
+        g_rows, g_at, g_n = granted
+        stay = ~ride
+        if not stay.any():
+            return
+        rows, at, parts = g_rows[stay], g_at[stay], g_n[stay]
+        rep = np.repeat(np.arange(len(rows)), parts)
+        pages = self.tables.blocks[rows[rep], at[rep] + np.arange(len(rep)) - (np.cumsum(parts) - parts)[rep]]
+        names = self.tables.names[rows]
+        self.take(self.guard.alloc_each(self.pool, names.tolist(), pages, parts))
+        self.grantee[pages] = names[rep]
 
 
 def peer(request: Any) -> str:
