@@ -459,6 +459,8 @@ static PyMethodDef methods[] = {
     {"apply_clean", (PyCFunction)(void (*)(void))kvg_apply_clean, METH_FASTCALL, "A run of clean events applied."},
     {"check_tags", (PyCFunction)(void (*)(void))kvg_check_tags, METH_FASTCALL, "The check before attention."},
     {"batch_clean", (PyCFunction)(void (*)(void))kvg_batch_clean, METH_FASTCALL, "A decode batch's whole check."},
+    {"batch_clean_from", (PyCFunction)(void (*)(void))kvg_batch_clean_from, METH_FASTCALL,
+     "A decode batch's check, past what was verified before."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -429,9 +429,15 @@ class Ledger:
     # ------------------------------------------------------------------ the guard's queries
 
     def batch_clean(
-        self, node: str, pool: int, reqs: Sequence[str], block_tables: np.ndarray, context_lens: np.ndarray
+        self,
+        node: str,
+        pool: int,
+        reqs: Sequence[str],
+        block_tables: np.ndarray,
+        context_lens: np.ndarray,
+        verified: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> np.ndarray:
-        return self.ownership.batch_clean(node, pool, reqs, block_tables, context_lens)
+        return self.ownership.batch_clean(node, pool, reqs, block_tables, context_lens, verified)
 
     def reader_indices(self, reqs: Sequence[str]) -> np.ndarray:
         return self.requests.readers(reqs)

@@ -73,6 +73,7 @@ PyObject *kvg_apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t narg
 /* Defined in tags.c. */
 PyObject *kvg_check_tags(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kvg_batch_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kvg_batch_clean_from(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* The page updates, each in two steps: a count of the pages that make the event more than
  * the clean case, which changes nothing, then the update itself (the same for a clean event

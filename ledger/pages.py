@@ -273,6 +273,28 @@ def batch_clean(
     return _pages.batch_clean(state, _indices(tables), _indices(lens), reqs, index, requests, page_size)
 
 
+def batch_clean_from(
+    state: np.ndarray,
+    tables: Any,
+    lens: Any,
+    reqs: list[str],
+    index: dict[str, int],
+    requests: np.ndarray,
+    page_size: int,
+    stable: np.ndarray,
+    upto: np.ndarray,
+    by: np.ndarray,
+    touched: np.ndarray,
+) -> np.ndarray:
+    """batch_clean's answer, each row read only past what was verified before: from entry
+    min(upto[reader], stable[b]) on, after every reader that verified a `touched` page (by[page])
+    has started over (upto 0); the new full pages of a clean row are recorded as verified (C:
+    ledger/tags.c says how; `upto` and `by` are written in place)."""
+    return _pages.batch_clean_from(
+        state, _indices(tables), _indices(lens), reqs, index, requests, page_size, stable, upto, by, touched
+    )
+
+
 def _indices(values: Any) -> np.ndarray:
     """An engine's int32 or int64 array as it is (no copy); anything else as int64."""
     array = np.asarray(values)

@@ -40,16 +40,17 @@ typedef struct {
 } Table;
 
 /* Whether every slot of row b's context (len > 0 tokens) holds reader's own KV, written under
- * its current grant: own == reader and valid >= the slots read, page by page. */
+ * its current grant: own == reader and valid >= the slots read, page by page, from entry
+ * `first` on (the caller vouches for the entries before it). */
 static inline int
 row_clean(const Table *t, npy_intp b, int64_t len, int64_t reader, const char *own, npy_intp own_stride,
-          const char *valid, npy_intp valid_stride, npy_intp n_pages, int64_t page_size)
+          const char *valid, npy_intp valid_stride, npy_intp n_pages, int64_t page_size, npy_intp first)
 {
     if (reader == NOBODY || len > (int64_t)t->width * page_size) /* no reader; a table too short */
         return 0;
     int ok = 1;
     const char *row = t->base + b * t->row_stride;
-    for (npy_intp c = 0; ok && len > (int64_t)c * page_size; c++) {
+    for (npy_intp c = first < 0 ? 0 : first; ok && len > (int64_t)c * page_size; c++) {
         int64_t need = len - (int64_t)c * page_size; /* slots read in this page */
         if (need > page_size)
             need = page_size;
@@ -104,9 +105,75 @@ kvg_check_tags(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         int64_t len = entry(lens, lens_stride, b, wide_lens);
         int64_t reader = entry(readers, readers_stride, b, 1);
         clean[b] = (npy_bool)(len == 0 || row_clean(&t, b, len, reader, own, own_stride, valid, valid_stride,
-                                                    n_own, page_size));
+                                                    n_own, page_size, 0));
     }
     return out;
+}
+
+/* The reader of row b (req_index: name -> index into a req_table of n_reqs; NOBODY for a name
+ * not there), or -1 with an exception. */
+static inline long
+reader_of(PyObject *reqs, PyObject *index, npy_intp b, npy_intp n_reqs)
+{
+    PyObject *found = PyDict_GetItemWithError(index, PyList_GET_ITEM(reqs, b));
+    if (found == NULL)
+        return PyErr_Occurred() ? -1 : NOBODY;
+    long reader = PyLong_AsLong(found);
+    if (reader == -1 && PyErr_Occurred())
+        return -1;
+    return reader < NOBODY || reader >= n_reqs ? NOBODY : reader;
+}
+
+/* The arguments both batch checks share, parsed: NULL with an exception. */
+typedef struct {
+    const Page *state;
+    const Req *req_table;
+    npy_intp n_pages, n_reqs, batch;
+    PyObject *reqs, *index;
+    const char *lens;
+    npy_intp lens_stride;
+    int wide_lens;
+    long long page_size;
+    Table t;
+} Batch;
+
+static int
+parse_batch(Batch *b, PyObject *const *args, const char *fn)
+{
+    npy_intp n_lens;
+    b->state = kvg_records(args[0], kvg_page_descr, &b->n_pages, "state", "PAGE");
+    b->req_table = b->state ? kvg_records(args[5], kvg_req_descr, &b->n_reqs, "req_table", "REQ") : NULL;
+    if (b->req_table == NULL)
+        return 0;
+    PyObject *tables = args[1];
+    b->reqs = args[3];
+    b->index = args[4];
+    if (!PyArray_Check(tables) || PyArray_NDIM((PyArrayObject *)tables) != 2 ||
+        (PyArray_TYPE((PyArrayObject *)tables) != NPY_INT64 && PyArray_TYPE((PyArrayObject *)tables) != NPY_INT32)) {
+        PyErr_Format(PyExc_TypeError, "%s: tables must be a 2-d array of int32 or int64", fn);
+        return 0;
+    }
+    if (!PyList_Check(b->reqs) || !PyDict_Check(b->index)) {
+        PyErr_Format(PyExc_TypeError, "%s: reqs must be a list, req_index a dict", fn);
+        return 0;
+    }
+    b->lens = column(args[2], NPY_INT64, &b->wide_lens, &n_lens, &b->lens_stride, "lens", "int32 or int64");
+    if (b->lens == NULL)
+        return 0;
+    b->page_size = PyLong_AsLongLong(args[6]);
+    if (b->page_size == -1 && PyErr_Occurred())
+        return 0;
+    b->batch = PyArray_DIM((PyArrayObject *)tables, 0);
+    if (b->page_size <= 0 || n_lens != b->batch || PyList_GET_SIZE(b->reqs) != b->batch) {
+        PyErr_Format(PyExc_ValueError, "%s: a batch of %zd tables, %zd lens, %zd requests, pages of %lld", fn,
+                     (Py_ssize_t)b->batch, (Py_ssize_t)n_lens, PyList_GET_SIZE(b->reqs), b->page_size);
+        return 0;
+    }
+    Table t = {PyArray_BYTES((PyArrayObject *)tables), PyArray_STRIDE((PyArrayObject *)tables, 0),
+               PyArray_STRIDE((PyArrayObject *)tables, 1), PyArray_DIM((PyArrayObject *)tables, 1),
+               PyArray_TYPE((PyArrayObject *)tables) == NPY_INT64};
+    b->t = t;
+    return 1;
 }
 
 /* batch_clean(state: PAGE[N], tables: int32|int64[B, P], lens: int32|int64[B], reqs: list[str],
@@ -120,56 +187,127 @@ kvg_batch_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     (void)self;
     if (nargs != 7)
         return PyErr_Format(PyExc_TypeError, "batch_clean() takes 7 arguments (%zd given)", nargs);
-    npy_intp n_pages, n_reqs, n_lens, lens_stride;
-    const Page *state = kvg_records(args[0], kvg_page_descr, &n_pages, "state", "PAGE");
-    const Req *req_table = state ? kvg_records(args[5], kvg_req_descr, &n_reqs, "req_table", "REQ") : NULL;
-    if (req_table == NULL)
+    Batch b;
+    if (!parse_batch(&b, args, "batch_clean"))
         return NULL;
-    PyObject *tables = args[1], *reqs = args[3], *index = args[4];
-    if (!PyArray_Check(tables) || PyArray_NDIM((PyArrayObject *)tables) != 2 ||
-        (PyArray_TYPE((PyArrayObject *)tables) != NPY_INT64 && PyArray_TYPE((PyArrayObject *)tables) != NPY_INT32))
-        return PyErr_Format(PyExc_TypeError, "batch_clean: tables must be a 2-d array of int32 or int64");
-    if (!PyList_Check(reqs) || !PyDict_Check(index))
-        return PyErr_Format(PyExc_TypeError, "batch_clean: reqs must be a list, req_index a dict");
-    int wide_lens;
-    const char *lens = column(args[2], NPY_INT64, &wide_lens, &n_lens, &lens_stride, "lens", "int32 or int64");
-    if (lens == NULL)
-        return NULL;
-    long long page_size = PyLong_AsLongLong(args[6]);
-    if (page_size == -1 && PyErr_Occurred())
-        return NULL;
-    npy_intp batch = PyArray_DIM((PyArrayObject *)tables, 0);
-    if (page_size <= 0 || n_lens != batch || PyList_GET_SIZE(reqs) != batch)
-        return PyErr_Format(PyExc_ValueError, "batch_clean: a batch of %zd tables, %zd lens, %zd requests, pages of %lld",
-                            (Py_ssize_t)batch, (Py_ssize_t)n_lens, PyList_GET_SIZE(reqs), page_size);
-    Table t = {PyArray_BYTES((PyArrayObject *)tables), PyArray_STRIDE((PyArrayObject *)tables, 0),
-               PyArray_STRIDE((PyArrayObject *)tables, 1), PyArray_DIM((PyArrayObject *)tables, 1),
-               PyArray_TYPE((PyArrayObject *)tables) == NPY_INT64};
-    npy_intp dims[1] = {batch};
+    npy_intp dims[1] = {b.batch};
     PyObject *out = PyArray_ZEROS(1, dims, NPY_BOOL, 0);
     if (out == NULL)
         return NULL;
     npy_bool *clean = PyArray_DATA((PyArrayObject *)out);
-    const char *own = (const char *)&state->own, *valid = (const char *)&state->valid;
-    for (npy_intp b = 0; b < batch; b++) {
-        int64_t len = entry(lens, lens_stride, b, wide_lens);
+    const char *own = (const char *)&b.state->own, *valid = (const char *)&b.state->valid;
+    for (npy_intp i = 0; i < b.batch; i++) {
+        int64_t len = entry(b.lens, b.lens_stride, i, b.wide_lens);
         if (len == 0) { /* reads nothing */
-            clean[b] = 1;
+            clean[i] = 1;
             continue;
         }
-        PyObject *found = PyDict_GetItemWithError(index, PyList_GET_ITEM(reqs, b));
-        if (found == NULL && PyErr_Occurred()) {
+        long reader = reader_of(b.reqs, b.index, i, b.n_reqs);
+        if (reader < 0) {
             Py_DECREF(out);
             return NULL;
         }
-        long reader = found == NULL ? NOBODY : PyLong_AsLong(found);
-        if (reader == -1 && PyErr_Occurred()) {
+        if (reader == NOBODY || b.req_table[reader].state >= ENDED)
+            continue;
+        clean[i] = (npy_bool)row_clean(&b.t, i, len, reader, own, sizeof(Page), valid, sizeof(Page), b.n_pages,
+                                       b.page_size, 0);
+    }
+    return out;
+}
+
+/* A writable, contiguous 1-d int64 array's data and length; NULL with an exception. */
+static int64_t *
+int64s(PyObject *o, npy_intp *n, const char *what)
+{
+    if (!PyArray_Check(o) || PyArray_TYPE((PyArrayObject *)o) != NPY_INT64 || PyArray_NDIM((PyArrayObject *)o) != 1 ||
+        !PyArray_IS_C_CONTIGUOUS((PyArrayObject *)o) || !PyArray_ISWRITEABLE((PyArrayObject *)o)) {
+        PyErr_Format(PyExc_TypeError, "batch_clean_from: %s must be a writable, contiguous 1-d array of int64", what);
+        return NULL;
+    }
+    *n = PyArray_DIM((PyArrayObject *)o, 0);
+    return (int64_t *)PyArray_DATA((PyArrayObject *)o);
+}
+
+/* batch_clean_from(state, tables, lens, reqs, req_index, req_table, page_size,
+ *                  stable: int64[B], upto: int64[M], by: int64[N], touched: int64[T]) -> bool[B]
+ * batch_clean's answer, reading each row only past what was verified before (agents/guard/
+ * attention.py `Verified` keeps upto and by; this is their one writer):
+ * - every page an event named since the last check (touched) is no longer vouched for: the
+ *   reader that verified it (by[page]) starts over (upto = 0);
+ * - row b is checked from entry min(upto[reader], stable[b]) on (stable: the leading entries
+ *   the engine vouches are unchanged since that request's last check);
+ * - a clean row's full pages up to its context are verified: by[page] = reader for the new
+ *   ones, upto[reader] = their count; a row that is not clean starts over. */
+PyObject *
+kvg_batch_clean_from(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 11)
+        return PyErr_Format(PyExc_TypeError, "batch_clean_from() takes 11 arguments (%zd given)", nargs);
+    Batch b;
+    if (!parse_batch(&b, args, "batch_clean_from"))
+        return NULL;
+    npy_intp n_stable, n_upto, n_by, n_touched, stable_stride, touched_stride;
+    const char *stable = column(args[7], NPY_INT64, NULL, &n_stable, &stable_stride, "stable", "int64");
+    int64_t *upto = stable ? int64s(args[8], &n_upto, "upto") : NULL;
+    int64_t *by = upto ? int64s(args[9], &n_by, "by") : NULL;
+    const char *touched = by ? column(args[10], NPY_INT64, NULL, &n_touched, &touched_stride, "touched", "int64") : NULL;
+    if (touched == NULL)
+        return NULL;
+    if (n_stable != b.batch || n_upto < b.n_reqs || n_by != b.n_pages)
+        return PyErr_Format(PyExc_ValueError,
+                            "batch_clean_from: %zd stable for %zd rows, %zd upto for %zd requests, %zd by for %zd pages",
+                            (Py_ssize_t)n_stable, (Py_ssize_t)b.batch, (Py_ssize_t)n_upto, (Py_ssize_t)b.n_reqs,
+                            (Py_ssize_t)n_by, (Py_ssize_t)b.n_pages);
+    for (npy_intp k = 0; k < n_touched; k++) {
+        int64_t page = entry(touched, touched_stride, k, 1);
+        if (page >= 0 && page < b.n_pages && by[page] > NOBODY && by[page] < n_upto)
+            upto[by[page]] = 0;
+    }
+    npy_intp dims[1] = {b.batch};
+    PyObject *out = PyArray_ZEROS(1, dims, NPY_BOOL, 0);
+    if (out == NULL)
+        return NULL;
+    npy_bool *clean = PyArray_DATA((PyArrayObject *)out);
+    const char *own = (const char *)&b.state->own, *valid = (const char *)&b.state->valid;
+    for (npy_intp i = 0; i < b.batch; i++) {
+        int64_t len = entry(b.lens, b.lens_stride, i, b.wide_lens);
+        if (len == 0) { /* reads nothing */
+            clean[i] = 1;
+            continue;
+        }
+        long reader = reader_of(b.reqs, b.index, i, b.n_reqs);
+        if (reader < 0) {
             Py_DECREF(out);
             return NULL;
         }
-        if (reader <= NOBODY || reader >= n_reqs || req_table[reader].state >= ENDED)
+        if (reader == NOBODY)
             continue;
-        clean[b] = (npy_bool)row_clean(&t, b, len, reader, own, sizeof(Page), valid, sizeof(Page), n_pages, page_size);
+        if (b.req_table[reader].state >= ENDED) {
+            upto[reader] = 0;
+            continue;
+        }
+        int64_t from = entry(stable, stable_stride, i, 1);
+        if (from > upto[reader])
+            from = upto[reader];
+        if (from < 0)
+            from = 0;
+        clean[i] = (npy_bool)row_clean(&b.t, i, len, reader, own, sizeof(Page), valid, sizeof(Page), b.n_pages,
+                                       b.page_size, (npy_intp)from);
+        if (!clean[i]) {
+            upto[reader] = 0;
+            continue;
+        }
+        int64_t full = len / b.page_size;
+        if (full > (int64_t)b.t.width)
+            full = (int64_t)b.t.width;
+        const char *row = b.t.base + i * b.t.row_stride;
+        for (int64_t c = from; c < full; c++) {
+            int64_t page = entry(row, b.t.col_stride, (npy_intp)c, b.t.wide);
+            if (page >= 0 && page < b.n_pages)
+                by[page] = reader;
+        }
+        upto[reader] = full;
     }
     return out;
 }

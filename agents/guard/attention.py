@@ -4,7 +4,11 @@ tag-check kernel over the device's own block tables).
 
 Invariants: the check changes nothing in the ledger; the device copy of a pool's tags is
 brought up to date, in the same launch that checks, with every page an event named since the
-last check (`touch`), so that the GPU and the host answer alike.
+last check (`touch`), so that the GPU and the host answer alike. The incremental check (a
+caller that vouches its tables' first `stable` entries are unchanged) gives the full check's
+answer: it skips only entries it verified before as the reader's own full pages whose pages
+no event has named since (`Verified`); any event naming such a page sends its reader back to
+a whole check.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import numpy as np
 from kvguard.cuda_hooks.kernels import DeviceTags
 from kvguard.ledger.ledger import Ledger
 
+NO_PAGES = np.zeros(0, np.int64)
+
 
 def _host(values: Any) -> np.ndarray:
     """A NumPy copy of a host or device array (CuPy, torch on any device)."""
@@ -27,28 +33,62 @@ def _host(values: Any) -> np.ndarray:
     return np.asarray(values)
 
 
+class Verified:
+    """What the incremental check of one pool verified: for each reader how many leading
+    entries of its table (`upto`), for each page the reader that verified it (`by`), and the
+    pages events named since the last check (`touched`). ledger/tags.c batch_clean_from is
+    the one writer of upto and by."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.by = np.zeros(num_pages, np.int64)  # page -> the reader that verified it (0: none)
+        self.upto = np.zeros(64, np.int64)  # reader -> its leading entries verified
+        self.touched: list[np.ndarray] = []
+
+    def arrays(self, stable: Any, requests: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(stable, upto, by, touched) for batch_clean_from, `upto` grown to `requests`."""
+        if requests > len(self.upto):
+            self.upto = np.concatenate((self.upto, np.zeros(max(requests, len(self.upto)), np.int64)))
+        touched = np.concatenate(self.touched) if self.touched else NO_PAGES
+        self.touched.clear()
+        return np.asarray(stable, dtype=np.int64), self.upto, self.by, touched
+
+
 class AttentionCheck:
     def __init__(self, ledger: Ledger, node: str) -> None:
         self.ledger = ledger
         self.node = node
         self._device_tags: dict[int, DeviceTags] = {}  # pool -> its tags on the GPU, once checked there
+        self._verified: dict[int, Verified] = {}  # pool -> the incremental check's progress
 
     def touch(self, pool: int, pages: Any) -> None:
         """An event named these pages: their tags on the device are stale (once the pool is
-        checked there)."""
+        checked there), and the incremental check vouches for them no more."""
+        if self._verified:
+            verified = self._verified.get(pool)
+            if verified is not None:
+                verified.touched.append(np.asarray(pages, dtype=np.int64).reshape(-1))
         if self._device_tags:
             tags = self._device_tags.get(pool)
             if tags is not None:
                 tags.touch(pages)
 
     def failing(
-        self, pool: int, reqs: Sequence[str], block_tables: Any, context_lens: Any
+        self,
+        pool: int,
+        reqs: Sequence[str],
+        block_tables: Any,
+        context_lens: Any,
+        stable: np.ndarray | None = None,
     ) -> list[dict[str, Any]]:
         """The read entries (req, pool, pages, tokens) of the requests of the batch that fail
         the check, in batch order: none in the common case. block_tables [B, P] (page ids,
-        entries beyond each context ignored) and context_lens [B], on the host or a device."""
+        entries beyond each context ignored) and context_lens [B], on the host or a device.
+        `stable` [B]: how many leading entries of each row the caller vouches are unchanged
+        since that request's last check (on the host; 0 for a request new to the batch)."""
         if hasattr(block_tables, "__cuda_array_interface__"):
             clean = self._clean_on_device(pool, reqs, block_tables, context_lens)
+        elif stable is not None:
+            clean = self._clean_from(pool, reqs, block_tables, context_lens, stable)
         else:
             clean = self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens)
         if clean.all():
@@ -61,6 +101,17 @@ class AttentionCheck:
             pages = tables[i, :need].tolist()
             reads.append({"req": reqs[i], "pool": pool, "pages": pages, "tokens": int(lens[i])})
         return reads
+
+    def _clean_from(
+        self, pool: int, reqs: Sequence[str], block_tables: Any, context_lens: Any, stable: Any
+    ) -> np.ndarray:
+        """The host check, each row past what it verified before and is unchanged."""
+        verified = self._verified.get(pool)
+        pp = self.ledger.nodes[self.node].pools[pool].pages
+        if verified is None or len(verified.by) != pp.num_pages:  # a pool (re)reported: all over
+            verified = self._verified[pool] = Verified(pp.num_pages)
+        arrays = verified.arrays(stable, len(self.ledger.requests.table))
+        return self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens, arrays)
 
     def _clean_on_device(
         self, pool: int, reqs: Sequence[str], block_tables: Any, context_lens: Any

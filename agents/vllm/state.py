@@ -74,6 +74,7 @@ class PoolState:
         self.pending: dict[str, tuple[int, np.ndarray]] = {}  # request -> (table position, new ids)
         self.pending_mask = np.zeros(num_blocks, bool)
         self.early: set[str] = set()  # running requests whose grants of this step went before it
+        self.renewed: set[str] = set()  # requests whose tables allocate_slots set since the last step
         self.grantee = np.full(num_blocks, "", dtype=object)
         self.admitted: set[str] = set()
         self.xfer_in: dict[str, Load] = {}  # loads a connector reports done later (finished_recving)
@@ -145,6 +146,7 @@ class PoolState:
             self.unreported(rid, before)
         new = self.vllm_blocks(rid, before)
         self.tables.put(rid, before, new)
+        self.renewed.add(rid)
         hits, grants = new[:n_hit], new[n_hit:]
         hits = hits[hits != self.null]
         if rid in self.pending:  # granted twice before a step: the first grant goes now
@@ -212,6 +214,7 @@ class PoolState:
             self.unreported(rid, len(block_ids))
         self.flush([rid])
         self.tables.drop(rid)
+        self.renewed.discard(rid)
         self.xfer_in.pop(rid, None)
         self.loading.pop(rid, None)
         self.held.pop(rid, None)
@@ -407,6 +410,14 @@ class PoolState:
             self.flush(list(self.pending))
         names = tables.names[rows]
         width = int(-(-ends.max() // bs))
+        # What the check may take as verified before: the entries before what each request
+        # writes now (append-only tables); none of a request whose table allocate_slots set.
+        stable = first
+        if self.renewed:
+            renewed = [i for i, rid in enumerate(ids) if rid in self.renewed]
+            stable = first.copy()
+            stable[renewed] = 0
+            self.renewed.difference_update(ids[i] for i in renewed)
         self.take(
             self.guard.step(
                 self.pool,
@@ -417,6 +428,7 @@ class PoolState:
                 grants=grants,
                 block_tables=tables.blocks[rows, :width],
                 context_lens=ends,
+                stable=stable,
             )
         )
         if grants.any():
