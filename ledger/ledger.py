@@ -435,7 +435,7 @@ class Ledger:
         reqs: Sequence[str],
         block_tables: np.ndarray,
         context_lens: np.ndarray,
-        verified: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+        verified: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None = None,
     ) -> np.ndarray:
         return self.ownership.batch_clean(node, pool, reqs, block_tables, context_lens, verified)
 

@@ -380,7 +380,7 @@ class Ownership:
         reqs: Sequence[str],
         block_tables: np.ndarray,
         context_lens: np.ndarray,
-        verified: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+        verified: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None = None,
     ) -> np.ndarray:
         """The check before attention for a whole decode batch, as one set of array
         operations: True for each request whose every slot to be read holds its own KV,
@@ -389,7 +389,7 @@ class Ownership:
         which names the finding and the victim (prefix-shared pages also take that path,
         which accepts them). block_tables: [B, P] page ids (entries beyond a request's context
         are ignored); context_lens: [B] tokens each request attends to. With `verified`
-        (stable, upto, by, touched: batch_clean_from's), each row only past what was verified
+        (stable, upto, by, touched, rows: batch_clean_from's), each row only past what was verified
         before."""
         pp = self.pools.nodes[node].pools[pool].pages
         names = reqs if isinstance(reqs, list) else list(reqs)
@@ -399,7 +399,14 @@ class Ownership:
                 pp.state, block_tables, context_lens, names, requests.index, requests.table, pp.page_size
             )
         return batch_clean_from(
-            pp.state, block_tables, context_lens, names, requests.index, requests.table, pp.page_size, *verified
+            pp.state,
+            block_tables,
+            context_lens,
+            names,
+            requests.index,
+            requests.table,
+            pp.page_size,
+            *verified,
         )
 
     def clean_given_tags(

@@ -285,13 +285,26 @@ def batch_clean_from(
     upto: np.ndarray,
     by: np.ndarray,
     touched: np.ndarray,
+    rows: np.ndarray | None = None,
 ) -> np.ndarray:
     """batch_clean's answer, each row read only past what was verified before: from entry
     min(upto[reader], stable[b]) on, after every reader that verified a `touched` page (by[page])
     has started over (upto 0); the new full pages of a clean row are recorded as verified (C:
-    ledger/tags.c says how; `upto` and `by` are written in place)."""
+    ledger/tags.c says how; `upto` and `by` are written in place). With `rows`, the batch's
+    row b is tables[rows[b]]."""
     return _pages.batch_clean_from(
-        state, _indices(tables), _indices(lens), reqs, index, requests, page_size, stable, upto, by, touched
+        state,
+        _indices(tables),
+        _indices(lens),
+        reqs,
+        index,
+        requests,
+        page_size,
+        stable,
+        upto,
+        by,
+        touched,
+        rows,
     )
 
 

@@ -138,7 +138,7 @@ typedef struct {
 } Batch;
 
 static int
-parse_batch(Batch *b, PyObject *const *args, const char *fn)
+parse_batch(Batch *b, PyObject *const *args, const char *fn, int indirect)
 {
     npy_intp n_lens;
     b->state = kvg_records(args[0], kvg_page_descr, &b->n_pages, "state", "PAGE");
@@ -163,10 +163,11 @@ parse_batch(Batch *b, PyObject *const *args, const char *fn)
     b->page_size = PyLong_AsLongLong(args[6]);
     if (b->page_size == -1 && PyErr_Occurred())
         return 0;
-    b->batch = PyArray_DIM((PyArrayObject *)tables, 0);
-    if (b->page_size <= 0 || n_lens != b->batch || PyList_GET_SIZE(b->reqs) != b->batch) {
+    b->batch = n_lens;
+    npy_intp n_tables = PyArray_DIM((PyArrayObject *)tables, 0);
+    if (b->page_size <= 0 || (!indirect && n_tables != b->batch) || PyList_GET_SIZE(b->reqs) != b->batch) {
         PyErr_Format(PyExc_ValueError, "%s: a batch of %zd tables, %zd lens, %zd requests, pages of %lld", fn,
-                     (Py_ssize_t)b->batch, (Py_ssize_t)n_lens, PyList_GET_SIZE(b->reqs), b->page_size);
+                     (Py_ssize_t)n_tables, (Py_ssize_t)n_lens, PyList_GET_SIZE(b->reqs), b->page_size);
         return 0;
     }
     Table t = {PyArray_BYTES((PyArrayObject *)tables), PyArray_STRIDE((PyArrayObject *)tables, 0),
@@ -188,7 +189,7 @@ kvg_batch_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (nargs != 7)
         return PyErr_Format(PyExc_TypeError, "batch_clean() takes 7 arguments (%zd given)", nargs);
     Batch b;
-    if (!parse_batch(&b, args, "batch_clean"))
+    if (!parse_batch(&b, args, "batch_clean", 0))
         return NULL;
     npy_intp dims[1] = {b.batch};
     PyObject *out = PyArray_ZEROS(1, dims, NPY_BOOL, 0);
@@ -229,7 +230,8 @@ int64s(PyObject *o, npy_intp *n, const char *what)
 }
 
 /* batch_clean_from(state, tables, lens, reqs, req_index, req_table, page_size,
- *                  stable: int64[B], upto: int64[M], by: int64[N], touched: int64[T]) -> bool[B]
+ *                  stable: int64[B], upto: int64[M], by: int64[N], touched: int64[T],
+ *                  rows: int64[B] | None) -> bool[B]
  * batch_clean's answer, reading each row only past what was verified before (agents/guard/
  * attention.py `Verified` keeps upto and by; this is their one writer):
  * - every page an event named since the last check (touched) is no longer vouched for: the
@@ -237,16 +239,34 @@ int64s(PyObject *o, npy_intp *n, const char *what)
  * - row b is checked from entry min(upto[reader], stable[b]) on (stable: the leading entries
  *   the engine vouches are unchanged since that request's last check);
  * - a clean row's full pages up to its context are verified: by[page] = reader for the new
- *   ones, upto[reader] = their count; a row that is not clean starts over. */
+ *   ones, upto[reader] = their count; a row that is not clean starts over.
+ * With `rows`, batch row b's table is tables[rows[b]] (the engine's own array, not gathered). */
 PyObject *
 kvg_batch_clean_from(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 11)
-        return PyErr_Format(PyExc_TypeError, "batch_clean_from() takes 11 arguments (%zd given)", nargs);
+    if (nargs != 12)
+        return PyErr_Format(PyExc_TypeError, "batch_clean_from() takes 12 arguments (%zd given)", nargs);
     Batch b;
-    if (!parse_batch(&b, args, "batch_clean_from"))
+    int indirect = args[11] != Py_None;
+    if (!parse_batch(&b, args, "batch_clean_from", indirect))
         return NULL;
+    const char *rows = NULL;
+    npy_intp n_rows = 0, rows_stride = 0, n_tables = PyArray_DIM((PyArrayObject *)args[1], 0);
+    if (indirect) {
+        rows = column(args[11], NPY_INT64, NULL, &n_rows, &rows_stride, "rows", "int64");
+        if (rows == NULL)
+            return NULL;
+        if (n_rows != b.batch)
+            return PyErr_Format(PyExc_ValueError, "batch_clean_from: %zd rows for a batch of %zd", (Py_ssize_t)n_rows,
+                                (Py_ssize_t)b.batch);
+        for (npy_intp i = 0; i < n_rows; i++) {
+            int64_t r = entry(rows, rows_stride, i, 1);
+            if (r < 0 || r >= n_tables)
+                return PyErr_Format(PyExc_ValueError, "batch_clean_from: row %lld of a batch is not one of the %zd tables",
+                                    (long long)r, (Py_ssize_t)n_tables);
+        }
+    }
     npy_intp n_stable, n_upto, n_by, n_touched, stable_stride, touched_stride;
     const char *stable = column(args[7], NPY_INT64, NULL, &n_stable, &stable_stride, "stable", "int64");
     int64_t *upto = stable ? int64s(args[8], &n_upto, "upto") : NULL;
@@ -292,7 +312,8 @@ kvg_batch_clean_from(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             from = upto[reader];
         if (from < 0)
             from = 0;
-        clean[i] = (npy_bool)row_clean(&b.t, i, len, reader, own, sizeof(Page), valid, sizeof(Page), b.n_pages,
+        npy_intp at = rows != NULL ? (npy_intp)entry(rows, rows_stride, i, 1) : i;
+        clean[i] = (npy_bool)row_clean(&b.t, at, len, reader, own, sizeof(Page), valid, sizeof(Page), b.n_pages,
                                        b.page_size, (npy_intp)from);
         if (!clean[i]) {
             upto[reader] = 0;
@@ -301,7 +322,7 @@ kvg_batch_clean_from(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         int64_t full = len / b.page_size;
         if (full > (int64_t)b.t.width)
             full = (int64_t)b.t.width;
-        const char *row = b.t.base + i * b.t.row_stride;
+        const char *row = b.t.base + at * b.t.row_stride;
         for (int64_t c = from; c < full; c++) {
             int64_t page = entry(row, b.t.col_stride, (npy_intp)c, b.t.wide);
             if (page >= 0 && page < b.n_pages)

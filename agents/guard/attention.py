@@ -44,13 +44,15 @@ class Verified:
         self.upto = np.zeros(64, np.int64)  # reader -> its leading entries verified
         self.touched: list[np.ndarray] = []
 
-    def arrays(self, stable: Any, requests: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(stable, upto, by, touched) for batch_clean_from, `upto` grown to `requests`."""
+    def arrays(
+        self, stable: Any, requests: int, rows: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """(stable, upto, by, touched, rows) for batch_clean_from, `upto` grown to `requests`."""
         if requests > len(self.upto):
             self.upto = np.concatenate((self.upto, np.zeros(max(requests, len(self.upto)), np.int64)))
         touched = np.concatenate(self.touched) if self.touched else NO_PAGES
         self.touched.clear()
-        return np.asarray(stable, dtype=np.int64), self.upto, self.by, touched
+        return np.asarray(stable, dtype=np.int64), self.upto, self.by, touched, rows
 
 
 class AttentionCheck:
@@ -79,16 +81,21 @@ class AttentionCheck:
         block_tables: Any,
         context_lens: Any,
         stable: np.ndarray | None = None,
+        table_rows: np.ndarray | None = None,
     ) -> list[dict[str, Any]]:
         """The read entries (req, pool, pages, tokens) of the requests of the batch that fail
         the check, in batch order: none in the common case. block_tables [B, P] (page ids,
         entries beyond each context ignored) and context_lens [B], on the host or a device.
         `stable` [B]: how many leading entries of each row the caller vouches are unchanged
-        since that request's last check (on the host; 0 for a request new to the batch)."""
+        since that request's last check (on the host; 0 for a request new to the batch).
+        `table_rows` [B]: the batch's row b is block_tables[table_rows[b]] (an engine's array
+        of all its tables, on the host: not gathered for the incremental check)."""
+        if table_rows is not None and (stable is None or hasattr(block_tables, "__cuda_array_interface__")):
+            block_tables, table_rows = block_tables[table_rows], None
         if hasattr(block_tables, "__cuda_array_interface__"):
             clean = self._clean_on_device(pool, reqs, block_tables, context_lens)
         elif stable is not None:
-            clean = self._clean_from(pool, reqs, block_tables, context_lens, stable)
+            clean = self._clean_from(pool, reqs, block_tables, context_lens, stable, table_rows)
         else:
             clean = self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens)
         if clean.all():
@@ -98,19 +105,25 @@ class AttentionCheck:
         reads = []
         for i in np.flatnonzero(~clean).tolist():
             need = -(-int(lens[i]) // page_size)
-            pages = tables[i, :need].tolist()
+            pages = tables[i if table_rows is None else int(table_rows[i]), :need].tolist()
             reads.append({"req": reqs[i], "pool": pool, "pages": pages, "tokens": int(lens[i])})
         return reads
 
     def _clean_from(
-        self, pool: int, reqs: Sequence[str], block_tables: Any, context_lens: Any, stable: Any
+        self,
+        pool: int,
+        reqs: Sequence[str],
+        block_tables: Any,
+        context_lens: Any,
+        stable: Any,
+        table_rows: np.ndarray | None = None,
     ) -> np.ndarray:
         """The host check, each row past what it verified before and is unchanged."""
         verified = self._verified.get(pool)
         pp = self.ledger.nodes[self.node].pools[pool].pages
         if verified is None or len(verified.by) != pp.num_pages:  # a pool (re)reported: all over
             verified = self._verified[pool] = Verified(pp.num_pages)
-        arrays = verified.arrays(stable, len(self.ledger.requests.table))
+        arrays = verified.arrays(stable, len(self.ledger.requests.table), table_rows)
         return self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens, arrays)
 
     def _clean_on_device(

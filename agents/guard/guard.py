@@ -48,12 +48,14 @@ def _int64(values: Iterable[int] | np.ndarray) -> np.ndarray:
 
 def _bounds(counts: np.ndarray) -> list[int]:
     """Where each request's part of a page list starts (and the last one ends)."""
-    return np.concatenate(([0], np.cumsum(counts))).tolist()
+    bounds: list[int] = np.concatenate(([0], np.cumsum(counts))).tolist()
+    return bounds
 
 
 def _ints(values: Any) -> list[int]:
     if hasattr(values, "tolist"):
-        return values.tolist()  # numpy arrays and torch tensors: one conversion, not per item
+        ints: list[int] = values.tolist()  # numpy arrays and torch tensors: one conversion, not per item
+        return ints
     return list(values)
 
 
@@ -445,6 +447,7 @@ class Guard:
         block_tables: Any = None,
         context_lens: Any = None,
         stable: np.ndarray | None = None,
+        table_rows: np.ndarray | None = None,
     ) -> Verdict:
         """One forward step of a batch, in one call: the KV it wrote, as one `step` event
         (request reqs[i] wrote the next counts[i] entries of `pages`, with their `slots`, the
@@ -453,8 +456,8 @@ class Guard:
         grants[i] of request i's part are new to it: one `alloc` event each, as alloc_each
         makes them), all applied in one run in C and handed to the sink as bytes; then, with
         block_tables and context_lens, the check before the attention that reads it
-        (check_attention's; `stable` as there). The engine must drop the requests in `kill`
-        from this step."""
+        (check_attention's; `stable` and `table_rows` as there). The engine must drop the
+        requests in `kill` from this step."""
         with self._lock:
             names = reqs if isinstance(reqs, list) else list(reqs)
             page_array = _int64(pages)
@@ -467,7 +470,7 @@ class Guard:
                 verdict = self._pass(pool, names, count_array, page_array, slot_array, _int64(grants))
             if block_tables is None:
                 return verdict
-            return merged(verdict, self._check(pool, names, block_tables, context_lens, stable))
+            return merged(verdict, self._check(pool, names, block_tables, context_lens, stable, table_rows))
 
     def _ones(self, n: int) -> np.ndarray:
         """A count of one page for each of n requests (a decode step's), made once per size."""
@@ -528,21 +531,29 @@ class Guard:
         block_tables: np.ndarray,
         context_lens: np.ndarray,
         stable: np.ndarray | None = None,
+        table_rows: np.ndarray | None = None,
     ) -> Verdict:
         """The check before an attention launch over a batch. block_tables [B, P] (page ids,
         padding beyond each context ignored), context_lens [B]. With `stable` [B], how many
         leading entries of each row the engine vouches are as they were at that request's
         last check (0 for a request new to the batch, or whose table was rewritten), the check
         reads each row only from what it has not verified before (the same answer, in time
-        flat in the context). The engine must drop the requests in `kill` from this launch;
-        the rest of the batch goes on."""
+        flat in the context). With `table_rows` [B], block_tables holds all the engine's
+        tables and the batch's row b is block_tables[table_rows[b]]. The engine must drop the
+        requests in `kill` from this launch; the rest of the batch goes on."""
         with self._lock:
-            return self._check(pool, reqs, block_tables, context_lens, stable)
+            return self._check(pool, reqs, block_tables, context_lens, stable, table_rows)
 
     def _check(
-        self, pool: int, reqs: Sequence[str], block_tables: Any, context_lens: Any, stable: Any = None
+        self,
+        pool: int,
+        reqs: Sequence[str],
+        block_tables: Any,
+        context_lens: Any,
+        stable: Any = None,
+        table_rows: Any = None,
     ) -> Verdict:
-        reads = self.attention.failing(pool, reqs, block_tables, context_lens, stable)
+        reads = self.attention.failing(pool, reqs, block_tables, context_lens, stable, table_rows)
         if not reads:
             return CLEAN
         most = self.ledger.limits.read_entries  # a larger launch's reads go as several events

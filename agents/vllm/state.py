@@ -384,10 +384,16 @@ class PoolState:
         counts = np.where(sched > 0, last - first + 1, 0)
         if (first + counts > tables.count[rows]).any():
             raise ValueError("a request's scheduled tokens reach past the blocks vLLM granted it")
-        rep = np.repeat(np.arange(n), counts)
-        pos = first[rep] + np.arange(len(rep)) - (np.cumsum(counts) - counts)[rep]
-        pages = tables.blocks[rows[rep], pos]
-        slots = np.minimum(bs, ends[rep] - pos * bs)
+        decode = bool((counts == 1).all())  # one page each: no part to lay out
+        if decode:
+            rep, pos = None, first
+            pages = tables.blocks[rows, first]
+            slots = ends - first * bs
+        else:
+            rep = np.repeat(np.arange(n), counts)
+            pos = first[rep] + np.arange(len(rep)) - (np.cumsum(counts) - counts)[rep]
+            pages = tables.blocks[rows[rep], pos]
+            slots = np.minimum(bs, ends[rep] - pos * bs)
         # A request's new grants ride in the step when they are the tail of what it writes;
         # the rest are reported first, on their own.
         grants = np.zeros(n, np.int64)
@@ -409,7 +415,6 @@ class PoolState:
                     self.pending_mask[blocks] = False
             self.flush(list(self.pending))
         names = tables.names[rows]
-        width = int(-(-ends.max() // bs))
         # What the check may take as verified before: the entries before what each request
         # writes now (append-only tables); none of a request whose table allocate_slots set.
         stable = first
@@ -424,14 +429,18 @@ class PoolState:
                 names.tolist(),
                 pages,
                 slots,
-                counts=counts,
+                counts=None if decode else counts,
                 grants=grants,
-                block_tables=tables.blocks[rows, :width],
+                block_tables=tables.blocks,
                 context_lens=ends,
                 stable=stable,
+                table_rows=rows,
             )
         )
-        if grants.any():
+        if rep is None:
+            fresh = grants > 0
+            self.grantee[pages[fresh]] = names[fresh]
+        elif grants.any():
             fresh = (pos - first[rep]) >= (counts - grants)[rep]  # each part's last grants[i] pages
             self.grantee[pages[fresh]] = names[rep[fresh]]
         return self.take_kills()

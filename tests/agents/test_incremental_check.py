@@ -94,7 +94,13 @@ class Batch:
         verified = attention._verified.get(0)
         before = verified.upto[readers].copy() if verified is not None else np.zeros(len(reqs), np.int64)
         touched = len(verified.touched) if verified is not None else 0
-        incremental = attention._clean_from(0, reqs, tables, lens, stable)
+        if self.rng.random() < 0.5:
+            incremental = attention._clean_from(0, reqs, tables, lens, stable)
+        else:  # the engine's whole array of tables, the batch's rows named (not gathered)
+            rows = self.rng.permutation(len(reqs) + 3)[: len(reqs)]
+            engine = np.full((len(reqs) + 3, width), -1, np.int64)
+            engine[rows] = tables
+            incremental = attention._clean_from(0, reqs, engine, lens, stable, rows.astype(np.int64))
         self.checked.update(reqs)
         # What this check could skip: at most min(upto, stable) leading entries of each row.
         skipped = int(np.minimum(before, stable).sum()) if touched else 0
@@ -156,7 +162,9 @@ def test_the_check_from_an_entry_names_its_arrays() -> None:
     ]
     upto, by, none = np.zeros(len(requests.table), np.int64), np.zeros(8, np.int64), np.zeros(0, np.int64)
     with pytest.raises(ValueError, match="2 stable for 1 rows"):
-        _pages.batch_clean_from(*args, np.zeros(2, np.int64), upto, by, none)
+        _pages.batch_clean_from(*args, np.zeros(2, np.int64), upto, by, none, None)
     with pytest.raises(TypeError, match="upto must be a writable, contiguous 1-d array of int64"):
-        _pages.batch_clean_from(*args, np.zeros(1, np.int64), upto[::2], by, none)
-    assert _pages.batch_clean_from(*args, np.zeros(1, np.int64), upto, by, none).tolist() == [False]
+        _pages.batch_clean_from(*args, np.zeros(1, np.int64), upto[::2], by, none, None)
+    assert _pages.batch_clean_from(*args, np.zeros(1, np.int64), upto, by, none, None).tolist() == [False]
+    with pytest.raises(ValueError, match="row 5 of a batch is not one of the 1 tables"):
+        _pages.batch_clean_from(*args, np.zeros(1, np.int64), upto, by, none, np.array([5]))
