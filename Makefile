@@ -40,11 +40,16 @@ $(ENGINE_STAMP): $(STAMP) .ci/engines/install-engines.sh .ci/engines/link-kvguar
 	.ci/engines/link-kvguard.sh $(ENGINES) .
 	touch $@
 
-# Style, formatting, and the layers of the parts (import-linter contracts in pyproject.toml).
+# Style, formatting, the layers of the parts (import-linter contracts in pyproject.toml), and
+# types (mypy, [tool.mypy] in pyproject.toml), checked by package name: the repository root is
+# the package kvguard, which mypy finds through the link build/mypy/kvguard (its mypy_path).
+MYPY_PACKAGES := kvguard.proto kvguard.ledger kvguard.agents.guard
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	mkdir -p build/mypy && ln -sfn ../.. build/mypy/kvguard
+	$(BIN)/mypy $(addprefix -p ,$(MYPY_PACKAGES))
 
 # The LD_PRELOAD shim that counts an engine's CUDA copies (cuda_hooks/shim/kvguard_shim.c), and
 # the transfer-naming library whose calls the eBPF witness probes (kvguard_label.c).
@@ -64,4 +69,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) $(ENGINES) .pytest_cache .ruff_cache .hypothesis $(SHIM) $(LABEL) proto/_wire*.so ledger/_pages*.so daemon/_rows*.so build
+	rm -rf $(VENV) $(ENGINES) .pytest_cache .ruff_cache .mypy_cache .hypothesis $(SHIM) $(LABEL) proto/_wire*.so ledger/_pages*.so daemon/_rows*.so build

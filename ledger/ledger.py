@@ -417,10 +417,10 @@ class Ledger:
                 continue
             self.requests.forget(r)
             self.transfers.forget(r)
-            for node, pool_id in r.pools:
-                pool = self.pools.nodes[node].pools.get(pool_id)
-                if pool is not None:
-                    pool.grants.pop(r.idx, None)
+            for name, pool_id in r.pools:
+                granted = self.pools.nodes[name].pools.get(pool_id)
+                if granted is not None:
+                    granted.grants.pop(r.idx, None)
             gone.add(r.idx)
         if gone:  # a reused index must not inherit an old finding's de-duplication
             self.findings.forget(gone)

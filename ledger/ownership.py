@@ -151,7 +151,9 @@ class Ownership:
         found = np.full(len(pages), NOBODY, np.int32)
         key, gen = (pool.node, pool.pool), pool.pages.gen[pages]
         for r in self.requests.objects:
-            shared = r.shared.get(key) if r is not None else None
+            if r is None:
+                continue
+            shared = r.shared.get(key)
             if shared is None or not len(shared.pages):
                 continue
             current, _ = shared.lookup(pages, gen)
@@ -416,7 +418,8 @@ class Ownership:
         was rejected, aborted or killed may not attend, whatever its pages hold; one that
         reads nothing is clean."""
         ended = self.requests.states(readers) >= FIRST_ENDED
-        return (tags_clean & ~ended) | reads_nothing
+        clean: np.ndarray = (tags_clean & ~ended) | reads_nothing
+        return clean
 
     def writable(self, node: str, pool: int, req: str, pages: Sequence[int]) -> bool:
         """Whether KV of `req` may land in `pages` now: each is granted to it, or kept for it by

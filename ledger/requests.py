@@ -27,13 +27,14 @@ from kvguard.ledger.findings import NOBODY, BadEvent
 from kvguard.proto.limits import REQ_BYTES, unstorable
 
 REQ: np.dtype = _pages.REQ  # a request's numbers; its layout is ledger/pages.h's `Req`
+FIELDS: tuple[str, ...] = REQ.names or ()  # REQ's fields, in order (a record's dtype names them)
 STATES: tuple[str, ...] = ("new", "admitted", "finished", "rejected", "aborted", "killed")
 STATE = {name: code for code, name in enumerate(STATES)}
 ENDED: tuple[str, ...] = ("rejected", "aborted", "killed")  # its end: it may only drain from then on
 FIRST_ENDED = STATE["rejected"]  # the states from here on are ENDED (pages.h: ENDED)
 RETIRED, BOOTSTRAPPED = 1, 2  # flags (pages.h)
 GROW_MIN = 4096  # rows the table grows by at least
-COUNTS: tuple[str, ...] = tuple(n for n in REQ.names if n not in ("last", "queued", "state", "flags"))
+COUNTS: tuple[str, ...] = tuple(n for n in FIELDS if n not in ("last", "queued", "state", "flags"))
 if _pages.REQ_BYTES != REQ_BYTES:  # the C clean path's bound on a request id (pages.h)
     raise ImportError(f"ledger/pages.h REQ_BYTES {_pages.REQ_BYTES} is not proto/limits.py's {REQ_BYTES}")
 if STATES[FIRST_ENDED:] != ENDED:
@@ -123,7 +124,7 @@ class Requests:
         self.index: dict[str, int] = {}
         self.objects: list[Request | None] = [None]  # by index; None: NOBODY's, or forgotten
         self.table = np.zeros(1024, REQ)
-        self.columns = {name: self.table[name] for name in REQ.names}
+        self.columns: dict[str, np.ndarray] = {name: self.table[name] for name in FIELDS}
         self.applied = 0
         self.retire_idle = retire_idle
         self.recent: OrderedDict[int, Request] = OrderedDict()  # in use, least recently queued first
@@ -208,7 +209,7 @@ class Requests:
         if size <= len(self.table):
             return
         self.table.resize(size, refcheck=False)  # zero-filled; no view of it outlives this
-        self.columns = {name: self.table[name] for name in REQ.names}
+        self.columns = {name: self.table[name] for name in FIELDS}
 
     # ------------------------------------------------------------------ numbers
 
@@ -269,7 +270,8 @@ class Requests:
 
     def states(self, idx: np.ndarray) -> np.ndarray:
         """The state codes of the requests at `idx` (NOBODY's is "new")."""
-        return self.columns["state"][idx]
+        states: np.ndarray = self.columns["state"][idx]
+        return states
 
     # ------------------------------------------------------------------ retirement
 
@@ -286,7 +288,8 @@ class Requests:
     def named_since(self, rs: Sequence[Request], idle_before: int) -> list[bool]:
         """For each request, whether an event named it at or after `idle_before`."""
         idx = np.fromiter((r.idx for r in rs), np.intp, len(rs))
-        return (self.columns["last"][idx] > idle_before).tolist()
+        named: list[bool] = (self.columns["last"][idx] > idle_before).tolist()
+        return named
 
     def requeue(self, r: Request) -> None:
         """Named since it was queued, or still holding something: looked at a window later."""

@@ -295,7 +295,8 @@ def _dump(ledger: Ledger) -> bytes:
     }
     document = orjson.dumps(state, option=orjson.OPT_SORT_KEYS)
     out = io.BytesIO()
-    np.savez(out, state=np.frombuffer(document, np.uint8), **big, **packer.arrays())
+    # Plain data only, no pickles: _Arrays refuses anything else when it reads them back.
+    np.savez(out, allow_pickle=False, state=np.frombuffer(document, np.uint8), **big, **packer.arrays())
     return out.getvalue()
 
 

@@ -135,4 +135,5 @@ def peer_of(sock: socket.socket, proc: str = "/proc") -> Peer:
 
 def peer_pid(sock: socket.socket) -> int:
     """The process at the other end of a Unix socket, as the kernel tells it (SO_PEERCRED)."""
-    return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[0]
+    pid: int = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[0]
+    return pid

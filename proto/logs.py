@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 import orjson
 
@@ -58,18 +58,18 @@ class JsonFormat(logging.Formatter):
         return orjson.dumps(out, default=str).decode()
 
 
-class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+class _Stderr(logging.StreamHandler[TextIO]):
     """Writes to whatever sys.stderr is when a record comes (a test may have swapped it)."""
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
 
-    @property  # type: ignore[override]
-    def stream(self) -> Any:
+    @property
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter
-    def stream(self, value: Any) -> None:
+    def stream(self, value: TextIO) -> None:
         pass
 
 

@@ -12,10 +12,13 @@ the strings json_format writes for 64-bit ones; bytes are base64, enums their na
 from __future__ import annotations
 
 import base64
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+
+if TYPE_CHECKING:  # the C (upb) implementation's descriptors, as a message of it hands them out
+    from google._upb._message import FieldDescriptor as UpbFieldDescriptor
 
 
 def message_json_dict(message: Message) -> dict[str, Any]:
@@ -36,12 +39,12 @@ def message_json_dict(message: Message) -> dict[str, Any]:
     return out
 
 
-def _value(fd: FieldDescriptor, value: Any) -> Any:
+def _value(fd: FieldDescriptor | UpbFieldDescriptor, value: Any) -> Any:
     if fd.type == FieldDescriptor.TYPE_MESSAGE:
         return message_json_dict(value)
     if fd.type == FieldDescriptor.TYPE_BYTES:
         return base64.b64encode(value).decode()
-    if fd.type == FieldDescriptor.TYPE_ENUM:
+    if fd.type == FieldDescriptor.TYPE_ENUM and fd.enum_type is not None:
         named = fd.enum_type.values_by_number.get(value)
         return named.name if named is not None else value
     return value

@@ -29,6 +29,5 @@ def transfer_of(head: bytes) -> str:
     except ValueError:  # truncated: what the captured part says
         xfer = _XFER.search(head)
         return xfer.group(1).decode() if xfer and _KV.search(head) else ""
-    if isinstance(obj, dict) and obj.get("op") == KV_OP and isinstance(obj.get("xfer"), str):
-        return obj["xfer"]
-    return ""
+    named = obj.get("xfer") if isinstance(obj, dict) and obj.get("op") == KV_OP else None
+    return named if isinstance(named, str) else ""
