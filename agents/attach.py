@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvguard.agents.guard import AgentSink, CaptureSink, EventSink, Guard, Mode, NullSink
+from kvguard.agents.guard import AgentSink, CaptureSink, EventSink, Guard, GuardAPI, Mode, NullSink
 
 log = logging.getLogger("kvguard.adapter")
 
@@ -161,12 +161,12 @@ class Attachment:
         engine: str,
         settings: Settings,
         *,
-        guard: Guard | None = None,
+        guard: GuardAPI | None = None,
         on_kill: Callable[[str, str], None] | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
-        self.guard = (
+        self.guard: GuardAPI = (
             guard
             if guard is not None
             else Guard(settings.node, mode=settings.mode, sink=settings.sink(), on_kill=on_kill)

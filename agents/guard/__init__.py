@@ -2,7 +2,8 @@
 
 This package is the guard's whole public surface; engines import from here only.
 - `Guard`: one engine process's guard (one node); `NullGuard`: the same calls, checking
-  nothing (an engine run with the guard off calls it unchanged).
+  nothing (an engine run with the guard off calls it unchanged); `GuardAPI`: those calls,
+  the type an adapter holds either as (both satisfy it: mypy checks it below).
 - `Verdict`: what the engine must do after a call (kill requests, quarantine pages, deny a
   share).
 - Sinks: where the guard's events go without blocking the engine (`AgentSink`: the node
@@ -12,6 +13,9 @@ This package is the guard's whole public surface; engines import from here only.
   the node's witnesses.
 """
 
+from typing import TYPE_CHECKING
+
+from kvguard.agents.guard.api import GuardAPI
 from kvguard.agents.guard.guard import Guard, Mode
 from kvguard.agents.guard.null import NullGuard
 from kvguard.agents.guard.sink import AgentSink, CaptureSink, EventSink, NullSink
@@ -25,6 +29,7 @@ __all__ = [
     "CaptureSink",
     "EventSink",
     "Guard",
+    "GuardAPI",
     "Mode",
     "NullGuard",
     "NullSink",
@@ -33,3 +38,7 @@ __all__ = [
     "WallClock",
     "page_checksums",
 ]
+
+if TYPE_CHECKING:  # both guards are GuardAPIs (`make lint`; tests/agents/test_guard_api.py at run time)
+    _guard: type[GuardAPI] = Guard
+    _null_guard: type[GuardAPI] = NullGuard

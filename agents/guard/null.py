@@ -1,6 +1,6 @@
-"""The guard of an engine that runs unguarded (`NullGuard`): every call of Guard's API,
-checking nothing and sending nothing, so that an engine calls its guard the same way
-whether kvguard is on or off (no `if guard:` at every call site).
+"""The guard of an engine that runs unguarded (`NullGuard`): every call of Guard's API
+(GuardAPI, agents/guard/api.py), checking nothing and sending nothing, so that an engine calls
+its guard the same way whether kvguard is on or off (no `if guard:` at every call site).
 
 Invariant: every call returns the clean verdict; nothing is kept, nothing is killed.
 """
@@ -15,6 +15,7 @@ import numpy as np
 from kvguard.agents.guard.sink import NullSink
 from kvguard.agents.guard.verdict import CLEAN, Verdict
 from kvguard.ledger.findings import Finding
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 
 class NullGuard:
@@ -25,6 +26,16 @@ class NullGuard:
         self.sink = NullSink()
         self.findings: list[Finding] = []
         self.killed: dict[str, Finding | None] = {}
+
+    def told(self, req: str) -> str:
+        """Nothing to tell: this guard stops no request."""
+        return ""
+
+    def kill(self, req: str, finding: str, rule: str, message: str, by: str = "daemon") -> None:
+        """An ordered kill is not recorded: nothing is killed."""
+
+    def command(self, command: svc.Command) -> None:
+        """A command of the daemon (none comes: its sink listens to nothing) does nothing."""
 
     def pool(self, pool: int, role: str, page_size: int, num_pages: int, **fields: Any) -> Verdict:
         return CLEAN
@@ -58,7 +69,9 @@ class NullGuard:
     def free(self, req: str, pool: int, pages: Iterable[int]) -> Verdict:
         return CLEAN
 
-    def alloc_each(self, pool: int, reqs: Sequence[str], pages: Any, counts: Any = None) -> Verdict:
+    def alloc_each(
+        self, pool: int, reqs: Sequence[str], pages: Iterable[int] | np.ndarray, counts: Any = None
+    ) -> Verdict:
         return CLEAN
 
     def step(
@@ -67,7 +80,13 @@ class NullGuard:
         reqs: Sequence[str],
         pages: Iterable[int] | np.ndarray,
         slots: Iterable[int] | np.ndarray | None = None,
-        **arrays: Any,
+        *,
+        counts: Iterable[int] | np.ndarray | None = None,
+        grants: Iterable[int] | np.ndarray | None = None,
+        block_tables: Any = None,
+        context_lens: Any = None,
+        stable: np.ndarray | None = None,
+        table_rows: np.ndarray | None = None,
     ) -> Verdict:
         return CLEAN
 
@@ -80,16 +99,48 @@ class NullGuard:
     def share(self, req: str, pool: int, pages: Iterable[int], origin_req: str) -> Verdict:
         return CLEAN
 
-    def xfer_send(self, req: str, xfer: str, peer_node: str, pool: int, *args: Any, **kwargs: Any) -> Verdict:
+    def xfer_send(
+        self,
+        req: str,
+        xfer: str,
+        peer_node: str,
+        pool: int,
+        pages: Iterable[int],
+        tokens: int,
+        nbytes: int,
+        checksums: Iterable[int] = (),
+        status: str = "done",
+    ) -> Verdict:
         return CLEAN
 
-    def xfer_recv(self, req: str, xfer: str, peer_node: str, pool: int, *args: Any, **kwargs: Any) -> Verdict:
+    def xfer_recv(
+        self,
+        req: str,
+        xfer: str,
+        peer_node: str,
+        pool: int,
+        pages: Iterable[int],
+        tokens: int,
+        nbytes: int,
+        checksums: Iterable[int] = (),
+        status: str = "done",
+        *,
+        claimed_tokens: int = 0,
+        claimed_bytes: int = 0,
+        claimed_checksums: Iterable[int] = (),
+    ) -> Verdict:
         return CLEAN
 
     def receive_allowed(self, req: str, pool: int, pages: Iterable[int]) -> bool:
         return True
 
     def check_attention(
-        self, pool: int, reqs: Sequence[str], block_tables: np.ndarray, context_lens: np.ndarray
+        self,
+        pool: int,
+        reqs: Sequence[str],
+        block_tables: np.ndarray,
+        context_lens: np.ndarray,
+        stable: np.ndarray | None = None,
+        table_rows: np.ndarray | None = None,
     ) -> Verdict:
         return CLEAN
