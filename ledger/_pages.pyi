@@ -97,5 +97,6 @@ def batch_clean_from(
     by: npt.NDArray[np.int64],  # written in place
     touched: npt.NDArray[np.int64],
     rows: npt.NDArray[np.int64] | None,  # batch row b is tables[rows[b]] (None: tables[b])
+    per: int,  # an entry names page entry // per (the page size: a table of token slots)
     /,
 ) -> npt.NDArray[np.bool_]: ...

@@ -35,6 +35,7 @@ from kvguard.ledger.incarnation import Incarnations
 from kvguard.ledger.lifecycle import Lifecycle
 from kvguard.ledger.limits import Limits
 from kvguard.ledger.ownership import GRANT_RUNS, Ownership
+from kvguard.ledger.pages import Verified
 from kvguard.ledger.pools import Node, Pools
 from kvguard.ledger.requests import Request, Requests
 from kvguard.ledger.transfers import Transfers
@@ -435,7 +436,7 @@ class Ledger:
         reqs: Sequence[str],
         block_tables: np.ndarray,
         context_lens: np.ndarray,
-        verified: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None = None,
+        verified: Verified | None = None,
     ) -> np.ndarray:
         return self.ownership.batch_clean(node, pool, reqs, block_tables, context_lens, verified)
 

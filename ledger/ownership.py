@@ -34,7 +34,7 @@ import numpy as np
 
 from kvguard.ledger.access import Access, Shared
 from kvguard.ledger.findings import NOBODY, BadEvent, Findings
-from kvguard.ledger.pages import HOLDER_INDEX, HOLDERS, batch_clean, batch_clean_from, live_grants
+from kvguard.ledger.pages import HOLDER_INDEX, HOLDERS, Verified, batch_clean, batch_clean_from, live_grants
 from kvguard.ledger.pools import Node, Pool, Pools
 from kvguard.ledger.requests import FIRST_ENDED, Request, Requests
 from kvguard.ledger.transfers import Transfers
@@ -382,7 +382,7 @@ class Ownership:
         reqs: Sequence[str],
         block_tables: np.ndarray,
         context_lens: np.ndarray,
-        verified: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None = None,
+        verified: Verified | None = None,
     ) -> np.ndarray:
         """The check before attention for a whole decode batch, as one set of array
         operations: True for each request whose every slot to be read holds its own KV,
@@ -391,7 +391,7 @@ class Ownership:
         which names the finding and the victim (prefix-shared pages also take that path,
         which accepts them). block_tables: [B, P] page ids (entries beyond a request's context
         are ignored); context_lens: [B] tokens each request attends to. With `verified`
-        (stable, upto, by, touched, rows: batch_clean_from's), each row only past what was verified
+        (batch_clean_from's arrays), each row only past what was verified
         before."""
         pp = self.pools.nodes[node].pools[pool].pages
         names = reqs if isinstance(reqs, list) else list(reqs)

@@ -24,7 +24,7 @@ each (pages.h); the rest is NumPy. Page arrays passed in are distinct intp indic
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -75,6 +75,16 @@ class PoolPages:
         "wgen",
         "writer",
     )
+    # The COLUMNS, each a view of `state` (set by name in __init__).
+    owner: np.ndarray
+    own: np.ndarray
+    use: np.ndarray
+    gen: np.ndarray
+    writer: np.ndarray
+    wgen: np.ndarray
+    valid: np.ndarray
+    prior: np.ndarray
+    since: np.ndarray
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.num_pages = num_pages
@@ -211,12 +221,13 @@ class PoolPages:
     def draining(self, req: int, pages: np.ndarray, owner: np.ndarray) -> np.ndarray:
         """Which of `pages` (whose owners are `owner`) req's grant left while a transfer_recv
         hold keeps them for it: a transfer already in flight may still land there."""
-        return (owner == ~req) & (self.holds[RECV_HOLD, pages] > 0)
+        draining: np.ndarray = (owner == ~req) & (self.holds[RECV_HOLD, pages] > 0)
+        return draining
 
     def holders(self, kinds: np.ndarray, pages: np.ndarray) -> np.ndarray:
         """Who holds each of `pages` in the kind of hold kinds[i] (the oldest still holding,
         where several do)."""
-        found = self.holder_req[kinds, pages]
+        found: np.ndarray = self.holder_req[kinds, pages]
         if self.shared_holds:
             for i, (k, p) in enumerate(zip(kinds.tolist(), pages.tolist(), strict=True)):
                 holders = self.shared_holds.get((k, p))
@@ -239,7 +250,8 @@ class PoolPages:
 def live_grants(records: np.ndarray) -> np.ndarray:
     """Live grants (owner and prefix sharers) of the pages of these PAGE records: their users
     less their holds."""
-    return records["use"] - records["holds"].sum(axis=1, dtype=np.uint32)
+    grants: np.ndarray = records["use"] - records["holds"].sum(axis=1, dtype=np.uint32)
+    return grants
 
 
 def check_tags(
@@ -273,6 +285,20 @@ def batch_clean(
     return _pages.batch_clean(state, _indices(tables), _indices(lens), reqs, index, requests, page_size)
 
 
+class Verified(NamedTuple):
+    """What batch_clean_from reads each row past: the engine's vouched entries (`stable`), what
+    was verified (`upto` by reader, `by` page), the pages named since (`touched`), the rows of
+    the engine's tables (`rows`, or None: tables is the batch's) and `per` (1: page ids; the
+    page size: token slots, one column a page)."""
+
+    stable: np.ndarray
+    upto: np.ndarray
+    by: np.ndarray
+    touched: np.ndarray
+    rows: np.ndarray | None
+    per: int
+
+
 def batch_clean_from(
     state: np.ndarray,
     tables: Any,
@@ -286,12 +312,14 @@ def batch_clean_from(
     by: np.ndarray,
     touched: np.ndarray,
     rows: np.ndarray | None = None,
+    per: int = 1,
 ) -> np.ndarray:
     """batch_clean's answer, each row read only past what was verified before: from entry
     min(upto[reader], stable[b]) on, after every reader that verified a `touched` page (by[page])
     has started over (upto 0); the new full pages of a clean row are recorded as verified (C:
     ledger/tags.c says how; `upto` and `by` are written in place). With `rows`, the batch's
-    row b is tables[rows[b]]."""
+    row b is tables[rows[b]]; with `per` > 1, tables hold token slots, one column a page, and
+    an entry names page entry // per (SGLang's req_to_token, viewed at each page's first slot)."""
     return _pages.batch_clean_from(
         state,
         _indices(tables),
@@ -305,6 +333,7 @@ def batch_clean_from(
         by,
         touched,
         rows,
+        per,
     )
 
 

@@ -32,11 +32,14 @@ entry(const char *base, npy_intp stride, npy_intp i, int wide)
     return wide ? *(const int64_t *)at : (int64_t)*(const int32_t *)at;
 }
 
-/* A batch's block tables: row b's entry c is at base + b * row_stride + c * col_stride. */
+/* A batch's block tables: row b's entry c is at base + b * row_stride + c * col_stride; the
+ * page it names is the entry divided by `per` (1 for page ids; the page size for a table of
+ * token slots read at each page's first slot, as SGLang's req_to_token). */
 typedef struct {
     const char *base;
     npy_intp row_stride, col_stride, width;
     int wide;
+    int64_t per;
 } Table;
 
 /* Whether every slot of row b's context (len > 0 tokens) holds reader's own KV, written under
@@ -54,7 +57,7 @@ row_clean(const Table *t, npy_intp b, int64_t len, int64_t reader, const char *o
         int64_t need = len - (int64_t)c * page_size; /* slots read in this page */
         if (need > page_size)
             need = page_size;
-        int64_t page = entry(row, t->col_stride, c, t->wide);
+        int64_t page = entry(row, t->col_stride, c, t->wide) / t->per;
         ok = page >= 0 && page < (int64_t)n_pages && (int64_t) * (const int32_t *)(own + page * own_stride) == reader &&
              (int64_t) * (const uint32_t *)(valid + page * valid_stride) >= need;
     }
@@ -100,7 +103,7 @@ kvg_check_tags(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (out == NULL)
         return NULL;
     npy_bool *clean = PyArray_DATA((PyArrayObject *)out);
-    Table t = {table_base, row_stride, col_stride, width, wide_tables};
+    Table t = {table_base, row_stride, col_stride, width, wide_tables, 1};
     for (npy_intp b = 0; b < batch; b++) {
         int64_t len = entry(lens, lens_stride, b, wide_lens);
         int64_t reader = entry(readers, readers_stride, b, 1);
@@ -172,7 +175,7 @@ parse_batch(Batch *b, PyObject *const *args, const char *fn, int indirect)
     }
     Table t = {PyArray_BYTES((PyArrayObject *)tables), PyArray_STRIDE((PyArrayObject *)tables, 0),
                PyArray_STRIDE((PyArrayObject *)tables, 1), PyArray_DIM((PyArrayObject *)tables, 1),
-               PyArray_TYPE((PyArrayObject *)tables) == NPY_INT64};
+               PyArray_TYPE((PyArrayObject *)tables) == NPY_INT64, 1};
     b->t = t;
     return 1;
 }
@@ -231,7 +234,7 @@ int64s(PyObject *o, npy_intp *n, const char *what)
 
 /* batch_clean_from(state, tables, lens, reqs, req_index, req_table, page_size,
  *                  stable: int64[B], upto: int64[M], by: int64[N], touched: int64[T],
- *                  rows: int64[B] | None) -> bool[B]
+ *                  rows: int64[B] | None, per: int) -> bool[B]
  * batch_clean's answer, reading each row only past what was verified before (agents/guard/
  * attention.py `Verified` keeps upto and by; this is their one writer):
  * - every page an event named since the last check (touched) is no longer vouched for: the
@@ -240,17 +243,23 @@ int64s(PyObject *o, npy_intp *n, const char *what)
  *   the engine vouches are unchanged since that request's last check);
  * - a clean row's full pages up to its context are verified: by[page] = reader for the new
  *   ones, upto[reader] = their count; a row that is not clean starts over.
- * With `rows`, batch row b's table is tables[rows[b]] (the engine's own array, not gathered). */
+ * With `rows`, batch row b's table is tables[rows[b]] (the engine's own array, not gathered);
+ * each entry names page entry / per (per > 1: a table of token slots, a column a page). */
 PyObject *
 kvg_batch_clean_from(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 12)
-        return PyErr_Format(PyExc_TypeError, "batch_clean_from() takes 12 arguments (%zd given)", nargs);
+    if (nargs != 13)
+        return PyErr_Format(PyExc_TypeError, "batch_clean_from() takes 13 arguments (%zd given)", nargs);
     Batch b;
     int indirect = args[11] != Py_None;
     if (!parse_batch(&b, args, "batch_clean_from", indirect))
         return NULL;
+    b.t.per = PyLong_AsLongLong(args[12]);
+    if (b.t.per == -1 && PyErr_Occurred())
+        return NULL;
+    if (b.t.per <= 0)
+        return PyErr_Format(PyExc_ValueError, "batch_clean_from: per must be positive, not %lld", (long long)b.t.per);
     const char *rows = NULL;
     npy_intp n_rows = 0, rows_stride = 0, n_tables = PyArray_DIM((PyArrayObject *)args[1], 0);
     if (indirect) {
@@ -324,7 +333,7 @@ kvg_batch_clean_from(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             full = (int64_t)b.t.width;
         const char *row = b.t.base + at * b.t.row_stride;
         for (int64_t c = from; c < full; c++) {
-            int64_t page = entry(row, b.t.col_stride, (npy_intp)c, b.t.wide);
+            int64_t page = entry(row, b.t.col_stride, (npy_intp)c, b.t.wide) / b.t.per;
             if (page >= 0 && page < b.n_pages)
                 by[page] = reader;
         }

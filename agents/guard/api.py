@@ -111,6 +111,7 @@ class GuardAPI(Protocol):
         context_lens: Any = None,
         stable: np.ndarray | None = None,
         table_rows: np.ndarray | None = None,
+        in_slots: bool = False,
     ) -> Verdict: ...
     def check_attention(
         self,
@@ -120,4 +121,5 @@ class GuardAPI(Protocol):
         context_lens: np.ndarray,
         stable: np.ndarray | None = None,
         table_rows: np.ndarray | None = None,
+        in_slots: bool = False,
     ) -> Verdict: ...

@@ -7,7 +7,7 @@ brought up to date, in the same launch that checks, with every page an event nam
 last check (`touch`), so that the GPU and the host answer alike. The incremental check (a
 caller that vouches its tables' first `stable` entries are unchanged) gives the full check's
 answer: it skips only entries it verified before as the reader's own full pages whose pages
-no event has named since (`Verified`); any event naming such a page sends its reader back to
+no event has named since (`Progress`); any event naming such a page sends its reader back to
 a whole check.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvguard.cuda_hooks.kernels import DeviceTags
+from kvguard.ledger import pages
 from kvguard.ledger.ledger import Ledger
 
 NO_PAGES = np.zeros(0, np.int64)
@@ -27,13 +28,12 @@ NO_PAGES = np.zeros(0, np.int64)
 def _host(values: Any) -> np.ndarray:
     """A NumPy copy of a host or device array (CuPy, torch on any device)."""
     if hasattr(values, "__cuda_array_interface__"):
-        if hasattr(values, "cpu"):  # torch
-            return values.cpu().numpy()
-        return values.get()  # cupy
+        copy: np.ndarray = values.cpu().numpy() if hasattr(values, "cpu") else values.get()  # torch, cupy
+        return copy
     return np.asarray(values)
 
 
-class Verified:
+class Progress:
     """What the incremental check of one pool verified: for each reader how many leading
     entries of its table (`upto`), for each page the reader that verified it (`by`), and the
     pages events named since the last check (`touched`). ledger/tags.c batch_clean_from is
@@ -44,15 +44,13 @@ class Verified:
         self.upto = np.zeros(64, np.int64)  # reader -> its leading entries verified
         self.touched: list[np.ndarray] = []
 
-    def arrays(
-        self, stable: Any, requests: int, rows: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """(stable, upto, by, touched, rows) for batch_clean_from, `upto` grown to `requests`."""
+    def arrays(self, stable: Any, requests: int, rows: np.ndarray | None, per: int) -> pages.Verified:
+        """batch_clean_from's arrays, `upto` grown to `requests`."""
         if requests > len(self.upto):
             self.upto = np.concatenate((self.upto, np.zeros(max(requests, len(self.upto)), np.int64)))
         touched = np.concatenate(self.touched) if self.touched else NO_PAGES
         self.touched.clear()
-        return np.asarray(stable, dtype=np.int64), self.upto, self.by, touched, rows
+        return pages.Verified(np.asarray(stable, dtype=np.int64), self.upto, self.by, touched, rows, per)
 
 
 class AttentionCheck:
@@ -60,7 +58,7 @@ class AttentionCheck:
         self.ledger = ledger
         self.node = node
         self._device_tags: dict[int, DeviceTags] = {}  # pool -> its tags on the GPU, once checked there
-        self._verified: dict[int, Verified] = {}  # pool -> the incremental check's progress
+        self._verified: dict[int, Progress] = {}  # pool -> the incremental check's progress
 
     def touch(self, pool: int, pages: Any) -> None:
         """An event named these pages: their tags on the device are stale (once the pool is
@@ -82,6 +80,7 @@ class AttentionCheck:
         context_lens: Any,
         stable: np.ndarray | None = None,
         table_rows: np.ndarray | None = None,
+        in_slots: bool = False,
     ) -> list[dict[str, Any]]:
         """The read entries (req, pool, pages, tokens) of the requests of the batch that fail
         the check, in batch order: none in the common case. block_tables [B, P] (page ids,
@@ -89,13 +88,20 @@ class AttentionCheck:
         `stable` [B]: how many leading entries of each row the caller vouches are unchanged
         since that request's last check (on the host; 0 for a request new to the batch).
         `table_rows` [B]: the batch's row b is block_tables[table_rows[b]] (an engine's array
-        of all its tables, on the host: not gathered for the incremental check)."""
+        of all its tables, on the host: not gathered for the incremental check). `in_slots`:
+        the tables hold token slots, one column a token (SGLang's req_to_token)."""
+        per = 1
+        if in_slots:  # each page's first slot names it: a view, one column a page
+            per = self.ledger.nodes[self.node].pools[pool].pages.page_size
+            block_tables = block_tables[:, ::per]
         if table_rows is not None and (stable is None or hasattr(block_tables, "__cuda_array_interface__")):
             block_tables, table_rows = block_tables[table_rows], None
+        if per > 1 and (stable is None or hasattr(block_tables, "__cuda_array_interface__")):
+            block_tables, per = block_tables // per, 1
         if hasattr(block_tables, "__cuda_array_interface__"):
             clean = self._clean_on_device(pool, reqs, block_tables, context_lens)
         elif stable is not None:
-            clean = self._clean_from(pool, reqs, block_tables, context_lens, stable, table_rows)
+            clean = self._clean_from(pool, reqs, block_tables, context_lens, stable, table_rows, per)
         else:
             clean = self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens)
         if clean.all():
@@ -105,7 +111,8 @@ class AttentionCheck:
         reads = []
         for i in np.flatnonzero(~clean).tolist():
             need = -(-int(lens[i]) // page_size)
-            pages = tables[i if table_rows is None else int(table_rows[i]), :need].tolist()
+            row = tables[i if table_rows is None else int(table_rows[i]), :need]
+            pages = (row // per).tolist()
             reads.append({"req": reqs[i], "pool": pool, "pages": pages, "tokens": int(lens[i])})
         return reads
 
@@ -117,13 +124,14 @@ class AttentionCheck:
         context_lens: Any,
         stable: Any,
         table_rows: np.ndarray | None = None,
+        per: int = 1,
     ) -> np.ndarray:
         """The host check, each row past what it verified before and is unchanged."""
         verified = self._verified.get(pool)
         pp = self.ledger.nodes[self.node].pools[pool].pages
         if verified is None or len(verified.by) != pp.num_pages:  # a pool (re)reported: all over
-            verified = self._verified[pool] = Verified(pp.num_pages)
-        arrays = verified.arrays(stable, len(self.ledger.requests.table), table_rows)
+            verified = self._verified[pool] = Progress(pp.num_pages)
+        arrays = verified.arrays(stable, len(self.ledger.requests.table), table_rows, per)
         return self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens, arrays)
 
     def _clean_on_device(

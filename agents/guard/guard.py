@@ -448,6 +448,7 @@ class Guard:
         context_lens: Any = None,
         stable: np.ndarray | None = None,
         table_rows: np.ndarray | None = None,
+        in_slots: bool = False,
     ) -> Verdict:
         """One forward step of a batch, in one call: the KV it wrote, as one `step` event
         (request reqs[i] wrote the next counts[i] entries of `pages`, with their `slots`, the
@@ -456,8 +457,8 @@ class Guard:
         grants[i] of request i's part are new to it: one `alloc` event each, as alloc_each
         makes them), all applied in one run in C and handed to the sink as bytes; then, with
         block_tables and context_lens, the check before the attention that reads it
-        (check_attention's; `stable` and `table_rows` as there). The engine must drop the
-        requests in `kill` from this step."""
+        (check_attention's; `stable`, `table_rows` and `in_slots` as there). The engine must
+        drop the requests in `kill` from this step."""
         with self._lock:
             names = reqs if isinstance(reqs, list) else list(reqs)
             page_array = _int64(pages)
@@ -470,7 +471,9 @@ class Guard:
                 verdict = self._pass(pool, names, count_array, page_array, slot_array, _int64(grants))
             if block_tables is None:
                 return verdict
-            return merged(verdict, self._check(pool, names, block_tables, context_lens, stable, table_rows))
+            return merged(
+                verdict, self._check(pool, names, block_tables, context_lens, stable, table_rows, in_slots)
+            )
 
     def _ones(self, n: int) -> np.ndarray:
         """A count of one page for each of n requests (a decode step's), made once per size."""
@@ -532,6 +535,7 @@ class Guard:
         context_lens: np.ndarray,
         stable: np.ndarray | None = None,
         table_rows: np.ndarray | None = None,
+        in_slots: bool = False,
     ) -> Verdict:
         """The check before an attention launch over a batch. block_tables [B, P] (page ids,
         padding beyond each context ignored), context_lens [B]. With `stable` [B], how many
@@ -539,10 +543,12 @@ class Guard:
         last check (0 for a request new to the batch, or whose table was rewritten), the check
         reads each row only from what it has not verified before (the same answer, in time
         flat in the context). With `table_rows` [B], block_tables holds all the engine's
-        tables and the batch's row b is block_tables[table_rows[b]]. The engine must drop the
-        requests in `kill` from this launch; the rest of the batch goes on."""
+        tables and the batch's row b is block_tables[table_rows[b]]. `in_slots`: the tables
+        hold token slots, one column a token, as SGLang's req_to_token (a page is named by its
+        first slot). The engine must drop the requests in `kill` from this launch; the rest of
+        the batch goes on."""
         with self._lock:
-            return self._check(pool, reqs, block_tables, context_lens, stable, table_rows)
+            return self._check(pool, reqs, block_tables, context_lens, stable, table_rows, in_slots)
 
     def _check(
         self,
@@ -552,8 +558,9 @@ class Guard:
         context_lens: Any,
         stable: Any = None,
         table_rows: Any = None,
+        in_slots: bool = False,
     ) -> Verdict:
-        reads = self.attention.failing(pool, reqs, block_tables, context_lens, stable, table_rows)
+        reads = self.attention.failing(pool, reqs, block_tables, context_lens, stable, table_rows, in_slots)
         if not reads:
             return CLEAN
         most = self.ledger.limits.read_entries  # a larger launch's reads go as several events

@@ -87,6 +87,7 @@ class NullGuard:
         context_lens: Any = None,
         stable: np.ndarray | None = None,
         table_rows: np.ndarray | None = None,
+        in_slots: bool = False,
     ) -> Verdict:
         return CLEAN
 
@@ -142,5 +143,6 @@ class NullGuard:
         context_lens: np.ndarray,
         stable: np.ndarray | None = None,
         table_rows: np.ndarray | None = None,
+        in_slots: bool = False,
     ) -> Verdict:
         return CLEAN

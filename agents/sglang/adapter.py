@@ -32,6 +32,7 @@ from kvguard.agents.sglang.pages import NONE, PageBook, groups
 log = logging.getLogger("kvguard.adapter")
 
 POOL = 0  # the scheduler's one KV pool (hybrid pools: not yet mapped)
+UNTOUCHED = 1 << 62  # a req_to_token row no write reached since its last step
 UNNAMED = "?"  # the other side of a PD pair: SGLang knows its bootstrap address, not its node name
 
 
@@ -69,6 +70,9 @@ class SglangAdapter:
         self.index: dict[str, int] = {}
         self.live: dict[int, Any] = {}  # request index -> its Req, while it holds a row
         self.row_req = np.full(1, NONE, np.int32)  # req_to_token row -> request index
+        # req_to_token row -> the lowest column written in it since its last step (UNTOUCHED:
+        # none): what the check may take as verified before is the row's entries below it.
+        self.low = np.zeros(1, np.int64)
         self.prompt: dict[int, int] = {}  # prompt tokens as first seen (a reject shortens them)
         self.admitted: set[int] = set()
         self.rooms: dict[int, int] = {}  # bootstrap room -> request index
@@ -150,6 +154,7 @@ class SglangAdapter:
             return
         if len(self.row_req) < pool.req_to_token.shape[0]:
             self.row_req = np.full(pool.req_to_token.shape[0], NONE, np.int32)
+            self.low = np.zeros(pool.req_to_token.shape[0], np.int64)
         stage = "decode" if self.role == "decode" else "prefill"
         for req in reqs:
             idx = self.request(req)
@@ -157,6 +162,7 @@ class SglangAdapter:
             row = req.kv.req_pool_idx
             if row is not None:
                 self.row_req[row] = idx
+                self.low[row] = 0  # a row (re)bound: nothing of it was verified for this request
             if idx not in self.admitted:
                 self.admitted.add(idx)
                 self.guard.admit(self.rids[idx], self.tenant(req), self.prompt[idx], stage)
@@ -185,6 +191,7 @@ class SglangAdapter:
                 self.book.give_back(mine[self.book.owner[mine] == idx])
                 self.guard.free(self.rids[idx], POOL, mine)
             self.row_req[row] = NONE
+            self.low[row] = 0
         self.live.pop(idx, None)
         reason = getattr(req, "finished_reason", None)
         if reason is not None:
@@ -234,9 +241,11 @@ class SglangAdapter:
         if hasattr(rows_spec, "numel") and rows_spec.numel() == len(slots):
             rows = host_ints(rows_spec)
         elif hasattr(rows_spec, "numel") and rows_spec.numel() > 1:
-            return  # a shape this adapter does not map (a 2-D copy): left to the step check
+            self.low[:] = 0  # a shape this adapter does not map (a 2-D copy): every row checked whole
+            return
         else:
             rows = np.full(len(slots), int(rows_spec), np.int64)
+        self._written_from(rows, indices[1] if isinstance(indices, tuple) and len(indices) > 1 else None)
         pages = slots // book.page_size
         keep = pages > 0
         reqs = self.row_req[rows[keep]]
@@ -269,6 +278,20 @@ class SglangAdapter:
                 for src, part in groups(origin[other][reqs[other] == idx], shared):
                     if src != NONE:
                         self.guard.share(self.rids[idx], POOL, part, self.rids[src])
+
+    def _written_from(self, rows: np.ndarray, cols: Any) -> None:
+        """Columns of req_to_token rows written: each row's lowest one since its step is kept."""
+        if not len(rows):
+            return
+        if int(rows.max()) >= len(self.low):
+            self.low = np.concatenate((self.low, np.zeros(int(rows.max()) + 1 - len(self.low), np.int64)))
+        if isinstance(cols, slice):
+            low = np.full(len(rows), cols.start or 0, np.int64)
+        elif cols is None:
+            low = np.zeros(len(rows), np.int64)
+        else:
+            low = np.broadcast_to(host_ints(cols), rows.shape)
+        np.minimum.at(self.low, rows, low)
 
     def cached(self, allocator: Any, value: Any, prefix_len: int) -> None:
         """The radix cache took the slots after prefix_len: it holds their pages for the
@@ -306,12 +329,33 @@ class SglangAdapter:
         step_pages = pages[starts]
         step_slots = locs[ends] % ps + 1
         counts = np.bincount(owner_of[starts], minlength=len(reqs))
-        width = -(-int(lens.max()) // ps)
-        table = self._block_table(r2t.req_to_token, rows, width)
         names = [r.rid for r in reqs]  # a request's rid is its name (request() interned it)
-        verdict = self.guard.step(
-            POOL, names, step_pages, step_slots, counts=counts, block_tables=table, context_lens=lens
-        )
+        req_to_token = r2t.req_to_token
+        if req_to_token.device.type == "cpu":
+            # The check reads req_to_token in place, each row past the columns written since
+            # its last step (row_written saw every write SGLang made through the pool).
+            at = host_ints(rows)
+            if len(at) and int(at.max()) >= len(self.low):  # rows kvguard never saw written
+                self.low = np.concatenate((self.low, np.zeros(int(at.max()) + 1 - len(self.low), np.int64)))
+            stable = self.low[at] // ps
+            self.low[at] = UNTOUCHED
+            verdict = self.guard.step(
+                POOL,
+                names,
+                step_pages,
+                step_slots,
+                counts=counts,
+                block_tables=req_to_token.numpy(),
+                context_lens=lens,
+                stable=stable,
+                table_rows=at,
+                in_slots=True,
+            )
+        else:  # the device's own tables, checked there whole
+            table = self._block_table(req_to_token, rows, -(-int(lens.max()) // ps))
+            verdict = self.guard.step(
+                POOL, names, step_pages, step_slots, counts=counts, block_tables=table, context_lens=lens
+            )
         if verdict.kill:
             for req in reqs:
                 if req.rid in verdict.kill:

@@ -22,7 +22,6 @@ arrays over the whole batch, gathered from those rows; no Python runs per reques
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -295,8 +294,12 @@ class PoolState:
             ids = [r.req_id for r in new] + ids
             start = [r.num_computed_tokens for r in new] + start
         granted = self._running_grants(cached)
-        n = len(ids)
-        sched = np.fromiter(map(out.num_scheduled_tokens.__getitem__, ids), np.int64, n)
+        n, scheduled = len(ids), out.num_scheduled_tokens
+        if not new and not cached.resumed_req_ids and len(scheduled) == n:
+            # Only running requests: vLLM filled num_scheduled_tokens in their order.
+            sched = np.fromiter(scheduled.values(), np.int64, n)
+        else:
+            sched = np.fromiter(map(scheduled.__getitem__, ids), np.int64, n)
         starts = np.fromiter(start, np.int64, n)
         if self.kills or self.loading:  # rare: requests ended at allocation, loads in the forward
             later = [i for i, rid in enumerate(ids) if rid in self.loading and rid not in self.kills]
@@ -312,20 +315,20 @@ class PoolState:
         new_ids = cached.new_block_ids
         if new_ids.count(None) == len(new_ids):
             return EMPTY, EMPTY, EMPTY
-        skip = cached.resumed_req_ids | self.early  # their blocks came by allocate_slots
-        rids, parts, flat = [], [], []
-        mask = np.fromiter(map(operator.is_not, new_ids, itertools.repeat(None)), bool, len(new_ids))
-        for i in np.flatnonzero(mask).tolist():
-            rid, blocks = cached.req_ids[i], new_ids[i][0]
-            if blocks and rid not in skip:
-                rids.append(rid)
+        resumed, early = cached.resumed_req_ids, self.early  # their blocks came by allocate_slots
+        req_ids, row_of = cached.req_ids, self.tables.row_of
+        rows: list[int] = []
+        parts: list[int] = []
+        flat: list[int] = []
+        for i in itertools.compress(range(len(new_ids)), new_ids):  # the few that got blocks
+            rid, blocks = req_ids[i], new_ids[i][0]
+            if blocks and rid not in resumed and rid not in early:
+                rows.append(row_of[rid])
                 parts.append(len(blocks))
                 flat += blocks
-        if not rids:
+        if not rows:
             return EMPTY, EMPTY, EMPTY
-        rows = self.tables.rows(rids)
-        counts = np.array(parts, np.int64)
-        return rows, self.tables.append(rows, counts, np.array(flat, np.int64)), counts
+        return self.tables.append(rows, parts, flat)
 
     def forwarded(self, witnessed: bool, unchanged: np.ndarray) -> dict[str, str]:
         """After the step's forward: the loads it made, as the workers' load witness saw them
@@ -378,7 +381,7 @@ class PoolState:
             self._flush_granted(granted, np.zeros(0, bool))
             self.flush(list(self.pending))
             return self.take_kills()
-        rows = tables.rows(ids)
+        rows = tables.rows(ids)  # the previous step's, when the batch and the rows are the same
         ends = starts + sched
         first, last = starts // bs, (ends - 1) // bs
         counts = np.where(sched > 0, last - first + 1, 0)
@@ -414,7 +417,6 @@ class PoolState:
                     del self.pending[rid]
                     self.pending_mask[blocks] = False
             self.flush(list(self.pending))
-        names = tables.names[rows]
         # What the check may take as verified before: the entries before what each request
         # writes now (append-only tables); none of a request whose table allocate_slots set.
         stable = first
@@ -426,7 +428,7 @@ class PoolState:
         self.take(
             self.guard.step(
                 self.pool,
-                names.tolist(),
+                ids,
                 pages,
                 slots,
                 counts=None if decode else counts,
@@ -439,10 +441,10 @@ class PoolState:
         )
         if rep is None:
             fresh = grants > 0
-            self.grantee[pages[fresh]] = names[fresh]
+            self.grantee[pages[fresh]] = tables.names[rows[fresh]]
         elif grants.any():
             fresh = (pos - first[rep]) >= (counts - grants)[rep]  # each part's last grants[i] pages
-            self.grantee[pages[fresh]] = names[rep[fresh]]
+            self.grantee[pages[fresh]] = tables.names[rows[rep[fresh]]]
         return self.take_kills()
 
     def _flush_granted(self, granted: tuple[np.ndarray, np.ndarray, np.ndarray], ride: np.ndarray) -> None:

@@ -9,8 +9,6 @@ requests are reused. Only `PoolState` writes it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 EMPTY = np.zeros(0, np.int64)
@@ -24,6 +22,9 @@ class Tables:
         self.names = np.full(rows, "", dtype=object)  # the request a row is, for the guard's calls
         self.row_of: dict[str, int] = {}
         self._spare = list(range(rows - 1, -1, -1))
+        self._version = 0  # + 1 whenever a request gets or loses a row
+        self._asked: list[str] = []
+        self._answer, self._answered_at = EMPTY, -1
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.row_of
@@ -48,24 +49,35 @@ class Tables:
         self.blocks[row, at:end] = blocks
         self.count[row] = end
 
-    def append(self, rows: np.ndarray, parts: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    def append(
+        self, rows: list[int], parts: list[int], blocks: list[int]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Grants to several requests at once: row rows[i] gets the next parts[i] of `blocks`.
-        Where each request's grants begin in its row."""
-        at = self.count[rows]
-        end = at + parts
-        if len(end) and int(end.max()) > self.blocks.shape[1]:
+        (rows, where each one's grants begin, parts) as arrays."""
+        r, n = np.array(rows, np.int64), np.array(parts, np.int64)
+        at = self.count[r]
+        end = at + n
+        if int(end.max()) > self.blocks.shape[1]:
             self._widen(int(end.max()))
-        rep = np.repeat(np.arange(len(rows)), parts)
-        starts = np.cumsum(parts) - parts
-        self.blocks[rows[rep], at[rep] + np.arange(len(blocks)) - starts[rep]] = blocks
-        self.count[rows] = end
-        return at
+        if len(blocks) == len(rows):  # one block each, as decode grants them
+            self.blocks[r, at] = blocks
+        else:
+            rep = np.repeat(np.arange(len(r)), n)
+            self.blocks[r[rep], at[rep] + np.arange(len(blocks)) - (np.cumsum(n) - n)[rep]] = blocks
+        self.count[r] = end
+        return r, at, n
 
-    def rows(self, rids: Sequence[str]) -> np.ndarray:
-        """The rows of these requests (KeyError: one kvguard does not know)."""
-        return np.fromiter(map(self.row_of.__getitem__, rids), np.int64, len(rids))
+    def rows(self, rids: list[str]) -> np.ndarray:
+        """The rows of these requests (KeyError: one kvguard does not know); the last answer
+        again while the list and every row are as they were."""
+        if rids == self._asked and self._version == self._answered_at:
+            return self._answer
+        rows = np.fromiter(map(self.row_of.__getitem__, rids), np.int64, len(rids))
+        self._asked, self._answer, self._answered_at = list(rids), rows, self._version
+        return rows
 
     def drop(self, rid: str) -> None:
+        self._version += 1
         row = self.row_of.pop(rid, None)
         if row is not None:
             self.count[row] = 0
@@ -73,6 +85,7 @@ class Tables:
             self._spare.append(row)
 
     def _row(self, rid: str) -> int:
+        self._version += 1
         if not self._spare:
             n = len(self.count)
             self.blocks = np.concatenate((self.blocks, np.full_like(self.blocks, self.null)))

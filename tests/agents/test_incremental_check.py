@@ -94,13 +94,19 @@ class Batch:
         verified = attention._verified.get(0)
         before = verified.upto[readers].copy() if verified is not None else np.zeros(len(reqs), np.int64)
         touched = len(verified.touched) if verified is not None else 0
-        if self.rng.random() < 0.5:
+        way = self.rng.integers(3)
+        if way == 0:
             incremental = attention._clean_from(0, reqs, tables, lens, stable)
         else:  # the engine's whole array of tables, the batch's rows named (not gathered)
-            rows = self.rng.permutation(len(reqs) + 3)[: len(reqs)]
+            rows = self.rng.permutation(len(reqs) + 3)[: len(reqs)].astype(np.int64)
             engine = np.full((len(reqs) + 3, width), -1, np.int64)
             engine[rows] = tables
-            incremental = attention._clean_from(0, reqs, engine, lens, stable, rows.astype(np.int64))
+            if way == 1:
+                incremental = attention._clean_from(0, reqs, engine, lens, stable, rows)
+            else:  # as SGLang's req_to_token: a token slot a column, each page named by its first
+                slots = np.repeat(engine * PAGE, PAGE, axis=1) + np.tile(np.arange(PAGE), width)
+                failing = attention.failing(0, reqs, slots, lens, stable, rows, in_slots=True)
+                incremental = ~np.isin(np.array(reqs), [read["req"] for read in failing])
         self.checked.update(reqs)
         # What this check could skip: at most min(upto, stable) leading entries of each row.
         skipped = int(np.minimum(before, stable).sum()) if touched else 0
@@ -162,9 +168,9 @@ def test_the_check_from_an_entry_names_its_arrays() -> None:
     ]
     upto, by, none = np.zeros(len(requests.table), np.int64), np.zeros(8, np.int64), np.zeros(0, np.int64)
     with pytest.raises(ValueError, match="2 stable for 1 rows"):
-        _pages.batch_clean_from(*args, np.zeros(2, np.int64), upto, by, none, None)
+        _pages.batch_clean_from(*args, np.zeros(2, np.int64), upto, by, none, None, 1)
     with pytest.raises(TypeError, match="upto must be a writable, contiguous 1-d array of int64"):
-        _pages.batch_clean_from(*args, np.zeros(1, np.int64), upto[::2], by, none, None)
-    assert _pages.batch_clean_from(*args, np.zeros(1, np.int64), upto, by, none, None).tolist() == [False]
+        _pages.batch_clean_from(*args, np.zeros(1, np.int64), upto[::2], by, none, None, 1)
+    assert _pages.batch_clean_from(*args, np.zeros(1, np.int64), upto, by, none, None, 1).tolist() == [False]
     with pytest.raises(ValueError, match="row 5 of a batch is not one of the 1 tables"):
-        _pages.batch_clean_from(*args, np.zeros(1, np.int64), upto, by, none, np.array([5]))
+        _pages.batch_clean_from(*args, np.zeros(1, np.int64), upto, by, none, np.array([5]), 1)
