@@ -3,11 +3,15 @@ step's own scheduling time. Run with the SGLang venv's Python (make engines):
 
     .engines/sglang/bin/python bench/sglang_step.py [--quick]
 
-A step is SGLang's `ScheduleBatch.prepare_for_decode()` for a running batch (its
-`alloc_for_decode`: the allocator's `alloc_decode` and the batch's `req_to_token` write),
-under a published runtime context as in the scheduler process. Guarded, kvguard's hooks see
-those calls and the adapter makes its one guard call for the step (`forward_step`, as the
-`run_batch` hook does: the step's writes and the check before attention). Unguarded, the
+A step is the host work of one decode iteration of SGLang's scheduler on its own classes,
+without the model runner: what update_running_batch does to a running batch
+(`ScheduleBatch.filter_batch`, `check_decode_mem`, `prepare_for_decode`, whose
+`alloc_for_decode` is the allocator's `alloc_decode` and the batch's `req_to_token` write),
+and what process_batch_result_decode does for each request (`Req.time_stats`, its token,
+`Req.update_finish_state`), under a published runtime context as in the scheduler process.
+Guarded, kvguard's hooks see those calls and the adapter makes its one guard call for the
+step (`forward_step`, as the `run_batch` hook does: the step's writes and the check before
+attention). Unguarded, the
 same code runs on a pool the adapter does not guard (its hooks pass it through). The two
 engines are stepped in alternating rounds so that the machine's noise falls on both;
 medians are printed. The guard's sink is a NullSink: the engine's host time is what is timed.
@@ -52,6 +56,13 @@ def server_args() -> ServerArgs:
     return args
 
 
+def params(steps: int) -> SamplingParams:
+    """As the tokenizer manager hands them over (normalized: no stop strings)."""
+    sampling = SamplingParams(max_new_tokens=steps + 8)
+    sampling.normalize(None)
+    return sampling
+
+
 class Engine:
     """One scheduler's pool and a running decode batch of `batch` requests."""
 
@@ -83,13 +94,7 @@ class Engine:
         if adapter is not None:
             adapter.report_pool(alloc, role="colocated", context_len=context, req_to_token_pool=self.r2t)
         reqs = [
-            Req(
-                f"r{i}",
-                "",
-                array("q", range(i, i + PROMPT)),
-                SamplingParams(max_new_tokens=steps),
-                cache_salt=f"t{i % 4}",
-            )
+            Req(f"r{i}", "", array("q", range(i, i + PROMPT)), params(steps), cache_salt=f"t{i % 4}")
             for i in range(batch)
         ]
         for r in reqs:
@@ -113,13 +118,23 @@ class Engine:
                 b.extend_lens if b.forward_mode.is_extend() else None,
             )
             assert not verdict.kill, verdict.findings
-        for r in b.reqs:  # the step's sampled token, as process_batch_result appends it
-            r.output_ids.append(1)
         b.output_ids = torch.ones(len(b.reqs), dtype=torch.int64)
 
     def step(self) -> None:
-        self.batch.prepare_for_decode()
+        """One decode iteration's host work in SGLang's scheduler, on its own classes: what
+        update_running_batch does to the batch (filter_batch, check_decode_mem,
+        prepare_for_decode), the forward (only the run_batch hook's part), and
+        process_batch_result_decode's part for each request (its time stamp, its token,
+        update_finish_state)."""
+        b = self.batch
+        b.filter_batch()
+        b.check_decode_mem()
+        b.prepare_for_decode()
         self.forward()
+        for r in b.reqs:
+            r.time_stats.set_last_decode_finish_time()
+            r.output_ids.append(1)
+            r.update_finish_state(1)
 
 
 def measure(args: ServerArgs, batch: int, rounds: int, steps: int) -> tuple[float, float]:
@@ -149,7 +164,8 @@ def main() -> None:
     import sglang
 
     print(
-        f"SGLang {sglang.__version__} decode step (ScheduleBatch.prepare_for_decode), page {PAGE}, "
+        f"SGLang {sglang.__version__} decode iteration's host work (filter_batch, check_decode_mem, "
+        f"prepare_for_decode, each request's result), page {PAGE}, "
         f"prompt {PROMPT}; {os.cpu_count()} CPUs; median of {rounds} alternating rounds of {steps} steps"
     )
     print(f"{'batch':>6} {'SGLang step µs':>15} {'with kvguard µs':>16} {'added µs':>9} {'added':>8}")

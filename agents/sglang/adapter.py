@@ -261,7 +261,13 @@ class SglangAdapter:
         first.sort()
         reqs, pages = reqs[first], pages[first]
         new = book.fresh[pages]
-        if new.any():
+        if new.any() and len(np.unique(reqs[new])) == int(new.sum()):  # a page each, as decode grants
+            granted_to, granted = reqs[new], pages[new]
+            book.fresh[granted] = False
+            book.owner[granted] = granted_to
+            book.last[granted] = granted_to
+            self.guard.alloc_each(POOL, [self.rids[i] for i in granted_to.tolist()], granted)
+        elif new.any():
             granted = groups(reqs[new], pages[new])
             for idx, own in granted:
                 book.grant(own, idx)
