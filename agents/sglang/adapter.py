@@ -1,6 +1,6 @@
 """What SGLang's own KV calls mean as kvguard events (`SglangAdapter`), for one scheduler
-process: the paged and token allocators, `req_to_token`, the radix cache, the PD senders and
-receivers, rejection, and the forward step.
+process: the paged and token allocators, `req_to_token`, the radix cache, rejection, and the
+forward step; the PD senders and receivers are its other half (transfers.py).
 
 Invariants:
 - every request is named by its `rid`; its tenant is read from one attribute of the `Req`
@@ -8,17 +8,16 @@ Invariants:
 - calls that name no request are attributed through the PageBook: a free to the page's
   owner when the allocator gets it back (grouped frees included), an eviction to the request
   the radix cache holds it for, a row naming another's page to a `share` from its origin;
-- one guard call per forward step (`forward_step`): the KV the step writes and the check
-  before attention over `req_to_token[row, :seq_len]` of the whole batch, vectorised;
-- a transfer is done when the engine's own poll says Success; a receiver's pages that did
-  not change since they were reserved did not arrive (the receiver's "Success" counts ranks,
-  not pages), and a kill turns that poll into Failed, so SGLang's own failure path aborts
-  the request before its first forward.
+- one guard call per forward step (`forward_step`): the KV the step writes (with a decode
+  step's grants: its alloc_decode and write are held for it, decode.py) and the check before
+  attention over `req_to_token[row, :seq_len]` of the whole batch, read in place past each
+  row's entries verified before and not written since (`low`), vectorised.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 from http import HTTPStatus
 from typing import Any
 
@@ -26,39 +25,17 @@ import numpy as np
 
 from kvguard.agents.attach import Attachment
 from kvguard.agents.guard import Verdict
-from kvguard.agents.guard.verdict import merged
+from kvguard.agents.sglang.decode import Held, decode_shaped, fold
 from kvguard.agents.sglang.pages import NONE, PageBook, groups
+from kvguard.agents.sglang.transfers import POOL, PdTransfers, host_ints
 
 log = logging.getLogger("kvguard.adapter")
 
-POOL = 0  # the scheduler's one KV pool (hybrid pools: not yet mapped)
+RID = operator.attrgetter("rid")
 UNTOUCHED = 1 << 62  # a req_to_token row no write reached since its last step
-UNNAMED = "?"  # the other side of a PD pair: SGLang knows its bootstrap address, not its node name
 
 
-def host_ints(values: Any) -> np.ndarray:
-    """Integers of a torch tensor (on any device), a list or an array, as a flat int64 array."""
-    if hasattr(values, "detach"):
-        values = values.detach().cpu().numpy()
-    return np.asarray(values, dtype=np.int64).reshape(-1)
-
-
-def page_digests(kvcache: Any, pages: np.ndarray, page_size: int) -> np.ndarray:
-    """A digest per page of layer 0's K and V as they lie now (a change detector, not a
-    checksum two nodes compare): torch on the pool's own device, one call for all pages."""
-    import torch
-
-    slots = torch.as_tensor(pages, device=kvcache.k_buffer[0].device)[:, None] * page_size
-    slots = slots + torch.arange(page_size, device=slots.device)
-    parts = []
-    for buf in (kvcache.k_buffer[0], kvcache.v_buffer[0]):
-        raw = buf[slots.reshape(-1)].contiguous().view(torch.uint8).reshape(len(pages), -1)
-        weights = torch.arange(1, raw.shape[1] + 1, device=raw.device, dtype=torch.int64)
-        parts.append((raw.to(torch.int64) * weights).sum(dim=1))
-    return (parts[0] * 1_000_003 + parts[1]).cpu().numpy()
-
-
-class SglangAdapter:
+class SglangAdapter(PdTransfers):
     def __init__(self, attachment: Attachment, role: str = "colocated") -> None:
         self.attachment = attachment
         self.guard = attachment.guard
@@ -80,6 +57,7 @@ class SglangAdapter:
         self.receiving: dict[int, tuple[int, np.ndarray, np.ndarray, int]] = {}
         self.receiver_room: dict[int, int] = {}
         self.concluded: dict[int, bool] = {}  # id(sender/receiver) -> may go on
+        self.held: Held | None = None  # a decode step's alloc and write, for its step (decode.py)
 
     # ------------------------------------------------------------------ requests and pool
 
@@ -202,6 +180,20 @@ class SglangAdapter:
 
     # ------------------------------------------------------------------ pages
 
+    def decode_slots(self, allocator: Any, slots: Any) -> None:
+        """alloc_decode handed out a decode step's slots: held for the step (decode.py)."""
+        self.flush()
+        if slots is not None and self.pool_of(allocator) is not None:
+            self.held = Held(allocator, slots)
+
+    def flush(self) -> None:
+        """What is held, applied as SGLang made the calls."""
+        held, self.held = self.held, None
+        if held is not None:
+            self.handed_out(held.allocator, held.slots)
+            if held.write is not None:
+                self.row_written(*held.write)
+
     def handed_out(self, allocator: Any, slots: Any) -> None:
         book = self.pool_of(allocator)
         if slots is None or book is None:
@@ -235,6 +227,11 @@ class SglangAdapter:
         a share from their origin."""
         if not self._ours(pool):
             return
+        if self.held is not None:
+            if self.held.write is None and decode_shaped(indices, values):
+                self.held.write = (pool, indices, values)  # the step takes it (decode.py)
+                return
+            self.flush()
         book = self.book
         slots = host_ints(values)
         rows_spec = indices[0] if isinstance(indices, tuple) else indices
@@ -321,29 +318,41 @@ class SglangAdapter:
         is seq_len minus what it had before), then the batch's rows are checked up to their
         seq_lens. The requests a verdict kills get SGLang's own abort (to_finish)."""
         if self.book is None or not reqs:
+            self.flush()
             return Verdict()
         ps = self.book.page_size
         lens = host_ints(seq_lens)
         locs = host_ints(out_cache_loc)
-        written = self._step_counts(reqs, len(locs), extend_lens)
-        owner_of = np.repeat(np.arange(len(reqs)), written)
-        pages = locs // ps
-        starts = np.ones(len(locs), bool)
-        starts[1:] = (pages[1:] != pages[:-1]) | (owner_of[1:] != owner_of[:-1])
-        ends = np.ones(len(locs), bool)
-        ends[:-1] = starts[1:]
-        step_pages = pages[starts]
-        step_slots = locs[ends] % ps + 1
-        counts = np.bincount(owner_of[starts], minlength=len(reqs))
-        names = [r.rid for r in reqs]  # a request's rid is its name (request() interned it)
+        at = host_ints(rows)
+        folded = None
+        if self.held is not None:
+            folded = fold(self.held, self.book, self.row_req, rows, at, out_cache_loc, locs, host_ints)
+            if folded is None:
+                self.flush()
+            self.held = None
+        if len(locs) == len(reqs):  # a decode step: one slot, so one page, each
+            step_pages, step_slots, counts = locs // ps, locs % ps + 1, None
+        else:
+            written = self._step_counts(reqs, extend_lens)
+            owner_of = np.repeat(np.arange(len(reqs)), written)
+            pages = locs // ps
+            starts = np.ones(len(locs), bool)
+            starts[1:] = (pages[1:] != pages[:-1]) | (owner_of[1:] != owner_of[:-1])
+            ends = np.ones(len(locs), bool)
+            ends[:-1] = starts[1:]
+            step_pages = pages[starts]
+            step_slots = locs[ends] % ps + 1
+            counts = np.bincount(owner_of[starts], minlength=len(reqs))
+        names = list(map(RID, reqs))  # a request's rid is its name (request() interned it)
+        grants = None if folded is None else folded.grants
         req_to_token = r2t.req_to_token
         if req_to_token.device.type == "cpu":
             # The check reads req_to_token in place, each row past the columns written since
             # its last step (row_written saw every write SGLang made through the pool).
-            at = host_ints(rows)
             if len(at) and int(at.max()) >= len(self.low):  # rows kvguard never saw written
                 self.low = np.concatenate((self.low, np.zeros(int(at.max()) + 1 - len(self.low), np.int64)))
-            stable = self.low[at] // ps
+            stable = self.low[at] if folded is None else np.minimum(self.low[at], folded.written)
+            stable //= ps
             self.low[at] = UNTOUCHED
             verdict = self.guard.step(
                 POOL,
@@ -351,6 +360,7 @@ class SglangAdapter:
                 step_pages,
                 step_slots,
                 counts=counts,
+                grants=grants,
                 block_tables=req_to_token.numpy(),
                 context_lens=lens,
                 stable=stable,
@@ -360,7 +370,14 @@ class SglangAdapter:
         else:  # the device's own tables, checked there whole
             table = self._block_table(req_to_token, rows, -(-int(lens.max()) // ps))
             verdict = self.guard.step(
-                POOL, names, step_pages, step_slots, counts=counts, block_tables=table, context_lens=lens
+                POOL,
+                names,
+                step_pages,
+                step_slots,
+                counts=counts,
+                grants=grants,
+                block_tables=table,
+                context_lens=lens,
             )
         if verdict.kill:
             for req in reqs:
@@ -379,11 +396,9 @@ class SglangAdapter:
         return req_to_token[rows, : width * ps : ps].long() // ps
 
     @staticmethod
-    def _step_counts(reqs: list[Any], total: int, extend_lens: Any) -> np.ndarray:
-        """Tokens each request writes this step: one in a decode step, else its extend length
-        (the batch's extend_lens, as prepare_for_extend set them)."""
-        if total == len(reqs):  # a decode step: no per-request look
-            return np.ones(len(reqs), np.int64)
+    def _step_counts(reqs: list[Any], extend_lens: Any) -> np.ndarray:
+        """Tokens each request writes this (extend) step: its extend length (the batch's
+        extend_lens, as prepare_for_extend set them)."""
         if extend_lens is not None and len(extend_lens) == len(reqs):
             return np.asarray(extend_lens, np.int64)
         return np.asarray([r.extend_len for r in reqs], np.int64)
@@ -406,86 +421,3 @@ class SglangAdapter:
         req = self.live.get(idx) if idx is not None else None
         if req is not None and req.to_finish is None and req.finished_reason is None:
             self.stop(req, reason)
-
-    # ------------------------------------------------------------------ PD transfers
-
-    def sender_init(self, sender: Any) -> None:
-        idx = self.rooms.get(int(getattr(sender, "bootstrap_room", -1) or -1))
-        if idx is None:
-            return
-        req = self.live.get(idx)
-        prefix = int(getattr(req, "disagg_decode_prefix_len", 0) or 0) if req is not None else 0
-        self.sending[id(sender)] = [[], 0]
-        self.guard.bootstrap(self.rids[idx], self.guard.node, UNNAMED, self.prompt[idx] - prefix)
-
-    def sent(self, sender: Any, kv_indices: Any, num_kv_tokens: int | None) -> None:
-        entry = self.sending.setdefault(id(sender), [[], 0])
-        pages = host_ints(kv_indices)
-        entry[0].append(pages)
-        entry[1] += int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * self.book.page_size
-
-    def sender_polled(self, sender: Any, state: Any, success: Any, failed: Any) -> Any:
-        key = id(sender)
-        if key in self.concluded:
-            return state if self.concluded[key] else failed
-        if state not in (success, failed):
-            return state
-        idx = self.rooms.get(int(getattr(sender, "bootstrap_room", -1) or -1))
-        entry = self.sending.pop(key, None)
-        if idx is None or entry is None:
-            return state
-        pages = np.concatenate(entry[0]) if entry[0] else np.zeros(0, np.int64)
-        verdict = self.guard.xfer_send(
-            self.rids[idx],
-            f"room-{sender.bootstrap_room}",
-            "",
-            POOL,
-            pages,
-            entry[1],
-            0,
-            status="done" if state == success else "failed",
-        )
-        ok = verdict.ok
-        self.concluded[key] = ok
-        return state if ok else failed
-
-    def receiver_made(self, receiver: Any, room: Any) -> None:
-        if room is not None:
-            self.receiver_room[id(receiver)] = int(room)
-
-    def reserved(self, receiver: Any, kv_indices: Any, decode_prefix_len: int | None) -> None:
-        """Decode told prefill where to write: these pages, whose content is noted now."""
-        idx = self.rooms.get(self.receiver_room.get(id(receiver), -1))
-        if idx is None or self.book is None:
-            return
-        pages = host_ints(kv_indices)
-        before = page_digests(self.allocator.get_kvcache(), pages, self.book.page_size)
-        expected = self.prompt[idx] - int(decode_prefix_len or 0)
-        self.receiving[id(receiver)] = (idx, pages, before, expected)
-        self.guard.bootstrap(self.rids[idx], UNNAMED, self.guard.node, expected)
-
-    def receiver_polled(self, receiver: Any, state: Any, success: Any, failed: Any) -> Any:
-        key = id(receiver)
-        if key in self.concluded:
-            return state if self.concluded[key] else failed
-        if state not in (success, failed) or key not in self.receiving:
-            return state
-        idx, pages, before, expected = self.receiving.pop(key)
-        ps = self.book.page_size
-        rid = self.rids[idx]
-        changed = page_digests(self.allocator.get_kvcache(), pages, ps) != before
-        landed = int(changed.sum())
-        tokens = min(landed * ps, expected) if state == success else 0
-        ordered = np.concatenate((pages[changed], pages[~changed]))
-        room = self.receiver_room.get(key, -1)
-        verdict = self.guard.xfer_recv(
-            rid, f"room-{room}", "", POOL, ordered, tokens, 0, status="done" if state == success else "failed"
-        )
-        if state == success and verdict.ok:
-            # The check before attention, now: the request joins no batch if it fails.
-            verdict = merged(
-                verdict, self.guard.check_attention(POOL, [rid], pages[None, :], np.array([expected]))
-            )
-        ok = verdict.ok
-        self.concluded[key] = ok
-        return state if ok else failed

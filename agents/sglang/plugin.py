@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from kvguard.agents.attach import EngineAttach
-from kvguard.agents.sglang.adapter import SglangAdapter, host_ints
+from kvguard.agents.sglang.adapter import SglangAdapter
+from kvguard.agents.sglang.transfers import host_ints
 
 log = logging.getLogger("kvguard.adapter")
 
@@ -65,10 +66,17 @@ def load() -> None:
         _register()
 
 
+# The calls that take what a decode step holds themselves (decode.py); before any other, it is
+# applied as made.
+_TAKES_HELD = (SglangAdapter.row_written, SglangAdapter.forward_step, SglangAdapter.decode_slots)
+
+
 def _run(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     adapter = current()
     if adapter is None:
         return None
+    if adapter.held is not None and fn not in _TAKES_HELD:
+        adapter.attachment.contain("held decode calls", SglangAdapter.flush, adapter)
     return adapter.attachment.contain(what, fn, adapter, *args, **kwargs)
 
 
@@ -94,6 +102,10 @@ def _handed_out(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
     _run("allocator alloc", SglangAdapter.handed_out, allocator, result)
 
 
+def _decode_slots(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
+    _run("allocator alloc_decode", SglangAdapter.decode_slots, allocator, result)
+
+
 def _released(allocator: Any, *page_ids: Any) -> None:
     pages = np.concatenate([host_ints(p) for p in page_ids]) if page_ids else np.zeros(0, np.int64)
     _run("allocator free", SglangAdapter.released, allocator, pages)
@@ -107,6 +119,7 @@ def _token_free(allocator: Any, free_index: Any) -> None:
 def _cleared(result: Any, allocator: Any) -> None:
     adapter = current()
     if adapter is not None and adapter.pool_of(allocator) is not None:
+        adapter.attachment.contain("held decode calls", SglangAdapter.flush, adapter)
         adapter.book.clear()
 
 
@@ -267,7 +280,7 @@ def hooks() -> list[tuple[str, Callable[..., Any], str]]:
     table = [
         (f"{ALLOC}.alloc", _handed_out, "AFTER"),
         (f"{ALLOC}.alloc_extend", _handed_out, "AFTER"),
-        (f"{ALLOC}.alloc_decode", _handed_out, "AFTER"),
+        (f"{ALLOC}.alloc_decode", _decode_slots, "AFTER"),
         (f"{ALLOC}._release_page_ids", _released, "BEFORE"),
         (f"{ALLOC}.clear", _cleared, "AFTER"),
         (f"{TOKEN}.alloc", _handed_out, "AFTER"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from array import array
+from typing import Any
 
 import torch
 from sglang.srt.disaggregation.fake.conn import FakeKVReceiver, FakeKVSender
@@ -98,10 +99,12 @@ class Engine:
         slots: torch.Tensor,
         value: float | None = None,
         extend_lens: list[int] | None = None,
+        rows: torch.Tensor | None = None,
     ) -> None:
         """run_batch: the adapter's step check (the hook's call, with the batch's fields),
         then the forward writes K and V at the slots."""
-        rows = torch.tensor([r.kv.req_pool_idx for r in reqs])
+        if rows is None:
+            rows = torch.tensor([r.kv.req_pool_idx for r in reqs])
         lens = torch.tensor([r.kv.kv_allocated_len for r in reqs])
         self.adapter.forward_step(reqs, rows, lens, slots, self.r2t, extend_lens)
         for r in reqs:
@@ -137,9 +140,11 @@ class Engine:
         self.forward([req], slots, value, [end - start])
         return slots
 
-    def decode(self, reqs: list[Req], value: float) -> None:
+    def decode(self, reqs: list[Req], value: float, held: bool = True) -> None:
         """alloc_for_decode: one slot each (a new page at a page boundary), the batch's row
-        write, then one forward for the batch."""
+        write, then one forward for the batch, with the batch's own rows tensor, as SGLang's
+        ScheduleBatch passes it (`held`: the adapter's step takes the alloc and the write it
+        held; else the rows come as a new tensor and what was held is applied as made)."""
         lens = torch.tensor([r.kv.kv_allocated_len + 1 for r in reqs])
         rows = torch.tensor([r.kv.req_pool_idx for r in reqs])
         last = self.r2t.req_to_token[rows, lens - 2].long()
@@ -147,7 +152,7 @@ class Engine:
         self.r2t.write((rows, lens - 1), slots.to(torch.int32))
         for r in reqs:
             r.kv.kv_allocated_len += 1
-        self.forward(reqs, slots, value)
+        self.forward(reqs, slots, value, rows=rows if held else None)
 
     def row_slots(self, req: Req) -> torch.Tensor:
         return self.r2t.req_to_token[req.kv.req_pool_idx, : req.kv.kv_allocated_len].long()
@@ -314,6 +319,35 @@ def mixed(capture: str, mode: str) -> dict:
         "errors": e.guard.errors,
         "events": e.guard._seq,
     }
+
+
+def decode_faults(capture: str, mode: str) -> dict:
+    """Decode steps, the adapter taking its held calls (SGLang's own batch) and not: clean
+    steps across a page boundary, then an allocator whose free list holds a page another
+    request still has (a double free inside the allocator) hands it to a request's decode
+    step. The same findings either way."""
+    out: dict[str, Any] = {}
+    for held in (True, False):
+        where = capture if held else f"{capture}.as-made"
+        e = Engine(f"c-{held}", "colocated", where, mode, pages=16, rows=4)
+        a = e.request("a-1", list(range(100, 100 + 2 * PAGE)), "tenant-a")  # two full pages
+        b = e.request("b-1", list(range(300, 302)), "tenant-b")  # half a page
+        e.prefill(a, 1.0)
+        e.prefill(b, 2.0)
+        for _ in range(PAGE):
+            e.decode([a, b], 3.0, held)  # a opens a new page; b fills its first and opens one
+        clean = len(e.guard.findings)
+        theirs = int(e.row_slots(b)[0]) // PAGE  # b's first page, still b's
+        free = e.alloc.free_pages
+        e.alloc.free_pages = torch.cat((torch.tensor([theirs], dtype=free.dtype), free))
+        e.decode([a], 4.0, held)  # a's next token opens a page: the allocator hands it b's
+        out["held" if held else "as made"] = {
+            "clean_steps_findings": clean,
+            "findings": sorted(f"{f.finding}:{f.req}" for f in e.guard.findings),
+            "killed": sorted(e.guard.killed),
+            "errors": e.guard.errors,
+        }
+    return out
 
 
 def plugin_path(capture: str, mode: str) -> dict:

@@ -19,6 +19,7 @@ BATCH = [
     ("short_send", "enforce"),
     ("rejected", "enforce"),
     ("mixed", "enforce"),
+    ("decode_faults", "enforce"),
     ("contained", "enforce"),
 ]
 
@@ -89,6 +90,15 @@ def test_mixed_workload_with_every_fault_off_has_no_finding(batch: dict[str, Any
     assert result["findings"] == [] and result["killed"] == [] and result["errors"] == []
     assert result["events"] > 50
     assert replayed == []
+
+
+def test_a_decode_step_taken_whole_finds_what_its_calls_as_made_find(batch: dict[str, Any]) -> None:
+    result, _ = scenario(batch, "decode_faults")
+    held, as_made = result["held"], result["as made"]
+    assert held == as_made, (held, as_made)
+    assert held["clean_steps_findings"] == 0 and not held["errors"]
+    # The page handed out twice: the request that was given b's page is stopped, b goes on.
+    assert held["findings"] and "a-1" in held["killed"] and "b-1" not in held["killed"], held
 
 
 def test_sglang_loads_the_plugin_through_its_entry_point(tmp_path: Path) -> None:
