@@ -180,6 +180,74 @@ parse_batch(Batch *b, PyObject *const *args, const char *fn, int indirect)
     return 1;
 }
 
+/* What the incremental check reads each row past and records (batch_clean_from's arrays). */
+typedef struct {
+    const char *stable, *rows;
+    npy_intp stable_stride, rows_stride;
+    int64_t *upto, *by;
+} Verify;
+
+/* The check of every row of a batch (v NULL: whole rows; else each row past what was
+ * verified before, recording what it verifies now): a new bool[B], NULL with an exception. */
+static PyObject *
+check_batch(const Batch *b, const Verify *v)
+{
+    npy_intp dims[1] = {b->batch};
+    PyObject *out = PyArray_ZEROS(1, dims, NPY_BOOL, 0);
+    if (out == NULL)
+        return NULL;
+    npy_bool *clean = PyArray_DATA((PyArrayObject *)out);
+    const char *own = (const char *)&b->state->own, *valid = (const char *)&b->state->valid;
+    for (npy_intp i = 0; i < b->batch; i++) {
+        int64_t len = entry(b->lens, b->lens_stride, i, b->wide_lens);
+        if (len == 0) { /* reads nothing */
+            clean[i] = 1;
+            continue;
+        }
+        long reader = reader_of(b->reqs, b->index, i, b->n_reqs);
+        if (reader < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        if (reader == NOBODY)
+            continue;
+        if (b->req_table[reader].state >= ENDED) { /* rejected, aborted or killed: not clean */
+            if (v != NULL)
+                v->upto[reader] = 0;
+            continue;
+        }
+        npy_intp at = i;
+        int64_t from = 0;
+        if (v != NULL) {
+            at = v->rows != NULL ? (npy_intp)entry(v->rows, v->rows_stride, i, 1) : i;
+            from = entry(v->stable, v->stable_stride, i, 1);
+            if (from > v->upto[reader])
+                from = v->upto[reader];
+            if (from < 0)
+                from = 0;
+        }
+        clean[i] = (npy_bool)row_clean(&b->t, at, len, reader, own, sizeof(Page), valid, sizeof(Page), b->n_pages,
+                                       b->page_size, (npy_intp)from);
+        if (v == NULL)
+            continue;
+        if (!clean[i]) {
+            v->upto[reader] = 0;
+            continue;
+        }
+        int64_t full = len / b->page_size;
+        if (full > (int64_t)b->t.width)
+            full = (int64_t)b->t.width;
+        const char *row = b->t.base + at * b->t.row_stride;
+        for (int64_t c = from; c < full; c++) {
+            int64_t page = entry(row, b->t.col_stride, (npy_intp)c, b->t.wide) / b->t.per;
+            if (page >= 0 && page < b->n_pages)
+                v->by[page] = reader;
+        }
+        v->upto[reader] = full;
+    }
+    return out;
+}
+
 /* batch_clean(state: PAGE[N], tables: int32|int64[B, P], lens: int32|int64[B], reqs: list[str],
  *             req_index: dict, req_table: REQ[M], page_size) -> bool[B]
  * check_tags with the readers found here (req_index: name -> index into req_table; a name not
@@ -194,29 +262,7 @@ kvg_batch_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Batch b;
     if (!parse_batch(&b, args, "batch_clean", 0))
         return NULL;
-    npy_intp dims[1] = {b.batch};
-    PyObject *out = PyArray_ZEROS(1, dims, NPY_BOOL, 0);
-    if (out == NULL)
-        return NULL;
-    npy_bool *clean = PyArray_DATA((PyArrayObject *)out);
-    const char *own = (const char *)&b.state->own, *valid = (const char *)&b.state->valid;
-    for (npy_intp i = 0; i < b.batch; i++) {
-        int64_t len = entry(b.lens, b.lens_stride, i, b.wide_lens);
-        if (len == 0) { /* reads nothing */
-            clean[i] = 1;
-            continue;
-        }
-        long reader = reader_of(b.reqs, b.index, i, b.n_reqs);
-        if (reader < 0) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        if (reader == NOBODY || b.req_table[reader].state >= ENDED)
-            continue;
-        clean[i] = (npy_bool)row_clean(&b.t, i, len, reader, own, sizeof(Page), valid, sizeof(Page), b.n_pages,
-                                       b.page_size, 0);
-    }
-    return out;
+    return check_batch(&b, NULL);
 }
 
 /* A writable, contiguous 1-d int64 array's data and length; NULL with an exception. */
@@ -236,7 +282,7 @@ int64s(PyObject *o, npy_intp *n, const char *what)
  *                  stable: int64[B], upto: int64[M], by: int64[N], touched: int64[T],
  *                  rows: int64[B] | None, per: int) -> bool[B]
  * batch_clean's answer, reading each row only past what was verified before (agents/guard/
- * attention.py `Verified` keeps upto and by; this is their one writer):
+ * attention.py `Progress` keeps upto and by; this is their one writer):
  * - every page an event named since the last check (touched) is no longer vouched for: the
  *   reader that verified it (by[page]) starts over (upto = 0);
  * - row b is checked from entry min(upto[reader], stable[b]) on (stable: the leading entries
@@ -260,27 +306,27 @@ kvg_batch_clean_from(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (b.t.per <= 0)
         return PyErr_Format(PyExc_ValueError, "batch_clean_from: per must be positive, not %lld", (long long)b.t.per);
-    const char *rows = NULL;
-    npy_intp n_rows = 0, rows_stride = 0, n_tables = PyArray_DIM((PyArrayObject *)args[1], 0);
+    Verify v = {NULL, NULL, 0, 0, NULL, NULL};
+    npy_intp n_rows = 0, n_tables = PyArray_DIM((PyArrayObject *)args[1], 0);
     if (indirect) {
-        rows = column(args[11], NPY_INT64, NULL, &n_rows, &rows_stride, "rows", "int64");
-        if (rows == NULL)
+        v.rows = column(args[11], NPY_INT64, NULL, &n_rows, &v.rows_stride, "rows", "int64");
+        if (v.rows == NULL)
             return NULL;
         if (n_rows != b.batch)
             return PyErr_Format(PyExc_ValueError, "batch_clean_from: %zd rows for a batch of %zd", (Py_ssize_t)n_rows,
                                 (Py_ssize_t)b.batch);
         for (npy_intp i = 0; i < n_rows; i++) {
-            int64_t r = entry(rows, rows_stride, i, 1);
+            int64_t r = entry(v.rows, v.rows_stride, i, 1);
             if (r < 0 || r >= n_tables)
                 return PyErr_Format(PyExc_ValueError, "batch_clean_from: row %lld of a batch is not one of the %zd tables",
                                     (long long)r, (Py_ssize_t)n_tables);
         }
     }
-    npy_intp n_stable, n_upto, n_by, n_touched, stable_stride, touched_stride;
-    const char *stable = column(args[7], NPY_INT64, NULL, &n_stable, &stable_stride, "stable", "int64");
-    int64_t *upto = stable ? int64s(args[8], &n_upto, "upto") : NULL;
-    int64_t *by = upto ? int64s(args[9], &n_by, "by") : NULL;
-    const char *touched = by ? column(args[10], NPY_INT64, NULL, &n_touched, &touched_stride, "touched", "int64") : NULL;
+    npy_intp n_stable, n_upto, n_by, n_touched, touched_stride;
+    v.stable = column(args[7], NPY_INT64, NULL, &n_stable, &v.stable_stride, "stable", "int64");
+    v.upto = v.stable ? int64s(args[8], &n_upto, "upto") : NULL;
+    v.by = v.upto ? int64s(args[9], &n_by, "by") : NULL;
+    const char *touched = v.by ? column(args[10], NPY_INT64, NULL, &n_touched, &touched_stride, "touched", "int64") : NULL;
     if (touched == NULL)
         return NULL;
     if (n_stable != b.batch || n_upto < b.n_reqs || n_by != b.n_pages)
@@ -290,54 +336,8 @@ kvg_batch_clean_from(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                             (Py_ssize_t)n_by, (Py_ssize_t)b.n_pages);
     for (npy_intp k = 0; k < n_touched; k++) {
         int64_t page = entry(touched, touched_stride, k, 1);
-        if (page >= 0 && page < b.n_pages && by[page] > NOBODY && by[page] < n_upto)
-            upto[by[page]] = 0;
+        if (page >= 0 && page < b.n_pages && v.by[page] > NOBODY && v.by[page] < n_upto)
+            v.upto[v.by[page]] = 0;
     }
-    npy_intp dims[1] = {b.batch};
-    PyObject *out = PyArray_ZEROS(1, dims, NPY_BOOL, 0);
-    if (out == NULL)
-        return NULL;
-    npy_bool *clean = PyArray_DATA((PyArrayObject *)out);
-    const char *own = (const char *)&b.state->own, *valid = (const char *)&b.state->valid;
-    for (npy_intp i = 0; i < b.batch; i++) {
-        int64_t len = entry(b.lens, b.lens_stride, i, b.wide_lens);
-        if (len == 0) { /* reads nothing */
-            clean[i] = 1;
-            continue;
-        }
-        long reader = reader_of(b.reqs, b.index, i, b.n_reqs);
-        if (reader < 0) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        if (reader == NOBODY)
-            continue;
-        if (b.req_table[reader].state >= ENDED) {
-            upto[reader] = 0;
-            continue;
-        }
-        int64_t from = entry(stable, stable_stride, i, 1);
-        if (from > upto[reader])
-            from = upto[reader];
-        if (from < 0)
-            from = 0;
-        npy_intp at = rows != NULL ? (npy_intp)entry(rows, rows_stride, i, 1) : i;
-        clean[i] = (npy_bool)row_clean(&b.t, at, len, reader, own, sizeof(Page), valid, sizeof(Page), b.n_pages,
-                                       b.page_size, (npy_intp)from);
-        if (!clean[i]) {
-            upto[reader] = 0;
-            continue;
-        }
-        int64_t full = len / b.page_size;
-        if (full > (int64_t)b.t.width)
-            full = (int64_t)b.t.width;
-        const char *row = b.t.base + at * b.t.row_stride;
-        for (int64_t c = from; c < full; c++) {
-            int64_t page = entry(row, b.t.col_stride, (npy_intp)c, b.t.wide) / b.t.per;
-            if (page >= 0 && page < b.n_pages)
-                by[page] = reader;
-        }
-        upto[reader] = full;
-    }
-    return out;
+    return check_batch(&b, &v);
 }

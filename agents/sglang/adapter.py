@@ -354,31 +354,17 @@ class SglangAdapter(PdTransfers):
             stable = self.low[at] if folded is None else np.minimum(self.low[at], folded.written)
             stable //= ps
             self.low[at] = UNTOUCHED
-            verdict = self.guard.step(
-                POOL,
-                names,
-                step_pages,
-                step_slots,
-                counts=counts,
-                grants=grants,
-                block_tables=req_to_token.numpy(),
-                context_lens=lens,
-                stable=stable,
-                table_rows=at,
-                in_slots=True,
-            )
+            check: dict[str, Any] = {
+                "block_tables": req_to_token.numpy(),
+                "stable": stable,
+                "table_rows": at,
+                "in_slots": True,
+            }
         else:  # the device's own tables, checked there whole
-            table = self._block_table(req_to_token, rows, -(-int(lens.max()) // ps))
-            verdict = self.guard.step(
-                POOL,
-                names,
-                step_pages,
-                step_slots,
-                counts=counts,
-                grants=grants,
-                block_tables=table,
-                context_lens=lens,
-            )
+            check = {"block_tables": self._block_table(req_to_token, rows, -(-int(lens.max()) // ps))}
+        verdict = self.guard.step(
+            POOL, names, step_pages, step_slots, counts=counts, grants=grants, context_lens=lens, **check
+        )
         if verdict.kill:
             for req in reqs:
                 if req.rid in verdict.kill:
