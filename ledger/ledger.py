@@ -34,9 +34,9 @@ from kvguard.ledger.findings import BadEvent, Finding, Findings
 from kvguard.ledger.incarnation import Incarnations
 from kvguard.ledger.lifecycle import Lifecycle
 from kvguard.ledger.limits import Limits
-from kvguard.ledger.ownership import GRANT_RUNS, Ownership
+from kvguard.ledger.ownership import Ownership
 from kvguard.ledger.pages import Verified
-from kvguard.ledger.pools import Node, Pools
+from kvguard.ledger.pools import GRANT_RUNS, Node, Pools
 from kvguard.ledger.requests import Request, Requests
 from kvguard.ledger.transfers import Transfers
 from kvguard.proto import pb, wire
@@ -386,7 +386,7 @@ class Ledger:
                 for node, pool_id in r.pools:
                     pool = self.pools.nodes[node].pools.get(pool_id)
                     if pool is not None:
-                        pool.live.pop(r.idx, None)
+                        pool.retire(r.idx)
                 retired.append(r)
         self.requests.retire(retired)
         self.stats.retired += len(retired)
@@ -421,7 +421,7 @@ class Ledger:
             for name, pool_id in r.pools:
                 granted = self.pools.nodes[name].pools.get(pool_id)
                 if granted is not None:
-                    granted.grants.pop(r.idx, None)
+                    granted.forget(r.idx)
             gone.add(r.idx)
         if gone:  # a reused index must not inherit an old finding's de-duplication
             self.findings.forget(gone)

@@ -40,8 +40,6 @@ from kvguard.ledger.requests import FIRST_ENDED, Request, Requests
 from kvguard.ledger.transfers import Transfers
 from kvguard.proto import pb
 
-GRANT_RUNS = 16  # a request's grants in one pool kept as separate arrays before they are merged
-
 
 class Ownership:
     def __init__(
@@ -92,17 +90,8 @@ class Ownership:
                     key=(pool.pool, "reserved"),
                 )
             pp.grant(pages, r.idx, since, judged=True)
-        grants = pool.grants.get(r.idx)
-        if grants is None:
-            pool.grants[r.idx] = [pages]
+        if pool.granted(r.idx, pages):
             r.pools.append((node.name, pool.pool))
-        else:
-            grants.append(pages)
-            if len(grants) > GRANT_RUNS:
-                # Decode grants a page at a time: hundreds of one-page arrays per request, kept
-                # for as long as the ledger keeps the request; one int32 array is far smaller.
-                pool.grants[r.idx] = [np.concatenate(grants).astype(np.int32)]
-        pool.live[r.idx] = pool.live.get(r.idx, 0) + len(pages)
         self.requests.add(r, "granted_pages", len(pages))
         boot = r.bootstrap
         if boot is not None and boot[1] == node.name and not r.received_tokens:
@@ -143,7 +132,7 @@ class Ownership:
         # Grants of the previous holders end here; their shares now point at foreign content.
         prev = pp.owner[sel]
         for victim in np.unique(prev[prev >= 0]).tolist():
-            pool.live[victim] -= int(np.count_nonzero(prev == victim))
+            pool.ended(victim, int(np.count_nonzero(prev == victim)))
 
     def _sharers(self, pool: Pool, pages: np.ndarray) -> np.ndarray:
         """For each of `pages`, a request that shares it now as a prefix (NOBODY if none): a
@@ -229,7 +218,7 @@ class Ownership:
             self._free_other(r, pool, pages[pp.owner[pages] != r.idx])
             pp.end_grant(pages, r.idx, since, judged=True)
         if n_mine:
-            pool.live[r.idx] -= n_mine
+            pool.ended(r.idx, n_mine)
         self.requests.add(r, "freed_pages", n_mine)
         self.stats.page_transitions += n_mine
 

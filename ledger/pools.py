@@ -58,6 +58,7 @@ _FILLABLE = (
     "tp_size",
     "mem_fraction",
 )
+GRANT_RUNS = 16  # a request's grants in one pool kept as separate arrays before they are merged
 # kv_dtype as engines spell it: fp8 is e4m3 in both engines. ("auto", the model's own dtype,
 # is compared as said: against an explicit dtype it is worth a look.)
 _DTYPE_UNKNOWN = ("",)
@@ -68,7 +69,9 @@ _DTYPE_ALIASES = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "hal
 class Pool:
     """One (node, pool): the reported configuration, its history, the page state, and what its
     requests hold there: `live` (request index -> pages granted to it now) and `grants`
-    (request index -> every page ever granted to it, as arrays)."""
+    (request index -> every page ever granted to it, as arrays). The methods below are the
+    only Python that changes live and grants; the C clean path (runs.c) is their twin, on the
+    dicts `view` hands it."""
 
     node: str
     pool: int
@@ -111,6 +114,38 @@ class Pool:
             raise BadEvent(
                 f"{payload}: page {exc.args[0]} is listed twice (pool {self.pool} of node {self.node})"
             ) from None
+
+    def granted(self, req: int, pages: np.ndarray) -> bool:
+        """`pages` are granted to req now: one more run of its grants (its runs merged into one
+        int32 array past GRANT_RUNS), its live count up. Whether they are its first here."""
+        grants = self.grants.get(req)
+        if grants is None:
+            self.grants[req] = [pages]
+        else:
+            grants.append(pages)
+            if len(grants) > GRANT_RUNS:
+                # Decode grants a page at a time: hundreds of one-page arrays per request, kept
+                # for as long as the ledger keeps the request; one int32 array is far smaller.
+                self.grants[req] = [np.concatenate(grants).astype(np.int32)]
+        self.live[req] = self.live.get(req, 0) + len(pages)
+        return grants is None
+
+    def ended(self, req: int, n: int) -> None:
+        """n of req's live grants here ended (freed, or handed to another)."""
+        self.live[req] -= n
+
+    def retire(self, req: int) -> None:
+        """req is retired: it holds nothing here any more."""
+        self.live.pop(req, None)
+
+    def forget(self, req: int) -> None:
+        """req is forgotten: its index may be reused, with none of its grants."""
+        self.grants.pop(req, None)
+
+    def restore(self, live: dict[int, int], grants: dict[int, list[np.ndarray]]) -> None:
+        """live and grants as a snapshot kept them."""
+        self.live.update(live)
+        self.grants.update(grants)
 
     def ever_granted(self, req: int, pages: np.ndarray) -> np.ndarray:
         """Which of `pages` request `req` was ever granted here (slow path only)."""

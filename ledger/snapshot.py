@@ -373,8 +373,10 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
             pages.shared_holds = {(k, page): dict(holders) for k, page, holders in p["shared_holds"]}
             pool = node.pools[p["pool"]] = Pool(name, p["pool"], _report(p["report"]), pages)
             pool.history = [(seq, ts, _report(r)) for seq, ts, r in p["history"]]
-            pool.live.update((_typed("a live count's request", idx, int), n) for idx, n in p["live"])
-            pool.grants.update((idx, [unpack.get(a) for a in runs]) for idx, runs in p["grants"])
+            pool.restore(
+                {_typed("a live count's request", idx, int): n for idx, n in p["live"]},
+                {idx: [unpack.get(a) for a in runs] for idx, runs in p["grants"]},
+            )
             pool.reset(pages, None if p["regions"] is None else unpack.get(p["regions"]))
             node.views[pool.pool] = pool.view
 
