@@ -383,16 +383,19 @@ class PoolState:
             return self.take_kills()
         rows = tables.rows(ids)  # the previous step's, when the batch and the rows are the same
         ends = starts + sched
-        first, last = starts // bs, (ends - 1) // bs
-        counts = np.where(sched > 0, last - first + 1, 0)
-        if (first + counts > tables.count[rows]).any():
-            raise ValueError("a request's scheduled tokens reach past the blocks vLLM granted it")
-        decode = bool((counts == 1).all())  # one page each: no part to lay out
+        first = starts // bs
+        decode = bool((sched == 1).all())  # one token, so one page, each: no part to lay out
         if decode:
-            rep, pos = None, first
+            last, counts, rep, pos = first, None, None, first
+            if (first >= tables.count[rows]).any():
+                raise ValueError("a request's scheduled tokens reach past the blocks vLLM granted it")
             pages = tables.blocks[rows, first]
             slots = ends - first * bs
         else:
+            last = (ends - 1) // bs
+            counts = np.where(sched > 0, last - first + 1, 0)
+            if (first + counts > tables.count[rows]).any():
+                raise ValueError("a request's scheduled tokens reach past the blocks vLLM granted it")
             rep = np.repeat(np.arange(n), counts)
             pos = first[rep] + np.arange(len(rep)) - (np.cumsum(counts) - counts)[rep]
             pages = tables.blocks[rows[rep], pos]
@@ -405,14 +408,16 @@ class PoolState:
             index = np.full(len(tables.count), -1, np.int64)
             index[rows] = np.arange(n)
             i = index[g_rows]
-            ride = (i >= 0) & (counts[i] > 0) & (g_at >= first[i]) & (g_at + g_n - 1 == last[i])
+            ride = (i >= 0) & (g_at >= first[i]) & (g_at + g_n - 1 == last[i])
+            if not decode:
+                ride &= counts[i] > 0
             grants[i[ride]] = g_n[ride]
             self._flush_granted(granted, ride)
         if self.pending:
             at_of = {rid: i for i, rid in enumerate(ids)}
             for rid, (at, blocks) in list(self.pending.items()):
                 i = at_of.get(rid, -1)
-                if i >= 0 and counts[i] and at >= first[i] and at + len(blocks) - 1 == last[i]:
+                if i >= 0 and (decode or counts[i]) and at >= first[i] and at + len(blocks) - 1 == last[i]:
                     grants[i] = len(blocks)
                     del self.pending[rid]
                     self.pending_mask[blocks] = False
@@ -431,7 +436,7 @@ class PoolState:
                 ids,
                 pages,
                 slots,
-                counts=None if decode else counts,
+                counts=counts,  # None: one page each
                 grants=grants,
                 block_tables=tables.blocks,
                 context_lens=ends,
