@@ -7,7 +7,7 @@ Invariants: the patches are installed once per process and dispatch by manager i
 to end the requests a verdict names, through its own error path
 (`Scheduler.finish_requests(ids, FINISHED_ERROR)`), before the forward of the step (after
 it, for a request whose KV a synchronous connector loaded in it: before its token leaves),
-and each such request's client is sent its end, in kvguard's words (`_tell`, frontend.py).
+and each such request's client is sent its end, in kvguard's words (outputs.py `tell`, frontend.py).
 
 What each hook maps to:
 - `KVCacheManager.__init__` -> `pool` (num_blocks, block_size, reserved_pages=1 for the null
@@ -55,6 +55,7 @@ import numpy as np
 
 from kvguard.agents.attach import Attachment, EngineAttach, Settings
 from kvguard.agents.vllm import witness
+from kvguard.agents.vllm.outputs import strip, tell
 from kvguard.agents.vllm.state import EMPTY, PoolState
 from kvguard.agents.vllm.tenants import tenant_reader
 
@@ -318,13 +319,12 @@ class VllmAdapter:
         if out is not None:
             strip(out, set(kills))
 
-    def free_request(
-        self, orig: Callable[..., Any], scheduler: Any, request: Any, args: Any, kwargs: Any
-    ) -> Any:
+    def free_request(self, orig: Callable[..., Any], scheduler: Any, args: Any, kwargs: Any) -> Any:
+        request = args[0] if args else kwargs["request"]
         state = _state(scheduler.kv_cache_manager)
         if state is not None and state.attachment.active:
             state.attachment.contain("_free_request", self._ended, state, request)
-        result = orig(scheduler, request, *args, **kwargs)
+        result = orig(scheduler, *args, **kwargs)
         if state is not None:
             state.admitted.discard(request.request_id)
             if state.attachment.active and request.request_id in scheduler.requests:
@@ -368,22 +368,8 @@ class VllmAdapter:
                     )
         result = orig(scheduler, *args, **kwargs)
         if self._told and isinstance(result, dict):
-            result = self._tell(result)
-        return result
-
-    def _tell(self, result: dict[int, Any]) -> dict[int, Any]:
-        """Each stopped request's end, to its client: vLLM's FinishReason.ERROR with kvguard's
-        words (frontend.py makes them the HTTP error the client reads)."""
-        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
-
-        told, self._told = self._told, []
-        for client, rid, reason in told:
-            end = EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=reason)
-            outputs = result.get(client)
-            if outputs is None:
-                result[client] = EngineCoreOutputs(outputs=[end])
-            else:
-                outputs.outputs = [*outputs.outputs, end]
+            told, self._told = self._told, []
+            result = tell(result, told)
         return result
 
     def _xfer(self, state: PoolState, scheduler: Any, output: Any) -> None:
@@ -394,25 +380,6 @@ class VllmAdapter:
             state.received(rid, scheduler.requests.get(rid), invalid, rid in failed)
         for rid in sorted(output.finished_sending or ()):
             state.sent(rid, scheduler.requests.get(rid))
-
-
-def strip(out: Any, kills: set[str]) -> None:
-    """Take killed requests out of a SchedulerOutput, so the workers never run them."""
-    for rid in kills:
-        out.total_num_scheduled_tokens -= out.num_scheduled_tokens.pop(rid, 0)
-        out.scheduled_spec_decode_tokens.pop(rid, None)
-        out.scheduled_encoder_inputs.pop(rid, None)
-    out.scheduled_new_reqs = [r for r in out.scheduled_new_reqs if r.req_id not in kills]
-    cached = out.scheduled_cached_reqs
-    keep = [i for i, rid in enumerate(cached.req_ids) if rid not in kills]
-    if len(keep) != len(cached.req_ids):
-        n = len(cached.req_ids)
-        for name, value in list(vars(cached).items()):
-            if isinstance(value, list) and len(value) == n:
-                setattr(cached, name, [value[i] for i in keep])
-        cached.resumed_req_ids = cached.resumed_req_ids - kills
-        for rid in kills:
-            cached.all_token_ids.pop(rid, None)
 
 
 def _bound(fn: Callable[..., Any]) -> Callable[..., inspect.BoundArguments]:
@@ -477,21 +444,18 @@ def _patch() -> None:
 
         return __init__
 
-    def schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if _ACTIVE is None:
-                return orig(self, *args, **kwargs)
-            return _ACTIVE.schedule(orig, self, args, kwargs)
+    def delegate(method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A hook that hands the call to the active adapter's `method(orig, self, args, kwargs)`."""
 
-        return hook
+        def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if _ACTIVE is None:
+                    return orig(self, *args, **kwargs)
+                return getattr(_ACTIVE, method)(orig, self, args, kwargs)
 
-    def free_request(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def hook(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-            if _ACTIVE is None:
-                return orig(self, request, *args, **kwargs)
-            return _ACTIVE.free_request(orig, self, request, args, kwargs)
+            return hook
 
-        return hook
+        return make
 
     def waiting(orig: Callable[..., Any]) -> Callable[..., Any]:
         def hook(self: Any, request: Any) -> Any:
@@ -501,23 +465,15 @@ def _patch() -> None:
 
         return hook
 
-    def update(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if _ACTIVE is None:
-                return orig(self, *args, **kwargs)
-            return _ACTIVE.update_from_output(orig, self, args, kwargs)
-
-        return hook
-
     wrap(KVCacheManager, "__init__", init)
     wrap(KVCacheManager, "allocate_slots", allocate)
     wrap(KVCacheManager, "free", by_request("free"))
     wrap(KVCacheManager, "pop_blocks_for_free", by_request("pop_blocks_for_free"))
     wrap(Scheduler, "__init__", sched_init)
-    wrap(Scheduler, "schedule", schedule)
-    wrap(Scheduler, "_free_request", free_request)
+    wrap(Scheduler, "schedule", delegate("schedule"))
+    wrap(Scheduler, "_free_request", delegate("free_request"))
     wrap(Scheduler, "_handle_blocked_waiting_request", waiting)
-    wrap(Scheduler, "update_from_output", update)
+    wrap(Scheduler, "update_from_output", delegate("update_from_output"))
 
 
 def attach(attachment: Attachment | None = None, **kwargs: Any) -> VllmAdapter:
