@@ -72,7 +72,13 @@ class Tables:
         again while the list and every row are as they were."""
         if rids == self._asked and self._version == self._answered_at:
             return self._answer
-        rows = np.fromiter(map(self.row_of.__getitem__, rids), np.int64, len(rids))
+        try:
+            rows = np.fromiter(map(self.row_of.__getitem__, rids), np.int64, len(rids))
+        except KeyError as exc:
+            raise KeyError(
+                f"vLLM scheduled request {exc.args[0]}, whose blocks kvguard never saw granted "
+                "(a path of vLLM's the adapter does not follow)"
+            ) from None
         self._asked, self._answer, self._answered_at = list(rids), rows, self._version
         return rows
 
