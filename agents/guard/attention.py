@@ -39,8 +39,9 @@ class Progress:
     pages events named since the last check (`touched`). ledger/tags.c batch_clean_from is
     the one writer of upto and by."""
 
-    def __init__(self, num_pages: int) -> None:
-        self.by = np.zeros(num_pages, np.int64)  # page -> the reader that verified it (0: none)
+    def __init__(self, pages: Any) -> None:
+        self.pages = pages  # the ledger's page records it was verified against (PoolPages)
+        self.by = np.zeros(pages.num_pages, np.int64)  # page -> the reader that verified it (0: none)
         self.upto = np.zeros(64, np.int64)  # reader -> its leading entries verified
         self.touched: list[np.ndarray] = []
 
@@ -129,8 +130,8 @@ class AttentionCheck:
         """The host check, each row past what it verified before and is unchanged."""
         verified = self._verified.get(pool)
         pp = self.ledger.nodes[self.node].pools[pool].pages
-        if verified is None or len(verified.by) != pp.num_pages:  # a pool (re)reported: all over
-            verified = self._verified[pool] = Progress(pp.num_pages)
+        if verified is None or verified.pages is not pp:  # the pool's records made anew: all over
+            verified = self._verified[pool] = Progress(pp)
         arrays = verified.arrays(stable, len(self.ledger.requests.table), table_rows, per)
         return self.ledger.batch_clean(self.node, pool, reqs, block_tables, context_lens, arrays)
 
