@@ -20,7 +20,7 @@
 #include "pages.h"
 #include "wire.h"
 
-PyArray_Descr *kvg_page_descr, *kvg_req_descr;
+PyArray_Descr *kvg_page_descr, *kvg_req_descr, *kvg_handle_descr, *kvg_run_descr;
 
 /* The records of an array of `descr`: writable, C-contiguous, 1-d; else NULL with TypeError. */
 void *
@@ -516,9 +516,27 @@ PyInit__pages(void)
         OFFSET(received_pages), OFFSET(received_tokens), OFFSET(received_bytes), OFFSET(reads), "itemsize",
         (Py_ssize_t)sizeof(Req)));
 #undef OFFSET
+#define OFFSET(field) ((Py_ssize_t)offsetof(Handle, field))
+    kvg_handle_descr = dtype(Py_BuildValue("{s:[ss],s:[ss],s:[nn],s:n}", "names", "bound", "req", "formats", "<u4",
+                                           "<i4", "offsets", OFFSET(bound), OFFSET(req), "itemsize",
+                                           (Py_ssize_t)sizeof(Handle)));
+#undef OFFSET
+#define OFFSET(field) ((Py_ssize_t)offsetof(RunCounts, field))
+    kvg_run_descr = dtype(Py_BuildValue(
+        "{s:[ssssssssssss],s:[ssssssssssss],s:[nnnnnnnnnnnn],s:n}", "names", "last_seq", "epoch", "applied",
+        "next_sweep", "grant_runs", "wire", "at", "last_ts", "transitions", "missing", "last_missing", "kinds",
+        "formats", "<u8", "<u8", "<i8", "<i8", "<i8", "<i8", "<i8", "<i8", "<i8", "<i8", "<i8", "(5,)<i8", "offsets",
+        OFFSET(last_seq), OFFSET(epoch), OFFSET(applied), OFFSET(next_sweep), OFFSET(grant_runs), OFFSET(wire),
+        OFFSET(at), OFFSET(last_ts), OFFSET(transitions), OFFSET(missing), OFFSET(last_missing), OFFSET(kinds),
+        "itemsize", (Py_ssize_t)sizeof(RunCounts)));
+#undef OFFSET
     if (PyModule_AddIntConstant(m, "REQ_BYTES", REQ_BYTES) < 0 || kvg_page_descr == NULL || kvg_req_descr == NULL ||
+        kvg_handle_descr == NULL || kvg_run_descr == NULL ||
+        PyModule_AddIntConstant(m, "HANDLE_SLOT_MASK", HANDLE_SLOT_MASK) < 0 ||
         PyModule_AddObjectRef(m, "PAGE", (PyObject *)kvg_page_descr) < 0 ||
-        PyModule_AddObjectRef(m, "REQ", (PyObject *)kvg_req_descr) < 0) {
+        PyModule_AddObjectRef(m, "REQ", (PyObject *)kvg_req_descr) < 0 ||
+        PyModule_AddObjectRef(m, "HANDLE", (PyObject *)kvg_handle_descr) < 0 ||
+        PyModule_AddObjectRef(m, "RUN", (PyObject *)kvg_run_descr) < 0) {
         Py_DECREF(m);
         return NULL;
     }

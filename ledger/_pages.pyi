@@ -12,6 +12,9 @@ import numpy.typing as npt
 PAGE: np.dtype[np.void]  # a page's record (pages.h: Page)
 REQ: np.dtype[np.void]  # a request's numbers (pages.h: Req)
 REQ_BYTES: int  # the C clean path's bound on a request id's bytes
+HANDLE: np.dtype[np.void]  # a request handle's slot (pages.h: Handle)
+HANDLE_SLOT_MASK: int  # a handle's slot bits (pages.h; handles.py's SLOT_MASK)
+RUN: np.dtype[np.void]  # what apply_clean is handed and hands back about a run (pages.h: RunCounts)
 
 def page_list(
     message: bytes,
@@ -51,20 +54,16 @@ def apply_clean(
     heads: npt.NDArray[np.void] | None,
     start: int,
     stop: int,
-    node: str,
-    last_seq: int,
-    applied: int,
-    next_sweep: int,
-    wire: bool,
-    pools: dict[int, tuple[Any, ...]],
-    req_index: dict[str, int],
-    reqs: npt.NDArray[np.void],
-    grant_runs: int,
-    joined: list[tuple[int, int]],
-    make: Callable[[str, int], npt.NDArray[np.void]],
-    epoch: int,
+    run: npt.NDArray[np.void],
+    node: tuple[str, dict[int, tuple[Any, ...]], npt.NDArray[np.void]],
+    requests: tuple[
+        dict[str, int],
+        npt.NDArray[np.void],
+        Callable[[str, int], npt.NDArray[np.void]],
+        list[tuple[int, int]],
+    ],
     /,
-) -> tuple[int, int, int, int, int, int, int, tuple[int, int, int, int, int], BaseException | None]: ...
+) -> BaseException | None: ...
 def check_tags(
     own: npt.NDArray[np.int32],
     valid: npt.NDArray[np.uint32],

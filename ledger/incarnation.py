@@ -72,6 +72,7 @@ class Incarnations:
         node.pools.clear()
         node.views.clear()
         node.epoch, node.last_seq = epoch, 0
+        node.handles.new_epoch(epoch)
         node.gaps.clear()
         forget = []
         for idx in sorted(gone):
@@ -83,4 +84,7 @@ class Incarnations:
             for r in forget:
                 self.requests.forget(r)
                 self.transfers.forget(r)
-            self._found.forget({r.idx for r in forget})
+            gone_now = {r.idx for r in forget}
+            self._found.forget(gone_now)
+            for other in self.pools.nodes.values():
+                other.handles.forget(gone_now)

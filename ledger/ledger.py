@@ -103,6 +103,8 @@ class Ledger:
         self.next_sweep = self.sweep_every if retire_idle else 0
         self.next_scan = self.forget_idle
         self.last_missing = 0  # sequence numbers of its node skipped right before the last event
+        self._run = np.zeros(1, _pages.RUN)  # apply_clean's record of a run (pages.h: RunCounts)
+        self._run["grant_runs"] = GRANT_RUNS
         own, life, xfers = self.ownership, self.lifecycle, self.transfers
         self._handlers: dict[str, Callable[[Node, Any], None]] = {
             "pool": self.pools.on_pool,
@@ -237,33 +239,30 @@ class Ledger:
             return start
         stop = self.transfers.due_by(node, heads, start, stop)  # before its clock settles a verdict
         requests = self.requests
+        run = self._run
         while start < stop:
             joined: list[tuple[int, int]] = []
-            done, last_seq, last_ts, applied, moved, missing, last_missing, kinds, error = _pages.apply_clean(
+            run["last_seq"], run["epoch"], run["applied"] = at.last_seq, at.epoch, requests.applied
+            run["next_sweep"], run["wire"] = self.next_sweep, bool(self.transfers.pending)
+            error = _pages.apply_clean(
                 data,
                 heads,
                 start,
                 stop,
-                node,
-                at.last_seq,
-                requests.applied,
-                self.next_sweep,
-                bool(self.transfers.pending),
-                at.views,
-                requests.index,
-                requests.table,
-                GRANT_RUNS,
-                joined,
-                requests.make_at,  # a new request's first alloc: made, then applied in C
-                at.epoch,
+                run,
+                (node, at.views, at.handles.table),
+                # a new request's first alloc: made (make_at), then applied in C
+                (requests.index, requests.table, requests.make_at, joined),
             )
+            done = int(run["at"][0])
             if done > start:  # what the applied events did to their node and the counts
-                at.last_seq, at.last_ts_ns, requests.applied = last_seq, last_ts, applied
-                self.last_missing = last_missing
-                self.stats.page_transitions += moved
-                self.stats.missing += missing
+                at.last_seq, at.last_ts_ns = int(run["last_seq"][0]), int(run["last_ts"][0])
+                requests.applied = int(run["applied"][0])
+                self.last_missing = int(run["last_missing"][0])
+                self.stats.page_transitions += int(run["transitions"][0])
+                self.stats.missing += int(run["missing"][0])
                 events = self.stats.events
-                for kind, n in zip(wire.PLAIN, kinds, strict=True):
+                for kind, n in zip(wire.PLAIN, run["kinds"][0].tolist(), strict=True):
                     if n:
                         events[kind] += n
             for idx, pool_id in joined:  # the pools its requests were first granted pages in
@@ -423,8 +422,10 @@ class Ledger:
                 if granted is not None:
                     granted.forget(r.idx)
             gone.add(r.idx)
-        if gone:  # a reused index must not inherit an old finding's de-duplication
+        if gone:  # a reused index must not inherit an old finding's de-duplication, nor a handle
             self.findings.forget(gone)
+            for node in self.pools.nodes.values():
+                node.handles.forget(gone)
             self.stats.forgotten += len(gone)
 
     # ------------------------------------------------------------------ the guard's queries

@@ -31,7 +31,11 @@ class Lifecycle:
         if a.stage not in STAGES:
             raise BadEvent(f"admit: stage {a.stage!r} is not one of {', '.join(STAGES)}")
         _tenant_fits("admit", a.tenant)
+        if a.handle:
+            node.handles.check_bind(a.handle, a.req, node.name)
         r = self.requests.of_event(a.req, "admit")
+        if a.handle:
+            node.handles.bind(a.handle, r.idx, r.id)
         if r.ended:
             self._found.progress(r, f"admit to {a.stage} on {node.name}")
         self.requests.admitted(r, a.tenant, a.prompt_tokens)
@@ -75,6 +79,7 @@ class Lifecycle:
         r = self.requests.of_event(x.req, "finish")
         self.transfers.settle(r, "finished")
         self.requests.finished(r, x.output_tokens)
+        node.handles.release(r.idx)
 
     def on_heartbeat(self, node: Node, x: pb.Heartbeat) -> None:
         node.agent_version, node.dropped = x.agent_version, x.dropped

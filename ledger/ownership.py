@@ -67,9 +67,9 @@ class Ownership:
         pool = self.pools.pool(node, a.pool, "alloc")
         self.alloc(node, pool, pool.page_array(a, "alloc"), a.req)
 
-    def alloc(self, node: Node, pool: Pool, pages: np.ndarray, req: str) -> None:
+    def alloc(self, node: Node, pool: Pool, pages: np.ndarray, req: str | Request) -> None:
         pp = pool.pages
-        r = self.requests.of_event(req, "alloc")
+        r = req if isinstance(req, Request) else self.requests.of_event(req, "alloc")
         if r.ended:
             self._found.progress(r, f"alloc of {len(pages)} page(s) on {node.name}")
         since = self._since(pool)
@@ -164,34 +164,49 @@ class Ownership:
         pool: Pool,
         pages: np.ndarray,
         slots: np.ndarray | None,
-        req: str,
+        req: str | Request,
         payload: str = "write",
     ) -> None:
-        r = self.requests.of_event(req, payload)
+        r = req if isinstance(req, Request) else self.requests.of_event(req, payload)
         if r.ended and not self.requests.drains(r, step=payload == "step"):
             self._found.progress(r, f"{payload} of {len(pages)} page(s) on {node.name}")
         self.access.write(r, pool, pages, slots, drain=False)
         self.requests.add(r, "written_pages", len(pages))
 
     def on_step(self, node: Node, s: pb.Step) -> None:
-        """A batch's forward step: one write per request, in order, validated whole first."""
+        """A batch's forward step: its grants (one alloc per request granted pages, in order),
+        then one write per request, in order; validated whole first."""
         pool = self.pools.pool(node, s.pool, "step")
         pages = pool.page_array(s, "step", distinct=False)  # distinct within each request's part
         counts = np.array(s.counts, np.int64)
-        if len(counts) != len(s.reqs):
-            raise BadEvent(f"step: {len(s.reqs)} requests with {len(counts)} counts (must match)")
+        if s.reqs and s.handles:
+            raise BadEvent("step: names its requests both by reqs and by handles (one of the two)")
+        names: Sequence[str] = s.reqs
+        if s.handles:  # every handle resolved before anything changes
+            idx = [node.handles.lookup(h, node.name) for h in s.handles]
+            names = [self.requests.name_of(i)[0] for i in idx]
+        if len(counts) != len(names):
+            raise BadEvent(f"step: {len(names)} requests with {len(counts)} counts (must match)")
         if int(counts.sum()) != len(pages):
             raise BadEvent(f"step: the counts add up to {int(counts.sum())}, pages lists {len(pages)}")
+        grants = np.array(s.grants, np.int64)
+        if len(grants) and (len(grants) != len(names) or (grants > counts).any()):
+            raise BadEvent(
+                f"step: {len(grants)} grants for {len(names)} requests, each at most its count of pages"
+            )
         slots = _slots(pool, s.slots, len(pages), "step")
         bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
         parts = []
-        for i, req in enumerate(s.reqs):
+        for i, req in enumerate(names):
             part = pages[bounds[i] : bounds[i + 1]]
             if len(np.unique(part)) != len(part):
                 raise BadEvent(f"step: {req} lists a page twice (pool {pool.pool} of node {node.name})")
             if not req:
                 raise BadEvent("step: a request of the batch has no name")
             parts.append((req, part, None if slots is None else slots[bounds[i] : bounds[i + 1]]))
+        for i in np.flatnonzero(grants).tolist():
+            req, part, _ = parts[i]
+            self.alloc(node, pool, part[len(part) - int(grants[i]) :], req)
         for req, part, part_slots in parts:
             self.write(node, pool, part, part_slots, req, "step")
 

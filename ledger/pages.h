@@ -54,12 +54,29 @@ typedef struct {
         received_bytes, reads;
 } Req;
 
+/* A request handle's slot (handles.py documents them): the handle bound to it (0: none) and
+ * its request's index. */
+typedef struct {
+    uint32_t bound;
+    int32_t req;
+} Handle;
+
+#define HANDLE_SLOT_MASK ((1u << 20) - 1) /* handles.py: SLOT_BITS */
+
+/* What apply_clean (runs.c) is handed about a run and hands back, in place: ledger.py's RUN. */
+typedef struct {
+    uint64_t last_seq, epoch;                   /* the node's: in and out; in */
+    int64_t applied, next_sweep, grant_runs, wire; /* in and out; in; in; in */
+    int64_t at, last_ts, transitions, missing, last_missing; /* out */
+    int64_t kinds[5];                           /* out: alloc, write, free, read, step */
+} RunCounts;
+
 #define REQ_BYTES 256 /* proto/limits.py: a request id's bytes at most (requests.py checks they agree) */
 #define ENDED 3   /* requests.STATES: rejected, aborted and killed come from here on */
 #define RETIRED 1 /* requests' flags */
 #define BOOTSTRAPPED 2
 
-extern PyArray_Descr *kvg_page_descr, *kvg_req_descr; /* PAGE and REQ: the structs as NumPy dtypes */
+extern PyArray_Descr *kvg_page_descr, *kvg_req_descr, *kvg_handle_descr, *kvg_run_descr; /* PAGE, REQ, HANDLE, RUN */
 
 #define PREFETCH(addr) __builtin_prefetch((addr), 1)
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvguard.ledger.findings import BadEvent, Findings
+from kvguard.ledger.handles import Handles
 from kvguard.ledger.limits import Limits
 from kvguard.ledger.pages import MAX_PAGE_SIZE, MAX_PAGES, PoolPages
 from kvguard.ledger.sequence import Gaps
@@ -168,6 +169,7 @@ class Node:
     agent_version: str = ""
     dropped: int = 0
     views: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # each pool's view, for the C clean path
+    handles: Handles = field(default_factory=Handles)  # its requests' handles in this epoch
 
     @property
     def durable_seq(self) -> int:

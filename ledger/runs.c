@@ -30,6 +30,8 @@ typedef struct {
     PyObject *pools, *req_index, *joined, *make, *table;
     Req *reqs;
     npy_intp n_reqs;
+    const Handle *handles; /* the node's handles in this epoch, by slot (handles.py) */
+    npy_intp n_handles;
     int wire; /* a transfer waits for a probe's verdict: frees and reads are Python's */
     PoolAt pool;
     uint64_t last_seq, epoch;
@@ -183,12 +185,81 @@ packed_count(const uint8_t *data, Py_ssize_t start, Py_ssize_t end)
     return n;
 }
 
-/* A step of the run's node, whose envelope clean_event checked: 1 if every request's write
- * is the clean case and all are applied, in order, as the handlers apply them; 0 if any is
- * not (nothing changed: the handlers judge it), -1 with an exception. Clean: the shape is
- * sound (as many counts as requests, adding up to the pages, slots none or one per page and
- * at most the page size, pages in range and distinct within each request's part), and each
- * request is known, in use, not ended, and owns every page of its part. */
+/* Grants the pages of `array` (intp) to request `at` (`idx`: its index as an int) as the
+ * handlers' alloc does (its checks passed: alloc_is_clean): the page records, its grants in
+ * the pool (a new one's pool noted in `joined`), its live count and its granted pages; -1 with
+ * an exception. */
+static int
+grant_to(Run *c, PoolAt *p, Py_ssize_t at, PyObject *idx, PyObject *array, int64_t ts)
+{
+    const npy_intp *pages = PyArray_DATA((PyArrayObject *)array);
+    npy_intp count = PyArray_DIM((PyArrayObject *)array, 0);
+    PyObject *grants = PyDict_GetItemWithError(p->grants, idx); /* borrowed */
+    if (grants == NULL && PyErr_Occurred())
+        return -1;
+    grant_pages(p->state, pages, count, (long)at, ts, p->timed);
+    if (grants != NULL) {
+        if (PyList_Append(grants, array) < 0 || (PyList_GET_SIZE(grants) > c->grant_runs && merge(p, idx, grants) < 0))
+            return -1;
+    } else {
+        PyObject *one = PyList_New(1);
+        if (one == NULL)
+            return -1;
+        PyList_SET_ITEM(one, 0, Py_NewRef(array));
+        int set = PyDict_SetItem(p->grants, idx, one);
+        Py_DECREF(one);
+        PyObject *pair = set < 0 ? NULL : Py_BuildValue("(OI)", idx, p->id);
+        set = pair == NULL ? -1 : PyList_Append(c->joined, pair); /* the request's pools: the ledger notes this one */
+        Py_XDECREF(pair);
+        if (set < 0)
+            return -1;
+    }
+    if (add_item(p->live, idx, count) < 0)
+        return -1;
+    c->reqs[at].granted_pages += (uint64_t)count;
+    return 0;
+}
+
+/* Whether a grant of `count` pages to request r (`idx`) is the clean case: not a decode
+ * reservation (the handlers count those), its grants in the pool a list (or none yet), every
+ * page free and not reserved: 1, 0 if not, -1 with an exception. */
+static int
+alloc_is_clean(PoolAt *p, const Req *r, PyObject *idx, const npy_intp *pages, npy_intp count)
+{
+    if ((r->flags & BOOTSTRAPPED) && r->received_tokens == 0) /* a decode reservation: counted */
+        return 0;
+    PyObject *grants = PyDict_GetItemWithError(p->grants, idx); /* borrowed */
+    if (grants == NULL && PyErr_Occurred())
+        return -1;
+    return !((grants != NULL && !PyList_Check(grants)) || grant_busy(p->state, pages, count));
+}
+
+/* The index of the request named data[a, b) (0 if unknown: the handlers word it), -1 with an
+ * exception. */
+static Py_ssize_t
+index_of_name(Run *c, Py_ssize_t a, Py_ssize_t b)
+{
+    PyObject *name = PyUnicode_DecodeUTF8((const char *)c->data + a, b - a, NULL);
+    if (name == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *found = PyDict_GetItemWithError(c->req_index, name); /* borrowed */
+    Py_DECREF(name);
+    if (found == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    return PyLong_AsSsize_t(found);
+}
+
+/* A step of the run's node, whose envelope clean_event checked: 1 if every request's grant and
+ * write are the clean case and all are applied, in order, as the handlers apply them (the
+ * grants first, then the writes); 0 if any is not (nothing changed: the handlers judge it), -1
+ * with an exception. Clean: the shape is sound (the requests named by names or by handles, not
+ * both; as many counts, and grants if any, as requests; the counts adding up to the pages,
+ * slots none or one per page and at most the page size, pages in range and distinct within
+ * each request's part, granted pages distinct across the step), and each request is known (a
+ * handle bound now), in use, not ended, owns every page of its part but the granted ones, and
+ * each grant is the clean case (alloc_is_clean). */
 static int
 clean_step(Run *c, const WireHead *h)
 {
@@ -196,18 +267,18 @@ clean_step(Run *c, const WireHead *h)
     if (found <= 0)
         return found;
     PoolAt *p = &c->pool;
-    Py_ssize_t span[3][2] = {{0, 0}, {0, 0}, {0, 0}}, n_reqs = 0, a, b;
+    Py_ssize_t span[5][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}}, n_names = 0, a, b;
     WireReader r = {c->data, h->pay_start, h->pay_end};
     uint64_t number;
     int wire;
     while (wire_next(&r, &number, &wire) > 0) { /* wire_step checked the shape */
-        if (wire != 2 || number < 2 || number > 5) {
+        if (wire != 2 || number < 2 || number > 7) {
             if (wire_skip(&r, wire) < 0)
                 return 0;
         } else if (wire_span(&r, &a, &b, 0) < 0) {
             return 0;
         } else if (number == 2) {
-            n_reqs++;
+            n_names++;
         } else {
             span[number - 3][0] = a;
             span[number - 3][1] = b;
@@ -216,10 +287,14 @@ clean_step(Run *c, const WireHead *h)
     Py_ssize_t n_counts = packed_count(c->data, span[0][0], span[0][1]);
     Py_ssize_t n_pages = packed_count(c->data, span[1][0], span[1][1]);
     Py_ssize_t n_slots = packed_count(c->data, span[2][0], span[2][1]);
-    if (n_counts != n_reqs || (n_slots && n_slots != n_pages))
+    Py_ssize_t n_handles = packed_count(c->data, span[3][0], span[3][1]);
+    Py_ssize_t n_grants = packed_count(c->data, span[4][0], span[4][1]);
+    Py_ssize_t n_reqs = n_names + n_handles;
+    if ((n_names && n_handles) || n_counts != n_reqs || (n_slots && n_slots != n_pages) ||
+        (n_grants && n_grants != n_reqs))
         return 0;
-    /* One block: the parts' bounds and request indices, the pages, the slots. */
-    size_t bytes = (size_t)n_reqs * (sizeof(Py_ssize_t) + sizeof(uint32_t)) +
+    /* One block: the request indices, the pages, the counts, pages as read, slots, handles, grants. */
+    size_t bytes = (size_t)n_reqs * (sizeof(Py_ssize_t) + 3 * sizeof(uint32_t)) +
                    (size_t)n_pages * (sizeof(npy_intp) + 2 * sizeof(uint32_t)) + 1;
     char *block = PyMem_Malloc(bytes);
     if (block == NULL) {
@@ -229,14 +304,23 @@ clean_step(Run *c, const WireHead *h)
     Py_ssize_t *idx = (Py_ssize_t *)block;
     npy_intp *pages = (npy_intp *)(idx + n_reqs);
     uint32_t *counts = (uint32_t *)(pages + n_pages), *raw = counts + n_reqs, *slots = raw + n_pages;
+    uint32_t *handles = slots + n_pages, *grants = handles + n_reqs;
     int rc = 0;
-    Py_ssize_t marked, total = 0;
+    Py_ssize_t marked, total = 0, granted = 0;
     if (packed_u32(c->data, span[0][0], span[0][1], counts, n_reqs) != n_reqs ||
         packed_u32(c->data, span[1][0], span[1][1], raw, n_pages) != n_pages ||
-        (n_slots && packed_u32(c->data, span[2][0], span[2][1], slots, n_pages) != n_pages))
+        (n_slots && packed_u32(c->data, span[2][0], span[2][1], slots, n_pages) != n_pages) ||
+        (n_handles && packed_u32(c->data, span[3][0], span[3][1], handles, n_reqs) != n_reqs) ||
+        (n_grants && packed_u32(c->data, span[4][0], span[4][1], grants, n_reqs) != n_reqs))
         goto out;
-    for (Py_ssize_t i = 0; i < n_reqs; i++)
+    if (!n_grants)
+        memset(grants, 0, sizeof(uint32_t) * (size_t)n_reqs);
+    for (Py_ssize_t i = 0; i < n_reqs; i++) {
+        if (grants[i] > counts[i])
+            goto out;
         total += counts[i];
+        granted += grants[i];
+    }
     if (total != n_pages)
         goto out;
     for (Py_ssize_t i = 0; i < n_pages; i++) {
@@ -245,33 +329,38 @@ clean_step(Run *c, const WireHead *h)
         pages[i] = raw[i];
         PREFETCH(&p->state[raw[i]]); /* the misses overlap, not one after another */
     }
-    /* The requests: known, in use, not ended, owning their parts' pages, each listed once. */
-    r = (WireReader){c->data, h->pay_start, h->pay_end};
-    Py_ssize_t k = 0, at = 0;
-    while (wire_next(&r, &number, &wire) > 0) {
-        if (number != 2) {
-            if (wire_skip(&r, wire) < 0)
+    /* The requests, by handle (bound now) or by name (known). */
+    if (n_handles) {
+        for (Py_ssize_t k = 0; k < n_reqs; k++) {
+            uint32_t slot = handles[k] & HANDLE_SLOT_MASK;
+            if (slot == 0 || slot >= (uint64_t)c->n_handles || c->handles[slot].bound != handles[k])
                 goto out;
-            continue;
+            idx[k] = c->handles[slot].req;
         }
-        if (wire_span(&r, &a, &b, 0) < 0 || a == b)
-            goto out;
-        PyObject *name = PyUnicode_DecodeUTF8((const char *)c->data + a, b - a, NULL);
-        if (name == NULL) {
-            PyErr_Clear();
-            goto out;
+    } else {
+        r = (WireReader){c->data, h->pay_start, h->pay_end};
+        Py_ssize_t k = 0;
+        while (wire_next(&r, &number, &wire) > 0) {
+            if (number != 2) {
+                if (wire_skip(&r, wire) < 0)
+                    goto out;
+                continue;
+            }
+            if (wire_span(&r, &a, &b, 0) < 0 || a == b)
+                goto out;
+            Py_ssize_t x = index_of_name(c, a, b);
+            if (x <= 0) {
+                rc = x < 0 || PyErr_Occurred() ? -1 : 0;
+                goto out;
+            }
+            idx[k++] = x;
         }
-        PyObject *found_idx = PyDict_GetItemWithError(c->req_index, name); /* borrowed */
-        Py_DECREF(name);
-        if (found_idx == NULL) {
-            rc = PyErr_Occurred() ? -1 : 0;
-            goto out;
-        }
-        Py_ssize_t x = PyLong_AsSsize_t(found_idx);
-        if (x == -1 && PyErr_Occurred()) {
-            rc = -1;
-            goto out;
-        }
+    }
+    /* Each request: in use, not ended, owning its part's pages but the granted ones, listing
+     * none twice; its grant (if any) the clean case. */
+    Py_ssize_t at = 0;
+    for (Py_ssize_t k = 0; k < n_reqs; at += counts[k], k++) {
+        Py_ssize_t x = idx[k];
         if (x <= NOBODY || x >= c->n_reqs || (c->reqs[x].flags & RETIRED) || c->reqs[x].state >= ENDED)
             goto out;
         const npy_intp *part = pages + at;
@@ -282,20 +371,57 @@ clean_step(Run *c, const WireHead *h)
         }
         for (Py_ssize_t j = 0; j < marked; j++) /* the scratch is zero again between calls */
             p->state[part[j]].seen = 0;
-        if (twice || not_owned(p->state, part, counts[k], (long)x))
+        if (twice || not_owned(p->state, part, counts[k] - grants[k], (long)x))
             goto out;
-        idx[k++] = x;
-        at += counts[k - 1];
+        if (grants[k]) {
+            PyObject *key = PyLong_FromSsize_t(x);
+            int clean = key == NULL ? -1 : alloc_is_clean(p, &c->reqs[x], key, part + counts[k] - grants[k], grants[k]);
+            Py_XDECREF(key);
+            if (clean <= 0) {
+                rc = clean;
+                goto out;
+            }
+        }
     }
-    /* Clean: applied from here on. */
+    if (granted) { /* no page granted twice in the step (each grant was checked alone) */
+        int twice = 0;
+        Py_ssize_t k = 0, done = 0;
+        for (at = 0; k < n_reqs && !twice; at += counts[k], k++)
+            for (Py_ssize_t j = counts[k] - grants[k]; j < (Py_ssize_t)counts[k] && !twice; j++, done++) {
+                twice = p->state[pages[at + j]].seen;
+                p->state[pages[at + j]].seen = 1;
+            }
+        for (Py_ssize_t kk = 0, left = done, from = 0; kk < n_reqs && left > 0; from += counts[kk], kk++)
+            for (Py_ssize_t j = counts[kk] - grants[kk]; j < (Py_ssize_t)counts[kk] && left > 0; j++, left--)
+                p->state[pages[from + j]].seen = 0;
+        if (twice)
+            goto out;
+    }
+    /* Clean: applied from here on, the grants first (as the handlers' allocs, in order). */
+    rc = -1;
     at = 0;
-    for (k = 0; k < n_reqs; at += counts[k], k++) {
+    for (Py_ssize_t k = 0; k < n_reqs; at += counts[k], k++) {
+        if (!grants[k])
+            continue;
+        npy_intp g = grants[k];
+        PyObject *array = PyArray_SimpleNew(1, &g, NPY_INTP);
+        PyObject *key = array == NULL ? NULL : PyLong_FromSsize_t(idx[k]);
+        if (key != NULL)
+            memcpy(PyArray_DATA((PyArrayObject *)array), pages + at + counts[k] - g, sizeof(npy_intp) * (size_t)g);
+        int fail = key == NULL || grant_to(c, p, idx[k], key, array, h->ts) < 0;
+        Py_XDECREF(key);
+        Py_XDECREF(array);
+        if (fail)
+            goto out;
+    }
+    at = 0;
+    for (Py_ssize_t k = 0; k < n_reqs; at += counts[k], k++) {
         Req *req = &c->reqs[idx[k]];
         req->last = c->applied;
         land_pages(p->state, pages + at, counts[k], (long)idx[k], n_slots ? slots + at : NULL, (uint32_t)p->page_size);
         req->written_pages += counts[k];
     }
-    c->transitions += n_pages;
+    c->transitions += n_pages + granted;
     rc = 1;
 out:
     PyMem_Free(block);
@@ -344,7 +470,7 @@ clean_event(Run *c, Py_ssize_t i)
     const npy_intp *pages = PyArray_DATA((PyArrayObject *)array);
     npy_intp count = PyArray_DIM((PyArrayObject *)array, 0);
     int rc = 0;
-    PyObject *req = NULL, *grants = NULL;
+    PyObject *req = NULL;
     int64_t *raw = NULL; /* a write's slots as read, then as uint32 in place (`slots`) */
     uint32_t *slots = NULL;
     if (h->kind == WIRE_READ) { /* the pages the context covers (a block table may be longer) */
@@ -388,18 +514,14 @@ clean_event(Run *c, Py_ssize_t i)
     if ((r->flags & RETIRED) || (h->kind != WIRE_FREE && r->state >= ENDED))
         goto out;
     switch (h->kind) {
-    case WIRE_ALLOC:
-        if ((r->flags & BOOTSTRAPPED) && r->received_tokens == 0) /* a decode reservation: counted */
-            goto out;
-        grants = PyDict_GetItemWithError(p->grants, idx);
-        if (grants == NULL && PyErr_Occurred()) {
-            rc = -1;
+    case WIRE_ALLOC: {
+        int clean = alloc_is_clean(p, r, idx, pages, count);
+        if (clean <= 0) {
+            rc = clean;
             goto out;
         }
-        Py_XINCREF(grants);
-        if ((grants != NULL && !PyList_Check(grants)) || grant_busy(p->state, pages, count))
-            goto out;
         break;
+    }
     case WIRE_WRITE:
         if (h->plain == 2) { /* its slots: one a page, none beyond the page size */
             const uint8_t *pay = c->data + h->pay_start;
@@ -440,27 +562,8 @@ clean_event(Run *c, Py_ssize_t i)
     r->last = c->applied;
     switch (h->kind) {
     case WIRE_ALLOC:
-        grant_pages(p->state, pages, count, (long)at, h->ts, p->timed);
-        if (grants != NULL) {
-            if (PyList_Append(grants, array) < 0 ||
-                (PyList_GET_SIZE(grants) > c->grant_runs && merge(p, idx, grants) < 0))
-                goto out;
-        } else {
-            PyObject *one = PyList_New(1);
-            if (one == NULL)
-                goto out;
-            PyList_SET_ITEM(one, 0, Py_NewRef(array));
-            int set = PyDict_SetItem(p->grants, idx, one);
-            Py_DECREF(one);
-            PyObject *pair = set < 0 ? NULL : Py_BuildValue("(OI)", idx, p->id);
-            set = pair == NULL ? -1 : PyList_Append(c->joined, pair); /* the request's pools: the ledger notes this one */
-            Py_XDECREF(pair);
-            if (set < 0)
-                goto out;
-        }
-        if (add_item(p->live, idx, count) < 0)
+        if (grant_to(c, p, at, idx, array, h->ts) < 0)
             goto out;
-        r->granted_pages += (uint64_t)count;
         break;
     case WIRE_WRITE:
         land_pages(p->state, pages, count, (long)at, h->plain == 2 ? slots : NULL, (uint32_t)p->page_size);
@@ -482,32 +585,34 @@ out:
     PyMem_Free(raw);
     Py_DECREF(array);
     Py_XDECREF(req);
-    Py_XDECREF(grants);
     return rc;
 }
 
-/* apply_clean(data, heads, start, stop, node, last_seq, applied, next_sweep, wire, pools,
- *             req_index, reqs, grant_runs, joined, make, epoch)
- *   -> (at, last_seq, last_ts, applied, transitions, missing, last_missing, kinds, error)
- * Applies the events of heads[start:stop] (HEAD records of `data`: a batch of `node`'s
- * stream; heads None: `data` is one event, [start, stop) is [0, 1)) in order, for as long as each is the clean common case (clean_event), as the
- * ledger's handlers would; returns where it stopped (`at`: stop when it applied them all),
- * and the node's and the
- * ledger's counts after what it applied: the last sequence number and time, the applied
- * events' count, page transitions, missing sequence numbers (all, and before the last), and
- * per kind (alloc, write, free, read, step) how many; only events of the node's `epoch` are
- * applied (a new epoch is the ledger's to begin). `pools`: the node's pools by id, each (state,
- * page_size, timed, live, grants); `req_index`: request name -> index into `reqs` (REQ
- * records); `wire`: frees and reads wait (a probe's verdict is pending); every (request,
- * pool) whose first grants entry it made is appended to `joined`; `make(name, applied)` makes
- * a request (at that count of applied events) and returns the table. `error`: None, or the
- * exception an event raised (a bug), for the caller to raise once it has taken the counts. */
+/* apply_clean(data, heads, start, stop, run, node, requests) -> None or the error
+ * Applies the events of heads[start:stop] (HEAD records of `data`: a batch of the node's
+ * stream; heads None: `data` is one event, [start, stop) is [0, 1)) in order, for as long as
+ * each is the clean common case (clean_event), as the ledger's handlers would.
+ * `run`: one RUN record (pages.h's RunCounts), read and written in place: in, the node's last
+ * sequence number and epoch (only events of it are applied: a new epoch is the ledger's to
+ * begin), the ledger's applied-event count and the count at which a sweep is due, the grant
+ * runs a request keeps before they are merged, whether frees and reads wait (`wire`: a probe's
+ * verdict is pending); out, where it stopped (`at`: stop when it applied them all), the last
+ * sequence number and time, the applied count, and what the run applied: page transitions,
+ * missing sequence numbers (all, and before the last) and, per kind (alloc, write, free, read,
+ * step), how many.
+ * `node`: (name, pools, handles): its pools by id, each (state, page_size, timed, live,
+ * grants), and its HANDLE slots. `requests`: (index, table, make, joined): request name ->
+ * index into the REQ table; make(name, applied) makes a request (at that count of applied
+ * events) and returns the table; every (request, pool) whose first grants entry the run made
+ * is appended to `joined`.
+ * Returns None, or the exception an event raised (a bug), for the caller to raise once it has
+ * taken the counts. */
 PyObject *
 kvg_apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 16)
-        return PyErr_Format(PyExc_TypeError, "apply_clean() takes 16 arguments (%zd given)", nargs);
+    if (nargs != 7)
+        return PyErr_Format(PyExc_TypeError, "apply_clean() takes 7 arguments (%zd given)", nargs);
     Run c;
     memset(&c, 0, sizeof(c));
     if (!PyBytes_Check(args[0]))
@@ -530,30 +635,41 @@ kvg_apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         n_heads = PyArray_DIM((PyArrayObject *)heads, 0);
     }
     Py_ssize_t start = PyLong_AsSsize_t(args[2]), stop = PyLong_AsSsize_t(args[3]);
-    c.last_seq = PyLong_AsUnsignedLongLong(args[5]);
-    c.applied = PyLong_AsLongLong(args[6]);
-    c.next_sweep = PyLong_AsLongLong(args[7]);
-    c.wire = PyObject_IsTrue(args[8]);
-    c.grant_runs = PyLong_AsSsize_t(args[12]);
-    c.epoch = PyLong_AsUnsignedLongLong(args[15]);
     if (PyErr_Occurred())
         return NULL;
+    npy_intp n_runs;
+    RunCounts *run = kvg_records(args[4], kvg_run_descr, &n_runs, "run", "RUN");
+    if (run == NULL)
+        return NULL;
+    if (n_runs != 1)
+        return PyErr_Format(PyExc_ValueError, "apply_clean: one RUN record expected, got %zd", (Py_ssize_t)n_runs);
+    if (!PyTuple_Check(args[5]) || PyTuple_GET_SIZE(args[5]) != 3 || !PyTuple_Check(args[6]) ||
+        PyTuple_GET_SIZE(args[6]) != 4)
+        return PyErr_Format(PyExc_TypeError, "apply_clean: node is (name, pools, handles), requests "
+                                             "(index, table, make, joined)");
     if (start < 0 || stop > n_heads || start > stop)
         return PyErr_Format(PyExc_IndexError, "apply_clean: [%zd, %zd) outside %zd heads", start, stop, n_heads);
     for (Py_ssize_t i = start; i < stop; i++) /* the heads must lie in the bytes (batch() made them so) */
         if (c.heads[i].end > (uint64_t)len || c.heads[i].pay_end > c.heads[i].end ||
             c.heads[i].node_end > c.heads[i].end || c.heads[i].req_end > c.heads[i].end)
             return PyErr_Format(PyExc_ValueError, "apply_clean: head %zd lies outside the bytes", i);
-    if (!(c.name = PyUnicode_AsUTF8AndSize(args[4], &c.name_len)))
+    if (!(c.name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(args[5], 0), &c.name_len)))
         return NULL;
-    c.pools = args[9];
-    c.req_index = args[10];
-    c.joined = args[13];
-    c.make = args[14];
+    c.pools = PyTuple_GET_ITEM(args[5], 1);
+    c.req_index = PyTuple_GET_ITEM(args[6], 0);
+    c.make = PyTuple_GET_ITEM(args[6], 2);
+    c.joined = PyTuple_GET_ITEM(args[6], 3);
     if (!PyDict_Check(c.pools) || !PyDict_Check(c.req_index) || !PyList_Check(c.joined))
-        return PyErr_Format(PyExc_TypeError, "apply_clean: pools and req_index are dicts, joined a list");
-    if (!(c.reqs = kvg_records(args[11], kvg_req_descr, &c.n_reqs, "reqs", "REQ")))
+        return PyErr_Format(PyExc_TypeError, "apply_clean: pools and the request index are dicts, joined a list");
+    if (!(c.reqs = kvg_records(PyTuple_GET_ITEM(args[6], 1), kvg_req_descr, &c.n_reqs, "reqs", "REQ")) ||
+        !(c.handles = kvg_records(PyTuple_GET_ITEM(args[5], 2), kvg_handle_descr, &c.n_handles, "handles", "HANDLE")))
         return NULL;
+    c.last_seq = run->last_seq;
+    c.epoch = run->epoch;
+    c.applied = run->applied;
+    c.next_sweep = run->next_sweep;
+    c.grant_runs = run->grant_runs;
+    c.wire = run->wire != 0;
     Py_ssize_t i = start;
     int failed = 0;
     for (; i < stop; i++) {
@@ -570,8 +686,15 @@ kvg_apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     pool_release(&c.pool);
     Py_CLEAR(c.table);
     /* What was applied is said even when an event failed (a bug, or out of memory), so that
-     * the ledger stays whole: the error comes last, for the caller to raise then. */
-    PyObject *error = Py_NewRef(Py_None);
+     * the ledger stays whole: the error comes back, for the caller to raise then. */
+    run->at = i;
+    run->last_seq = c.last_seq;
+    run->last_ts = c.last_ts;
+    run->applied = c.applied;
+    run->transitions = c.transitions;
+    run->missing = c.missing;
+    run->last_missing = c.last_missing;
+    memcpy(run->kinds, c.kinds, sizeof(run->kinds));
     if (failed) {
         PyObject *type, *value, *trace;
         PyErr_Fetch(&type, &value, &trace);
@@ -579,10 +702,7 @@ kvg_apply_clean(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_XDECREF(type);
         Py_XDECREF(trace);
         if (value != NULL)
-            Py_SETREF(error, value);
+            return value;
     }
-    return Py_BuildValue("(nKLLLLL(LLLLL)N)", i, (unsigned long long)c.last_seq, (long long)c.last_ts,
-                         c.applied, c.transitions, c.missing, c.last_missing, c.kinds[0], c.kinds[1], c.kinds[2],
-                         c.kinds[3], c.kinds[4], error);
+    Py_RETURN_NONE;
 }
-

@@ -240,7 +240,9 @@ def _dump(ledger: Ledger) -> bytes:
             )
         previous = sorted([pool_id, _message(r)] for pool_id, r in node.previous.items())
         head = [node.name, node.last_seq, node.last_ts_ns, node.agent_version, node.dropped]
-        nodes.append([*head, pools, node.epoch, node.restarts, previous, node.gaps.ranges()])
+        nodes.append(
+            [*head, pools, node.epoch, node.restarts, previous, node.gaps.ranges(), node.handles.dump()]
+        )
     book = ledger.requests
     big["requests"] = book.table[: len(book.objects)]
     requests: list[Any] = []
@@ -343,7 +345,9 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
     for name, value in saved.items():
         if name not in ("events", "bad", "findings"):
             setattr(stats, name, _typed(f"stats {name}", value, int))
-    for name, last_seq, last_ts, version, dropped, pools, epoch, restarts, previous, gaps in state["nodes"]:
+    for name, last_seq, last_ts, version, dropped, pools, epoch, restarts, previous, gaps, *handles in state[
+        "nodes"
+    ]:
         node = ledger.nodes[name] = Node(
             name,
             last_seq=last_seq,
@@ -355,6 +359,14 @@ def _restore(state: dict[str, Any], files: Any) -> Ledger:
             agent_version=version,
             dropped=dropped,
         )
+        if handles:  # a snapshot of before handles has none
+            rows = handles[0]
+            if not isinstance(rows, list) or not all(
+                isinstance(row, list) and len(row) == 4 and all(type(v) is int for v in row[:3])
+                for row in rows
+            ):
+                raise SnapshotError(f"the handles of {name} are not [slot, handle, request, name] rows")
+            node.handles.restore(epoch, rows)
         for p in pools:
             key, num_pages, page_size = p["pages"]
             owner = files[f"{key}.owner"]  # its pages' records are made only as large as what is stored

@@ -41,10 +41,11 @@ def encode_step(
     ts: int,
     epoch: int,
     pool: int,
-    reqs: list[str],
+    reqs: list[str] | npt.NDArray[np.int64],
     counts: npt.NDArray[np.int64],
     pages: npt.NDArray[np.int64],
     slots: npt.NDArray[np.int64] | None,
+    grants: npt.NDArray[np.int64] | None = None,
     /,
 ) -> bytes: ...
 def encode_pass(

@@ -321,16 +321,19 @@ kvg_encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return written(bytes, &o, total, "encode");
 }
 
-/* A step's payload: pool, the requests' names, and counts, pages and slots (packed). */
+/* A step's payload: pool, the requests (names, or handles), and counts, pages, slots and
+ * grants (packed). */
 typedef struct {
     unsigned long pool;
-    PyObject *reqs; /* a list of str */
-    const int64_t *counts, *pages, *slots;
-    Py_ssize_t n_reqs, n_counts, n_pages, n_slots, counts_size, pages_size, slots_size, size;
+    PyObject *reqs; /* a list of str, or NULL when the requests are given by handles */
+    const int64_t *counts, *pages, *slots, *handles, *grants;
+    Py_ssize_t n_reqs, n_counts, n_pages, n_slots, n_handles, n_grants, counts_size, pages_size, slots_size,
+        handles_size, grants_size, size;
 } StepPayload;
 
-/* A step's payload from args pool, reqs, counts, pages, slots (None: none), every value
- * checked and its size found; -1 with TypeError or ValueError naming what does not fit. */
+/* A step's payload from args pool, reqs (a list of str, or an int64 array of handles), counts,
+ * pages, slots (None: none), every value checked and its size found; -1 with TypeError or
+ * ValueError naming what does not fit. */
 static int
 step_payload(PyObject *const *args, StepPayload *p, const char *what)
 {
@@ -342,20 +345,33 @@ step_payload(PyObject *const *args, StepPayload *p, const char *what)
         return -1;
     }
     p->reqs = args[1];
-    if (!PyList_Check(p->reqs)) {
-        PyErr_Format(PyExc_TypeError, "%s: reqs must be a list of str, not %.80s", what, Py_TYPE(p->reqs)->tp_name);
+    p->n_slots = p->n_handles = p->n_grants = 0;
+    p->slots = p->handles = p->grants = NULL;
+    if (PyArray_Check(p->reqs)) { /* handles */
+        if (!(p->handles = int64_data(p->reqs, &p->n_handles, "handles")))
+            return -1;
+        for (Py_ssize_t i = 0; i < p->n_handles; i++)
+            if (p->handles[i] <= 0 || p->handles[i] > UINT32_MAX) {
+                PyErr_Format(PyExc_ValueError, "%s: handle %lld is not one (1 to 2^32-1)", what,
+                             (long long)p->handles[i]);
+                return -1;
+            }
+        p->reqs = NULL;
+        p->n_reqs = p->n_handles;
+    } else if (!PyList_Check(p->reqs)) {
+        PyErr_Format(PyExc_TypeError, "%s: reqs must be a list of str or an array of handles, not %.80s", what,
+                     Py_TYPE(p->reqs)->tp_name);
         return -1;
+    } else {
+        p->n_reqs = PyList_GET_SIZE(p->reqs);
     }
-    p->n_reqs = PyList_GET_SIZE(p->reqs);
-    p->n_slots = 0;
-    p->slots = NULL;
     if (!(p->counts = int64_data(args[2], &p->n_counts, "counts")) ||
         !(p->pages = int64_data(args[3], &p->n_pages, "pages")))
         return -1;
     if (args[4] != Py_None && !(p->slots = int64_data(args[4], &p->n_slots, "slots")))
         return -1;
     Py_ssize_t payload = 0, size;
-    for (Py_ssize_t i = 0; i < p->n_reqs; i++) {
+    for (Py_ssize_t i = 0; p->reqs != NULL && i < p->n_reqs; i++) {
         if (!PyUnicode_Check(PyList_GET_ITEM(p->reqs, i))) {
             PyErr_Format(PyExc_TypeError, "%s: reqs[%zd] is %.80s, not str", what, i,
                          Py_TYPE(PyList_GET_ITEM(p->reqs, i))->tp_name);
@@ -367,7 +383,8 @@ step_payload(PyObject *const *args, StepPayload *p, const char *what)
     }
     if ((p->counts_size = packed_size(p->counts, p->n_counts, "counts")) < 0 ||
         (p->pages_size = packed_size(p->pages, p->n_pages, "pages")) < 0 ||
-        (p->slots_size = packed_size(p->slots, p->n_slots, "slots")) < 0)
+        (p->slots_size = packed_size(p->slots, p->n_slots, "slots")) < 0 ||
+        (p->handles_size = packed_size(p->handles, p->n_handles, "handles")) < 0)
         return -1;
     if (p->pool)
         payload += 1 + wire_varint_size(p->pool);
@@ -377,7 +394,35 @@ step_payload(PyObject *const *args, StepPayload *p, const char *what)
         payload += 1 + wire_varint_size((uint64_t)p->pages_size) + p->pages_size;
     if (p->n_slots)
         payload += 1 + wire_varint_size((uint64_t)p->slots_size) + p->slots_size;
+    if (p->n_handles)
+        payload += 1 + wire_varint_size((uint64_t)p->handles_size) + p->handles_size;
     p->size = payload;
+    return 0;
+}
+
+/* The step's grants (args: an int64 array, one a request, none above its count; None: none)
+ * into p, its size with them; -1 with ValueError naming what does not fit. */
+static int
+step_grants(PyObject *arg, StepPayload *p, const char *what)
+{
+    if (arg == Py_None)
+        return 0;
+    if (!(p->grants = int64_data(arg, &p->n_grants, "grants")) ||
+        (p->grants_size = packed_size(p->grants, p->n_grants, "grants")) < 0)
+        return -1;
+    if (p->n_grants != p->n_reqs || p->n_counts != p->n_reqs) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd requests, %zd counts, %zd grants", what, p->n_reqs, p->n_counts,
+                     p->n_grants);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < p->n_grants; i++)
+        if (p->grants[i] > p->counts[i]) {
+            PyErr_Format(PyExc_ValueError, "%s: grants[%zd] = %lld is above its count %lld", what, i,
+                         (long long)p->grants[i], (long long)p->counts[i]);
+            return -1;
+        }
+    if (p->n_grants)
+        p->size += 1 + wire_varint_size((uint64_t)p->grants_size) + p->grants_size;
     return 0;
 }
 
@@ -391,7 +436,7 @@ put_step(Out *o, const Envelope *env, const StepPayload *p)
         put_varint(o, 1 << 3);
         put_varint(o, p->pool);
     }
-    for (Py_ssize_t i = 0; i < p->n_reqs; i++) {
+    for (Py_ssize_t i = 0; p->reqs != NULL && i < p->n_reqs; i++) {
         Py_ssize_t size;
         const char *name = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(p->reqs, i), &size); /* cached */
         put_bytes(o, 2, name, size);
@@ -399,20 +444,24 @@ put_step(Out *o, const Envelope *env, const StepPayload *p)
     put_packed(o, 3, p->counts, p->n_counts, p->counts_size);
     put_packed(o, 4, p->pages, p->n_pages, p->pages_size);
     put_packed(o, 5, p->slots, p->n_slots, p->slots_size);
+    put_packed(o, 6, p->handles, p->n_handles, p->handles_size);
+    put_packed(o, 7, p->grants, p->n_grants, p->grants_size);
 }
 
-/* encode_step(node, seq, ts, epoch, pool, reqs, counts, pages, slots) -> bytes
- * A step event: reqs a list of str, counts, pages and slots (None: none) contiguous int64
- * arrays, byte for byte as protobuf serializes it. ValueError naming what does not fit. */
+/* encode_step(node, seq, ts, epoch, pool, reqs, counts, pages, slots[, grants]) -> bytes
+ * A step event: reqs a list of str (names) or a contiguous int64 array (handles); counts, pages,
+ * slots and grants (None: none) contiguous int64 arrays; byte for byte as protobuf serializes
+ * it. ValueError naming what does not fit. */
 PyObject *
 kvg_encode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 9)
-        return PyErr_Format(PyExc_TypeError, "encode_step() takes 9 arguments (%zd given)", nargs);
+    if (nargs != 9 && nargs != 10)
+        return PyErr_Format(PyExc_TypeError, "encode_step() takes 9 or 10 arguments (%zd given)", nargs);
     Envelope env;
     StepPayload p;
-    if (envelope(args, &env) < 0 || step_payload(args + 4, &p, "encode_step") < 0)
+    if (envelope(args, &env) < 0 || step_payload(args + 4, &p, "encode_step") < 0 ||
+        (nargs == 10 && step_grants(args[9], &p, "encode_step") < 0))
         return NULL;
     Py_ssize_t total = event_size(&env, WIRE_STEP, p.size);
     PyObject *bytes = PyBytes_FromStringAndSize(NULL, total);
@@ -441,6 +490,8 @@ kvg_encode_pass(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (envelope(args, &env) < 0 || step_payload(args + 4, &step, "encode_pass") < 0 ||
         !(grants = int64_data(args[9], &n_grants, "grants")))
         return NULL;
+    if (step.reqs == NULL)
+        return PyErr_Format(PyExc_TypeError, "encode_pass: its allocs name their requests: reqs must be a list of str");
     if (step.n_counts != step.n_reqs || n_grants != step.n_reqs)
         return PyErr_Format(PyExc_ValueError, "encode_pass: %zd requests, %zd counts, %zd grants", step.n_reqs,
                             step.n_counts, n_grants);

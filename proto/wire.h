@@ -284,8 +284,8 @@ wire_payload(WireReader r, int kind, WireHead *h)
 }
 
 /* A step's payload in [start, end): its pool (1) read into h; the requests (2, strings), counts
- * (3), pages (4) and slots (5) each in its own wire type, the packed ones given at most once
- * (as protobuf writes them); 0 if so, -1 if anything else is there. */
+ * (3), pages (4), slots (5), handles (6) and grants (7) each in its own wire type, the packed ones
+ * given at most once (as protobuf writes them); 0 if so, -1 if anything else is there. */
 static inline int
 wire_step(const uint8_t *data, Py_ssize_t start, Py_ssize_t end, WireHead *h)
 {
@@ -301,11 +301,11 @@ wire_step(const uint8_t *data, Py_ssize_t start, Py_ssize_t end, WireHead *h)
         } else if (number == 2 && wire == 2) {
             if (wire_skip(&r, wire) < 0)
                 return -1;
-        } else if (number >= 3 && number <= 5 && wire == 2 && !(seen & (1 << number))) {
+        } else if (number >= 3 && number <= 7 && wire == 2 && !(seen & (1 << number))) {
             if (wire_skip(&r, wire) < 0)
                 return -1;
             seen |= 1 << number;
-        } else if (number <= 5 || wire_skip(&r, wire) < 0) {
+        } else if (number <= 7 || wire_skip(&r, wire) < 0) {
             return -1;
         }
     }

@@ -192,16 +192,18 @@ def encode_step(
     ts: int,
     epoch: int,
     pool: int,
-    reqs: list[str],
+    reqs: list[str] | np.ndarray,
     counts: np.ndarray,
     pages: np.ndarray,
     slots: np.ndarray | None,
+    grants: np.ndarray | None = None,
 ) -> bytes:
-    """A step event's bytes (`counts`, `pages`, `slots`: int64 arrays; slots None for full
-    pages), as protobuf serializes the same event: one pass in C, however large the batch.
-    ValueError for a count, page or slot that is not a uint32; TypeError for a request that
-    is not a str."""
-    return _wire.encode_step(node, seq, ts, epoch, pool, reqs, counts, pages, slots)
+    """A step event's bytes, as protobuf serializes the same event: one pass in C, however
+    large the batch. `reqs`: the requests' names, or their handles (an int64 array: Step.handles);
+    `counts`, `pages`, `slots`, `grants`: int64 arrays (slots None for full pages; grants None
+    for none granted). ValueError for a count, page, slot or grant that does not fit, or a
+    handle that is not one; TypeError for a request that is not a str."""
+    return _wire.encode_step(node, seq, ts, epoch, pool, reqs, counts, pages, slots, grants)
 
 
 def encode_pass(

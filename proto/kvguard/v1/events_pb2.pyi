@@ -107,16 +107,18 @@ class KvRegion(_message.Message):
     def __init__(self, base: _Optional[int] = ..., stride: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class Admit(_message.Message):
-    __slots__ = ("req", "tenant", "prompt_tokens", "stage")
+    __slots__ = ("req", "tenant", "prompt_tokens", "stage", "handle")
     REQ_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     req: str
     tenant: str
     prompt_tokens: int
     stage: str
-    def __init__(self, req: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stage: _Optional[str] = ...) -> None: ...
+    handle: int
+    def __init__(self, req: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., stage: _Optional[str] = ..., handle: _Optional[int] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("req", "reason")
@@ -179,18 +181,22 @@ class Write(_message.Message):
     def __init__(self, req: _Optional[str] = ..., pool: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("pool", "reqs", "counts", "pages", "slots")
+    __slots__ = ("pool", "reqs", "counts", "pages", "slots", "handles", "grants")
     POOL_FIELD_NUMBER: _ClassVar[int]
     REQS_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
     pool: int
     reqs: _containers.RepeatedScalarFieldContainer[str]
     counts: _containers.RepeatedScalarFieldContainer[int]
     pages: _containers.RepeatedScalarFieldContainer[int]
     slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool: _Optional[int] = ..., reqs: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    grants: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool: _Optional[int] = ..., reqs: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., handles: _Optional[_Iterable[int]] = ..., grants: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Free(_message.Message):
     __slots__ = ("req", "pool", "pages")
