@@ -399,6 +399,8 @@ class Ledger:
             pool = self.pools.nodes[node].pools.get(pool_id)
             if pool is not None and pool.live.get(r.idx):
                 return True
+        if any(r.idx in node.handles.slot_of for node in self.pools.nodes.values()):
+            return True  # a handle names it: its index may not name another
         return any(len(shared.pages) for shared in r.shared.values()) or self.transfers.holds(r)
 
     def _forget(self, idle_before: int) -> None:

@@ -137,7 +137,7 @@ def _step(step: pb.Step, req: str) -> str:
         if r == req:
             return f"write {_pages(step.pool, step.pages[at : at + n])}"
         at += n
-    return f"batch of {len(step.reqs)}"
+    return f"batch of {len(step.counts)}"
 
 
 def record_line(record: svc.AuditRecord, req: str) -> tuple[str, str, str]:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kvguard.agents.guard.attention import AttentionCheck
+from kvguard.agents.guard.handles import Handles
 from kvguard.agents.guard.sink import EventSink, NullSink
 from kvguard.agents.guard.verdict import CLEAN, RANK, Verdict, WallClock, merged
 from kvguard.ledger.findings import KILL_ACTIONS, BadEvent, Finding
@@ -101,6 +102,7 @@ class Guard:
         self._lock = threading.RLock()
         self._ones_of: dict[int, np.ndarray] = {}
         self.attention = AttentionCheck(self.ledger, node)
+        self.handles = Handles()  # its requests' numbers, which its steps carry instead of names
         self.sink.listen(self.command)
 
     # ------------------------------------------------------------------ core
@@ -252,7 +254,16 @@ class Guard:
         return self._emit("pool", pool=pool, role=role, page_size=page_size, num_pages=num_pages, **fields)
 
     def admit(self, req: str, tenant: str, prompt_tokens: int, stage: str) -> Verdict:
-        return self._emit("admit", req, tenant=tenant, prompt_tokens=prompt_tokens, stage=stage)
+        with self._lock:
+            had = req in self.handles.of
+            handle = self.handles.give(req)
+            errors = len(self.errors)
+            verdict = self._emit(
+                "admit", req, tenant=tenant, prompt_tokens=prompt_tokens, stage=stage, handle=handle
+            )
+            if len(self.errors) > errors and not had:  # refused: the number was not bound
+                self.handles.take_back(req)
+            return verdict
 
     def reject(self, req: str, reason: str) -> Verdict:
         return self._emit("reject", req, reason=reason)
@@ -261,7 +272,12 @@ class Guard:
         return self._emit("abort", req, reason=reason)
 
     def finish(self, req: str, output_tokens: int) -> Verdict:
-        return self._emit("finish", req, output_tokens=output_tokens)
+        with self._lock:
+            errors = len(self.errors)
+            verdict = self._emit("finish", req, output_tokens=output_tokens)
+            if len(self.errors) == errors:  # its handle is free in the ledger: here too
+                self.handles.take_back(req)
+            return verdict
 
     def bootstrap(
         self, req: str, prefill_node: str, decode_node: str, prompt_tokens: int, tenant: str = ""
@@ -465,10 +481,8 @@ class Guard:
             count_array = self._ones(len(names)) if counts is None else _int64(counts)
             slot_array = None if slots is None else _int64(slots)
             self.attention.touch(pool, page_array)
-            if grants is None:
-                verdict = self._step_event(pool, names, count_array, page_array, slot_array)
-            else:
-                verdict = self._pass(pool, names, count_array, page_array, slot_array, _int64(grants))
+            grant_array = None if grants is None else _int64(grants)
+            verdict = self._step_event(pool, names, count_array, page_array, slot_array, grant_array)
             if block_tables is None:
                 return verdict
             return merged(
@@ -484,6 +498,46 @@ class Guard:
         return ones
 
     def _step_event(
+        self,
+        pool: int,
+        names: list[str],
+        counts: np.ndarray,
+        pages: np.ndarray,
+        slots: np.ndarray | None,
+        grants: np.ndarray | None = None,
+    ) -> Verdict:
+        """A step (with its grants) as one event, the batch named by handles where every
+        request has one. One the ledger refuses: its grants again one at a time (by alloc())
+        and then the step alone, by names, as they would have been made, so that each
+        refusal names its request."""
+        seq, ts = self._next()
+        handles = self.handles.of_batch(names)
+        try:
+            body = wire.encode_step(
+                self.node,
+                seq,
+                ts,
+                self.epoch,
+                pool,
+                names if handles is None else handles,
+                counts,
+                pages,
+                slots,
+                grants,
+            )
+            found = self.ledger.apply_serialized(body, self.node)
+        except (BadEvent, ValueError, TypeError) as exc:
+            if grants is None or not grants.any():
+                if handles is None:
+                    return self._refused("step", exc, [str(r) for r in names])
+                self._seq -= 1
+                return self._step_by_names(pool, names, counts, pages, slots)
+            self._seq -= 1
+            return self._pass_apart(pool, names, counts, pages, slots, grants)
+        self.sink.put(body)
+        return self._judge(found) if found else CLEAN
+
+    def _step_by_names(
         self, pool: int, names: list[str], counts: np.ndarray, pages: np.ndarray, slots: np.ndarray | None
     ) -> Verdict:
         seq, ts = self._next()
@@ -495,7 +549,7 @@ class Guard:
         self.sink.put(body)
         return self._judge(found) if found else CLEAN
 
-    def _pass(
+    def _pass_apart(
         self,
         pool: int,
         names: list[str],
@@ -504,28 +558,20 @@ class Guard:
         slots: np.ndarray | None,
         grants: np.ndarray,
     ) -> Verdict:
-        """A step and its grants as one batch of events. One the ledger refuses: it and those
-        after it again one at a time (the grants by alloc(), the step alone), as they would
-        have been made, so each refusal names its request."""
-        first = self._seq
-        try:
-            batch = wire.encode_pass(
-                self.node, first + 1, self._clock(), self.epoch, pool, names, counts, pages, slots, grants
-            )
-        except (ValueError, TypeError) as exc:
-            return self._refused("step", exc, [str(r) for r in names])
-        found, done = self._apply_run(batch)
-        verdict = self._judge(found) if found else CLEAN
-        if done == len(batch):
-            return verdict
-        self._seq = first + done
+        if len(grants) != len(names) or len(counts) != len(names):
+            why = f"{len(names)} requests, {len(counts)} counts, {len(grants)} grants"
+            return self._refused("step", ValueError(why), names)
+        over = np.flatnonzero(grants > counts)
+        if len(over):
+            i = int(over[0])
+            why = f"grants[{i}] is {int(grants[i])} of {int(counts[i])} pages"
+            return self._refused("step", ValueError(why), names)
         ends = np.cumsum(counts).tolist()
-        granted = [
-            (names[i], pages[ends[i] - int(grants[i]) : ends[i]]) for i in np.flatnonzero(grants).tolist()
-        ]
-        for req, own in granted[done:]:
-            verdict = merged(verdict, self._pages_event("alloc", req, pool, own))
-        return merged(verdict, self._step_event(pool, names, counts, pages, slots))
+        verdict = CLEAN
+        for i in np.flatnonzero(grants).tolist():
+            own = pages[ends[i] - int(grants[i]) : ends[i]]
+            verdict = merged(verdict, self._pages_event("alloc", names[i], pool, own))
+        return merged(verdict, self._step_by_names(pool, names, counts, pages, slots))
 
     def check_attention(
         self,

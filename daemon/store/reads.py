@@ -90,11 +90,16 @@ ENDS = frozenset({"free", "finish", "abort", "reject", "kill"})
 
 class Span(NamedTuple):
     """Where a request's steps may lie on one node: event ids [lo, hi] (hi None: to the end of
-    the node's records), `first` the id of the record that holds lo."""
+    the node's records), `first` the id of the record that holds lo; `handle`: the number its
+    admit there gave it (Admit.handle, 0: none), by which steps name it instead of its name."""
 
     first: int
     lo: int
     hi: int | None
+    handle: int = 0
+
+
+ADMITS_LOOKED_AT = 16  # of a request's indexed records on a node, the first this many hold its admit
 
 
 def _hit(req: str) -> ColumnElement[bool]:
@@ -105,14 +110,37 @@ def _hit(req: str) -> ColumnElement[bool]:
 
 def _indexed_for(kind: str, body: bytes, req: str) -> list[tuple[int, str]]:
     """(position in the record, payload kind) of its events indexed for `req`."""
+    return [(i, event.WhichOneof("payload") or "") for i, event in _events_for(kind, body, req)]
+
+
+def _events_for(kind: str, body: bytes, req: str) -> list[tuple[int, pb.Event]]:
+    """(position in the record, event) of its events indexed for `req`."""
     bodies = run_events(body) if kind == "events" else [body] if kind == "event" else []
     found = []
     for i, data in enumerate(bodies):
         event = pb.Event.FromString(data)
         own, _, others = indexed(event)
         if req == own or req in others:
-            found.append((i, event.WhichOneof("payload") or ""))
+            found.append((i, event))
     return found
+
+
+def _handle(conn: Any, req: str, node: str) -> int:
+    """The handle request `req`'s admit on `node` gave it (0: none, or no admit among its
+    first indexed records there)."""
+    c = records.c
+    query = (
+        select(c.id, c.kind, c.body)
+        .where(_hit(req) & (c.node == node) & c.kind.in_(EVENT_KINDS))
+        .order_by(c.id)
+        .limit(ADMITS_LOOKED_AT)
+    )
+    for i, kind, body in conn.execute(query):
+        kind, body = checked("records", f"record {i}", {"kind": kind, "body": body}).values()
+        for _, event in _events_for(kind, body, req):
+            if event.WhichOneof("payload") == "admit" and event.admit.handle:
+                return int(event.admit.handle)
+    return 0
 
 
 def spans(conn: Any, req: str, node: str = "") -> dict[str, Span]:
@@ -142,7 +170,7 @@ def spans(conn: Any, req: str, node: str = "") -> dict[str, Span]:
         if ending and ending[-1][1] in ENDS:
             tail = _indexed_for(*bodies[last], req)
             hi = last + (tail[-1][0] if tail else 0)
-        found[str(name)] = Span(int(first), int(lo), hi)
+        found[str(name)] = Span(int(first), int(lo), hi, _handle(conn, req, str(name)))
     return found
 
 
@@ -223,7 +251,12 @@ def _event_matches(data: bytes, f: Filter, span: Span | None, event_id: int) -> 
     if (f.since_ns and event.ts_ns < f.since_ns) or (f.until_ns and event.ts_ns > f.until_ns):
         return False
     own, own_tenant, others = names(event)
-    if (f.tenant and own_tenant != f.tenant) or (f.req and f.req != own and f.req not in others):
+    if f.req and event.WhichOneof("payload") == "step" and event.step.handles:  # by the handle of its span
+        if span is None or not span.handle or span.handle not in event.step.handles:
+            return False
+    elif (f.tenant and own_tenant != f.tenant) or (f.req and f.req != own and f.req not in others):
+        return False
+    if f.tenant and own_tenant != f.tenant:
         return False
     if not f.req or event.WhichOneof("payload") != "step":
         return True

@@ -216,19 +216,23 @@ def test_a_step_is_the_batchs_writes_in_one_event_and_one_pass(tmp_path: Path) -
     stepped.sink.close()
     events = [e for _, e in read_capture((tmp_path / "step.jsonl").read_text().splitlines())]
     step = events[-1]
-    assert (step.epoch, step.seq, list(step.step.reqs), list(step.step.pages), list(step.step.slots)) == (
+    # The batch is named by the handles its admits gave (names travel in admit and finish).
+    handles = {e.admit.req: e.admit.handle for e in events if e.WhichOneof("payload") == "admit"}
+    assert sorted(handles) == sorted(reqs) and all(handles.values())
+    assert (step.epoch, step.seq, list(step.step.handles), list(step.step.pages), list(step.step.slots)) == (
         1,
         len(events),
-        reqs,
+        [handles[r] for r in reqs],
         pages,
         slots,
     )
+    assert not step.step.reqs
     assert events[-2].alloc.req == "a2" and list(events[-2].alloc.pages) == [4]
 
 
 def test_a_step_with_its_grants_is_the_grants_then_the_step(tmp_path: Path) -> None:
-    # step(grants=...) makes the events alloc_each and step make, in the same order and
-    # numbers, and leaves the ledger as they do: a2's new page 4 is granted, then written.
+    # step(grants=...) is one step event that carries its grants (Step.grants), and leaves the
+    # ledger as alloc_each and step do: a2's new page 4 is granted, then written.
     two_calls = decode_guard(sink=CaptureSink(tmp_path / "two.jsonl"), epoch=1)
     one_call = decode_guard(sink=CaptureSink(tmp_path / "one.jsonl"), epoch=1)
     reqs, pages, slots = ["a1", "a2", "g1"], [1, 4, 3], [16, 1, 4]
@@ -238,9 +242,10 @@ def test_a_step_with_its_grants_is_the_grants_then_the_step(tmp_path: Path) -> N
     assert two_calls.alloc_each(0, ["a2"], [4]).ok
     assert two_calls.step(0, reqs, pages, slots, block_tables=tables, context_lens=lens).ok
     verdict = one_call.step(0, reqs, pages, slots, grants=[0, 1, 0], block_tables=tables, context_lens=lens)
-    assert verdict.ok and not one_call.errors and one_call._seq == two_calls._seq
+    assert verdict.ok and not one_call.errors and one_call._seq == two_calls._seq - 1
     one, other = one_call.ledger.nodes["d0"].pools[0].pages, two_calls.ledger.nodes["d0"].pools[0].pages
-    assert (one.state == other.state).all()
+    for name in ("owner", "own", "use", "gen", "writer", "wgen", "valid"):
+        assert (getattr(one, name) == getattr(other, name)).all(), name
     for guard in (two_calls, one_call):
         guard.sink.close()
     captured = []
@@ -248,14 +253,21 @@ def test_a_step_with_its_grants_is_the_grants_then_the_step(tmp_path: Path) -> N
         events = [e for _, e in read_capture((tmp_path / name).read_text().splitlines())]
         for event in events:
             event.ts_ns = 0  # the guards' clocks differ
-        captured.append([e.SerializeToString() for e in events])
-    assert captured[0] == captured[1]
-    assert (
-        captured[1][-2]
-        == pb.Event(
-            node="d0", seq=one_call._seq - 1, epoch=1, alloc={"req": "a2", "pages": [4]}
-        ).SerializeToString()
+        captured.append(events)
+    assert [e.SerializeToString() for e in captured[0][:-2]] == [
+        e.SerializeToString() for e in captured[1][:-1]
+    ]
+    handles = [one_call.handles.of[r] for r in reqs]
+    assert captured[1][-1] == pb.Event(
+        node="d0",
+        seq=one_call._seq,
+        epoch=1,
+        step={"handles": handles, "counts": [1, 1, 1], "pages": pages, "slots": slots, "grants": [0, 1, 0]},
     )
+    # Its meaning in a replay: the same findings as the two events (none here), nothing refused.
+    replayed = Ledger()
+    for event in captured[1]:
+        assert replayed.apply(event) == ()
 
 
 def test_a_grant_refused_in_a_step_is_refused_by_name_and_the_step_with_it() -> None:

@@ -175,3 +175,39 @@ def test_steps_in_runs_and_alone_as_the_writer_stores_them(store_url: str, index
         assert_timelines(s)
     finally:
         s.close()
+
+
+def by_handles(line: str) -> str:
+    """The capture's event as a guard with handles writes it: admits give a (per node) handle,
+    steps name their batch by them."""
+    event = json.loads(line)
+    handle = {"a": 1, "b": 2, "c": 1}  # numbers are per node: c's is a's on another node
+    if "admit" in event:
+        event["admit"]["handle"] = handle[event["admit"]["req"]]
+    if "step" in event:
+        event["step"]["handles"] = [handle[r] for r in event["step"].pop("reqs")]
+    return json.dumps(event)
+
+
+def test_a_requests_timeline_lists_the_steps_that_name_it_by_handle(store_url: str) -> None:
+    # Steps that carry handles, not names: a request's timeline still lists exactly the steps
+    # of its batch on its node (by the handle its admit there gave it), none on another node
+    # where the same number names another request.
+    capture = [by_handles(line) for line in CAPTURE]
+    d = start_daemon(store_url)
+    try:
+        summary = send_capture(capture, d.address)
+        assert summary.accepted == summary.events == len(capture) and not summary.rejected
+    finally:
+        d.stop()
+    s = Store(store_url)
+    try:
+        assert s.verify() == (True, len(capture), "")
+        for req, expected in TIMELINES.items():
+            got = events_of(s, req=req)
+            assert [(e.node, e.seq) for e in got] == expected, req
+        steps_of_b = [e for e in events_of(s, req="b") if e.WhichOneof("payload") == "step"]
+        assert [list(e.step.handles) for e in steps_of_b] == [[1, 2], [1, 2], [2], [2]]
+        assert not any(e.step.reqs for e in steps_of_b)
+    finally:
+        s.close()
