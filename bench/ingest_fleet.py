@@ -7,10 +7,11 @@ pages, the prefill's write), sent before the clock starts: the engine was alread
 Every forward pass is one EventBatch (paced, an agent sends every pass due when its last send
 was acknowledged in one message, as the node agent's spool does): first the requests that
 finished at the last pass (finish, free of all their pages) and the new ones that take their
-places in the batch (admit, alloc, write of the prompt: their prefill); then an alloc of one page
-for each request whose next token starts a page (every PAGE_SIZE tokens); then the `step`:
-every request writes its next token (counts all 1, pages each one's last page, slots the valid
-slots after the write). Reads are not sent: the guard checks them in the engine and sends only
+places in the batch (admit, which gives it its handle, alloc, write of the prompt: their
+prefill); then the `step`, as the guard sends it: the batch named by handles, every request
+writing its next token (counts all 1, pages each one's last page, slots the valid
+slots after the write), and the requests whose token starts a page (every PAGE_SIZE tokens)
+granted it in the step itself (`grants`). Reads are not sent: the guard checks them in the engine and sends only
 those that fail, the planted stale reads (alloc, read, free of a request of their own, every
 --plant-every-th pass as in the page workload). Prompts are 0.5-1.5x --prompt tokens, at
 random, so page boundaries do not fall on the same pass for the whole batch; the first batch's
@@ -84,6 +85,8 @@ def build_node(
         "pool", pool=0, role="colocated", engine="sglang", page_size=PAGE_SIZE, num_pages=pool_pages
     )
     names: list[str] = [""] * batch
+    handles = np.zeros(batch, np.int64)  # each slot's request's handle (Admit.handle)
+    rounds = np.zeros(batch, np.int64)  # how many requests each slot held
     pages: list[list[int]] = [[] for _ in range(batch)]
     written = np.zeros(batch, np.int64)  # tokens in each request's KV so far
     left = np.zeros(batch, np.int64)  # output tokens still to write
@@ -98,8 +101,12 @@ def build_node(
         n = int(rng.integers(prompt // 2, prompt * 3 // 2 + 1))
         got = [free_pages.popleft() for _ in range(-(-n // PAGE_SIZE))]
         slots = [PAGE_SIZE] * (len(got) - 1) + [n - PAGE_SIZE * (len(got) - 1)]
+        handles[s] = s + 1 | (rounds[s] % 4096) << 20  # its slot, a round higher each time
+        rounds[s] += 1
         out += [
-            node.event("admit", req=req, tenant=f"t{serial % 8}", prompt_tokens=n, stage="prefill"),
+            node.event(
+                "admit", req=req, tenant=f"t{serial % 8}", prompt_tokens=n, stage="prefill", handle=int(handles[s])
+            ),
             node.pages("alloc", req, got),
             node.pages("write", req, got, slots),
         ]
@@ -131,14 +138,15 @@ def build_node(
             ]
             free_pages.extend(pages[s])
             admit(s, out, tokens)
-        for s in np.flatnonzero(written % PAGE_SIZE == 0).tolist():
+        crossing = written % PAGE_SIZE == 0
+        for s in np.flatnonzero(crossing).tolist():
             page = free_pages.popleft()
-            out.append(node.pages("alloc", names[s], [page]))
             pages[s].append(page)
             last[s] = page
         seq, ts = node.next()
         slots = written % PAGE_SIZE + 1
-        out.append(wire.encode_step(name, seq, ts, 0, 0, list(names), counts, last, slots))
+        # As the guard sends it: the batch by handles, the pass's new pages in the step (grants).
+        out.append(wire.encode_step(name, seq, ts, 0, 0, handles, counts, last, slots, crossing.astype(np.int64)))
         written += 1
         left -= 1
         bodies.append(out)

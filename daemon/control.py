@@ -72,21 +72,15 @@ def caller(context: Any) -> str:
 
 
 class Control:
-    def __init__(
-        self,
-        ledger: Ledger,
-        ruleset: Ruleset,
-        commands: Commands,
-        pipeline: Ingest,
-        store: Store,
-        counters: Counter[str],
-    ) -> None:
-        self.ledger = ledger
-        self.ruleset = ruleset
-        self.commands = commands
+    def __init__(self, pipeline: Ingest, store: Store) -> None:
+        """Actions on what `pipeline` applies (its ledger, ruleset, commands and counters),
+        recorded in `store`."""
         self.pipeline = pipeline
         self.store = store
-        self.counters = counters
+        self.ledger: Ledger = pipeline.ledger
+        self.ruleset: Ruleset = pipeline.ruleset
+        self.commands: Commands = pipeline.commands
+        self.counters: Counter[str] = pipeline.counters
         self._restore()
 
     def _restore(self) -> None:

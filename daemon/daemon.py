@@ -159,9 +159,7 @@ class Daemon:
         self.nodes = Nodes()  # each node's stream, its agent's last word, its batches' rate and lag
         try:
             # Operators' actions; the rule modes they set and the pages quarantined, as stored.
-            self.control = Control(
-                self.ledger, self.ruleset, self.commands, self.pipeline, store, self.counters
-            )
+            self.control = Control(self.pipeline, store)
             self.writer.start(
                 self.loop, self.pipeline.committed, self.pipeline.failed
             )  # StoreError: no writer
