@@ -9,11 +9,11 @@ was acknowledged in one message, as the node agent's spool does): first the requ
 finished at the last pass (finish, free of all their pages) and the new ones that take their
 places in the batch (admit, which gives it its handle, alloc, write of the prompt: their
 prefill); then the `step`, as the guard sends it: the batch named by handles, every request
-writing its next token (counts all 1, pages each one's last page, slots the valid
-slots after the write), and the requests whose token starts a page (every PAGE_SIZE tokens)
-granted it in the step itself (`grants`). Reads are not sent: the guard checks them in the engine and sends only
-those that fail, the planted stale reads (alloc, read, free of a request of their own, every
---plant-every-th pass as in the page workload). Prompts are 0.5-1.5x --prompt tokens, at
+writing its next token (counts all 1, pages each one's last page, slots the valid slots after
+the write), and the requests whose token starts a page (every PAGE_SIZE tokens) granted it in
+the step itself (`grants`). Reads are not sent: the guard checks them in the engine and sends
+only those that fail, the planted stale reads (alloc, read, free of a request of their own,
+every --plant-every-th pass as in the page workload). Prompts are 0.5-1.5x --prompt tokens, at
 random, so page boundaries do not fall on the same pass for the whole batch; the first batch's
 requests have 1..--tokens output tokens left, evenly, so requests finish and are replaced at a
 steady rate from the first pass. A pass's `transitions` (what the pacing and the rates count)
@@ -101,11 +101,11 @@ def build_node(
         n = int(rng.integers(prompt // 2, prompt * 3 // 2 + 1))
         got = [free_pages.popleft() for _ in range(-(-n // PAGE_SIZE))]
         slots = [PAGE_SIZE] * (len(got) - 1) + [n - PAGE_SIZE * (len(got) - 1)]
-        handles[s] = s + 1 | (rounds[s] % 4096) << 20  # its slot, a round higher each time
+        handles[s] = handle = s + 1 | int(rounds[s] % 4096) << 20  # its slot, a round higher each time
         rounds[s] += 1
         out += [
             node.event(
-                "admit", req=req, tenant=f"t{serial % 8}", prompt_tokens=n, stage="prefill", handle=int(handles[s])
+                "admit", req=req, tenant=f"t{serial % 8}", prompt_tokens=n, stage="prefill", handle=handle
             ),
             node.pages("alloc", req, got),
             node.pages("write", req, got, slots),
@@ -146,7 +146,8 @@ def build_node(
         seq, ts = node.next()
         slots = written % PAGE_SIZE + 1
         # As the guard sends it: the batch by handles, the pass's new pages in the step (grants).
-        out.append(wire.encode_step(name, seq, ts, 0, 0, handles, counts, last, slots, crossing.astype(np.int64)))
+        grants = crossing.astype(np.int64)
+        out.append(wire.encode_step(name, seq, ts, 0, 0, handles, counts, last, slots, grants))
         written += 1
         left -= 1
         bodies.append(out)
