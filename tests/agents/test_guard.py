@@ -335,3 +335,18 @@ def test_grants_to_several_requests_are_numbered_and_judged_as_one_each() -> Non
     assert list(verdict.kill) == ["g1"] and guard._seq == seq + 3 + 2 + 1  # two grants, g1's kill
     assert guard.ledger.nodes["d0"].last_seq == guard._seq
     assert guard.ledger.stats.missing == 0
+
+
+def test_a_handle_its_ledger_does_not_know_is_said_and_the_step_goes_by_names() -> None:
+    # The guard's numbers and its ledger disagree (what a bug would do): the step is not
+    # judged against another request, nor is the batch stopped; it goes by names, and the
+    # guard says why.
+    guard = decode_guard(epoch=1)
+    decode_batch(guard)
+    guard.handles.of["a1"] = 77  # a number no admit gave
+    verdict = guard.step(0, ["a1", "a2", "g1"], [1, 2, 3], [16, 1, 4])
+    assert verdict.ok and not verdict.kill
+    assert "handle 77 on node d0" in guard.errors[-1] and "named by names instead" in guard.errors[-1]
+    assert guard.ledger.nodes["d0"].last_seq == guard._seq and guard.ledger.stats.bad["handle"] == 1
+    pages = guard.ledger.nodes["d0"].pools[0].pages
+    assert pages.writer[1] == guard.ledger.request("a1").idx
