@@ -5,7 +5,8 @@ is the user's description (filters, outputs, TIME, exit codes).
 Invariants: this module only reads the audit log (a store path that does not exist, or a
 database without the `records` table, is refused before `Store()` could create anything);
 both sources give the same output, built from record bodies only, in record (id) order.
-Exit codes: 0 nothing found, 1 findings / exposure, 2 unusable input or unreachable source.
+Exit codes: 0 nothing found, 1 findings / exposure, 2 unusable input (a tenant the log never
+named too) or unreachable source.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kvguard.cli.options import (
     new_parser,
     tls_from_args,
 )
-from kvguard.daemon.audit.exposure import exposure_of, format_exposure
+from kvguard.daemon.audit.exposure import exposure_of, format_exposure, unknown_tenant
 from kvguard.daemon.audit.format import emit, parse_time
 from kvguard.daemon.audit.source import (
     DEFAULT_STORE,
@@ -179,6 +180,9 @@ def cmd_exposure(args: argparse.Namespace) -> int:
         return _usage(prog, exc)
 
     def body(source: Source) -> int:
+        unknown = unknown_tenant(source, args.tenant)
+        if unknown:  # unusable input: a misspelt tenant must not read as a clean report
+            return _usage(prog, UsageError(unknown))
         report = exposure_of(source, args.tenant, since, until)
         if args.output == "json":
             for offender in report.offenders.values():

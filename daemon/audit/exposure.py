@@ -8,6 +8,7 @@ record order, so a store and a daemon give the same report.
 
 from __future__ import annotations
 
+import difflib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -214,6 +215,23 @@ def _verb_rank(kind: str) -> tuple[int, str]:
     order = ["read", "received", "overwrote", "freed"]
     verb = VERBS.get(kind, "touched")
     return (order.index(verb) if verb in order else len(order), kind)
+
+
+def unknown_tenant(source: Source, tenant: str) -> str:
+    """Why `tenant` cannot be reported on: "" if the log names it (an admission, a finding as
+    offender or victim), else that it is unknown, with the known names nearest to it (a
+    misspelt tenant must not get a clean report)."""
+    if next(iter(source.records(Filter(tenant=tenant, limit=1))), None) is not None:
+        return ""
+    known = source.tenants()
+    near = difflib.get_close_matches(tenant, known, n=3, cutoff=0.6)
+    hint = (
+        f"; nearest known: {', '.join(near)}"
+        if near
+        else f"; it names {len(known)} tenant{'s' if len(known) != 1 else ''}"
+        + (f", e.g. {', '.join(known[:3])}" if known else "")
+    )
+    return f"tenant {tenant!r} is unknown: no admission or finding in this audit log names it{hint}"
 
 
 def exposure_of(source: Source, tenant: str, since_ns: int = 0, until_ns: int = 0) -> Exposure:

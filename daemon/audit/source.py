@@ -57,6 +57,8 @@ class Source(Protocol):
 
     def records(self, f: Filter) -> Iterator[AuditItem]: ...
 
+    def tenants(self) -> list[str]: ...
+
     def close(self) -> None: ...
 
 
@@ -90,6 +92,10 @@ class StoreSource:
         for record_id, kind, body in self.store.rows(f):
             yield AuditItem(record_id, kind, _decode(kind, body))
 
+    def tenants(self) -> list[str]:
+        """Every tenant the log names (an admission's, a finding's offender or victim)."""
+        return self.store.tenants()
+
     def close(self) -> None:
         self.store.close()
 
@@ -115,6 +121,16 @@ class DaemonSource:
             which = record.WhichOneof("body")
             body = getattr(record, which) if which else None
             yield AuditItem(record.id, record.kind, body, f.req if body is None else "")
+
+    def tenants(self) -> list[str]:
+        """The tenants the daemon's findings name, as offender or victim (its API serves records,
+        not an index of tenants: admissions that raised nothing are not among them)."""
+        found: set[str] = set()
+        for item in self.records(Filter(kind="finding")):
+            if isinstance(item.body, pb.Finding):
+                found.update((item.body.tenant, item.body.victim_tenant))
+        found.discard("")
+        return sorted(found)
 
     def close(self) -> None:
         self.channel.close()

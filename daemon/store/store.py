@@ -376,6 +376,15 @@ class Store:
             ).scalar_one()
             return total - int(others)
 
+    def tenants(self) -> list[str]:
+        """Every tenant a record names, as offender or as victim, sorted."""
+        c = records.c
+        query = (
+            select(c.tenant).where(c.tenant != "").union(select(c.victim_tenant).where(c.victim_tenant != ""))
+        )
+        with self.engine.connect() as conn:
+            return sorted(str(t) for (t,) in conn.execute(query))
+
     def events(self, after: int = 0) -> Iterator[pb.Event]:
         """The stored events after id `after`, in the order they were applied, parsed."""
         return reads.events(self.engine, after)

@@ -187,6 +187,19 @@ def test_globex_has_no_exposure(daemon: Service, capsys: pytest.CaptureFixture[s
     assert rc == 0 and [(o["type"], o["requests"]) for o in jsonl(out)] == [("summary", 0)]
 
 
+def test_a_tenant_the_log_never_named_is_unknown_not_clean(
+    daemon: Service, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A misspelt tenant must not read as "0 exposures": it is unusable input, with the names
+    # nearest to it, from the store and from the daemon alike.
+    for where in (store_of(daemon), ("--daemon", daemon.address)):
+        rc, out, err = audit(capsys, "exposure", "--tenant", "acmee", *where)
+        assert rc == 2 and out == ""
+        assert "tenant 'acmee' is unknown" in err and "nearest known: acme" in err, where
+    rc, _, err = audit(capsys, "exposure", "--tenant", "zzzzzz", *store_of(daemon))
+    assert rc == 2 and "is unknown" in err and "e.g. " in err
+
+
 def test_the_exposure_in_a_time_window(daemon: Service, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = audit(
         capsys, "exposure", "--tenant", "acme", "--since", "9000", "--until", "10500", *store_of(daemon)
