@@ -171,14 +171,31 @@ def cmd_alerts(args: argparse.Namespace) -> int:
         rc = 2
     finally:
         client.close()
-        for output in outputs:
-            left = output.close(args.drain)
-            if left or output.dropped or output.rejected:
-                _say(
-                    f"{output.name}: {output.sent} sent, {output.dropped} dropped, "
-                    f"{output.rejected} rejected, {left} undelivered"
-                )
-                rc = rc or 1
+        rc = close_outputs(outputs, args.drain, rc)
+    return rc
+
+
+def close_outputs(outputs: list[QueuedOutput], drain: float, rc: int) -> int:
+    """Let each output deliver what it holds for up to `drain` seconds, then say, per output,
+    what it lost and why; 1 if any lost an alert (else `rc`). A second SIGTERM or Ctrl-C cuts
+    the drain short: what is left is counted as undelivered, and said, all the same."""
+    hurry = False
+    for output in outputs:
+        try:
+            left = output.close(0 if hurry else drain)
+        except KeyboardInterrupt:  # stopped again while draining: no more waiting, nor stopping
+            hurry = True
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            left = output.close(0)
+        if left or output.dropped or output.rejected:
+            why = f" (last error: {output.last_error})" if output.last_error else ""
+            cut = " (the drain was cut short)" if hurry and left else ""
+            _say(
+                f"{output.name}: {output.sent} sent, {output.dropped} dropped, "
+                f"{output.rejected} rejected, {left} undelivered{cut}{why}"
+            )
+            rc = rc or 1
     return rc
 
 

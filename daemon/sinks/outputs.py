@@ -70,6 +70,7 @@ class QueuedOutput:
         self.dropped = 0  # alerts dropped from a full queue
         self.rejected = 0  # alerts the receiver refused
         self.notices = 0  # drop notices delivered
+        self.last_error = ""  # why the last delivery that failed did (cleared by none)
         self.retry_first, self.retry_cap = RETRY_FIRST_S, RETRY_CAP_S
         self._queue: deque[svc.Alert] = deque()
         self._cond = threading.Condition()
@@ -172,9 +173,11 @@ class QueuedOutput:
                 self.deliver(alert)
             except Rejected as exc:
                 self.rejected += 1
+                self.last_error = f"rejected: {exc}"
                 self.log(f"{self.name}: alert {fields.uid(alert)} rejected: {exc}")
                 continue
             except OutputError as exc:
+                self.last_error = str(exc)
                 if not self._failing:
                     self.log(f"{self.name}: {exc}; retrying")
                     self._failing = True

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -179,6 +180,49 @@ def test_a_dead_output_drops_the_oldest_says_so_and_exits_1(daemon: Service) -> 
     assert summary, done.stderr
     total = len(stored_cursors(daemon.store))
     assert int(summary[1]) + int(summary[2]) == total and int(summary[2]) <= 2  # the queue held 2
+
+
+@pytest.mark.parametrize(
+    ("signum", "times"), [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 2), (signal.SIGINT, 2)]
+)
+def test_a_follower_stopped_with_alerts_undelivered_exits_1_and_says_why(
+    daemon: Service, signum: int, times: int
+) -> None:
+    # However it is stopped (systemd's SIGTERM, Ctrl-C; a second one cutting the drain short),
+    # an output that lost alerts makes the exit status 1, and says how many and why.
+    feed(daemon.address, incident())
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/"
+    proc = subprocess.Popen(
+        alerts_cmd(
+            "--daemon", daemon.address, "--follow", "--to", dead, "--drain", "1" if times == 1 else "60"
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    err = ""
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the output has failed a delivery: alerts are waiting
+            err += line
+            if "retrying" in line:
+                break
+        for _ in range(times):  # the second one while it drains
+            proc.send_signal(signum)
+            time.sleep(1)
+        _, rest = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    err += rest
+    assert proc.returncode == 1, err
+    total = len(stored_cursors(daemon.store))
+    summary = re.search(rf"{re.escape(dead)}: 0 sent, 0 dropped, 0 rejected, (\d+) undelivered", err)
+    assert summary and 1 <= int(summary[1]) <= total, err  # what it had taken from the feed by then
+    assert "last error: cannot POST to" in err and "Connection refused" in err
+    assert "Traceback" not in err
+    assert ("the drain was cut short" in err) == (times == 2)
 
 
 @pytest.mark.parametrize(
