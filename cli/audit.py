@@ -151,7 +151,9 @@ def cmd_request(args: argparse.Namespace) -> int:
         emit(items, args.output, sys.stdout)
         sys.stdout.flush()
         events = [i.body for i in items if isinstance(i.body, pb.Event)]
-        findings = [i.body for i in items if isinstance(i.body, pb.Finding)]
+        found = [i.body for i in items if isinstance(i.body, pb.Finding)]
+        findings = [f for f in found if not f.details.get("update_of")]  # not the updates of one
+        fates = [f.details["outcome"] for f in found if f.details.get("update_of")]
         tenants = {getattr(getattr(e, e.WhichOneof("payload") or ""), "tenant", "") for e in events} - {""}
         nodes = ", ".join(dict.fromkeys(e.node for e in events)) or "no node"
         offender = sum(f.req == args.id for f in findings)
@@ -161,6 +163,7 @@ def cmd_request(args: argparse.Namespace) -> int:
             f"{len(events)} event(s) on {nodes}; {offender} finding(s) as offender, "
             f"{len(findings) - offender} as victim; {sum(i.kind == 'command' for i in items)} command(s)"
             + (f", {actions} operator action(s)" if actions else "")
+            + (f"; what became of it: {', '.join(fates)}" if fates else "")
             + ("" if items else f"; no record of it in {source.label}"),
             file=sys.stderr,
         )

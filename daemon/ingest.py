@@ -17,6 +17,7 @@ then rebuilds from the store rather than run ahead of it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import os
 import threading
@@ -29,11 +30,13 @@ from dataclasses import dataclass, field
 from kvguard.daemon.commands import Commands
 from kvguard.daemon.fanout import Fanout
 from kvguard.daemon.latency import Latencies
+from kvguard.daemon.outcomes import Outcomes
 from kvguard.daemon.seen import Seen
 from kvguard.daemon.snapshots import Snapshots
 from kvguard.daemon.store import EventRun, Record
 from kvguard.daemon.writer import Writer
 from kvguard.ledger import BadEvent, Finding, Ledger
+from kvguard.ledger.lifecycle import responds
 from kvguard.proto import pb, wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.logs import fields, logger
@@ -41,6 +44,7 @@ from kvguard.ruleset import Ruleset
 
 log = logger("daemon")
 HEARTBEAT = wire.PAYLOAD["heartbeat"]  # its canary goes back to the node (Commands.echo)
+ENDINGS = frozenset({wire.PAYLOAD["kill"], wire.PAYLOAD["finish"], wire.PAYLOAD["abort"], 0})  # Outcomes.saw
 
 APPLY_SLICE = 256  # events applied in one step of the loop: the most a delivery waits behind
 DELIVERING_SLICE = 16  # ... while alerts are being written to subscribers (each write waits a turn)
@@ -119,6 +123,8 @@ class Ingest:
         self._alerting = 0  # groups in _committing that hold an alert
         self._drained: asyncio.Event | None = None  # drain(): set once nothing is left to commit
         self._frozen = time.monotonic()
+        # How each request a finding ordered stopped then ended, said as an update of it.
+        self.outcomes = Outcomes(lambda finding: self.alert(finding, counter="outcomes"), self._responds)
 
     def ingest(self, batch: Batch) -> None:
         """Take one batch of a node's events (on the daemon's loop) to apply in arrival order:
@@ -148,6 +154,7 @@ class Ingest:
             return
         if whole:
             self._inbox.popleft()
+        self.outcomes.due()
         if self._inbox:
             self._apply_due = True
             self.loop.call_soon(self._apply_next)
@@ -199,7 +206,7 @@ class Ingest:
             self._submit()
         return group.committed, at
 
-    def alert(self, finding: Finding) -> Future[int]:
+    def alert(self, finding: Finding, counter: str = "findings") -> Future[int]:
         """An alert of the daemon's own (a Finding it decided itself: no rule judges it), into
         the chain after everything applied so far (on the loop); once durable it reaches the
         subscribers as a detector's finding does. The future of its group's first record id."""
@@ -210,7 +217,7 @@ class Ingest:
             partial.run = -1
         group.findings.append((group.rows, finding, time.perf_counter()))
         group.add(Record.of_finding(finding))
-        self.counters["findings"] += 1
+        self.counters[counter] += 1
         if not self._committing:
             self._submit()
         return group.committed
@@ -232,6 +239,7 @@ class Ingest:
             self.durable[ack.node] = (ack.durable_epoch, ack.durable_seq)
             batch.reply(svc.DaemonMessage(ack=ack))
             self.latencies.record("ack", now - batch.received)
+        self.outcomes.due()
         self._submit()
         if self._drained is not None and not self._committing:
             self._drained.set()
@@ -348,8 +356,11 @@ class Ingest:
             ack.rejected.add(seq=seq, epoch=at, reason=reason)
             log.exception(f"{node}: {reason}", extra=fields(node=node, seq=seq, epoch=at))
             return self._refusal(node, events, i, "internal", reason)
-        if events.heads[i]["kind"] in (HEARTBEAT, 0):  # 0: bytes protobuf reads (rare)
+        kind = events.heads[i]["kind"]
+        if kind in (HEARTBEAT, 0):  # 0: bytes protobuf reads (rare)
             self._canary(node, events.event(i))
+        if kind in ENDINGS and len(self.outcomes):
+            self.outcomes.saw(node, pb.Event.FromString(events.event(i)))
         now = self.ledger.nodes.get(node)
         if now is not None and epoch is not None and now.epoch != epoch:  # its engine restarted
             self.counters["restarts"] += 1
@@ -358,6 +369,11 @@ class Ingest:
                 "engine held is released; its pools are judged afresh"
             )
         return found
+
+    def _responds(self, name: str) -> bool:
+        """Whether node `name` answers its requests' clients (not a prefill node)."""
+        node = self.ledger.nodes.get(name)
+        return node is None or responds(node)
 
     def _canary(self, node: str, body: bytes) -> None:
         """A heartbeat that carries the agent's self-test canary, applied in the node's order
@@ -381,6 +397,11 @@ class Ingest:
             evaluated = self.ruleset.evaluate(f)
             if evaluated is None:
                 continue
+            r = self.ledger.request(evaluated.req) if evaluated.req else None
+            finished = r is not None and r.has_finished
+            known = self.outcomes.watch(evaluated, time.time_ns(), out.committed, out.rows, finished)
+            if known:  # its request's fate is known already: this finding says it
+                evaluated = dataclasses.replace(evaluated, details={**evaluated.details, "outcome": known})
             out.findings.append((out.rows, evaluated, received))
             self.counters["findings"] += 1
             out.add(Record.of_finding(evaluated))

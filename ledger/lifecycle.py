@@ -71,6 +71,8 @@ class Lifecycle:
 
     def on_kill(self, node: Node, x: pb.Kill) -> None:
         r = self.requests.of_event(x.req, "kill")
+        if x.late:  # it had finished: the kill stopped nothing, and ends nothing
+            return
         if "@" not in x.by:  # not the engine's own guard (guard@node): the daemon, an operator
             self.requests.killed_from_outside(r)
         self.requests.end(r, "killed", f"{x.finding} by {x.by}".strip())
@@ -78,7 +80,7 @@ class Lifecycle:
     def on_finish(self, node: Node, x: pb.Finish) -> None:
         r = self.requests.of_event(x.req, "finish")
         self.transfers.settle(r, "finished")
-        self.requests.finished(r, x.output_tokens)
+        self.requests.finished(r, x.output_tokens, responds(node))
         node.handles.release(r.idx)
 
     def on_heartbeat(self, node: Node, x: pb.Heartbeat) -> None:
@@ -99,3 +101,9 @@ def _tenant_fits(payload: str, tenant: str) -> None:
     why = unstorable(tenant, TENANT_BYTES)
     if why:
         raise BadEvent(f"{payload}: tenant {tenant[:40]!r} {why}", "out_of_range")
+
+
+def responds(node: Node) -> bool:
+    """Whether `node` answers its requests' clients: not a prefill node (whose finish hands a
+    request on to its decode node); a node that reported no pool is taken to."""
+    return not any(pool.report.role == "prefill" for pool in node.pools.values())

@@ -75,6 +75,7 @@ typedef struct {
 #define ENDED 3   /* requests.STATES: rejected, aborted and killed come from here on */
 #define RETIRED 1 /* requests' flags */
 #define BOOTSTRAPPED 2
+#define FINISHED 4 /* its engine said it finished (the C path neither reads nor writes it) */
 
 extern PyArray_Descr *kvg_page_descr, *kvg_req_descr, *kvg_handle_descr, *kvg_run_descr; /* PAGE, REQ, HANDLE, RUN */
 

@@ -32,7 +32,7 @@ STATES: tuple[str, ...] = ("new", "admitted", "finished", "rejected", "aborted",
 STATE = {name: code for code, name in enumerate(STATES)}
 ENDED: tuple[str, ...] = ("rejected", "aborted", "killed")  # its end: it may only drain from then on
 FIRST_ENDED = STATE["rejected"]  # the states from here on are ENDED (pages.h: ENDED)
-RETIRED, BOOTSTRAPPED = 1, 2  # flags (pages.h)
+RETIRED, BOOTSTRAPPED, FINISHED = 1, 2, 4  # flags (pages.h)
 GROW_MIN = 4096  # rows the table grows by at least
 COUNTS: tuple[str, ...] = tuple(n for n in FIELDS if n not in ("last", "queued", "state", "flags"))
 if _pages.REQ_BYTES != REQ_BYTES:  # the C clean path's bound on a request id (pages.h)
@@ -95,6 +95,11 @@ class Request:
     @property
     def ended(self) -> bool:
         return int(self._table.columns["state"][self.idx]) >= FIRST_ENDED
+
+    @property
+    def has_finished(self) -> bool:
+        """A node that answers its client said it finished: its response had left, ended or not."""
+        return bool(self._table.columns["flags"][self.idx] & FINISHED)
 
     @property
     def retired(self) -> bool:
@@ -256,8 +261,12 @@ class Requests:
         if r.state == "new":
             self.set_state(r, "admitted")
 
-    def finished(self, r: Request, output_tokens: int) -> None:
+    def finished(self, r: Request, output_tokens: int, responded: bool = True) -> None:
+        """It finished on a node; `responded`: one that answers its client (not a prefill node,
+        whose finish hands the request on): its response is done, whatever its state says."""
         self.columns["output_tokens"][r.idx] += output_tokens
+        if responded:
+            self.columns["flags"][r.idx] |= FINISHED
         if not r.ended:
             self.set_state(r, "finished")
 

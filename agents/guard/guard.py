@@ -189,12 +189,16 @@ class Guard:
             self._kill(req, finding)
         return verdict
 
-    def _kill(self, req: str, finding: Finding | None, by: str = "") -> None:
+    def _kill(self, req: str, finding: Finding | None, by: str = "", late: bool = False) -> None:
         if req in self.killed:
             return
         self.killed[req] = finding
         self._emit(
-            "kill", req, finding=finding.finding if finding else "unverifiable", by=by or f"guard@{self.node}"
+            "kill",
+            req,
+            finding=finding.finding if finding else "unverifiable",
+            by=by or f"guard@{self.node}",
+            late=late,
         )
 
     def told(self, req: str) -> str:
@@ -216,10 +220,16 @@ class Guard:
     # ------------------------------------------------------------------ commands from the daemon
 
     def kill(self, req: str, finding: str, rule: str, message: str, by: str = "daemon") -> None:
-        """Record a kill ordered from outside (the daemon's verdict, relayed by the agent)."""
+        """Record a kill ordered from outside (the daemon's verdict, relayed by the agent); `late`
+        when the request no longer runs here: it finished, or it was sent on (a prefill's
+        transfer) and holds no page here, or it is not known: the kill stopped nothing."""
         with self._lock:
             record = Finding(finding, node=self.node, req=req, message=message, rule=rule, action="kill")
-            self._kill(req, record, by)
+            known = self.ledger.request(req)
+            gone = known is None or known.state == "finished"
+            if known is not None and known.xfers and known.granted_pages <= known.freed_pages:
+                gone = True  # its KV left for its decode node: it runs there, not here
+            self._kill(req, record, by, late=gone)
 
     def command(self, command: svc.Command) -> None:
         """A command of the daemon, relayed by the agent (the sink hands it here): a kill is

@@ -60,6 +60,10 @@ class Offender:
     kill_commands: int = 0
     kill_events: list[str] = field(default_factory=list)  # who killed it locally (guard@node)
     first_kill_record: int = 0  # the record id of the first kill command or kill event
+    late_kills: list[str] = field(default_factory=list)  # kills that reached its node after it finished
+    fate: str = ""  # what the daemon learned became of it (daemon/outcomes.py), "" if nothing
+    fate_record: int = 0  # the record that says it
+    learned_ns: int = 0  # when the daemon learned it (its wall clock)
 
     @property
     def findings(self) -> Counter[str]:
@@ -82,9 +86,18 @@ class Offender:
 
     @property
     def outcome(self) -> str:
-        """killed (a kill command or a guard's kill), stopped (denied or blocked), unchecked."""
-        if self.kill_commands or self.kill_events:
+        """killed (a kill took effect: its guard's, or one ordered that reached it in time);
+        reached_client (it finished before any kill took effect: the daemon's update says so,
+        or its guard recorded the kill as late); ordered (a kill ordered, and nothing says
+        whether it took effect); stopped (denied or blocked); unchecked."""
+        if self.fate in ("stopped", "killed"):
             return "killed"
+        if self.fate in ("reached_client", "aborted") or (self.late_kills and not self.kill_events):
+            return "reached_client"
+        if self.kill_events:
+            return "killed"
+        if self.kill_commands:
+            return "ordered"
         if STOPPING_ACTIONS & set(self.actions):
             return "stopped"
         return "unchecked"
@@ -116,6 +129,10 @@ class Offender:
             "kill_commands": self.kill_commands,
             "kill_events": self.kill_events,
             "first_kill_record": self.first_kill_record,
+            "late_kills": self.late_kills,
+            "fate": self.fate,
+            "fate_record": self.fate_record,
+            "learned_ns": self.learned_ns,
             "outcome": self.outcome,
             "victims": [
                 {
@@ -152,6 +169,10 @@ class Exposure:
         offender = self.offenders.get(key)
         if offender is None:
             offender = self.offenders[key] = Offender(f.tenant, f.req)
+        if f.details.get("update_of"):  # an update: the offender's records say it (exposure_of)
+            return
+        if f.details.get("outcome") and not offender.fate:  # judged once its fate was known
+            offender.fate, offender.fate_record = f.details["outcome"], record_id
         offender.add(record_id, f)
 
     def by_tenant(self) -> dict[str, list[Offender]]:
@@ -189,6 +210,15 @@ class Exposure:
             f"{'s' if len(groups) != 1 else ''} ({tenants}) {self.verbs()} {t}'s KV{self.window()}; "
             f"{outcomes['killed']} {'was' if outcomes['killed'] == 1 else 'were'} killed, "
         )
+        if outcomes["reached_client"]:
+            n = outcomes["reached_client"]
+            text += (
+                f"{n} {'was' if n == 1 else 'were'} answered before any kill took effect "
+                "(the data reached the client), "
+            )
+        if outcomes["ordered"]:
+            n = outcomes["ordered"]
+            text += f"{n} {'was' if n == 1 else 'were'} ordered killed with no word that it took effect, "
         if outcomes["stopped"]:
             text += (
                 f"{outcomes['stopped']} {'was' if outcomes['stopped'] == 1 else 'were'} denied or blocked, "
@@ -205,6 +235,8 @@ class Exposure:
             "requests": len(self.offenders),
             "tenants": list(self.by_tenant()),
             "killed": outcomes["killed"],
+            "reached_client": outcomes["reached_client"],
+            "ordered": outcomes["ordered"],
             "stopped": outcomes["stopped"],
             "unchecked": outcomes["unchecked"],
             "text": self.summary(),
@@ -250,7 +282,16 @@ def exposure_of(source: Source, tenant: str, since_ns: int = 0, until_ns: int = 
                 if body.kill.req != offender.req:
                     continue
                 offender.kill_commands += 1
+            elif isinstance(body, pb.Finding) and body.req == offender.req and body.details.get("outcome"):
+                # the daemon's update of one of its findings: what became of the request
+                offender.fate, offender.fate_record = body.details["outcome"], item.id
+                learned = body.details.get("learned_ns", "")
+                offender.learned_ns = int(learned) if learned.isdigit() else 0
+                continue
             elif isinstance(body, pb.Event) and body.WhichOneof("payload") == "kill" and body.kill.req:
+                if body.kill.late:  # it had finished: this kill stopped nothing
+                    offender.late_kills.append(body.kill.by or body.node)
+                    continue
                 offender.kill_events.append(body.kill.by or body.node)
             else:
                 continue
@@ -278,6 +319,27 @@ def format_exposure(report: Exposure, out: TextIO) -> None:
                 if o.kill_events:
                     how.append("killed by " + ", ".join(dict.fromkeys(o.kill_events)))
                 outcome = "killed (" + "; ".join(how) + f"; the first at record {o.first_kill_record})"
+            elif o.outcome == "reached_client":
+                ordered = (
+                    f"{o.kill_commands} kill command{'s' if o.kill_commands != 1 else ''} sent"
+                    if o.kill_commands
+                    else "no kill ordered"
+                )
+                learned = f", kvguard learned it at {format_time(o.learned_ns)}" if o.learned_ns else ""
+                late = (
+                    f"; kills that arrived after it finished: {', '.join(dict.fromkeys(o.late_kills))}"
+                    if o.late_kills
+                    else ""
+                )
+                said = f" (record {o.fate_record})" if o.fate_record else ""
+                outcome = "REACHED THE CLIENT: answered before any kill took effect"
+                outcome += f"{said}{learned}; {ordered}{late}"
+            elif o.outcome == "ordered":
+                s = "s" if o.kill_commands != 1 else ""
+                outcome = (
+                    f"KILL ORDERED, NOT CONFIRMED ({o.kill_commands} kill command{s} sent, the first at "
+                    f"record {o.first_kill_record}; no record that it took effect)"
+                )
             elif o.outcome == "stopped":
                 outcome = (
                     "stopped (" + ", ".join(a for a in o.actions if a in STOPPING_ACTIONS) + "), not killed"

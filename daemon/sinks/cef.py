@@ -35,7 +35,7 @@ def extensions(alert: svc.Alert) -> list[tuple[str, str]]:
         ("externalId", fields.uid(alert)),
         ("cat", f.finding),
         ("act", f.action),
-        ("outcome", "blocked" if fields.blocked(f.action) else "allowed" if f.action else ""),
+        ("outcome", fields.outcome(f)),
         ("dvchost", f.node),
         ("suser", f.tenant),
         ("duser", f.victim_tenant),

@@ -33,18 +33,40 @@ def severities_from(lowest: str) -> frozenset[str]:
     return frozenset(SEVERITIES[: SEVERITIES.index(lowest) + 1])
 
 
-def blocked(action: str) -> bool:
-    """Whether the daemon's action stopped the offending request (or share), rather than
-    only reporting it."""
-    return action in BLOCKING_ACTIONS
+STOPPING_OUTCOMES = frozenset({"stopped", "killed"})  # daemon/outcomes.py: the request was ended
+
+
+def outcome(f: pb.Finding) -> str:
+    """What is known of the offending request's fate when the alert goes out: an update's
+    outcome (daemon/outcomes.py: stopped, killed, reached_client, aborted, unknown); `ordered`
+    for a finding whose action stops the request (whether it did is said by its update);
+    `allowed` for one whose action only reports; "" for none."""
+    if f.details.get("outcome"):
+        return f.details["outcome"]
+    if f.action in BLOCKING_ACTIONS:
+        return "ordered"
+    return "allowed" if f.action else ""
+
+
+def blocked(f: pb.Finding) -> bool:
+    """Whether the offending request is known to have been stopped: an update says it was
+    (an order to stop it is not a stop: it may come after the response left)."""
+    return outcome(f) in STOPPING_OUTCOMES
+
+
+def update_of(f: pb.Finding) -> int:
+    """The cursor of the alert this one updates (its outcome), 0 for a new finding."""
+    value = f.details.get("update_of", "")
+    return int(value) if value.isdigit() else 0
 
 
 def uid(alert: svc.Alert) -> str:
-    """The alert's stable id: its cursor; a drop notice's names the cursors it stands for."""
+    """The alert's stable id: its cursor; a drop notice's names the cursors it stands for; an
+    outcome's is the uid of the finding it updates (a SIEM updates that one)."""
     if alert.finding.finding == DROPPED_FINDING:
         details = alert.finding.details
         return f"kvguard-dropped-{details['first_cursor']}-{details['last_cursor']}"
-    return f"kvguard-{alert.cursor}"
+    return f"kvguard-{update_of(alert.finding) or alert.cursor}"
 
 
 def time_ns(alert: svc.Alert) -> int:

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from kvguard.daemon.sinks import fields
+from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 SCHEMA_VERSION = "1.6.0"
@@ -19,7 +20,8 @@ CLASS_UID = 2004
 CLASS_NAME = "Detection Finding"
 CATEGORY_UID = 2
 CATEGORY_NAME = "Findings"
-ACTIVITY_CREATE = 1  # each alert is a new finding
+ACTIVITY_CREATE = 1  # a new finding
+ACTIVITY_UPDATE = 2  # what became of it (daemon/outcomes.py): the same finding, updated
 STATUS_NEW = 1
 
 # OCSF severity_id: 1 Informational, 2 Low, 3 Medium, 4 High, 5 Critical (0 Unknown)
@@ -29,13 +31,20 @@ UNKNOWN = (0, "Unknown")
 # (action_id, action), (disposition_id, disposition) of the Security Control profile
 STOPPED = ((2, "Denied"), (2, "Blocked"))
 REPORTED = ((1, "Allowed"), (17, "Logged"))
+WENT_THROUGH = ((1, "Allowed"), (1, "Allowed"))  # stopped too late, or not at all: it reached the client
+ORDERED = ((99, "Other"), (0, "Unknown"))  # a stop ordered: whether it came in time, its update says
 ANALYTIC_RULE = 1  # analytic.type_id: Rule
 
 
-def _action(action: str) -> tuple[tuple[int, str], tuple[int, str]]:
-    if fields.blocked(action):
+def _action(f: pb.Finding) -> tuple[tuple[int, str], tuple[int, str]]:
+    outcome = fields.outcome(f)
+    if fields.blocked(f):
         return STOPPED
-    if action:
+    if outcome == "ordered":
+        return ORDERED
+    if outcome in ("reached_client", "aborted"):
+        return WENT_THROUGH
+    if f.action:
         return REPORTED  # alert, log, alert+quarantine: the request went on
     return UNKNOWN, UNKNOWN
 
@@ -44,7 +53,10 @@ def event(alert: svc.Alert) -> dict[str, Any]:
     """The Detection Finding (a JSON object) that `alert` is."""
     f = alert.finding
     severity_id, severity = SEVERITY_IDS.get(f.severity, UNKNOWN)
-    (action_id, action), (disposition_id, disposition) = _action(f.action)
+    (action_id, action), (disposition_id, disposition) = _action(f)
+    activity, activity_name = (
+        (ACTIVITY_UPDATE, "Update") if fields.update_of(f) else (ACTIVITY_CREATE, "Create")
+    )
     title = f"{f.finding} on {f.node}" if f.node else f.finding
     resource: dict[str, Any] = {"type": "kv_cache_pool", "role_id": 3, "role": "Affected"}
     if f.node:
@@ -56,10 +68,10 @@ def event(alert: svc.Alert) -> dict[str, Any]:
         "class_name": CLASS_NAME,
         "category_uid": CATEGORY_UID,
         "category_name": CATEGORY_NAME,
-        "activity_id": ACTIVITY_CREATE,
-        "activity_name": "Create",
-        "type_uid": CLASS_UID * 100 + ACTIVITY_CREATE,
-        "type_name": f"{CLASS_NAME}: Create",
+        "activity_id": activity,
+        "activity_name": activity_name,
+        "type_uid": CLASS_UID * 100 + activity,
+        "type_name": f"{CLASS_NAME}: {activity_name}",
         "time": fields.time_ns(alert) // 1_000_000,
         "severity_id": severity_id,
         "severity": severity,
@@ -93,6 +105,7 @@ def event(alert: svc.Alert) -> dict[str, Any]:
         "unmapped": {
             "cursor": alert.cursor,
             "kvguard_action": f.action,
+            "kvguard_outcome": fields.outcome(f),
             "req": f.req,
             "victim_req": f.victim_req,
             "victim_tenant": f.victim_tenant,

@@ -350,3 +350,29 @@ def test_a_handle_its_ledger_does_not_know_is_said_and_the_step_goes_by_names() 
     assert guard.ledger.nodes["d0"].last_seq == guard._seq and guard.ledger.stats.bad["handle"] == 1
     pages = guard.ledger.nodes["d0"].pools[0].pages
     assert pages.writer[1] == guard.ledger.request("a1").idx
+
+
+def test_a_kill_that_reaches_the_engine_after_the_request_finished_is_recorded_as_late(
+    tmp_path: Path,
+) -> None:
+    # The daemon's kill of a request that already finished here stopped nothing: the guard
+    # records it as late (its response had left), and its ledger keeps it finished.
+    from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+    guard = decode_guard(sink=CaptureSink(tmp_path / "late.jsonl"), epoch=1)
+    decode_batch(guard)
+    assert guard.finish("a1", 15).ok
+    kill = svc.KillRequest(req="a1", finding="stale_read", rule="stale_read", message="m")
+    guard.command(svc.Command(id=1, kill=kill))
+    guard.command(
+        svc.Command(id=2, kill=svc.KillRequest(req="a2", finding="stale_read", rule="r", message="m"))
+    )
+    guard.sink.close()
+    kills = {
+        e.kill.req: e.kill
+        for _, e in read_capture((tmp_path / "late.jsonl").read_text().splitlines())
+        if e.HasField("kill")
+    }
+    assert kills["a1"].late and kills["a1"].by == "daemon"
+    assert not kills["a2"].late  # a2 still runs: this kill takes effect
+    assert guard.ledger.request("a1").state == "finished" and guard.ledger.request("a2").state == "killed"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvguard.cli.process import start_agent, start_daemon
+from kvguard.daemon.sinks import cef, fields, jsonl, ocsf
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -95,6 +96,15 @@ def test_the_daemon_stops_a_leak_the_local_guard_only_watched(
     assert not any(f.finding == "stale_read" for f in findings)
     assert {f.node for f in findings} >= ({"prefill-0", "decode-0"} if at_decode else {"prefill-0"})
     assert any(pb.Event.FromString(b).kill.by == "daemon" for b in kills)  # the engine's record of it
+    # What became of it, said as an update of the first finding: killed, in time.
+    bodies = stored(
+        store,
+        "finding",
+        lambda bodies: any(pb.Finding.FromString(b).details.get("update_of") for b in bodies),
+    )
+    (fate,) = [f for f in map(pb.Finding.FromString, bodies) if f.details.get("update_of")]
+    assert fate.details["outcome"] == "killed" and fate.tenant == "globex"
+    assert fields.blocked(fate) and ocsf.event(svc.Alert(cursor=1, finding=fate))["disposition"] == "Blocked"
 
 
 def test_the_daemon_quarantines_pages_freed_twice(tmp_path: Path, services: tuple[str, str]) -> None:
@@ -160,3 +170,61 @@ def test_a_second_testbed_on_the_same_agent_is_a_restart_not_a_replay(
     messages = " | ".join(f.message for f in findings)
     assert "changed since before the engine restarted" in messages and "num_pages" in messages
     assert "less than the advertised context length" in messages
+
+
+def test_a_leak_answered_while_the_daemon_was_down_is_reported_as_reaching_the_client(
+    tmp_path: Path,
+) -> None:
+    # The guards only watch; the daemon is down while the incident prompt is answered (its
+    # client reads the other tenant's text, HTTP 200). When the daemon comes back it judges
+    # the spooled events and orders the kill, long after the request finished. That is not a
+    # kill: the guard records it as late, the daemon's update says the data reached the
+    # client, and so does the exposure report; no format calls it blocked.
+    import socket
+
+    from kvguard.cli.audit import main as audit_main
+
+    with socket.socket() as s:  # the daemon's port, free until it starts
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store, sock = str(tmp_path / "audit.db"), str(tmp_path / "agent.sock")
+    agent = start_agent(sock, f"127.0.0.1:{port}", str(tmp_path / "spool"))
+    daemon = None
+    try:
+        with Cluster(tmp_path / "captures", faults=("incident",), guard="monitor", agent_socket=sock) as c:
+            status, reply = c.complete("acme", SECRET, max_tokens=len(SECRET))
+            assert status == 200 and Cluster.text(reply) == SECRET
+            status, reply = c.complete(
+                "globex", "Summarize: " + "calm markets, mild weather. " * 26, max_tokens=48
+            )
+            assert status == 200  # the leak, answered
+            c.findings()  # flush the guards' sinks to the agent (it spools them)
+            daemon = start_daemon(store, port)
+            updates = stored(
+                store,
+                "finding",
+                lambda bodies: any(pb.Finding.FromString(b).details.get("update_of") for b in bodies),
+            )
+            # The kill reaches the engine after the request finished: its guard says so.
+            late = [
+                pb.Event.FromString(b).kill for b in stored(store, "event", lambda bs: any(map(is_kill, bs)))
+            ]
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        agent.stop()
+    findings = [pb.Finding.FromString(b) for b in updates]
+    fates = [f for f in findings if f.details.get("update_of")]
+    assert [(f.req, f.details["outcome"]) for f in fates] == [(fates[0].req, "reached_client")]
+    # Findings judged once its fate was known say it themselves.
+    assert all(
+        f.details.get("outcome", "") in ("", "reached_client") for f in findings if f.req == fates[0].req
+    )
+    assert "reached the client" in fates[0].message and int(fates[0].details["learned_ns"]) > 0
+    assert all(k.late for k in late if k.req == fates[0].req and k.by == "daemon")
+    for f in findings:  # no alert says the request was stopped
+        alert = svc.Alert(cursor=1, finding=f)
+        assert not fields.blocked(f) and '"blocked":false' in jsonl.line(alert)
+        assert "outcome=blocked" not in cef.line(alert)
+        assert ocsf.event(alert)["disposition"] != "Blocked"
+    assert audit_main(["exposure", "--tenant", "acme", "--store", store]) == 1

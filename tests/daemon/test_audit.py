@@ -78,6 +78,8 @@ SECOND = [
     ev(22, 11800, "write", req="u1", pool=0, pages=[20, 21]),
     ev(23, 11900, "release", req="a4", pool=0, pages=[20, 21], holder="offload"),
     ev(24, 12000, "read", reads=[{"req": "u1", "pool": 0, "pages": [20, 21], "tokens": 32}]),
+    # n0's guard carries out the daemon's kill of i2 while i2 still runs: a kill that took effect.
+    ev(25, 12100, "kill", req="i2", finding="stale_read", by="daemon"),
 ]
 # AuditRecord carries a command body only once services.proto and the daemon serve it.
 COMMAND_BODIES = "command" in svc.AuditRecord.DESCRIPTOR.fields_by_name
@@ -139,17 +141,23 @@ def test_the_exposure_of_acme_names_every_request_that_reached_its_kv(
     headers = [line for line in lines if re.fullmatch(r"\w+ \(\d+ requests?\)", line)]
     assert headers == ["globex (1 request)", "initech (2 requests)", "umbrella (1 request)"]
     g1 = lines.index(next(line for line in lines if line.startswith("  g1: ")))
-    assert lines[g1].startswith("  g1: killed (10 kill commands sent; the first at record ")
+    # The daemon ordered g1 killed ten times, but g1 finished on d0 before any kill reached it:
+    # its response, computed from acme's KV, reached its client. An order is not a kill.
+    assert lines[g1].startswith("  g1: REACHED THE CLIENT: answered before any kill took effect (record ")
+    assert "kvguard learned it at " in lines[g1] and "; 10 kill commands sent;" in lines[g1]
     assert "action kill; at 6000" in lines[g1]
     victims = [" ".join(line.split()) for line in lines[g1 + 1 : g1 + 3]]
     assert victims[0].startswith("victim a1 node d0 pool 0 pages 1-4 stale_read action kill at 6000 records ")
     assert victims[1].startswith("victim a2 node d0 pool 0 pages 5-8 stale_read action kill at 6000 records ")
     assert any(line.startswith("  i1: stopped (deny), not killed") for line in lines)
-    assert any(line.startswith("  i2: killed (1 kill command sent") for line in lines)
+    assert any(
+        line.startswith("  i2: killed (1 kill command sent; killed by daemon; the first at") for line in lines
+    )
     assert any(line.startswith("  u1: UNCHECKED") for line in lines)
     assert lines[-1] == (
         "acme: 4 requests of 3 other tenants (globex, initech, umbrella) read or received acme's KV; "
-        "2 were killed, 1 was denied or blocked, 1 went unchecked."
+        "1 was killed, 1 was answered before any kill took effect (the data reached the client), "
+        "1 was denied or blocked, 1 went unchecked."
     )
 
 
@@ -158,13 +166,14 @@ def test_the_exposure_as_json_lines(daemon: Service, capsys: pytest.CaptureFixtu
     assert rc == 1
     *exposures, summary = jsonl(out)
     assert [(e["offender_tenant"], e["req"], e["outcome"]) for e in exposures] == [
-        ("globex", "g1", "killed"),
+        ("globex", "g1", "reached_client"),
         ("initech", "i1", "stopped"),
         ("initech", "i2", "killed"),
         ("umbrella", "u1", "unchecked"),
     ]
     g1 = exposures[0]
     assert g1["findings"] == {"stale_read": 2} and g1["actions"] == ["kill"] and g1["kill_commands"] == 10
+    assert g1["fate"] == "reached_client" and g1["learned_ns"] > 0 and not g1["kill_events"]
     assert [(v["victim_req"], v["node"], v["pool"], v["pages"]) for v in g1["victims"]] == [
         ("a1", "d0", 0, [1, 2, 3, 4]),
         ("a2", "d0", 0, [5, 6, 7, 8]),
@@ -176,7 +185,8 @@ def test_the_exposure_as_json_lines(daemon: Service, capsys: pytest.CaptureFixtu
         finding = pb.Finding.FromString(body)
         assert kind == "finding" and (finding.req, finding.victim_req) == ("g1", victim["victim_req"])
     assert summary["type"] == "summary" and summary["tenants"] == ["globex", "initech", "umbrella"]
-    assert (summary["requests"], summary["killed"], summary["stopped"], summary["unchecked"]) == (4, 2, 1, 1)
+    counts = ("requests", "killed", "reached_client", "ordered", "stopped", "unchecked")
+    assert tuple(summary[k] for k in counts) == (4, 1, 1, 0, 1, 1)
 
 
 def test_globex_has_no_exposure(daemon: Service, capsys: pytest.CaptureFixture[str]) -> None:
@@ -228,11 +238,15 @@ def test_the_timeline_of_g1_across_nodes(daemon: Service, capsys: pytest.Capture
     expected = [(e.node, e.seq) for _, e in read_capture(INCIDENT) if "g1" in reqs_of(e)]
     assert [(e["node"], e["seq"]) for e in events] == expected
     assert [n for n, _ in expected[:2]] == ["d0", "d0"] and expected[2] == ("p0", 12)
-    findings = [r["finding"] for r in records if r["kind"] == "finding"]
+    found = [r["finding"] for r in records if r["kind"] == "finding"]
+    findings = [f for f in found if "update_of" not in f.get("details", {})]
     assert len(findings) == 10 and all(f["req"] == "g1" for f in findings)
+    (update,) = [f for f in found if "update_of" in f.get("details", {})]  # what became of it
+    assert update["details"]["outcome"] == "reached_client" and "reached the client" in update["message"]
     assert sorted(f.get("victim_req", "") for f in findings if f["finding"] == "stale_read") == ["a1", "a2"]
     assert sum(r["kind"] == "command" for r in records) == 10
     assert "request g1 (globex): 13 event(s) on d0, p0; 10 finding(s) as offender, 0 as victim" in err
+    assert "what became of it: reached_client" in err
     rc, table, _ = audit(capsys, "request", "g1", *store_of(daemon))
     rows = table.splitlines()
     assert rows[0].split() == ["ID", "TIME", "KIND", "NODE", "SEQ", "REQ", "TENANT", "WHAT", "MESSAGE"]
@@ -293,7 +307,17 @@ def test_query_filters(daemon: Service, capsys: pytest.CaptureFixture[str]) -> N
     _, out, _ = audit(
         capsys, "query", *store_of(daemon), "--tenant", "acme", "--kind", "finding", "-o", "json"
     )
-    assert [r["finding"]["req"] for r in jsonl(out)] == ["g1", "g1", "i1", "i2", "u1"]
+    found = [r["finding"] for r in jsonl(out)]
+    assert [f["req"] for f in found if "outcome" not in f.get("details", {})] == [
+        "g1",
+        "g1",
+        "i1",
+        "i2",
+        "u1",
+    ]
+    assert [(f["req"], f["details"]["outcome"]) for f in found if "outcome" in f.get("details", {})] == [
+        ("i2", "killed")  # g1's update names no victim: it updates g1's first finding, a drift
+    ]
     window = ("--node", "n0", "--since", "10000", "--until", "10100")
     _, out, _ = audit(capsys, "query", *store_of(daemon), *window, "-o", "json")
     assert [(r["kind"], r.get("event", r.get("finding", {})).get("seq")) for r in jsonl(out)] == [

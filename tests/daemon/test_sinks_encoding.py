@@ -81,6 +81,19 @@ def test_the_daemon_raised_alerts_of_every_kind_of_action(alerts: list[svc.Alert
     actions = {a.finding.action for a in alerts}
     assert {"kill", "block", "deny", "alert"} <= actions, actions
     assert all(a.finding.ts_ns >= BASE_NS for a in alerts)
+    # g1 was ordered stopped (block, then kills) but finished on its decode node first: one
+    # update of its first finding says its response reached the client.
+    (update,) = [a for a in alerts if fields.update_of(a.finding)]
+    first = next(a for a in alerts if a.finding.req == "g1")
+    assert fields.update_of(update.finding) == first.cursor and update.cursor > first.cursor
+    assert (
+        fields.outcome(update.finding) == "reached_client" and "reached the client" in update.finding.message
+    )
+
+
+def new(alerts: list[svc.Alert]) -> list[svc.Alert]:
+    """The alerts of findings (not the updates that say what became of one)."""
+    return [a for a in alerts if not fields.update_of(a.finding)]
 
 
 # ------------------------------------------------------------------------------------------ OCSF
@@ -118,7 +131,12 @@ def test_ocsf_detection_findings_carry_every_required_attribute_with_values_of_t
             2,
             "Detection Finding",
         )
-        assert event["type_uid"] == event["class_uid"] * 100 + event["activity_id"] == 200401
+        update = fields.update_of(alert.finding)
+        assert (
+            event["type_uid"]
+            == event["class_uid"] * 100 + event["activity_id"]
+            == (200402 if update else 200401)
+        )
         for enum, caption in OCSF_CAPTIONS.items():
             assert event[caption] == OCSF_ENUMS[enum][event[enum]], (enum, event)
         assert event["time"] == alert.finding.ts_ns // 1_000_000  # ms since the epoch
@@ -126,7 +144,7 @@ def test_ocsf_detection_findings_carry_every_required_attribute_with_values_of_t
         assert meta["version"] == "1.6.0" and re.fullmatch(r"1\.\d+\.\d+", meta["version"])
         assert meta["product"] == {"name": "kvguard", "vendor_name": "kvguard", "version": fields.VERSION}
         info = event["finding_info"]
-        assert info["uid"] == f"kvguard-{alert.cursor}" and info["types"] == [alert.finding.finding]
+        assert info["uid"] == f"kvguard-{update or alert.cursor}" and info["types"] == [alert.finding.finding]
         assert info["analytic"]["name"] == alert.finding.rule
         assert ANALYTIC_TYPES[info["analytic"]["type_id"]] == info["analytic"]["type"] == "Rule"
         assert event["resources"][0]["hostname"] == alert.finding.node
@@ -137,10 +155,27 @@ def test_ocsf_detection_findings_carry_every_required_attribute_with_values_of_t
 
 
 def test_ocsf_says_whether_the_request_was_stopped_or_only_reported(alerts: list[svc.Alert]) -> None:
-    by_action = {a.finding.action: json.loads(ocsf.line(a)) for a in alerts}
+    # An order to stop a request is not a stop: its disposition is unknown until the update
+    # says what became of it (here: it reached the client, so Allowed).
+    by_action = {a.finding.action: json.loads(ocsf.line(a)) for a in new(alerts)}
     for stopped in ("kill", "block", "deny"):
-        assert (by_action[stopped]["action"], by_action[stopped]["disposition"]) == ("Denied", "Blocked")
+        assert (by_action[stopped]["action"], by_action[stopped]["disposition"]) == ("Other", "Unknown")
+        assert by_action[stopped]["unmapped"]["kvguard_outcome"] == "ordered"
     assert (by_action["alert"]["action_id"], by_action["alert"]["disposition_id"]) == (1, 17)  # Logged
+    (update,) = [json.loads(ocsf.line(a)) for a in alerts if fields.update_of(a.finding)]
+    assert (update["activity_name"], update["action"], update["disposition"]) == (
+        "Update",
+        "Allowed",
+        "Allowed",
+    )
+    assert update["unmapped"]["kvguard_outcome"] == "reached_client"
+    stopped_in_time = svc.Alert(
+        cursor=9,
+        finding=pb.Finding(
+            finding="stale_read", action="kill", details={"outcome": "stopped", "update_of": "4"}
+        ),
+    )
+    assert (json.loads(ocsf.line(stopped_in_time))["disposition"]) == "Blocked"
     share = by_action["deny"]
     assert share["severity_id"] == 4 and share["finding_info"]["types"] == ["cross_tenant_share"]
     assert share["actor"]["user"]["name"] == "globex" and share["unmapped"]["victim_tenant"] == "acme"
@@ -185,10 +220,13 @@ def test_cef_lines_of_the_daemons_alerts_read_back_field_for_field(alerts: list[
         f = alert.finding
         name, severity = f"{f.finding} on {f.node}", str(cef.SEVERITIES[f.severity])
         assert header == ["CEF:0", "kvguard", "kvguard", fields.VERSION, f.rule, name, severity]
-        assert ext["cn2"] == str(alert.cursor) and ext["externalId"] == f"kvguard-{alert.cursor}"
+        update = fields.update_of(f)
+        assert ext["cn2"] == str(alert.cursor) and ext["externalId"] == f"kvguard-{update or alert.cursor}"
         assert ext["msg"] == f.message and ext["cat"] == f.finding and ext["act"] == f.action
         assert ext["rt"] == str(f.ts_ns // 1_000_000)
-        assert ext["outcome"] == ("allowed" if f.action == "alert" else "blocked")
+        assert ext["outcome"] == (
+            "reached_client" if update else "allowed" if f.action == "alert" else "ordered"
+        )
 
 
 @pytest.mark.parametrize(
@@ -240,7 +278,8 @@ def test_json_lines_have_the_same_keys_in_the_same_order_and_integers_as_numbers
         )
         assert r["pool"] == (alert.finding.pool if alert.finding.HasField("pool") else None)
         assert r["pages"] == list(alert.finding.pages) and all(isinstance(p, int) for p in r["pages"])
-        assert r["blocked"] is (alert.finding.action != "alert")
+        assert r["blocked"] is False  # none was stopped: an order is not a stop, and g1 reached its client
+        assert r["outcome"] == fields.outcome(alert.finding)
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z", r["time"])
 
 

@@ -349,14 +349,16 @@ class RemoteRun(_message.Message):
     def __init__(self, addr: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class Kill(_message.Message):
-    __slots__ = ("req", "finding", "by")
+    __slots__ = ("req", "finding", "by", "late")
     REQ_FIELD_NUMBER: _ClassVar[int]
     FINDING_FIELD_NUMBER: _ClassVar[int]
     BY_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     req: str
     finding: str
     by: str
-    def __init__(self, req: _Optional[str] = ..., finding: _Optional[str] = ..., by: _Optional[str] = ...) -> None: ...
+    late: bool
+    def __init__(self, req: _Optional[str] = ..., finding: _Optional[str] = ..., by: _Optional[str] = ..., late: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("agent_version", "dropped", "canary")
