@@ -44,6 +44,17 @@ def local_findings() -> list:
 
 
 def stored_findings(store: str) -> list[pb.Finding]:
+    """The findings the daemon judged (not its updates of them: what became of a request,
+    daemon/outcomes.py)."""
+    return [f for f in stored_records(store) if not f.details.get("update_of")]
+
+
+def stored_updates(store: str) -> list[pb.Finding]:
+    """The daemon's updates of its findings: what became of each request one ordered stopped."""
+    return [f for f in stored_records(store) if f.details.get("update_of")]
+
+
+def stored_records(store: str) -> list[pb.Finding]:
     s = Store(str(store))
     try:
         return [pb.Finding.FromString(body) for _, _, body in s.rows(kind="finding")]
