@@ -81,6 +81,8 @@ def test_the_daemon_stores_the_decode_nodes_findings_under_its_name(
         lambda: query(store, "--kind", "finding", "--node", NODE),
         lambda records: {r["finding"]["finding"] for r in records} >= {"transfer_mismatch", "stale_read"},
     )
+    updates = [r["finding"] for r in found if "update_of" in r["finding"].get("details", {})]
+    found = [r for r in found if "update_of" not in r["finding"].get("details", {})]
     by_kind = {r["finding"]["finding"]: r["finding"] for r in found}
     assert set(by_kind) == {"transfer_mismatch", "stale_read"}, found
     mismatch, stale = by_kind["transfer_mismatch"], by_kind["stale_read"]
@@ -89,6 +91,8 @@ def test_the_daemon_stores_the_decode_nodes_findings_under_its_name(
     assert (stale["node"], stale["req"], stale["rule"]) == (NODE, "b-1", "stale_read_cross_tenant")
     assert (stale["victim_req"], stale["victim_tenant"]) == ("a-1", "tenant-a")
     assert stale["pages"] == [2, 3, 4, 5, 6, 7, 8]
+    # What became of b-1, once the daemon heard: its kill took effect (if it has heard yet).
+    assert all((u["req"], u["details"]["outcome"]) == ("b-1", "killed") for u in updates), updates
     # The victim's tenant finds it too, as the operator asks.
     assert {r["finding"]["req"] for r in query(store, "--kind", "finding", "--tenant", "tenant-a")} == {"b-1"}
 

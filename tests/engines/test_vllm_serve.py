@@ -122,6 +122,16 @@ def stopped(result: dict[str, Any]) -> tuple[str, str, str]:
 
 
 def findings(store: str, node: str) -> list[dict[str, Any]]:
+    """The node's findings as the daemon judged them (not its updates of them)."""
+    return [f for f in records_of_findings(store, node) if "update_of" not in f.get("details", {})]
+
+
+def updates(store: str, node: str) -> list[dict[str, Any]]:
+    """The daemon's updates of the node's findings: what became of each request ordered stopped."""
+    return [f for f in records_of_findings(store, node) if "update_of" in f.get("details", {})]
+
+
+def records_of_findings(store: str, node: str) -> list[dict[str, Any]]:
     return [r["finding"] for r in query(store, "--kind", "finding", "--node", node)]
 
 
@@ -321,6 +331,15 @@ def test_pd_short_loads_are_stopped_before_any_output(
     assert "delivered 64" in mismatches[skipped_req]["message"]
     kills = {e.kill.req for e in events(live.store) if e.node == "vllm-d0" and e.HasField("kill")}
     assert {short_req, skipped_req} <= kills
+    # What became of them, as the daemon learned it: their guard stopped them at its check.
+    fates = {
+        f["req"]: f["details"]["outcome"]
+        for f in until(
+            lambda: updates(live.store, "vllm-d0"),
+            lambda us: {u["req"] for u in us} >= {short_req, skipped_req},
+        )
+    }
+    assert (fates[short_req], fates[skipped_req]) == ("stopped", "stopped")
 
 
 def json_text(value: Any) -> str:

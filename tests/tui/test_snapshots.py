@@ -24,8 +24,8 @@ Until = Callable[..., Awaitable[None]]
 
 
 def loaded(app: TopApp) -> bool:
-    """Every answer a screen draws from is in (the fleet, all 14 alerts: 13 findings and the update of g1's, the acknowledgement),
-    and the screen's lists have measured their columns."""
+    """Every answer a screen draws from is in (the fleet, all 14 alerts: 13 findings and the
+    update of g1's, the acknowledgement), and the screen's lists have measured their columns."""
     answered = app.data.fleet is not None and len(app.data.alerts) == 14 and bool(app.data.acks)
     return answered and all(table.settled for table in app.screen.query(RowTable))
 
