@@ -102,10 +102,11 @@ class Reloader:
     def _refused(self, what: str, reason: str) -> None:
         from kvguard.daemon.daemon import RELOAD_FAILED_RULE
 
+        # The alert first: whatever the log line is seen before comes after the alert in the log.
+        self.daemon.refuse_reload(what, [reason])
         log.error(
             f"{what} refused; the previous settings stay in force (alert {RELOAD_FAILED_RULE}): {reason}"
         )
-        self.daemon.refuse_reload(what, [reason])
         self.notifier.ready(f"serving on port {self.port}; the last reload was refused (see the log)")
 
     def _reload_rules(self, rules: Path | None) -> str | None:

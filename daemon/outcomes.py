@@ -123,7 +123,7 @@ class Outcomes:
         late = (w.judged_ns - f.ts_ns) / 1e9 if f.ts_ns and w.judged_ns > f.ts_ns else 0.0
         words = f"request {f.req} ({f.finding}, cursor {cursor}) {WORDS[w.outcome]}"
         if w.outcome == "reached_client":
-            words += f"; kvguard judged the read {late:.1f} s after it happened"
+            words += f"; kvguard judged it {late:.1f} s after its event"
         details = {
             **f.details,
             "outcome": w.outcome,

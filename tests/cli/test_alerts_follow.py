@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_helpers import INCIDENT, stale_reads, stored_findings, wait_for
+from daemon_helpers import INCIDENT, stale_reads, stored_records, wait_for
 
 from kvguard.agents.upstream import AgentStream
 from kvguard.cli.process import Service, start_daemon
@@ -79,10 +79,11 @@ def test_without_follow_it_prints_what_the_audit_log_holds_and_exits(daemon: Ser
     assert (done.returncode, done.stderr) == (0, "")
     records = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["cursor"] for r in records] == stored_cursors(daemon.store)
-    findings = stored_findings(daemon.store)
+    findings = stored_records(daemon.store)  # the findings and the update of g1's (it reached its client)
     assert [(r["finding"], r["rule"], r["req"], r["message"]) for r in records] == [
         (f.finding, f.rule, f.req, f.message) for f in findings
     ]
+    assert [r["outcome"] for r in records].count("reached_client") == 1
 
 
 def test_min_severity_keeps_that_severity_and_those_above_it(daemon: Service) -> None:
