@@ -219,6 +219,18 @@ def _wanted(args: argparse.Namespace) -> list[Wanted]:
     return wanted
 
 
+def _expiry(start: datetime.datetime, end: datetime.datetime, now: datetime.datetime | None = None) -> str:
+    """When the certificate stops working, from now: in N days, EXPIRED N days ago, or NOT YET
+    VALID."""
+    now = now or datetime.datetime.now(datetime.UTC)
+    if now < start:
+        return f"NOT YET VALID (from {start:%Y-%m-%d %H:%M} UTC)"
+    days = (end - now).total_seconds() / 86400
+    if days < 0:
+        return f"EXPIRED {-days:.0f} day(s) ago"
+    return f"in {days:.0f} day(s)" + (": renew it soon" if days < 30 else "")
+
+
 def describe(pem: Path) -> list[tuple[str, str]]:
     """What a certificate says, as (field, value) lines."""
     from cryptography import x509
@@ -236,7 +248,10 @@ def describe(pem: Path) -> list[tuple[str, str]]:
     except x509.ExtensionNotFound:
         names = x509.SubjectAlternativeName([])
     uris = names.get_values_for_type(x509.UniformResourceIdentifier)
-    is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    try:
+        is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:  # openssl's plain `req -x509`/`x509 -req` may leave it out: not a CA
+        is_ca = False
     role = (
         "CA"
         if is_ca
@@ -257,6 +272,7 @@ def describe(pem: Path) -> list[tuple[str, str]]:
             "valid",
             f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} to {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC",
         ),
+        ("expires", _expiry(cert.not_valid_before_utc, cert.not_valid_after_utc)),
         ("serial", f"{cert.serial_number:x}"),
     ]
 

@@ -5,6 +5,7 @@ missing CA is said, exit 2, nothing written."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,24 @@ def test_it_overwrites_nothing_and_says_what_it_refuses(tmp_path: Path) -> None:
     missing = certs("issue", str(tmp_path / "nowhere"), "--node", "p0")
     assert missing.returncode == 2 and "ca.pem: no such file" in missing.stderr
     assert certs("show", str(pki / "ca.key")).stderr.startswith(f"kvguard certs: {pki / 'ca.key'}: not a PEM")
+
+
+def test_show_reads_a_certificate_made_with_the_docs_openssl_recipe(tmp_path: Path) -> None:
+    # docs/operator.md's reader certificate, made with OpenSSL against kvguard's CA: no
+    # BasicConstraints extension (a plain `x509 -req`), so not a CA. It is shown, with its expiry.
+    pki = tmp_path / "pki"
+    assert certs("init", str(pki)).returncode == 0
+
+    def run(line: str) -> None:
+        subprocess.run(line.split(), cwd=pki, capture_output=True, text=True, timeout=60, check=True)
+
+    key = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout siem.key"
+    run(f"openssl req -new {key} -subj /CN=siem -out siem.csr")
+    (pki / "ext").write_text("subjectAltName=URI:urn:kvguard:role:reader\n")
+    run("openssl x509 -req -in siem.csr -CA ca.pem -CAkey ca.key -days 365 -out siem.pem -extfile ext")
+    shown = certs("show", str(pki / "siem.pem"))
+    assert shown.returncode == 0 and shown.stderr == "", shown.stderr
+    assert "role     reader" in shown.stdout and "subject  CN=siem" in shown.stdout
+    assert re.search(r"expires  in 36[45] day\(s\)\n", shown.stdout), shown.stdout
+    daemon_cert = certs("show", str(pki / "daemon.pem")).stdout
+    assert re.search(r"expires  in \d+ day\(s\)", daemon_cert)
