@@ -1,39 +1,62 @@
 """kvguard's own services as child processes (tests, the demo, tools): start one, wait for the
 READY line it prints when it serves, stop it politely or kill it.
 
-Invariant: a Service exists only once its process said READY; otherwise starting it raises
-with what the process wrote on its way out.
+Invariants: a Service exists only once its process said READY; otherwise starting it raises
+with what the process wrote on its way out (a quiet one's too). It is configured by its
+arguments alone: the host's configuration (/etc/kvguard/kvguard.yaml, KVGUARD_CONFIG, the
+KVGUARD_DAEMON_* and KVGUARD_AGENT_* variables) is not its, so a node's settings never reach
+the demo's or a test's daemon.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import tempfile
+
+HOST_SETTINGS = ("KVGUARD_CONFIG", "KVGUARD_DAEMON_", "KVGUARD_AGENT_")  # what a Service leaves out
+
+
+def own_environment() -> dict[str, str]:
+    """This process's environment without the host's kvguard settings, and with no
+    configuration file (an empty one: os.devnull)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(HOST_SETTINGS)}
+    env["KVGUARD_CONFIG"] = os.devnull
+    return env
 
 
 class Service:
     def __init__(self, *args: str, ready: str = "READY", quiet: bool = False) -> None:
         self.args = [sys.executable, "-m", "kvguard", *args]
+        # A quiet one's stderr goes to a file, so that why it did not start can still be said.
+        self._said = tempfile.TemporaryFile("w+") if quiet else None  # noqa: SIM115 (closed in _close)
         self.proc = subprocess.Popen(
             self.args,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL if quiet else subprocess.PIPE,
+            stderr=self._said if self._said is not None else subprocess.PIPE,
             text=True,
+            env=own_environment(),
         )
         self.line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not self.line.startswith(ready):
             self.proc.kill()
             err = self.proc.stderr.read() if self.proc.stderr else ""
+            if self._said is not None:
+                self.proc.wait()
+                self._said.seek(0)
+                err = self._said.read()
             self._close()
-            raise RuntimeError(f"kvguard {args[0]} did not start: {self.line!r} {err[-2000:]}")
+            reason = err.strip()[-2000:] or f"it exited with status {self.proc.returncode} and said nothing"
+            raise RuntimeError(f"kvguard {args[0]} did not start: {reason}")
         self.address = ""
         self.store = ""
 
     def _close(self) -> None:
         """Let go of the process's pipes (it has exited)."""
         self.proc.wait()
-        for pipe in (self.proc.stdout, self.proc.stderr):
+        for pipe in (self.proc.stdout, self.proc.stderr, self._said):
             if pipe is not None:
                 pipe.close()
 
