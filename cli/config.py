@@ -111,10 +111,18 @@ def load(path: Path, named: bool, parsers: dict[str, argparse.ArgumentParser]) -
         loaded.files.append(file)
     for section, parser in parsers.items():
         prefix = f"{ENV_PREFIX}{section.upper()}_"
-        for name in options(parser):
-            variable = prefix + name.upper().replace("-", "_")
+        known = {prefix + name.upper().replace("-", "_"): name for name in options(parser)}
+        for variable, name in known.items():
             if variable in os.environ:
                 _take(loaded, parser, section, name, os.environ[variable], f"env {variable}")
+        for variable in sorted(os.environ):
+            # A misspelt variable must not be ignored in silence. `_OPTS`: the units' extra flags.
+            if variable.startswith(prefix) and variable not in known and not variable.endswith("_OPTS"):
+                close = difflib.get_close_matches(variable, list(known), n=1)
+                hint = (
+                    f" (did you mean {close[0]}?)" if close else f" (its options: {', '.join(sorted(known))})"
+                )
+                raise ConfigError(f"env {variable}: {section} has no such option{hint}")
     return loaded
 
 

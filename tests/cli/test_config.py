@@ -105,6 +105,16 @@ def test_a_bad_configuration_is_named_with_its_reason(tmp_path: Path) -> None:
         and "env KVGUARD_DAEMON_CLOCK_SKEW_MS: daemon: clock-skew-ms: 'soon'" in bad.stderr
     )
     assert "Traceback" not in bad.stderr
+    # A misspelt variable is not ignored in silence: check finds it, and the service refuses it.
+    for command in (("config", "check"), ("daemon",)):
+        typo = kvguard(*command, "--config", str(ok), env={"KVGUARD_DAEMON_LISEN": "0.0.0.0:7463"})
+        assert typo.returncode == 2 and "Traceback" not in typo.stderr, typo.stderr
+        assert (
+            "env KVGUARD_DAEMON_LISEN: daemon has no such option (did you mean KVGUARD_DAEMON_LISTEN?)"
+            in typo.stderr
+        )
+    opts = kvguard("config", "check", "--config", str(ok), env={"KVGUARD_DAEMON_OPTS": "--mode monitor"})
+    assert opts.returncode == 0, opts.stderr  # the units' extra flags, not a setting
     missing = kvguard("config", "check", "--config", str(tmp_path / "nope.yaml"))
     assert (
         missing.returncode == 2 and f"{tmp_path / 'nope.yaml'}: no such configuration file" in missing.stderr
