@@ -280,6 +280,17 @@ def cmd_config(args: argparse.Namespace) -> int:
         print(f"kvguard config: {exc}", file=sys.stderr)
         return 2
     if args.config_command == "check":
+        from kvguard.cli.config_usable import problems
+
+        found = []
+        for name in SECTIONS:
+            apply(loaded, name, commands[name])
+            values = {option: value for option, value, _ in effective(loaded, name, commands[name], None, [])}
+            found += problems(name, values)
+        for problem in found:
+            print(f"kvguard config: {problem}", file=sys.stderr)
+        if found:
+            return 2
         read = ", ".join(map(str, loaded.files)) or f"no file ({config_path(argv)[0]} absent: defaults apply)"
         n = sum(len(v) for v in loaded.values.values())
         print(f"configuration usable: {n} setting(s) from {read} and the environment")

@@ -32,6 +32,32 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_install(args: argparse.Namespace) -> int:
+    """`kvguard rules install DIR`: the bundled rules copied into DIR (made if absent), for a
+    daemon's `rules:` to name and an operator to edit; a file already there is kept (it may hold
+    the operator's changes) and said. Exit 0, or 2 when DIR cannot be written."""
+    import shutil
+
+    from kvguard.ruleset.loader import DEFAULT_RULES_DIR
+
+    target = Path(args.dir)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        for source in sorted(DEFAULT_RULES_DIR.glob("*.yaml")):
+            dest = target / source.name
+            if dest.exists():
+                same = dest.read_bytes() == source.read_bytes()
+                print(f"{dest}: kept ({'the same as' if same else 'it differs from'} the bundled one)")
+                continue
+            shutil.copyfile(source, dest)
+            dest.chmod(0o644)
+            print(f"{dest}: installed")
+    except OSError as exc:
+        print(f"kvguard rules install: {exc.filename or target}: {exc.strerror}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_test(args: argparse.Namespace) -> int:
     """`kvguard rules test`: exit 0 when every fixture passed, 1 when one failed (or there is
     none), 2 when the ruleset is unusable."""
@@ -68,6 +94,16 @@ def add_parser(sub: Subcommands) -> None:
     )
     p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
     p.set_defaults(func=cmd_check)
+
+    p = add_command(
+        rules,
+        "install",
+        "copy the bundled rules into a directory (the daemon's `rules:`)",
+        "Copy the bundled rules into DIR, for a daemon's `rules:` to name; files already there are kept.",
+        "kvguard rules install /etc/kvguard/rules",
+    )
+    p.add_argument("dir", metavar="DIR", help="where the rules go (made if absent)")
+    p.set_defaults(func=cmd_install)
 
     p = add_command(
         rules,

@@ -122,8 +122,40 @@ def test_a_bad_configuration_is_named_with_its_reason(tmp_path: Path) -> None:
 
 
 def test_the_shipped_example_is_a_usable_configuration() -> None:
+    # Every value is of its option's kind; what check still finds on a host not set up for it
+    # is only the host's files it names (certificates, the rules directory), each said.
     example = Path(__file__).resolve().parents[2] / "deploy" / "kvguard.yaml"
     check = kvguard("config", "check", "--config", str(example))
-    assert check.returncode == 0, check.stderr
+    problems = check.stderr.splitlines()
+    assert all(p.endswith((": no such file", ": no such directory")) for p in problems), check.stderr
+    assert check.returncode == (2 if problems else 0)
+    assert all(p.startswith("kvguard config: ") and "/etc/kvguard/" in p for p in problems)
     rows = json.loads(kvguard("config", "show", "daemon", "--config", str(example), "-o", "json").stdout)
     assert {r["option"]: r["source"] for r in rows}["metrics-listen"] == str(example)
+
+
+def test_check_finds_what_would_stop_the_service_and_rules_install_fills_the_directory(
+    tmp_path: Path,
+) -> None:
+    # Values of the right type that still cannot run: TLS files that are not there, a rules
+    # directory with no rules. Each is named with the option and the file; `rules install`
+    # puts the bundled rules where `rules:` points, and then it checks.
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    pki = tmp_path / "pki"
+    main = write(
+        tmp_path / "kvguard.yaml",
+        f"daemon:\n  rules: {rules}\n  tls-ca: {pki}/ca.pem\n  tls-cert: {pki}/daemon.pem\n"
+        f"  tls-key: {pki}/daemon.key\n",
+    )
+    check = kvguard("config", "check", "--config", str(main))
+    assert check.returncode == 2 and "usable" not in check.stdout
+    for option, file in (("tls-ca", "ca.pem"), ("tls-cert", "daemon.pem"), ("tls-key", "daemon.key")):
+        assert f"kvguard config: daemon: {option}: {pki / file}: no such file" in check.stderr
+    assert f"daemon: rules: {rules}: holds no rules (*.yaml): `kvguard rules install {rules}`" in check.stderr
+    installed = kvguard("rules", "install", str(rules))
+    assert installed.returncode == 0 and f"{rules / '10-leaks.yaml'}: installed" in installed.stdout
+    assert "kept (the same as the bundled one)" in kvguard("rules", "install", str(rules)).stdout
+    assert kvguard("certs", "init", str(pki)).returncode == 0
+    check = kvguard("config", "check", "--config", str(main))
+    assert check.returncode == 0 and "configuration usable" in check.stdout, check.stderr
