@@ -88,6 +88,20 @@ def _write(path: Path, data: bytes, private: bool) -> None:
         f.write(data)
 
 
+def _owner(owner: str) -> tuple[int, int]:
+    """(uid, gid) of `owner` (USER or USER:GROUP); CertsError when the host has no such one."""
+    import grp
+    import pwd
+
+    user, _, group = owner.partition(":")
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+        gid = grp.getgrnam(group).gr_gid if group else pwd.getpwnam(user).pw_gid
+    except KeyError:
+        raise CertsError(f"--owner {owner}: no such user or group on this host") from None
+    return uid, gid
+
+
 class Authority:
     """A CA's certificate and key, and the certificates it signs."""
 
@@ -286,6 +300,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
             return 0
         directory = Path(args.dir)
         wanted = _wanted(args)
+        owner = _owner(args.owner) if args.owner else None  # before anything is written
         if args.certs_command == "init":
             hosts = tuple(_checked_host(h) for h in (args.daemon_host or ["localhost", "127.0.0.1"]))
             wanted.insert(0, Wanted("daemon", "daemon", hosts))
@@ -300,6 +315,10 @@ def cmd_certs(args: argparse.Namespace) -> int:
             _plan(directory, wanted, with_ca=False)
             made = []
         made += [authority.issue(directory, w, args.days) for w in wanted]
+        if owner is not None:  # the service's user reads its certificate and key (the CA's key stays root's)
+            for pem in [pem for pem in made if pem.name != "ca.pem"]:
+                os.chown(pem, *owner)
+                os.chown(pem.with_suffix(".key"), *owner)
     except CertsError as exc:
         print(f"kvguard certs: {exc}", file=sys.stderr)
         return 2
@@ -334,6 +353,12 @@ def add_parser(sub: Subcommands) -> None:
             "--operator", action="append", metavar="NAME", help="an operator's: also act (kill ...)"
         )
         q.add_argument("--days", type=int, default=397, help="each certificate's validity (default 397)")
+        q.add_argument(
+            "--owner",
+            metavar="USER[:GROUP]",
+            help="give the certificates and keys it makes (not the CA's) to this user, as root: "
+            "the services' units run as kvguard",
+        )
         q.set_defaults(func=cmd_certs)
 
     init = add_command(

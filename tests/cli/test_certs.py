@@ -5,9 +5,12 @@ missing CA is said, exit 2, nothing written."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -133,3 +136,33 @@ def test_show_reads_a_certificate_made_with_the_docs_openssl_recipe(tmp_path: Pa
     assert re.search(r"expires  in 36[45] day\(s\)\n", shown.stdout), shown.stdout
     daemon_cert = certs("show", str(pki / "daemon.pem")).stdout
     assert re.search(r"expires  in \d+ day\(s\)", daemon_cert)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="chown needs root"
+)  # CI and this project's machines run as root
+def test_init_as_root_gives_the_services_user_its_keys_and_not_the_cas(tmp_path: Path) -> None:
+    # Keys written 0600 by root are unreadable to the user the units run as: --owner gives
+    # that user the certificates and keys made (never the CA's key), and config check agrees.
+    import pwd
+
+    from kvguard.cli.config_usable import _readable_by
+
+    nobody = pwd.getpwnam("nobody")
+    base = Path(
+        tempfile.mkdtemp(prefix="kvguard-certs-")
+    )  # a directory every user may pass (pytest's is root's)
+    base.chmod(0o755)
+    pki = base / "pki"
+    made = certs("init", str(pki), "--node", "p0", "--owner", "nobody")
+    assert made.returncode == 0, made.stderr
+    pki.chmod(0o755)
+    for stem in ("daemon", "node-p0"):
+        for suffix in (".pem", ".key"):
+            assert (pki / f"{stem}{suffix}").stat().st_uid == nobody.pw_uid
+        assert _readable_by(pki / f"{stem}.key", nobody)
+    assert (pki / "ca.key").stat().st_uid == 0 and not _readable_by(pki / "ca.key", nobody)
+    refused = certs("init", str(tmp_path / "other"), "--owner", "no-such-user")
+    assert refused.returncode == 2 and "--owner no-such-user: no such user or group" in refused.stderr
+    assert not (tmp_path / "other" / "ca.pem").exists()  # refused before anything was written
+    shutil.rmtree(base)

@@ -123,7 +123,13 @@ def test_sysusers_and_tmpfiles_make_the_user_and_its_directories(tmp_path: Path)
     user = next(line.split(":") for line in (root / "etc/passwd").read_text().splitlines())
     assert user[0] == "kvguard" and user[5:] == ["/var/lib/kvguard", "/usr/sbin/nologin"]
     uid, gid = int(user[2]), int(user[3])
-    paths = ("etc/kvguard", "etc/kvguard/rules", "var/lib/kvguard", "var/lib/kvguard-agent")
+    paths = (
+        "etc/kvguard",
+        "etc/kvguard/rules",
+        "etc/kvguard/pki",
+        "var/lib/kvguard",
+        "var/lib/kvguard-agent",
+    )
     made = {}
     for path in (*paths, "var/log/kvguard"):
         st = os.stat(root / path)
@@ -131,6 +137,7 @@ def test_sysusers_and_tmpfiles_make_the_user_and_its_directories(tmp_path: Path)
     assert made == {
         "etc/kvguard": (0o750, 0, gid),
         "etc/kvguard/rules": (0o750, 0, gid),
+        "etc/kvguard/pki": (0o750, 0, gid),  # certs init --owner kvguard writes the service's keys here
         "var/lib/kvguard": (0o750, uid, gid),
         "var/lib/kvguard-agent": (0o700, 0, 0),
         "var/log/kvguard": (0o750, uid, gid),
