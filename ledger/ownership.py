@@ -70,7 +70,7 @@ class Ownership:
     def alloc(self, node: Node, pool: Pool, pages: np.ndarray, req: str | Request) -> None:
         pp = pool.pages
         r = req if isinstance(req, Request) else self.requests.of_event(req, "alloc")
-        if r.ended:
+        if r.ended and not self.requests.drains(r, step=False):  # the forward under way at a kill: a drain
             self._found.progress(r, f"alloc of {len(pages)} page(s) on {node.name}")
         since = self._since(pool)
         if pp.grant(pages, r.idx, since):  # some still in use, or reserved: judged, then granted

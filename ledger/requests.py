@@ -227,8 +227,9 @@ class Requests:
 
     def killed_from_outside(self, r: Request) -> None:
         """A kill ordered from outside the engine reaches it between steps: the forward already
-        under way for the request (its next step, and that step's reads) finishes, its output
-        dropped by the engine, and is a drain, not progress (SGLang runs it; vLLM does not)."""
+        under way for the request (its next step, the page it grants for it, and that step's
+        reads) finishes, its output dropped by the engine, and is a drain, not progress (SGLang
+        runs it; vLLM does not)."""
         if not r.ended:
             self.draining[r.idx] = 1
 
