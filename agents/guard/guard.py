@@ -515,48 +515,30 @@ class Guard:
         pages: np.ndarray,
         slots: np.ndarray | None,
         grants: np.ndarray | None = None,
+        *,
+        again: bool = True,
     ) -> Verdict:
         """A step (with its grants) as one event, the batch named by handles where every
-        request has one. One the ledger refuses: its grants again one at a time (by alloc())
-        and then the step alone, by names, as they would have been made, so that each
-        refusal names its request."""
+        request has one. One the ledger refuses is made again (`again`): its grants one at a
+        time (by alloc()) and then the step alone, by names, as they would have been made, so
+        that each refusal names its request; refused then, it is final."""
         seq, ts = self._next()
-        handles = self.handles.of_batch(names)
+        handles = self.handles.of_batch(names) if again else None
         try:
-            body = wire.encode_step(
-                self.node,
-                seq,
-                ts,
-                self.epoch,
-                pool,
-                names if handles is None else handles,
-                counts,
-                pages,
-                slots,
-                grants,
-            )
+            who = names if handles is None else handles
+            body = wire.encode_step(self.node, seq, ts, self.epoch, pool, who, counts, pages, slots, grants)
             found = self.ledger.apply_serialized(body, self.node)
         except (BadEvent, ValueError, TypeError) as exc:
+            if not again:
+                return self._refused("step", exc, [str(r) for r in names])
             self._seq -= 1
             if handles is not None and isinstance(exc, BadEvent) and exc.kind == "handle":
                 # The guard's own numbers and its ledger disagree (a bug): said, and the step
                 # named by names, so that no request is judged or stopped for it.
                 self.errors.append(f"step: {exc}; its batch named by names instead")
             if grants is None or not grants.any():
-                return self._step_by_names(pool, names, counts, pages, slots)
+                return self._step_event(pool, names, counts, pages, slots, again=False)
             return self._pass_apart(pool, names, counts, pages, slots, grants)
-        self.sink.put(body)
-        return self._judge(found) if found else CLEAN
-
-    def _step_by_names(
-        self, pool: int, names: list[str], counts: np.ndarray, pages: np.ndarray, slots: np.ndarray | None
-    ) -> Verdict:
-        seq, ts = self._next()
-        try:
-            body = wire.encode_step(self.node, seq, ts, self.epoch, pool, names, counts, pages, slots)
-            found = self.ledger.apply_serialized(body, self.node)
-        except (BadEvent, ValueError, TypeError) as exc:
-            return self._refused("step", exc, [str(r) for r in names])
         self.sink.put(body)
         return self._judge(found) if found else CLEAN
 
@@ -582,7 +564,7 @@ class Guard:
         for i in np.flatnonzero(grants).tolist():
             own = pages[ends[i] - int(grants[i]) : ends[i]]
             verdict = merged(verdict, self._pages_event("alloc", names[i], pool, own))
-        return merged(verdict, self._step_by_names(pool, names, counts, pages, slots))
+        return merged(verdict, self._step_event(pool, names, counts, pages, slots, again=False))
 
     def check_attention(
         self,
