@@ -24,6 +24,7 @@ from kvguard.cli import (
     daemon,
     demo,
     fleet,
+    install,
     replay,
     rules,
     run,
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         rules,
         certs,
         config,
+        install,
         testbed,
         demo,
     ):

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 from kvguard.cli.options import Subcommands, add_command
 from kvguard.cli.process import start_agent, start_daemon
+from kvguard.cli.testbed import testbed_missing
 
 # The testbed (torch) and the audit log's readers are imported when the demo runs, so that
 # `kvguard --help` does not wait for them.
@@ -216,6 +217,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """`kvguard demo`: exit 0 when the leak happened unguarded and was stopped guarded, else 1."""
     if args.top and not sys.stdout.isatty():
         print("kvguard demo: --top needs a terminal (standard output is not one)", file=sys.stderr)
+        return 2
+    if testbed_missing("demo"):
         return 2
     return run_demo(Path(args.out), top=args.top)
 

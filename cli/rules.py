@@ -36,25 +36,19 @@ def cmd_install(args: argparse.Namespace) -> int:
     """`kvguard rules install DIR`: the bundled rules copied into DIR (made if absent), for a
     daemon's `rules:` to name and an operator to edit; a file already there is kept (it may hold
     the operator's changes) and said. Exit 0, or 2 when DIR cannot be written."""
-    import shutil
-
+    from kvguard.cli.install import put_file
     from kvguard.ruleset.loader import DEFAULT_RULES_DIR
 
-    target = Path(args.dir)
+    said: list[str] = []
     try:
-        target.mkdir(parents=True, exist_ok=True)
         for source in sorted(DEFAULT_RULES_DIR.glob("*.yaml")):
-            dest = target / source.name
-            if dest.exists():
-                same = dest.read_bytes() == source.read_bytes()
-                print(f"{dest}: kept ({'the same as' if same else 'it differs from'} the bundled one)")
-                continue
-            shutil.copyfile(source, dest)
-            dest.chmod(0o644)
-            print(f"{dest}: installed")
+            put_file(Path(args.dir) / source.name, source.read_bytes(), 0o644, None, said)
     except OSError as exc:
-        print(f"kvguard rules install: {exc.filename or target}: {exc.strerror}", file=sys.stderr)
+        print(f"kvguard rules install: {exc.filename or args.dir}: {exc.strerror}", file=sys.stderr)
         return 2
+    finally:
+        for line in said:
+            print(line)
     return 0
 
 

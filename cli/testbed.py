@@ -14,9 +14,28 @@ from kvguard.cli.options import Subcommands, add_command, add_group
 # The testbed (torch) is imported when the command runs, so that `kvguard --help` does not
 # wait for it.
 
+TESTBED_NEEDS = ("torch", "fastapi", "uvicorn")  # the extra `kvguard[testbed]`
+
+
+def testbed_missing(command: str) -> bool:
+    """Whether this install lacks the testbed's libraries (a wheel installed without the extra);
+    if so it is said, with the command that adds them."""
+    import importlib.util
+
+    missing = [name for name in TESTBED_NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"kvguard {command}: the testbed needs {', '.join(missing)}, not installed here: "
+            "pip install 'kvguard[testbed]'",
+            file=sys.stderr,
+        )
+    return bool(missing)
+
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the cluster until it is stopped; exit 2 on an unusable option."""
+    if testbed_missing("testbed up"):
+        return 2
     from kvguard.testbed.router import ClusterConfig, up
 
     pairs: dict[str, dict[str, str]] = {"system_prompt": {}, "rule_mode": {}}

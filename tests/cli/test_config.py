@@ -155,7 +155,7 @@ def test_check_finds_what_would_stop_the_service_and_rules_install_fills_the_dir
     assert f"daemon: rules: {rules}: holds no rules (*.yaml): `kvguard rules install {rules}`" in check.stderr
     installed = kvguard("rules", "install", str(rules))
     assert installed.returncode == 0 and f"{rules / '10-leaks.yaml'}: installed" in installed.stdout
-    assert "kept (the same as the bundled one)" in kvguard("rules", "install", str(rules)).stdout
+    assert "kept (the same as the packaged one)" in kvguard("rules", "install", str(rules)).stdout
     assert kvguard("certs", "init", str(pki)).returncode == 0
     check = kvguard("config", "check", "--config", str(main))
     assert check.returncode == 0 and "configuration usable" in check.stdout, check.stderr
