@@ -54,7 +54,8 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def dump(client: DaemonClient, f: Filter, emit: Emit) -> int:
-    """What the audit log holds after f.after, a page at a time; the last cursor emitted."""
+    """What the audit log holds after f.after, a page at a time, as the live stream sends it
+    (a finding that repeats one is not sent); the last cursor read."""
     from dataclasses import replace
 
     from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -63,7 +64,8 @@ def dump(client: DaemonClient, f: Filter, emit: Emit) -> int:
     while True:
         records = client.query(replace(f, kind="finding", after=after, limit=PAGE))
         for record in records:
-            emit(svc.Alert(cursor=record.id, finding=record.finding))
+            if "repeat" not in record.finding.details:  # stored, never alerted (daemon/repeats.py)
+                emit(svc.Alert(cursor=record.id, finding=record.finding))
             after = record.id
         if len(records) < PAGE:
             return after

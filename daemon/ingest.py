@@ -31,6 +31,7 @@ from kvguard.daemon.commands import Commands
 from kvguard.daemon.fanout import Fanout
 from kvguard.daemon.latency import Latencies
 from kvguard.daemon.outcomes import Outcomes
+from kvguard.daemon.repeats import Repeats
 from kvguard.daemon.seen import Seen
 from kvguard.daemon.snapshots import Snapshots
 from kvguard.daemon.store import EventRun, Record
@@ -125,6 +126,8 @@ class Ingest:
         self._frozen = time.monotonic()
         # How each request a finding ordered stopped then ended, said as an update of it.
         self.outcomes = Outcomes(lambda finding: self.alert(finding, counter="outcomes"), self._responds)
+        # One alert per run of findings that repeat one another; each is stored.
+        self.repeats = Repeats(lambda finding: self.alert(finding, counter="repeat_runs"), loop.call_later)
 
     def ingest(self, batch: Batch) -> None:
         """Take one batch of a node's events (on the daemon's loop) to apply in arrival order:
@@ -155,6 +158,7 @@ class Ingest:
         if whole:
             self._inbox.popleft()
         self.outcomes.due()
+        self.repeats.due()
         if self._inbox:
             self._apply_due = True
             self.loop.call_soon(self._apply_next)
@@ -240,15 +244,18 @@ class Ingest:
             batch.reply(svc.DaemonMessage(ack=ack))
             self.latencies.record("ack", now - batch.received)
         self.outcomes.due()
+        self.repeats.due()
         self._submit()
         if self._drained is not None and not self._committing:
             self._drained.set()
 
     async def drain(self) -> None:
-        """Apply and commit what was received (on the loop, at the daemon's close)."""
+        """Apply and commit what was received (on the loop, at the daemon's close); the runs
+        of repeated findings end, and are said once their first is durable."""
         self._drained = asyncio.Event()
         while self._inbox:
             self._apply_next()
+        self.repeats.due(stopping=True)
         self._submit()
         if self._committing:
             await self._drained.wait()
@@ -359,8 +366,13 @@ class Ingest:
         kind = events.heads[i]["kind"]
         if kind in (HEARTBEAT, 0):  # 0: bytes protobuf reads (rare)
             self._canary(node, events.event(i))
-        if kind in ENDINGS and len(self.outcomes):
-            self.outcomes.saw(node, pb.Event.FromString(events.event(i)))
+        if kind in ENDINGS and (len(self.outcomes) or len(self.repeats)):
+            ended = pb.Event.FromString(events.event(i))
+            self.outcomes.saw(node, ended)
+            payload = ended.WhichOneof("payload")
+            if payload in ("kill", "finish", "abort"):
+                handed_on = payload == "finish" and not self._responds(node)
+                self.repeats.request_ended(getattr(ended, payload).req, node if handed_on else None)
         now = self.ledger.nodes.get(node)
         if now is not None and epoch is not None and now.epoch != epoch:  # its engine restarted
             self.counters["restarts"] += 1
@@ -402,7 +414,14 @@ class Ingest:
             known = self.outcomes.watch(evaluated, time.time_ns(), out.committed, out.rows, finished)
             if known:  # its request's fate is known already: this finding says it
                 evaluated = dataclasses.replace(evaluated, details={**evaluated.details, "outcome": known})
-            out.findings.append((out.rows, evaluated, received))
+            repeat = self.repeats.judged(evaluated, out.committed, out.rows)
+            if repeat:  # stored, not alerted: its run's first was, and its end says how many
+                evaluated = dataclasses.replace(
+                    evaluated, details={**evaluated.details, "repeat": str(repeat)}
+                )
+                self.counters["repeats"] += 1
+            else:
+                out.findings.append((out.rows, evaluated, received))
             self.counters["findings"] += 1
             out.add(Record.of_finding(evaluated))
             node = self.ledger.nodes.get(evaluated.node)

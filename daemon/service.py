@@ -229,8 +229,10 @@ class AlertServicer:
         while True:
             page = await loop.run_in_executor(None, self._backlog, f, after)
             for record_id, body in page:
-                yield svc.Alert(cursor=record_id, finding=pb.Finding.FromString(body))
                 after = record_id
+                finding = pb.Finding.FromString(body)
+                if "repeat" not in finding.details:  # stored, never alerted (daemon/repeats.py)
+                    yield svc.Alert(cursor=record_id, finding=finding)
             if len(page) < BACKLOG_PAGE:
                 return
 

@@ -30,8 +30,12 @@ def extension_value(text: str) -> str:
 def extensions(alert: svc.Alert) -> list[tuple[str, str]]:
     """The extension's key=value pairs, in a fixed order, empty ones left out."""
     f = alert.finding
+    count, first_ns, last_ns = fields.occurrences(f)
     pairs = [
         ("rt", str(fields.time_ns(alert) // 1_000_000)),
+        ("cnt", str(count) if count else ""),  # a run's summary: the findings it stands for
+        ("start", str(first_ns // 1_000_000) if count else ""),
+        ("end", str(last_ns // 1_000_000) if count else ""),
         ("externalId", fields.uid(alert)),
         ("cat", f.finding),
         ("act", f.action),

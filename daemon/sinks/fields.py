@@ -60,6 +60,15 @@ def update_of(f: pb.Finding) -> int:
     return int(value) if value.isdigit() else 0
 
 
+def occurrences(f: pb.Finding) -> tuple[int, int, int]:
+    """A run's summary (daemon/repeats.py): (how many findings it was, the first's and the
+    last's time in ns); (0, 0, 0) for any other alert."""
+    repeats, first, last = (f.details.get(k, "") for k in ("repeats", "first_ns", "last_ns"))
+    if not (repeats.isdigit() and first.isdigit() and last.isdigit()):
+        return 0, 0, 0
+    return 1 + int(repeats), int(first), int(last)
+
+
 def uid(alert: svc.Alert) -> str:
     """The alert's stable id: its cursor; a drop notice's names the cursors it stands for; an
     outcome's is the uid of the finding it updates (a SIEM updates that one)."""

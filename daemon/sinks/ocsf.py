@@ -115,6 +115,9 @@ def event(alert: svc.Alert) -> dict[str, Any]:
             "details": dict(sorted(f.details.items())),
         },
     }
+    count, first_ns, last_ns = fields.occurrences(f)
+    if count:  # a run's summary (daemon/repeats.py): the findings it stands for, first to last
+        out |= {"count": count, "start_time": first_ns // 1_000_000, "end_time": last_ns // 1_000_000}
     if f.tenant:
         out["actor"] = {"user": {"name": f.tenant, "uid": f.tenant, "type_id": 99, "type": "Tenant"}}
     return out

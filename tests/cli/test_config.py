@@ -5,11 +5,17 @@ on the file runs as it says (its store where the file puts it)."""
 
 from __future__ import annotations
 
+import grp
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import pytest
+from service_user import service_user
 
 from kvguard.cli.process import Service
 
@@ -135,14 +141,23 @@ def test_the_shipped_example_is_a_usable_configuration() -> None:
 
 
 def test_check_finds_what_would_stop_the_service_and_rules_install_fills_the_directory(
-    tmp_path: Path,
+    tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     # Values of the right type that still cannot run: TLS files that are not there, a rules
     # directory with no rules. Each is named with the option and the file; `rules install`
     # puts the bundled rules where `rules:` points, and then it checks.
+    # As root the host has the units' kvguard user, and config check asks whether it can read
+    # the TLS files: they go where it can walk, given to it as the documented sequence does.
+    owner = ["--owner", "kvguard"] if service_user() else []
     rules = tmp_path / "rules"
     rules.mkdir()
-    pki = tmp_path / "pki"
+    walkable = Path(tempfile.mkdtemp(prefix="kvguard-pki-", dir="/var/tmp"))
+    walkable.chmod(0o755)
+    request.addfinalizer(lambda: shutil.rmtree(walkable, ignore_errors=True))
+    pki = walkable / "pki"
+    if owner:  # as the packaged tmpfiles.d makes /etc/kvguard/pki
+        pki.mkdir(mode=0o750)
+        os.chown(pki, 0, grp.getgrnam("kvguard").gr_gid)
     main = write(
         tmp_path / "kvguard.yaml",
         f"daemon:\n  rules: {rules}\n  tls-ca: {pki}/ca.pem\n  tls-cert: {pki}/daemon.pem\n"
@@ -156,6 +171,6 @@ def test_check_finds_what_would_stop_the_service_and_rules_install_fills_the_dir
     installed = kvguard("rules", "install", str(rules))
     assert installed.returncode == 0 and f"{rules / '10-leaks.yaml'}: installed" in installed.stdout
     assert "kept (the same as the packaged one)" in kvguard("rules", "install", str(rules)).stdout
-    assert kvguard("certs", "init", str(pki)).returncode == 0
+    assert kvguard("certs", "init", str(pki), *owner).returncode == 0
     check = kvguard("config", "check", "--config", str(main))
     assert check.returncode == 0 and "configuration usable" in check.stdout, check.stderr

@@ -57,6 +57,11 @@ def is_quarantine(body: bytes) -> bool:
     return svc.Command.FromString(body).HasField("quarantine")
 
 
+def is_fate(f: pb.Finding) -> bool:
+    """An update that says what became of a request (not one that counts a run of repeats)."""
+    return bool(f.details.get("update_of")) and "outcome" in f.details
+
+
 def test_the_daemon_stops_a_leak_the_local_guard_only_watched(
     tmp_path: Path, services: tuple[str, str]
 ) -> None:
@@ -100,9 +105,9 @@ def test_the_daemon_stops_a_leak_the_local_guard_only_watched(
     bodies = stored(
         store,
         "finding",
-        lambda bodies: any(pb.Finding.FromString(b).details.get("update_of") for b in bodies),
+        lambda bodies: any(is_fate(pb.Finding.FromString(b)) for b in bodies),
     )
-    (fate,) = [f for f in map(pb.Finding.FromString, bodies) if f.details.get("update_of")]
+    (fate,) = [f for f in map(pb.Finding.FromString, bodies) if is_fate(f)]
     assert fate.details["outcome"] == "killed" and fate.tenant == "globex"
     assert fields.blocked(fate) and ocsf.event(svc.Alert(cursor=1, finding=fate))["disposition"] == "Blocked"
 
@@ -203,7 +208,7 @@ def test_a_leak_answered_while_the_daemon_was_down_is_reported_as_reaching_the_c
             updates = stored(
                 store,
                 "finding",
-                lambda bodies: any(pb.Finding.FromString(b).details.get("update_of") for b in bodies),
+                lambda bodies: any(is_fate(pb.Finding.FromString(b)) for b in bodies),
             )
             # The kill reaches the engine after the request finished: its guard says so.
             late = [
@@ -214,7 +219,7 @@ def test_a_leak_answered_while_the_daemon_was_down_is_reported_as_reaching_the_c
             daemon.stop()
         agent.stop()
     findings = [pb.Finding.FromString(b) for b in updates]
-    fates = [f for f in findings if f.details.get("update_of")]
+    fates = [f for f in findings if is_fate(f)]
     assert [(f.req, f.details["outcome"]) for f in fates] == [(fates[0].req, "reached_client")]
     # Findings judged once its fate was known say it themselves.
     assert all(

@@ -241,7 +241,7 @@ def test_the_timeline_of_g1_across_nodes(daemon: Service, capsys: pytest.Capture
     found = [r["finding"] for r in records if r["kind"] == "finding"]
     findings = [f for f in found if "update_of" not in f.get("details", {})]
     assert len(findings) == 10 and all(f["req"] == "g1" for f in findings)
-    (update,) = [f for f in found if "update_of" in f.get("details", {})]  # what became of it
+    (update,) = [f for f in found if "outcome" in f.get("details", {})]  # what became of it
     assert update["details"]["outcome"] == "reached_client" and "reached the client" in update["message"]
     assert sorted(f.get("victim_req", "") for f in findings if f["finding"] == "stale_read") == ["a1", "a2"]
     assert sum(r["kind"] == "command" for r in records) == 10
@@ -300,10 +300,14 @@ def test_query_filters(daemon: Service, capsys: pytest.CaptureFixture[str]) -> N
         capsys, "query", *store_of(daemon), "--kind", "finding", "--finding", "stale_read", "-o", "json"
     )
     assert rc == 0
-    assert [(r["finding"]["req"], r["finding"]["victim_req"]) for r in jsonl(out)] == [
-        ("g1", "a1"),
-        ("g1", "a2"),
+    # a1's and a2's (a repeat: stored, not alerted), then the end of their run, which names both
+    found = [r["finding"] for r in jsonl(out)]
+    assert [(f["req"], f["victim_req"], f["details"].get("repeat")) for f in found] == [
+        ("g1", "a1", None),
+        ("g1", "a2", "1"),
+        ("g1", "", None),
     ]
+    assert (found[2]["details"]["repeats"], found[2]["details"]["victim_reqs"]) == ("1", "a1,a2")
     _, out, _ = audit(
         capsys, "query", *store_of(daemon), "--tenant", "acme", "--kind", "finding", "-o", "json"
     )
@@ -311,6 +315,7 @@ def test_query_filters(daemon: Service, capsys: pytest.CaptureFixture[str]) -> N
     assert [f["req"] for f in found if "outcome" not in f.get("details", {})] == [
         "g1",
         "g1",
+        "g1",  # the end of the run of g1's stale reads (a1's, a2's)
         "i1",
         "i2",
         "u1",
@@ -511,7 +516,8 @@ def test_records_before_1970_are_reached_by_every_query(
             rc, out, err = audit(
                 capsys, "query", "--kind", "finding", "--tenant", "acme", *source, "-o", "json"
             )
-            assert {r["finding"]["victim_req"] for r in jsonl(out)} == {"a1", "a2"}
+            # the stale reads of a1 and a2, and the end of their run (it names both in details)
+            assert {r["finding"]["victim_req"] for r in jsonl(out)} == {"a1", "a2", ""}
             rc, out, err = audit(capsys, "request", "g1", *source)
             assert rc == 1 and "request g1 (globex): 13 event(s) on d0, p0; 10 finding(s) as offender" in err
             rc, out, _ = audit(capsys, "exposure", "--tenant", "acme", *source)

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from service_user import service_user
 
 from kvguard.cli import install as installer
 
@@ -132,10 +133,7 @@ def free_port() -> int:
 
 def test_the_wheel_installs_and_its_daemon_starts_as_kvguard(wheel: Path, image: Path) -> None:
     # The host's kvguard user, as the packaged sysusers.d makes it; the image shares it.
-    made = subprocess.run(
-        ["systemd-sysusers", str(DEPLOY / "systemd/kvguard.sysusers.conf")], capture_output=True, text=True
-    )
-    assert made.returncode == 0, made.stderr
+    assert service_user()
     (image / "etc").mkdir()
     for db in ("passwd", "group"):
         line = next(x for x in Path(f"/etc/{db}").read_text().splitlines() if x.startswith("kvguard:"))
