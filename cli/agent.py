@@ -87,7 +87,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         from kvguard.proto.metrics_http import MetricsError, serve_metrics
 
         try:
-            metrics = serve_metrics(args.metrics_listen, AgentCollector(agent))
+            metrics = serve_metrics(args.metrics_listen, AgentCollector(agent), tls)
         except MetricsError as exc:
             log.error(str(exc))
             agent.stop()

@@ -7,6 +7,9 @@ breaks (the daemon restarts, the network), so no alert is missed or repeated; ea
 has its own queue and thread (daemon/sinks/outputs.py): a slow one drops its oldest alerts
 and says so in-band, never holding back stdout or the others. Without --follow it prints
 what the audit log holds and exits. A reader of stdout that goes away ends it quietly.
+With --cursor-file the cursor up to which every output is done (delivered, rejected, or dropped
+and said) is kept in a file, written at most every second and at exit, and read at start: a
+restarted forwarder (the unit kvguard-alerts.service) goes on from there.
 Exit codes: 0 all delivered; 1 some alert was dropped, rejected or left undelivered by an
 output; 2 unusable options or an unreachable daemon (without --follow); 141 stdout's reader
 went away (cli/__init__.py).
@@ -15,10 +18,12 @@ went away (cli/__init__.py).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvguard.cli.options import (
@@ -30,7 +35,7 @@ from kvguard.cli.options import (
     seconds,
     tls_from_args,
 )
-from kvguard.proto.vocabulary import SEVERITIES
+from kvguard.proto.vocabulary import FINDING_KINDS, INTERNAL_KINDS, SEVERITIES
 
 if TYPE_CHECKING:  # grpc and protobuf load when the command runs, not for every kvguard command
     from kvguard.daemon.sinks.outputs import QueuedOutput
@@ -121,6 +126,82 @@ def _stdout_writer(line_of: Callable[[svc.Alert], str]) -> Emit:
     return write
 
 
+class CursorFile:
+    """Where a forwarder keeps its cursor across restarts: one number, replaced whole (a file
+    written beside it, then renamed), so a crash leaves the old cursor or the new, never half."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self._saved, self._at = -1, 0.0
+
+    def load(self) -> int:
+        """The cursor kept, 0 when there is no file yet; ValueError naming the file otherwise."""
+        try:
+            text = self.path.read_text().strip()
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            raise ValueError(f"--cursor-file {self.path}: {exc.strerror}") from None
+        if not text.isdigit():
+            raise ValueError(f"--cursor-file {self.path}: holds {text[:40]!r}, not a cursor")
+        return int(text)
+
+    def save(self, cursor: int, *, now: bool = False) -> None:
+        """Keep `cursor` (at most once a second unless `now`)."""
+        if cursor == self._saved or (not now and time.monotonic() - self._at < 1.0):
+            return
+        spare = self.path.with_name(f".{self.path.name}.new")
+        spare.write_text(f"{cursor}\n")
+        os.replace(spare, self.path)
+        self._saved, self._at = cursor, time.monotonic()
+
+
+def _label(name: str) -> str:
+    """An output's name for its metrics' label: its URL without credentials or query."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(name)
+    host = parts.hostname or ""
+    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
+
+
+class AlertsCollector:
+    """The forwarder's metrics: per output what it delivered, dropped, had rejected and holds,
+    and the cursor of the last alert read from the daemon."""
+
+    def __init__(self, outputs: list[QueuedOutput], last: list[int]) -> None:
+        self.outputs, self.last = outputs, last
+
+    def collect(self) -> Iterator[object]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        families = {
+            "delivered": CounterMetricFamily(
+                "kvguard_alerts_delivered", "alerts delivered", labels=["output"]
+            ),
+            "dropped": CounterMetricFamily(
+                "kvguard_alerts_dropped", "alerts dropped from a full queue (said in-band)", labels=["output"]
+            ),
+            "rejected": CounterMetricFamily(
+                "kvguard_alerts_rejected", "alerts the receiver refused", labels=["output"]
+            ),
+        }
+        queued = GaugeMetricFamily(
+            "kvguard_alerts_queued", "alerts waiting in the output's queue", labels=["output"]
+        )
+        for output in self.outputs:
+            label = [_label(output.name)]
+            families["delivered"].add_metric(label, output.sent)
+            families["dropped"].add_metric(label, output.dropped)
+            families["rejected"].add_metric(label, output.rejected)
+            queued.add_metric(label, output.pending())
+        cursor = GaugeMetricFamily(
+            "kvguard_alerts_cursor", "the cursor of the last alert read from the daemon"
+        )
+        cursor.add_metric([], self.last[0])
+        yield from (*families.values(), queued, cursor)
+
+
 def _offer_to(outputs: list[QueuedOutput]) -> Emit:
     def offer(alert: svc.Alert) -> None:
         for output in outputs:
@@ -147,14 +228,42 @@ def cmd_alerts(args: argparse.Namespace) -> int:
         _say(f"--to {exc}" if not str(exc).startswith("--") else str(exc))
         return 2
     severities = severities_from(args.min_severity) if args.min_severity != SEVERITIES[-1] else frozenset()
-    f = Filter(severities=severities, after=args.after)
+    kept = CursorFile(args.cursor_file) if args.cursor_file else None
+    try:
+        after = args.after if args.after or kept is None else kept.load()
+    except ValueError as exc:
+        _say(str(exc))
+        return 2
+    f = Filter(
+        severities=severities,
+        findings=frozenset(args.kind or ()),
+        node=args.node or "",
+        tenant=args.tenant or "",
+        after=after,
+    )
     forward = _offer_to(outputs) if outputs else _stdout_writer(fmt.line)
-    last = [args.after]  # the cursor of the last alert forwarded
+    last = [after]  # the cursor of the last alert forwarded
+
+    def done() -> int:
+        """Every alert up to this cursor is done with (stdout is written at once)."""
+        return min((o.done_cursor() for o in outputs), default=last[0]) if outputs else last[0]
 
     def emit(alert: svc.Alert) -> None:
         forward(alert)
         last[0] = alert.cursor
+        if kept is not None:
+            kept.save(done())
 
+    metrics = None
+    if args.metrics_listen:
+        from kvguard.proto.metrics_http import MetricsError, serve_metrics
+
+        try:
+            metrics = serve_metrics(args.metrics_listen, AlertsCollector(outputs, last), tls_from_args(args))
+        except MetricsError as exc:
+            _say(str(exc))
+            return 2
+        _say(f"metrics on {metrics.url}")
     client = DaemonClient(args.daemon, tls_from_args(args))
     signal.signal(signal.SIGTERM, _terminate)
     for output in outputs:
@@ -174,6 +283,10 @@ def cmd_alerts(args: argparse.Namespace) -> int:
     finally:
         client.close()
         rc = close_outputs(outputs, args.drain, rc)
+        if kept is not None:
+            kept.save(done(), now=True)
+        if metrics is not None:
+            metrics.stop()
     return rc
 
 
@@ -222,9 +335,33 @@ def add_parser(sub: Subcommands) -> None:
         action="append",
         metavar="URL",
         help="an output (repeatable; stdout when none): syslog+udp://HOST:PORT, syslog+tcp://..., "
-        "syslog+tls://... (?facility=NAME, local0 if none), http(s)://..., file:///PATH",
+        "syslog+tls://... (port 514, TLS 6514, when none; ?facility=NAME, local0 if none), http(s)://..., "
+        "file:///PATH",
     )
-    p.add_argument("--after", type=int, default=0, metavar="CURSOR", help="start after this alert's cursor")
+    p.add_argument(
+        "--after",
+        type=int,
+        default=0,
+        metavar="CURSOR",
+        help="start after this alert's cursor (over --cursor-file)",
+    )
+    p.add_argument(
+        "--cursor-file",
+        metavar="FILE",
+        help="keep the cursor every output is done up to here, and start after the one it holds",
+    )
+    p.add_argument("--node", metavar="NODE", help="only the alerts of this node")
+    p.add_argument(
+        "--tenant", metavar="TENANT", help="only the alerts naming this tenant (offender or victim)"
+    )
+    p.add_argument(
+        "--kind",
+        action="append",
+        choices=FINDING_KINDS + INTERNAL_KINDS,
+        metavar="KIND",
+        help="only this finding kind (repeatable)",
+    )
+    p.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus metrics here (per output)")
     p.add_argument(
         "--to-ca",
         metavar="PEM",

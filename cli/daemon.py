@@ -155,7 +155,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         from kvguard.proto.metrics_http import MetricsError, serve_metrics
 
         try:
-            metrics = serve_metrics(args.metrics_listen, DaemonCollector(daemon.fleet, daemon.latencies))
+            metrics = serve_metrics(args.metrics_listen, DaemonCollector(daemon.fleet, daemon.latencies), tls)
         except MetricsError as exc:
             server.stop(grace=0)
             daemon.close()

@@ -129,6 +129,7 @@ def cmd_install(args: argparse.Namespace) -> int:
     try:
         for line in install(Path(args.root)):
             print(line)
+        print(f"for Prometheus and Grafana: {DEPLOY / 'prometheus'}, {DEPLOY / 'grafana'}")
     except InstallError as exc:
         print(f"kvguard install: {exc}", file=sys.stderr)
         return 2

@@ -305,6 +305,12 @@ class Daemon:
                     ns.pools.add(node=name, report=pool.report, pages_in_use=int((pool.pages.use > 0).sum()))
             for kind, n in ledger.stats.findings.items():
                 state.findings[kind] = n
+            judged = dict.fromkeys(
+                ((k, r.id, r.severity) for r in self.pipeline.ruleset.rules if r.enabled for k in r.kinds), 0
+            )
+            judged.update(self.pipeline.judged)
+            for (kind, rule_id, severity), n in sorted(judged.items()):
+                state.judged.add(kind=kind, rule=rule_id, severity=severity, count=n)
             for name, n in self.counters.items():
                 state.counters[name] = n
             # What the ledger could not see or judge, and what it retired and forgot.

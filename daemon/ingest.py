@@ -127,7 +127,9 @@ class Ingest:
         # How each request a finding ordered stopped then ended, said as an update of it.
         self.outcomes = Outcomes(lambda finding: self.alert(finding, counter="outcomes"), self._responds)
         # One alert per run of findings that repeat one another; each is stored.
-        self.repeats = Repeats(lambda finding: self.alert(finding, counter="repeat_runs"), loop.call_later)
+        # The findings the rules judged (and the daemon's own), by kind, rule and severity.
+        self.judged: Counter[tuple[str, str, str]] = Counter()
+        self.repeats = Repeats(lambda finding: self.alert(finding, counter="repeated_ends"), loop.call_later)
 
     def ingest(self, batch: Batch) -> None:
         """Take one batch of a node's events (on the daemon's loop) to apply in arrival order:
@@ -222,6 +224,8 @@ class Ingest:
         group.findings.append((group.rows, finding, time.perf_counter()))
         group.add(Record.of_finding(finding))
         self.counters[counter] += 1
+        if counter == "findings":  # not an update of one
+            self.judged[(finding.finding, finding.rule, finding.severity)] += 1
         if not self._committing:
             self._submit()
         return group.committed
@@ -419,10 +423,11 @@ class Ingest:
                 evaluated = dataclasses.replace(
                     evaluated, details={**evaluated.details, "repeat": str(repeat)}
                 )
-                self.counters["repeats"] += 1
+                self.counters["findings_repeated"] += 1
             else:
                 out.findings.append((out.rows, evaluated, received))
             self.counters["findings"] += 1
+            self.judged[(evaluated.finding, evaluated.rule, evaluated.severity)] += 1
             out.add(Record.of_finding(evaluated))
             node = self.ledger.nodes.get(evaluated.node)
             for command in self.commands.of(evaluated, node.epoch if node is not None else 0):

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from kvguard import __version__
 from kvguard.daemon.latency import BOUNDS_S, PER_OCTAVE, Latencies
-from kvguard.proto.vocabulary import LEDGER_WORK
+from kvguard.proto.vocabulary import LEDGER_WORK, REFUSALS
 
 if TYPE_CHECKING:
     from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -34,7 +34,18 @@ if TYPE_CHECKING:
 COMMANDS = {"kills": "kill", "quarantines": "quarantine"}
 PREFIX_ACTION = "action_"
 REFUSED_PREFIXES = ("stream_", "rejected", "ledger_")  # what the daemon refused or could not judge
-NAMED = {"events", "findings", *COMMANDS}
+# Daemon counters that are values, not counts (a record id, what a start replayed): gauges.
+GAUGES = {
+    "snapshot_through": (
+        "kvguard_daemon_snapshot_record",
+        "the audit record the ledger's last snapshot covers",
+    ),
+    "rebuilt_events": (
+        "kvguard_daemon_rebuilt_events",
+        "events the daemon replayed into its ledger at start",
+    ),
+}
+NAMED = {"events", "findings", *COMMANDS, *GAUGES}
 
 
 class DaemonCollector(Collector):
@@ -65,10 +76,28 @@ class DaemonCollector(Collector):
         requests = GaugeMetricFamily("kvguard_ledger_requests", "requests the ledger knows now")
         requests.add_metric([], state.requests)
         yield requests
-        findings = CounterMetricFamily("kvguard_findings", "findings made, by kind", labels=["kind"])
-        for kind, n in sorted(state.findings.items()):
-            findings.add_metric([kind], n)
+        findings = CounterMetricFamily(
+            "kvguard_findings",
+            "findings the rules judged (each stored and alerted, or counted on the one it repeats), "
+            "by kind, rule and severity",
+            labels=["kind", "rule", "severity"],
+        )
+        for judged in state.judged:
+            findings.add_metric([judged.kind, judged.rule, judged.severity], judged.count)
         yield findings
+        found = CounterMetricFamily(
+            "kvguard_ledger_findings",
+            "what the ledger found, by kind, before the rules judged it",
+            labels=["kind"],
+        )
+        for kind, n in sorted(state.findings.items()):
+            found.add_metric([kind], n)
+        yield found
+        for name, (metric, doc) in GAUGES.items():
+            if name in counters:
+                gauge = GaugeMetricFamily(metric, doc)
+                gauge.add_metric([], counters[name])
+                yield gauge
         commands = CounterMetricFamily(
             "kvguard_daemon_commands", "commands sent to nodes' engines, by kind", labels=["command"]
         )
@@ -95,7 +124,7 @@ class DaemonCollector(Collector):
                 work.add_metric([name.removeprefix("ledger_")], n)
             elif name.startswith(PREFIX_ACTION):
                 actions.add_metric([name.removeprefix(PREFIX_ACTION)], n)
-            elif name.startswith(REFUSED_PREFIXES):
+            elif name in REFUSALS or name.startswith(REFUSED_PREFIXES):
                 refused.add_metric([name], n)
             else:
                 other.add_metric([name], n)

@@ -29,6 +29,13 @@ SEVERITIES: tuple[str, ...] = ("critical", "high", "medium", "low", "info")
 # The fleet state's counters (FleetState.counters) of the ledger's routine work; every other
 # `ledger_` counter, and every `stream_` and `rejected` one, is input the daemon refused or
 # could not judge: shown as such (`kvguard fleet`, metrics) until it is placed here.
+# The daemon's counters of input it refused (an event's BadEvent kind, a replay, an operator's
+# action, a reload) besides the `stream_`, `rejected` and `ledger_` ones: metrics and `kvguard
+# fleet` show them as refusals, by reason.
+REFUSALS: frozenset[str] = frozenset(
+    {"malformed", "identity", "out_of_range", "handle", "tampered", "internal"}
+    | {"replay_refused", "actions_refused", "reloads_refused"}
+)
 LEDGER_WORK: frozenset[str] = frozenset(
     {"ledger_page_transitions", "ledger_suppressed", "ledger_retired", "ledger_forgotten", "ledger_restarts"}
 )

@@ -38,6 +38,7 @@ HTTP_TIMEOUT_S = 10.0
 RETRY_FIRST_S, RETRY_CAP_S = 0.25, 5.0
 UDP_MAX = 65_507  # the most a UDP datagram over IPv4 carries
 SCHEMES = ("syslog+udp", "syslog+tcp", "syslog+tls", "http", "https", "file")
+DEFAULT_PORTS = {"syslog+udp": 514, "syslog+tcp": 514, "syslog+tls": 6514}  # RFC 5426, common use, RFC 5425
 
 Log = Callable[[str], None]
 
@@ -79,6 +80,8 @@ class QueuedOutput:
         self._closing = False
         self._deadline = 0.0
         self._failing = False
+        self._offered = 0  # the cursor of the last alert offered
+        self._in_flight = 0  # the cursor of the alert being delivered (0: none)
         self._thread = threading.Thread(target=self._run, name=f"kvguard-alerts {name}", daemon=True)
 
     # ---------------------------------------------------------------- the reader's side
@@ -92,11 +95,19 @@ class QueuedOutput:
             if len(self._queue) >= self.capacity:
                 self._drop(self._queue.popleft())
             self._queue.append(alert)
+            self._offered = max(self._offered, alert.cursor)
             self._cond.notify()
 
     def pending(self) -> int:
         with self._cond:
             return len(self._queue)
+
+    def done_cursor(self) -> int:
+        """The cursor up to which every alert offered is done with (delivered, rejected or
+        dropped and said): `--after` it resumes without a gap (`kvguard alerts --cursor-file`)."""
+        with self._cond:
+            waiting = [c for c in (self._in_flight, self._queue[0].cursor if self._queue else 0) if c]
+            return min(waiting) - 1 if waiting else self._offered
 
     def close(self, timeout: float) -> int:
         """Deliver what is queued for up to `timeout` seconds, then stop; returns how many
@@ -136,7 +147,9 @@ class QueuedOutput:
                 count, (first, last) = self._unsaid, self._unsaid_cursors
                 self._unsaid = 0
                 return fields.dropped_notice(self.name, count, first, last), True
-            return self._queue.popleft(), False
+            alert = self._queue.popleft()
+            self._in_flight = alert.cursor
+            return alert, False
 
     def _requeue(self, alert: svc.Alert, notice: bool) -> None:
         """Put back what failed, at the head: it is still the oldest."""
@@ -151,6 +164,7 @@ class QueuedOutput:
                 self._unsaid_cursors = (first, last)
                 return
             self._queue.appendleft(alert)
+            self._in_flight = 0
             if len(self._queue) > self.capacity:
                 self._drop(self._queue.popleft())
 
@@ -172,6 +186,7 @@ class QueuedOutput:
             try:
                 self.deliver(alert)
             except Rejected as exc:
+                self._in_flight = 0
                 self.rejected += 1
                 self.last_error = f"rejected: {exc}"
                 self.log(f"{self.name}: alert {fields.uid(alert)} rejected: {exc}")
@@ -196,6 +211,7 @@ class QueuedOutput:
                 self.log(f"{self.name}: {count} alert(s) dropped (queue full: the output was slow or down)")
             else:
                 self.sent += 1
+                self._in_flight = 0
 
     def deliver(self, alert: svc.Alert) -> None:  # pragma: no cover - every output has its own
         raise NotImplementedError
@@ -339,7 +355,8 @@ def open_output(
     capacity: int = DEFAULT_CAPACITY,
     log: Log = _stderr,
 ) -> QueuedOutput:
-    """The output `url` names (not started): syslog+udp|tcp|tls://host:port[?facility=NAME],
+    """The output `url` names (not started): syslog+udp|tcp|tls://host[:port][?facility=NAME]
+    (port 514, 514, 6514 when none),
     http(s)://..., file:///path. A URL that names none is a ValueError that says why."""
     parts = urlsplit(url)
     if parts.scheme not in SCHEMES:
@@ -357,8 +374,9 @@ def open_output(
         port = parts.port
     except ValueError:
         raise ValueError(f"{url}: the port is not a number from 0 to 65535") from None
-    if not parts.hostname or not port:
-        raise ValueError(f"{url}: a syslog output is {parts.scheme}://host:port")
+    port = port or DEFAULT_PORTS[parts.scheme]
+    if not parts.hostname:
+        raise ValueError(f"{url}: a syslog output is {parts.scheme}://host[:port]")
     query = parse_qs(parts.query)
     facility_name = query.get("facility", [syslog.DEFAULT_FACILITY])[0]
     if facility_name not in syslog.FACILITIES:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,16 @@ def incident() -> list[pb.Event]:
     for e in events:
         e.ts_ns = BASE_NS + e.ts_ns * 100_000
     return events
+
+
+INCIDENT_ALERTS = 11  # 7 findings and 4 updates of them (g1's fate, the ends of its 3 runs of repeats)
+
+
+def feed_incident(daemon: Service, more: list[pb.Event] | None = None, alerts: int = 0) -> None:
+    """The incident (and `more`, which raise `alerts`), fed; then wait until its updates are
+    stored too: they follow the batches' acks (said once the findings they update are durable)."""
+    feed(daemon.address, incident() + (more or []))
+    wait_for(lambda: len(stored_cursors(daemon.store)) >= INCIDENT_ALERTS + alerts, timeout=30)
 
 
 def feed(address: str, events: list[pb.Event]) -> None:
@@ -79,7 +90,7 @@ def daemon(tmp_path: Path) -> Iterator[Service]:
 
 
 def test_without_follow_it_prints_what_the_audit_log_holds_and_exits(daemon: Service) -> None:
-    feed(daemon.address, incident())
+    feed_incident(daemon)
     done = subprocess.run(alerts_cmd("--daemon", daemon.address), capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stderr) == (0, "")
     records = [json.loads(line) for line in done.stdout.splitlines()]
@@ -93,7 +104,7 @@ def test_without_follow_it_prints_what_the_audit_log_holds_and_exits(daemon: Ser
 
 
 def test_min_severity_keeps_that_severity_and_those_above_it(daemon: Service) -> None:
-    feed(daemon.address, incident() + stale_reads("n1", 2))  # critical ones, then 2 high
+    feed_incident(daemon, stale_reads("n1", 2), alerts=2)  # critical ones, then 2 high
     args = ("--daemon", daemon.address, "--format", "cef")
     every = subprocess.run(alerts_cmd(*args), capture_output=True, text=True, timeout=60).stdout.splitlines()
     critical = subprocess.run(
@@ -107,7 +118,7 @@ def test_a_follower_resumes_after_a_daemon_restart_without_a_gap_or_a_repeat(
     daemon: Service, tmp_path: Path
 ) -> None:
     out = tmp_path / "alerts.jsonl"
-    feed(daemon.address, incident())
+    feed_incident(daemon)
     before = stored_cursors(daemon.store)
     follower = subprocess.Popen(
         alerts_cmd("--follow", "--daemon", daemon.address, "--to", f"file://{out}"),
@@ -169,7 +180,7 @@ def test_when_stdouts_reader_goes_away_it_ends_quietly(daemon: Service) -> None:
 
 
 def test_a_dead_output_drops_the_oldest_says_so_and_exits_1(daemon: Service) -> None:
-    feed(daemon.address, incident())
+    feed_incident(daemon)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"syslog+tcp://127.0.0.1:{s.getsockname()[1]}"
@@ -197,7 +208,7 @@ def test_a_follower_stopped_with_alerts_undelivered_exits_1_and_says_why(
 ) -> None:
     # However it is stopped (systemd's SIGTERM, Ctrl-C; a second one cutting the drain short),
     # an output that lost alerts makes the exit status 1, and says how many and why.
-    feed(daemon.address, incident())
+    feed_incident(daemon)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}/"
@@ -245,3 +256,106 @@ def test_options_it_cannot_use_exit_2_naming_them(args: list[str], said: str) ->
     done = subprocess.run(alerts_cmd(*args), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stdout == ""
     assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_cursor_file_resumes_a_forwarder_where_it_was_done(daemon: Service, tmp_path: Path) -> None:
+    kept = tmp_path / "cursor"
+    feed_incident(daemon)
+    every = stored_cursors(daemon.store)
+    first = subprocess.run(
+        alerts_cmd("--daemon", daemon.address, "--cursor-file", str(kept)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert first.returncode == 0 and [json.loads(x)["cursor"] for x in first.stdout.splitlines()] == every
+    assert kept.read_text() == f"{every[-1]}\n"
+    # Started again: nothing twice; what came since, only.
+    feed(daemon.address, stale_reads("n7", 2))
+    again = subprocess.run(
+        alerts_cmd("--daemon", daemon.address, "--cursor-file", str(kept)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert [json.loads(x)["req"] for x in again.stdout.splitlines()] == ["n7-r0", "n7-r1"]
+    kept.write_text("not a number\n")
+    bad = subprocess.run(
+        alerts_cmd("--daemon", daemon.address, "--cursor-file", str(kept)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and f"--cursor-file {kept}: holds 'not a number', not a cursor" in bad.stderr
+
+
+def test_filters_by_node_tenant_and_kind(daemon: Service) -> None:
+    feed_incident(daemon, stale_reads("n8", 2), alerts=2)
+    args = ("--daemon", daemon.address)
+
+    def sent(*more: str) -> list[tuple[str, str, str]]:
+        done = subprocess.run(alerts_cmd(*args, *more), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return [(r["node"], r["finding"], r["tenant"]) for r in map(json.loads, done.stdout.splitlines())]
+
+    assert sent("--node", "n8") == [("n8", "stale_read", "")] * 2
+    assert {kind for _, kind, _ in sent("--kind", "stale_read", "--kind", "transfer_mismatch")} == {
+        "stale_read",
+        "transfer_mismatch",
+    }
+    assert {tenant for _, _, tenant in sent("--tenant", "globex")} == {"globex"}
+    wrong = subprocess.run(
+        alerts_cmd(*args, "--kind", "stale_reed"), capture_output=True, text=True, timeout=60
+    )
+    assert wrong.returncode == 2 and "invalid choice: 'stale_reed'" in wrong.stderr
+
+
+def test_a_forwarder_serves_its_delivery_metrics(daemon: Service, tmp_path: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = tmp_path / "alerts.jsonl"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    feed_incident(daemon)
+    total = len(stored_cursors(daemon.store))
+    forwarder = subprocess.Popen(
+        alerts_cmd(
+            "--follow",
+            "--daemon",
+            daemon.address,
+            "--to",
+            f"file://{out}",
+            "--metrics-listen",
+            f"127.0.0.1:{port}",
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+
+        def scraped() -> dict:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as got:
+                    text = got.read().decode()
+            except OSError:
+                return {}
+            return {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+            }
+
+        label = (("output", f"file://{out}"),)
+        wait_for(lambda: scraped().get(("kvguard_alerts_delivered_total", label)) == total, timeout=30)
+        got = scraped()
+        assert (
+            got[("kvguard_alerts_dropped_total", label)] == got[("kvguard_alerts_rejected_total", label)] == 0
+        )
+        assert got[("kvguard_alerts_queued", label)] == 0
+        assert got[("kvguard_alerts_cursor", ())] == stored_cursors(daemon.store)[-1]
+    finally:
+        forwarder.send_signal(signal.SIGTERM)
+        _, err = forwarder.communicate(timeout=60)
+    assert forwarder.returncode == 0, err

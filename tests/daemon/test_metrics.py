@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvguard.agents.guard import AgentSink, Guard
 from kvguard.agents.upstream import AgentStream
 from kvguard.cli.process import start_agent, start_daemon
+from kvguard.proto import pb
 from kvguard.proto.channel import channel
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.ruleset import load_ruleset
@@ -64,10 +65,29 @@ def test_a_scrape_tells_what_the_fleet_state_tells(tmp_path: Path) -> None:
         )
         assert node.send(events).accepted == len(events)
         wait_for(
-            lambda: samples(scrape(port)).get(("kvguard_findings_total", (("kind", "stale_read"),))) == 3
+            lambda: (
+                samples(scrape(port)).get(("kvguard_ledger_findings_total", (("kind", "stale_read"),))) == 3
+            )
         )
         text = scrape(port)
         got = samples(text)
+        # Findings by kind, rule and severity: "critical findings a minute" is one PromQL line.
+        # Every combination the rules can give is there from the start (0), the same series
+        # after a restart; the three stale reads are counted under the rule that judged them.
+        series = {
+            (labels["kind"], labels["rule"], labels["severity"]): value
+            for (name, pairs), value in got.items()
+            if name == "kvguard_findings_total"
+            for labels in [dict(pairs)]
+        }
+        rules = [r for r in load_ruleset().rules if r.enabled]
+        assert set(series) == {(k, r.id, r.severity) for r in rules for k in r.kinds}
+        ((kind, rule, severity),) = [key for key, value in series.items() if value]
+        assert (kind, series[kind, rule, severity]) == ("stale_read", 3)
+        # Values are gauges, not counters; the process's own metrics are there.
+        assert not any(k[0] == "kvguard_daemon_other_total" and "snapshot" in str(k[1]) for k in got)
+        assert ("kvguard_daemon_rebuilt_events", ()) in got
+        assert got[("process_cpu_seconds_total", ())] > 0 and ("process_resident_memory_bytes", ()) in got
         assert got[("kvguard_daemon_events_total", ())] == len(events)
         assert got[("kvguard_build_info", (("version", "0.1.0"),))] == 1
         assert got[("kvguard_daemon_enforcing", ())] == 1
@@ -95,6 +115,11 @@ def test_a_scrape_tells_what_the_fleet_state_tells(tmp_path: Path) -> None:
         # promtool's linter: names, units, _total suffixes, help texts.
         lint = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert (lint.returncode, lint.stdout + lint.stderr) == (0, "")
+        # A refusal is counted as one, by its reason (here an event that carries nothing).
+        empty = pb.Event(node="p0", seq=events[-1].seq + 1, ts_ns=events[-1].ts_ns + 1)
+        assert len(node.send([empty]).rejected) == 1
+        refused = ("kvguard_daemon_refused_total", (("reason", "malformed"),))
+        wait_for(lambda: samples(scrape(port)).get(refused) == 1)
         # The agent gone: said at the next scrape.
         node.close()
         wait_for(lambda: samples(scrape(port))[("kvguard_node_agent_connected", (("node", "p0"),))] == 0)
@@ -161,3 +186,24 @@ def test_the_agents_scrape_tells_what_it_took_and_whether_it_reaches_the_daemon(
         sink.close()
         agent.stop()
         daemon.stop()
+
+
+def test_a_daemon_with_tls_says_when_its_certificate_and_ca_expire(tmp_path: Path) -> None:
+    from certificates import make_pki, tls_args
+    from cryptography import x509
+
+    pki = make_pki(tmp_path)
+    port = free_port()
+    daemon = start_daemon(
+        str(tmp_path / "audit.db"), 0, *tls_args(pki, "daemon"), "--metrics-listen", f"127.0.0.1:{port}"
+    )
+    try:
+        got = samples(scrape(port))
+    finally:
+        daemon.stop()
+    for certificate, pem in (("own", "daemon.pem"), ("ca", "ca.pem")):
+        expiry = x509.load_pem_x509_certificate((pki / pem).read_bytes()).not_valid_after_utc.timestamp()
+        assert (
+            got[("kvguard_tls_certificate_expiry_timestamp_seconds", (("certificate", certificate),))]
+            == expiry
+        )

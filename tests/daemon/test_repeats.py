@@ -89,7 +89,7 @@ def test_a_repeated_finding_is_one_alert_and_its_end_one_update_that_counts_the_
     # The audit log keeps every finding: r1's three (two marked repeats), r2's, the update.
     stored = [f for f in stored_records(path) if f.req == "r1" and "update_of" not in f.details]
     assert [f.details.get("repeat", "") for f in stored] == ["", "1", "2"]
-    assert daemon.counters["repeats"] == 2 and daemon.counters["findings"] == 4
+    assert daemon.counters["findings_repeated"] == 2 and daemon.counters["findings"] == 4
 
     # A stream from the start, read back from the store, sees exactly what the live one saw.
     with grpc.insecure_channel(address) as channel:

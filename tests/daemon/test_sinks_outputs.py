@@ -268,10 +268,18 @@ def test_a_file_output_appends_one_line_per_alert(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("url", "port"), [("syslog+udp://siem", 514), ("syslog+tcp://siem", 514), ("syslog+tls://siem", 6514)]
+)
+def test_a_syslog_output_without_a_port_takes_its_transports_default(url: str, port: int) -> None:
+    output = open_output(url, FORMATS["json"], ca=None)
+    assert (output.host, output.port) == ("siem", port)
+
+
+@pytest.mark.parametrize(
     ("url", "reason"),
     [
         ("smtp://x", "unknown output"),
-        ("syslog+tcp://host", "syslog+tcp://host:port"),
+        ("syslog+tcp://:514", "syslog+tcp://host[:port]"),
         ("syslog+udp://h:99999", "port is not a number"),
         ("syslog+udp://h:514?facility=nope", "facility 'nope'"),
         ("file://relative/path", "file:///absolute/path"),

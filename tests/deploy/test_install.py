@@ -53,7 +53,7 @@ def test_install_puts_units_user_config_and_rules_where_the_units_look(tmp_path:
     done = kvguard(KVGUARD, "install", "--root", str(root))
     assert done.returncode == 0, done.stderr
     etc = root / "etc"
-    for unit in ("kvguard-daemon.service", "kvguard-agent.service"):
+    for unit in ("kvguard-daemon.service", "kvguard-agent.service", "kvguard-alerts.service"):
         text = (etc / "systemd/system" / unit).read_text()
         # The units run this kvguard (where pip put it), not the template's /usr/bin/kvguard.
         assert f"ExecStart={KVGUARD} {unit.split('-')[1].split('.')[0]}" in text
@@ -160,7 +160,7 @@ def test_the_wheel_installs_and_its_daemon_starts_as_kvguard(wheel: Path, image:
 
     done = kvguard(exe, "install", "--root", str(image))
     assert done.returncode == 0, done.stderr
-    units = ("kvguard-daemon.service", "kvguard-agent.service")
+    units = ("kvguard-daemon.service", "kvguard-agent.service", "kvguard-alerts.service")
     for unit in units:
         assert "ExecStart=/opt/kvguard/bin/kvguard " in (image / "etc/systemd/system" / unit).read_text()
     # systemd's verdict on the units as installed, with the programs and targets they name.

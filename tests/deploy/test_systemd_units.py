@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
-UNITS = ("kvguard-daemon.service", "kvguard-agent.service")
+UNITS = ("kvguard-daemon.service", "kvguard-agent.service")  # the services (sd_notify, watchdog)
+ALERTS = "kvguard-alerts.service"  # the alert feed: a client, no notify
 ANALYZE = "/usr/bin/systemd-analyze"
 
 
@@ -32,7 +33,7 @@ def root(tmp_path: Path) -> Path:
     shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
     units = root / "etc/systemd/system"
     units.mkdir(parents=True)
-    for name in UNITS:
+    for name in (*UNITS, ALERTS):
         shutil.copy2(DEPLOY / name, units / name)
     return root
 
@@ -52,7 +53,7 @@ def settings(name: str) -> dict[str, list[str]]:
 
 
 def test_systemd_verifies_the_units_without_a_word(root: Path) -> None:
-    done = analyze("verify", f"--root={root}", *UNITS)
+    done = analyze("verify", f"--root={root}", *UNITS, ALERTS)
     assert (done.returncode, done.stdout + done.stderr) == (0, "")
     # The launcher it found is a working kvguard.
     launched = subprocess.run(
@@ -105,8 +106,18 @@ def test_the_agent_gets_the_ebpf_capabilities_and_the_gpus_only() -> None:
     assert "MemoryDenyWriteExecute" not in unit
 
 
-# systemd's exposure levels, tenfold (1.7 is 17), at most: the daemon's, the agent's (root, eBPF).
-@pytest.mark.parametrize(("name", "most"), [(UNITS[0], 20), (UNITS[1], 30)])
+def test_the_alert_feed_resumes_from_its_cursor_file_as_kvguard() -> None:
+    unit = settings(ALERTS)
+    assert unit["ExecStart"] == [
+        "/usr/bin/kvguard alerts --follow --cursor-file %S/kvguard-alerts/cursor $KVGUARD_ALERTS_OPTS"
+    ]
+    assert unit["StateDirectory"] == ["kvguard-alerts"] and unit["User"] == ["kvguard"]
+    assert unit["Restart"] == ["always"] and unit["CapabilityBoundingSet"] == [""]
+
+
+# systemd's exposure levels, tenfold (1.7 is 17), at most: the daemon's, the agent's (root, eBPF),
+# the alert feed's.
+@pytest.mark.parametrize(("name", "most"), [(UNITS[0], 20), (UNITS[1], 30), (ALERTS, 20)])
 def test_systemd_rates_the_units_exposure_low(root: Path, name: str, most: int) -> None:
     done = analyze("security", "--offline=yes", f"--root={root}", f"--threshold={most}", name)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr

@@ -344,7 +344,7 @@ class StoreRoom(_message.Message):
     def __init__(self, used_bytes: _Optional[int] = ..., free_known: _Optional[bool] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., growth_bytes_per_s: _Optional[float] = ..., full_in_s: _Optional[float] = ..., refusing: _Optional[str] = ...) -> None: ...
 
 class FleetState(_message.Message):
-    __slots__ = ("nodes", "requests", "events", "findings", "counters", "latencies", "store", "now_ns", "mode")
+    __slots__ = ("nodes", "requests", "events", "findings", "counters", "latencies", "store", "now_ns", "mode", "judged")
     class FindingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -368,6 +368,7 @@ class FleetState(_message.Message):
     STORE_FIELD_NUMBER: _ClassVar[int]
     NOW_NS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    JUDGED_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
     requests: int
     events: int
@@ -377,7 +378,20 @@ class FleetState(_message.Message):
     store: StoreRoom
     now_ns: int
     mode: str
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., latencies: _Optional[_Iterable[_Union[StageLatency, _Mapping]]] = ..., store: _Optional[_Union[StoreRoom, _Mapping]] = ..., now_ns: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
+    judged: _containers.RepeatedCompositeFieldContainer[FindingCount]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., latencies: _Optional[_Iterable[_Union[StageLatency, _Mapping]]] = ..., store: _Optional[_Union[StoreRoom, _Mapping]] = ..., now_ns: _Optional[int] = ..., mode: _Optional[str] = ..., judged: _Optional[_Iterable[_Union[FindingCount, _Mapping]]] = ...) -> None: ...
+
+class FindingCount(_message.Message):
+    __slots__ = ("kind", "rule", "severity", "count")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    rule: str
+    severity: str
+    count: int
+    def __init__(self, kind: _Optional[str] = ..., rule: _Optional[str] = ..., severity: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PoolMapRequest(_message.Message):
     __slots__ = ("node", "pool")
