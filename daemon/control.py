@@ -16,6 +16,7 @@ from the stored actions, the quarantined pages from the stored commands.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter
 from typing import Any
@@ -28,6 +29,7 @@ from kvguard.daemon.commands import MODES, Commands
 from kvguard.daemon.ingest import Ingest
 from kvguard.daemon.store import Record, RowError, Store
 from kvguard.ledger import Ledger
+from kvguard.ledger.findings import Finding
 from kvguard.ledger.requests import ENDED
 from kvguard.proto import pb
 from kvguard.proto.filter import Filter
@@ -155,7 +157,8 @@ class Control:
         elif which == "quarantine":
             orders = [self._quarantine(action)]
         elif which == "acknowledge":
-            about = action.node = await self._finding_node(action.acknowledge.cursor)
+            acknowledged = await self._finding(action.acknowledge.cursor)
+            about = action.node = acknowledged.node
         else:
             self._check_rule_mode(action.rule_mode)
         for node, command in orders:
@@ -175,6 +178,8 @@ class Control:
             self.counters["kills" if command.HasField("kill") else "quarantines"] += 1
         if which == "rule_mode":
             self.commands.set_rule_mode(action.rule_mode.rule, action.rule_mode.mode, by)
+        if which == "acknowledge":  # the SIEM's copy of the alert is updated too
+            self.pipeline.alert(acknowledgement(acknowledged, action, first + at), counter="acknowledgements")
         self.counters[f"action_{which}"] += 1
         said = self._said(action)
         log.info(f"{by}: {said}")
@@ -255,8 +260,8 @@ class Control:
         order.CopyFrom(q)
         return node, svc.Command(quarantine=order)
 
-    async def _finding_node(self, cursor: int) -> str:
-        """The node of the finding whose record is `cursor` (read off the loop)."""
+    async def _finding(self, cursor: int) -> pb.Finding:
+        """The finding whose record is `cursor` (read off the loop)."""
         if not cursor:
             raise ActionRefused(
                 Code.INVALID_ARGUMENT,
@@ -272,7 +277,7 @@ class Control:
             raise ActionRefused(
                 Code.NOT_FOUND, f"acknowledge: record {cursor} is not a finding (no alert has that cursor)"
             )
-        return pb.Finding.FromString(rows[0][2]).node
+        return pb.Finding.FromString(rows[0][2])
 
     def _check_rule_mode(self, rule_mode: svc.RuleMode) -> None:
         if rule_mode.mode not in ("", *MODES):
@@ -307,6 +312,28 @@ class Control:
         if rm.mode:
             return f"rule {rm.rule} is applied in {rm.mode} mode"
         return f"rule {rm.rule} is applied in the daemon's mode ({self.commands.mode}) again"
+
+
+def acknowledgement(acknowledged: pb.Finding, action: svc.Action, record: int) -> Finding:
+    """The alert that says an operator acknowledged one (`action`, stored as `record`): an
+    update of it (`details.update_of`, its cursor), for the SIEM to mark its copy."""
+    cursor = action.acknowledge.cursor
+    f = Finding.from_proto(acknowledged)
+    details = {k: v for k, v in f.details.items() if k not in ("outcome", "repeat", "repeats")}
+    details |= {
+        "update_of": str(cursor),
+        "acknowledged_by": action.by,
+        "acknowledged_reason": action.reason,
+        "acknowledged_record": str(record),
+        "acknowledged_ns": str(action.ts_ns),
+    }
+    said = f": {action.reason}" if action.reason else ""
+    return dataclasses.replace(  # its time stays the finding's: the acknowledgement's is in details
+        f,
+        message=f"alert {cursor} ({f.finding}) acknowledged by {action.by}{said}",
+        details=details,
+        tags=(*f.tags, "acknowledged"),
+    )
 
 
 class ControlServicer:

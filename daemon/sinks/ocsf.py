@@ -23,6 +23,9 @@ CATEGORY_NAME = "Findings"
 ACTIVITY_CREATE = 1  # a new finding
 ACTIVITY_UPDATE = 2  # what became of it (daemon/outcomes.py): the same finding, updated
 STATUS_NEW = 1
+STATUS_IN_PROGRESS = 2  # an operator acknowledged it
+# observables' type_id (OCSF 1.6 dictionary): Hostname, User Name, Resource UID
+HOSTNAME, USER_NAME, RESOURCE_UID = (1, "Hostname"), (4, "User Name"), (10, "Resource UID")
 
 # OCSF severity_id: 1 Informational, 2 Low, 3 Medium, 4 High, 5 Critical (0 Unknown)
 SEVERITY_IDS = {"info": (1, "Informational"), "low": (2, "Low"), "medium": (3, "Medium")}
@@ -58,11 +61,20 @@ def event(alert: svc.Alert) -> dict[str, Any]:
         (ACTIVITY_UPDATE, "Update") if fields.update_of(f) else (ACTIVITY_CREATE, "Create")
     )
     title = f"{f.finding} on {f.node}" if f.node else f.finding
-    resource: dict[str, Any] = {"type": "kv_cache_pool", "role_id": 3, "role": "Affected"}
-    if f.node:
-        resource |= {"hostname": f.node, "name": f.node}
-    if f.HasField("pool"):
-        resource |= {"uid": f"{f.node}/pool/{f.pool}", "data": {"pool": f.pool, "pages": list(f.pages)}}
+    owner = {"owner": _tenant(f.victim_tenant)} if f.victim_tenant else {}
+    resources: list[dict[str, Any]] = []
+    if f.node or f.HasField("pool"):  # a finding about kvguard itself has none
+        resource: dict[str, Any] = {"type": "kv_cache_pool", "role_id": 3, "role": "Affected", **owner}
+        if f.node:
+            resource |= {"hostname": f.node, "name": f.node}
+        if f.HasField("pool"):
+            resource |= {"uid": f"{f.node}/pool/{f.pool}", "data": {"pool": f.pool, "pages": list(f.pages)}}
+        resources.append(resource)
+    if f.victim_req:
+        resources.append(
+            {"type": "inference_request", "uid": f.victim_req, "role_id": 3, "role": "Affected", **owner}
+        )
+    acknowledged = "acknowledged_by" in f.details
     out: dict[str, Any] = {
         "class_uid": CLASS_UID,
         "class_name": CLASS_NAME,
@@ -75,8 +87,8 @@ def event(alert: svc.Alert) -> dict[str, Any]:
         "time": fields.time_ns(alert) // 1_000_000,
         "severity_id": severity_id,
         "severity": severity,
-        "status_id": STATUS_NEW,
-        "status": "New",
+        "status_id": STATUS_IN_PROGRESS if acknowledged else STATUS_NEW,
+        "status": "In Progress" if acknowledged else "New",
         "is_alert": True,
         "message": f.message or title,
         "action_id": action_id,
@@ -101,7 +113,7 @@ def event(alert: svc.Alert) -> dict[str, Any]:
                 "type": "Rule",
             },
         },
-        "resources": [resource],
+        "observables": _observables(f),
         "unmapped": {
             "cursor": alert.cursor,
             "kvguard_action": f.action,
@@ -118,9 +130,41 @@ def event(alert: svc.Alert) -> dict[str, Any]:
     count, first_ns, last_ns = fields.occurrences(f)
     if count:  # a run's summary (daemon/repeats.py): the findings it stands for, first to last
         out |= {"count": count, "start_time": first_ns // 1_000_000, "end_time": last_ns // 1_000_000}
-    if f.tenant:
-        out["actor"] = {"user": {"name": f.tenant, "uid": f.tenant, "type_id": 99, "type": "Tenant"}}
+    if resources:
+        out["resources"] = resources
+    if acknowledged:
+        if f.details.get("acknowledged_ns", "").isdigit():
+            out["finding_info"]["modified_time"] = int(f.details["acknowledged_ns"]) // 1_000_000
+        reason = f.details.get("acknowledged_reason", "")
+        out["status_detail"] = f"acknowledged by {f.details['acknowledged_by']}" + (
+            f": {reason}" if reason else ""
+        )
+    if f.tenant or f.req:
+        actor: dict[str, Any] = {"user": _tenant(f.tenant)} if f.tenant else {}
+        if f.req:
+            actor["session"] = {"uid": f.req}
+        out["actor"] = actor
     return out
+
+
+def _tenant(name: str) -> dict[str, Any]:
+    return {"name": name, "uid": name, "type_id": 99, "type": "Tenant"}
+
+
+def _observables(f: pb.Finding) -> list[dict[str, Any]]:
+    """The finding's nodes, tenants and requests, each with where it is in the event."""
+    found = [
+        ("resources[].hostname", HOSTNAME, f.node),
+        ("actor.user.name", USER_NAME, f.tenant),
+        ("actor.session.uid", RESOURCE_UID, f.req),
+        ("resources[].owner.name", USER_NAME, f.victim_tenant),
+        ("resources[].uid", RESOURCE_UID, f.victim_req),
+    ]
+    return [
+        {"name": name, "type_id": type_id, "type": type_name, "value": value}
+        for name, (type_id, type_name), value in found
+        if value
+    ]
 
 
 def line(alert: svc.Alert) -> str:

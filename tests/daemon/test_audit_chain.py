@@ -27,8 +27,8 @@ def test_audit_verify_finds_an_altered_record(daemon: Service) -> None:
     daemon.stop()
     verify = [sys.executable, "-m", "kvguard", "audit", "verify", "--store", daemon.store]
     ok = subprocess.run(verify, capture_output=True, text=True)
-    assert ok.returncode == 0 and "61 records, chain intact" in ok.stdout
-    assert "ledger snapshot: after record 61, bound to the chain there" in ok.stdout  # saved at the stop
+    assert ok.returncode == 0 and "64 records, chain intact" in ok.stdout
+    assert "ledger snapshot: after record 64, bound to the chain there" in ok.stdout  # saved at the stop
     engine = create_engine(Store(daemon.store).url)
     with engine.begin() as db:
         db.execute(
@@ -108,8 +108,8 @@ def test_a_sealed_chain_cannot_be_rewritten_without_its_key(store_url: str, tmp_
     store = ["--store", store_url]
     ok = audit("verify", *store, "--audit-key", str(key))
     assert ok.returncode == 0, ok.stderr
-    assert "61 records, chain intact, sealed with the audit key from record 1 on" in ok.stdout
-    assert "ledger snapshot: after record 61, bound to the chain there" in ok.stdout
+    assert "64 records, chain intact, sealed with the audit key from record 1 on" in ok.stdout
+    assert "ledger snapshot: after record 64, bound to the chain there" in ok.stdout
     unkeyed = audit("verify", *store)
     assert (
         unkeyed.returncode == 1

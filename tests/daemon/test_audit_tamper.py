@@ -135,8 +135,8 @@ def test_records_deleted_from_the_end_are_found_and_a_lagging_head_is_told_apart
     assert head_file is not None and Path(head_file).exists()
     assert ok.returncode == 0, ok.stderr
     assert (
-        "61 records, chain intact, sealed with the audit key from record 1 on; "
-        f"complete through record 61, which the head file {head_file} names" in ok.stdout
+        "64 records, chain intact, sealed with the audit key from record 1 on; "
+        f"complete through record 64, which the head file {head_file} names" in ok.stdout
     )
     # A crash between a commit and the head's write: the head lags, which is no tampering.
     shutil.copy(head_file, tmp_path / "old.head")
@@ -146,14 +146,14 @@ def test_records_deleted_from_the_end_are_found_and_a_lagging_head_is_told_apart
     shutil.copy(tmp_path / "old.head", head_file)
     lag = audit(*verify)
     assert lag.returncode == 0, lag.stderr
-    assert "complete through record 61, which the head file" in lag.stdout
+    assert "complete through record 64, which the head file" in lag.stdout
     assert (
-        "records 62 to 64 came after its last write (a crash between their commit and the head's write?)"
+        "records 65 to 67 came after its last write (a crash between their commit and the head's write?)"
         in lag.stdout
     )
     d = start_daemon(store_url, 0, "--audit-key", str(key))  # it starts, and brings the head up to date
-    assert "records 62 to 64 came after its last write" in d.stop()
-    assert "complete through record 64, which the head file" in audit(*verify).stdout
+    assert "records 65 to 67 came after its last write" in d.stop()
+    assert "complete through record 67, which the head file" in audit(*verify).stdout
     # The last records deleted, then all: one line, exit 1, and the daemon will not write on.
     engine = create_engine(url_of(store_url))
     with engine.begin() as db:
@@ -163,7 +163,7 @@ def test_records_deleted_from_the_end_are_found_and_a_lagging_head_is_told_apart
     assert cut.returncode == 1 and len(cut.stderr.splitlines()) == 1
     assert (
         "NOT proven complete: the store ends at record" in cut.stderr
-        and "to 64 were deleted from its end" in cut.stderr
+        and "to 67 were deleted from its end" in cut.stderr
     )
     with pytest.raises(RuntimeError, match="not proven complete: the store ends at record"):
         start_daemon(store_url, 0, "--audit-key", str(key))
@@ -173,7 +173,7 @@ def test_records_deleted_from_the_end_are_found_and_a_lagging_head_is_told_apart
     engine.dispose()
     gone = audit(*verify)
     assert gone.returncode == 1 and "the store ends at record 0 but its head file" in gone.stderr
-    assert "all 64 records were deleted" in gone.stderr
+    assert "all 67 records were deleted" in gone.stderr
     # The head deleted too: a sealed store always has one, so its end is not proven, and the
     # daemon will not start on it until `audit head` writes one for the store as it stands.
     Path(head_file).unlink()

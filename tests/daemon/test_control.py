@@ -20,6 +20,7 @@ from daemon_helpers import stale_reads
 from kvguard.agents.guard import AgentSink, Guard
 from kvguard.agents.upstream import AgentStream
 from kvguard.cli.process import Service, start_agent, start_daemon
+from kvguard.daemon.sinks import ocsf
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
@@ -154,6 +155,27 @@ def test_acknowledgements_and_rule_modes_are_stored_verified_and_shown(daemon: S
     finding = pb.Finding.FromString(body)
     ack = act(daemon.address, svc.Action(acknowledge=svc.Acknowledge(cursor=cursor), reason="known test"))
     assert ack.message == f"alert {cursor} acknowledged"
+    # The SIEM hears of it: an update of the alert (OCSF: Update, In Progress, who and why).
+    assert wait_for(lambda: len(records(daemon.store, "finding")) == 2)
+    update = pb.Finding.FromString(records(daemon.store, "finding")[1][1])
+    assert (update.details["update_of"], update.details["acknowledged_by"]) == (
+        str(cursor),
+        "unverified:alice",
+    )
+    assert (update.req, update.finding, update.details["acknowledged_record"]) == (
+        finding.req,
+        finding.finding,
+        str(ack.record),
+    )
+    event = ocsf.event(svc.Alert(cursor=cursor + 9, finding=update))
+    assert (event["activity_name"], event["status"], event["finding_info"]["uid"]) == (
+        "Update",
+        "In Progress",
+        f"kvguard-{cursor}",
+    )
+    assert event["status_detail"] == "acknowledged by unverified:alice: known test"
+    assert event["finding_info"]["modified_time"] == ack.action.ts_ns // 1_000_000
+    assert update.ts_ns == finding.ts_ns  # the finding's time; the acknowledgement's is modified_time
     mode = act(
         daemon.address, svc.Action(rule_mode=svc.RuleMode(rule="stale_read", mode="monitor")), user=None
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_helpers import facts, ingest, local_findings, stale_reads, stored_findings
+from daemon_helpers import facts, ingest, local_findings, stale_reads, stored_findings, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -63,14 +63,18 @@ def test_the_daemon_reports_its_own_latency_by_stage(daemon: Service) -> None:
     send_capture(INCIDENT, daemon.address)
     batches = 1 + sum(a.node != b.node for a, b in pairwise(EVENTS))
     with grpc.insecure_channel(daemon.address) as channel:
-        state = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest())
+        fleet = svc_grpc.FleetServiceStub(channel)
+        # The updates follow the commits of the findings they update: wait for the last.
+        wait_for(lambda: fleet.State(svc.FleetRequest()).counters["repeated_ends"] == 3)
+        state = fleet.State(svc.FleetRequest())
     took = {s.stage: s for s in state.latencies}
     judged = state.counters["findings"]
     assert judged == len(local_findings())
     counts = {stage: s.count for stage, s in took.items()}
-    # One alert per finding, and one update: g1 finished before any kill reached it.
-    assert state.counters["outcomes"] == 1
-    assert counts == {"verdict": judged, "alert": judged + 1, "ack": batches}
+    # One alert per finding but the 4 that repeat one, and 4 updates: g1 finished before any
+    # kill reached it; its 3 runs of repeats ended.
+    assert (state.counters["outcomes"], state.counters["findings_repeated"]) == (1, 4)
+    assert counts == {"verdict": judged, "alert": judged - 4 + 1 + 3, "ack": batches}
     for s in took.values():
         assert 0 < s.p50_ms <= s.p99_ms <= s.max_ms, s
     # The same receipt, later steps: a finding's alert (after the commit) comes after its verdict.

@@ -147,11 +147,64 @@ def test_ocsf_detection_findings_carry_every_required_attribute_with_values_of_t
         assert info["uid"] == f"kvguard-{update or alert.cursor}" and info["types"] == [alert.finding.finding]
         assert info["analytic"]["name"] == alert.finding.rule
         assert ANALYTIC_TYPES[info["analytic"]["type_id"]] == info["analytic"]["type"] == "Rule"
-        assert event["resources"][0]["hostname"] == alert.finding.node
+        if alert.finding.node:
+            assert event["resources"][0]["hostname"] == alert.finding.node
         if alert.finding.tenant:  # an actor has a user, and a user a name or uid
             assert event["actor"]["user"]["name"] == alert.finding.tenant
         assert event["unmapped"]["cursor"] == alert.cursor
         assert json.loads(ocsf.line(alert)) == event  # the same alert, the same finding (stable uid)
+
+
+OBSERVABLE_TYPES = {1: "Hostname", 4: "User Name", 10: "Resource UID"}  # OCSF 1.6 dictionary
+
+
+def test_ocsf_maps_the_victim_the_offender_and_their_observables() -> None:
+    leak = svc.Alert(
+        cursor=7,
+        finding=pb.Finding(
+            finding="stale_read",
+            severity="critical",
+            action="kill",
+            rule="stale_read_cross_tenant",
+            node="d0",
+            req="g1",
+            tenant="globex",
+            victim_req="a1",
+            victim_tenant="acme",
+            pool=0,
+            pages=[1, 2],
+            ts_ns=BASE_NS,
+        ),
+    )
+    event = ocsf.event(leak)
+    pool, request = event["resources"]
+    acme = {"name": "acme", "uid": "acme", "type_id": 99, "type": "Tenant"}
+    assert (pool["uid"], pool["owner"]) == ("d0/pool/0", acme)
+    assert request == {
+        "type": "inference_request",
+        "uid": "a1",
+        "role_id": 3,
+        "role": "Affected",
+        "owner": acme,
+    }
+    assert (event["actor"]["user"]["name"], event["actor"]["session"]["uid"]) == ("globex", "g1")
+    observed = {(o["name"], o["value"]) for o in event["observables"]}
+    assert observed == {
+        ("resources[].hostname", "d0"),
+        ("actor.user.name", "globex"),
+        ("actor.session.uid", "g1"),
+        ("resources[].owner.name", "acme"),
+        ("resources[].uid", "a1"),
+    }
+    assert all(OBSERVABLE_TYPES[o["type_id"]] == o["type"] for o in event["observables"])
+    # A finding about kvguard itself (a refused reload) affects no pool: no empty resource.
+    internal = svc.Alert(
+        cursor=8,
+        finding=pb.Finding(
+            finding="internal", severity="critical", rule="kvguard_reload_failed", ts_ns=BASE_NS
+        ),
+    )
+    assert "resources" not in ocsf.event(internal) and ocsf.event(internal)["observables"] == []
 
 
 def test_ocsf_says_whether_the_request_was_stopped_or_only_reported(alerts: list[svc.Alert]) -> None:

@@ -28,7 +28,7 @@ from kvguard.tui.widgets.status import ActionLine, Banner, StatusLine
 
 Until = Callable[..., Awaitable[None]]
 Text = Callable[[App], str]
-ALERTS = 13  # the fixed fleet's 9 findings, the update saying g1 reached its client, its 3 runs' ends
+ALERTS = 14  # the fixed fleet's 9 findings; updates: g1 reached its client, its 3 runs' ends, an ack
 WHO = "unverified:operator"  # the OS user the dashboard claims, as a plaintext daemon records it
 
 
@@ -70,7 +70,7 @@ def test_the_fleet_shows_each_node_its_health_and_its_pools(
             assert c0[1] == "ok" and c0[2] == "4.1k/2.0k" and c0[10:13] == ["colocated", "vllm 0.11.0", "n/a"]
             assert row(app, "#nodes", "p0")[12] == "1xH200"
             screen = screen_text(app)
-            assert "1 Fleet  daemon │ enforce │ 4 nodes │ 93 events │ 13 alerts, 12 new │ 09:01:30" in screen
+            assert "1 Fleet  daemon │ enforce │ 4 nodes │ 93 events │ 14 alerts, 13 new │ 09:01:30" in screen
             assert "GPU: unavailable: NVML: libnvidia-ml.so.1 not found" in screen  # c0, selected first
             await pilot.press("down", "down", "down")  # p0
             await pilot.pause()

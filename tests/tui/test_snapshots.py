@@ -24,10 +24,10 @@ Until = Callable[..., Awaitable[None]]
 
 
 def loaded(app: TopApp) -> bool:
-    """Every answer a screen draws from is in (the fleet, all 13 alerts: 9 findings, the update
-    of g1's fate and the ends of its 3 runs of repeats, the acknowledgement), and the screen's
-    lists have measured their columns."""
-    answered = app.data.fleet is not None and len(app.data.alerts) == 13 and bool(app.data.acks)
+    """Every answer a screen draws from is in (the fleet, all 14 alerts: 9 findings and updates
+    of them: g1's fate, the ends of its 3 runs of repeats, the acknowledgement of the drift;
+    the acknowledgement), and the screen's lists have measured their columns."""
+    answered = app.data.fleet is not None and len(app.data.alerts) == 14 and bool(app.data.acks)
     return answered and all(table.settled for table in app.screen.query(RowTable))
 
 
@@ -56,7 +56,7 @@ def test_alerts(snap_compare, shared_fleet, until: Until, size: str) -> None:
     app = shared_fleet.app(screen="alerts")
 
     async def ready(pilot: Pilot) -> None:
-        await until(pilot, lambda: app.screen.query_one("#alerts", DataTable).row_count == 13 and loaded(app))
+        await until(pilot, lambda: app.screen.query_one("#alerts", DataTable).row_count == 14 and loaded(app))
 
     assert snap_compare(app, terminal_size=SIZES[size], run_before=ready)
 
