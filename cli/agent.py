@@ -164,7 +164,8 @@ def add_parser(sub: Subcommands) -> None:
         "once); 0: none",
     )
     add_daemon_argument(p)
-    p.add_argument("--spool", default="/var/lib/kvguard/spool", help="where unacknowledged events wait")
+    # the unit's StateDirectory (kvguard-agent.service): root's, apart from the daemon's
+    p.add_argument("--spool", default="/var/lib/kvguard-agent/spool", help="where unacknowledged events wait")
     p.add_argument(
         "--probe",
         action="append",

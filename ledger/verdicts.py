@@ -1,4 +1,4 @@
-"""Verdicts on transfers that wait (`Verdicts`), and when each is settled (EVENTS.md: "Nothing
+"""Verdicts on transfers that wait (`Verdicts`), and when each is settled (docs/integrator.md: "Nothing
 is left pending silently").
 
 A transfer's verdict waits while the sender has reported it done and a wire probe's count is

@@ -1,4 +1,4 @@
-"""The finding kinds and severities of the event contract (EVENTS.md, "Findings"): one list,
+"""The finding kinds and severities of the event contract (docs/integrator.md, "Findings"): one list,
 read by the ledger that raises findings and by the clients that filter them; and the kinds of
 the findings kvguard raises about itself (INTERNAL_KINDS), which no detector raises and no
 rule judges: they are stored and sent to subscribers like the others.

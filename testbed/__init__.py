@@ -1,5 +1,5 @@
 """kvguard.testbed: a small but real paged-attention inference engine that reproduces the
-cross-tenant KV leak of prefill/decode disaggregated serving (shared/ARCHITECTURE.md, section 1).
+cross-tenant KV leak of prefill/decode disaggregated serving (docs/design.md, section 1).
 
 Compute core: :mod:`.paged` (KV page pool, paged decode attention, page export/import and
 checksums) and :mod:`.models` (EchoModel, whose responses repeat their context verbatim so a stale

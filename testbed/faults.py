@@ -1,4 +1,4 @@
-"""The testbed's fault switches: each reproduces one bug family of shared/ARCHITECTURE.md §1.
+"""The testbed's fault switches: each reproduces one bug family of docs/design.md §1.
 
 All are off by default. Invariant: a fault changes only the one code path it names; with
 every switch off the engine is correct, and kvguard must then report nothing.

@@ -93,8 +93,14 @@ def test_a_kvguard_the_units_could_not_start_is_refused(
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel an operator would build (`pip wheel .`), from a copy of the tracked tree."""
-    out = tmp_path_factory.mktemp("wheel")
+    """The wheel an operator would build (`pip wheel .`), from a copy of the tracked tree (a
+    build leaves its build/ behind, and must not see this checkout's own build outputs)."""
+    tree, out = tmp_path_factory.mktemp("tree"), tmp_path_factory.mktemp("wheel")
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for name in files.splitlines():
+        if (REPO / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, tree / name)
     done = subprocess.run(
         [
             sys.executable,
@@ -106,7 +112,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "-q",
             "-w",
             str(out),
-            str(REPO),
+            str(tree),
         ],
         capture_output=True,
         text=True,

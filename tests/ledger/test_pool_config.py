@@ -1,6 +1,6 @@
 """Pools as engines report them: reserved pages (ids never handed out: SGLang's padding page 0,
 vLLM's null block) in the capacity check and in grants, and config drift between prefill and
-decode pools of one model in one cluster, known before any transfer (EVENTS.md `pool`)."""
+decode pools of one model in one cluster, known before any transfer (docs/integrator.md `pool`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prefix caches as real engines run them (EVENTS.md `share`, holder `prefix_cache`).
+"""Prefix caches as real engines run them (docs/integrator.md `share`, holder `prefix_cache`).
 
 vLLM keeps a finished request's freed blocks, KV and all, in its free queue and revives them
 on a prefix hit; SGLang's radix tree holds a request's pages (a `prefix_cache` hold) after it

@@ -208,7 +208,7 @@ def share_scenario(origin_wrote_elsewhere: bool) -> list[Ev]:
     "origin_wrote_elsewhere", [False, True], ids=["origin-never-wrote", "page-of-another"]
 )
 def test_share_of_kv_the_origin_did_not_write_is_found(origin_wrote_elsewhere: bool) -> None:
-    """A share means "the request reads pages written by origin_req" (EVENTS.md). Here the page
+    """A share means "the request reads pages written by origin_req" (docs/integrator.md). Here the page
     holds globex's KV, so acme's a2 attends to another tenant's data: exactly the leak kvguard
     exists to catch, through the prefix cache instead of a reservation. Some finding must name
     a2 as the reader and g1 (globex) as the victim (stale_read, foreign_read or

@@ -1,4 +1,4 @@
-"""Verdicts that wait are settled (EVENTS.md): a wire probe's count short of the sender's claim,
+"""Verdicts that wait are settled (docs/integrator.md): a wire probe's count short of the sender's claim,
 with no word of the rest, is reported at the request's next use after receipt, once the
 nodes' clocks pass the clock-skew allowance, or at the end of a capture; a send no receiver
 that reports ever confirmed is reported at the end of a capture. Each verdict once."""

@@ -1,5 +1,5 @@
 """Bugs planted into a correct lifecycle, one at a time (`MUTATIONS`): each returns the
-mutated events and the finding the contract (EVENTS.md) names for it, with its offender,
+mutated events and the finding the contract (docs/integrator.md) names for it, with its offender,
 victim and pages, and the requests any other finding may concern."""
 
 from __future__ import annotations

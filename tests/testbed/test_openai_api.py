@@ -194,3 +194,14 @@ def test_the_workers_end_with_testbed_up(tmp_path: Path, stop: signal.Signals) -
         up.wait()
         if up.stdout is not None:
             up.stdout.close()
+
+
+def test_the_operators_guide_curl_example_works_as_written(cluster: Cluster) -> None:
+    # docs/operator.md's example, run with its port pointed at this cluster: the echo model
+    # answers the prompt with the prompt.
+    guide = (Path(__file__).parents[2] / "docs" / "operator.md").read_text()
+    start = guide.index("curl -s localhost:8000/v1/completions")
+    command = guide[start : guide.index("\n```", start)].replace("localhost:8000", cluster.url.split("//")[1])
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=120)
+    answer = json.loads(done.stdout)
+    assert answer["model"] == MODEL and answer["choices"][0]["text"] == "hello there"
