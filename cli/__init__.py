@@ -20,6 +20,7 @@ from kvguard.cli import (
     alerts,
     audit,
     certs,
+    completion,
     config,
     daemon,
     demo,
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         certs,
         config,
         install,
+        completion,
         testbed,
         demo,
     ):

@@ -370,7 +370,6 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument(
         "--to-header",
         action="append",
-        default=[],
         metavar="'NAME: VALUE'",
         help="an HTTP header (repeated)",
     )

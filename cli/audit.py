@@ -42,6 +42,7 @@ from kvguard.daemon.audit.source import (
 from kvguard.proto import pb
 from kvguard.proto.channel import TlsError
 from kvguard.proto.filter import Filter
+from kvguard.proto.vocabulary import SEVERITIES
 
 _MAX_UINT32 = (1 << 32) - 1
 
@@ -111,6 +112,9 @@ def _times(args: argparse.Namespace) -> tuple[int, int]:
     return since, until
 
 
+TIMES = "nanoseconds, ISO-8601, or a time ago"  # daemon/audit/format.py's parse_time
+
+
 def cmd_query(args: argparse.Namespace) -> int:
     """`kvguard audit query`: the matching records. Exit 0, or 2 on unusable input."""
     prog = "kvguard audit query"
@@ -126,6 +130,9 @@ def cmd_query(args: argparse.Namespace) -> int:
         req=args.req or "",
         node=args.node or "",
         findings=frozenset([args.finding] if args.finding else []),
+        severities=frozenset(SEVERITIES[: SEVERITIES.index(args.severity) + 1])
+        if args.severity
+        else frozenset(),
         since_ns=since,
         until_ns=until,
         limit=args.limit,
@@ -228,8 +235,18 @@ def add_parsers(audit_sub: Subcommands) -> None:
     p.add_argument("--req", metavar="R", help="records indexed under request R (see `audit request`)")
     p.add_argument("--node", metavar="N", help="records of node N")
     p.add_argument("--finding", metavar="KIND", help="findings of this kind (stale_read, ...)")
-    p.add_argument("--since", metavar="TIME", help="ts_ns at or after TIME (nanoseconds, or ISO-8601)")
-    p.add_argument("--until", metavar="TIME", help="ts_ns at or before TIME (nanoseconds, or ISO-8601)")
+    p.add_argument(
+        "--severity",
+        choices=SEVERITIES,
+        metavar="LEVEL",
+        help="findings of this severity or above (critical, high, medium, low, info)",
+    )
+    p.add_argument(
+        "--since", metavar="TIME", help="ts_ns at or after TIME (nanoseconds, ISO-8601, or ago: 24h)"
+    )
+    p.add_argument(
+        "--until", metavar="TIME", help="ts_ns at or before TIME (nanoseconds, ISO-8601, or ago: 5m)"
+    )
     p.add_argument("--limit", type=int, default=0, metavar="N", help="at most N records (0: all)")
     p.set_defaults(func=cmd_query)
 
@@ -252,8 +269,12 @@ def add_parsers(audit_sub: Subcommands) -> None:
         "kvguard audit exposure --tenant acme --since 2026-01-14T00:00:00",
     )
     p.add_argument("--tenant", required=True, metavar="T", help="the tenant whose KV may have leaked")
-    p.add_argument("--since", metavar="TIME", help="findings at or after TIME (nanoseconds, or ISO-8601)")
-    p.add_argument("--until", metavar="TIME", help="findings at or before TIME (nanoseconds, or ISO-8601)")
+    p.add_argument(
+        "--since", metavar="TIME", help="findings at or after TIME (nanoseconds, ISO-8601, or ago: 7d)"
+    )
+    p.add_argument(
+        "--until", metavar="TIME", help="findings at or before TIME (nanoseconds, ISO-8601, or ago)"
+    )
     _source_args(p)
     p.set_defaults(func=cmd_exposure)
 

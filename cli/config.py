@@ -93,8 +93,10 @@ def load(path: Path, named: bool, parsers: dict[str, argparse.ArgumentParser]) -
     for file in files:
         try:
             document = yaml.safe_load(file.read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"{file}: cannot be read: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"{file}: cannot be read: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(yaml_error(file, exc)) from None
         if document is None:
             continue
         if not isinstance(document, dict):
@@ -262,6 +264,16 @@ def reread(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(
             "the command line does not parse over this configuration (argparse said why)"
         ) from None
+
+
+def yaml_error(file: Path, exc: Exception) -> str:
+    """A YAML error as a compiler says one: `file:line:column: reason`, on one line."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(file)
+    problem = getattr(exc, "problem", None) or str(exc)
+    context = getattr(exc, "context", None)
+    reason = f"{problem} ({context})" if context and problem != str(exc) else problem
+    return f"{where}: not YAML: {' '.join(reason.split())}"
 
 
 def cmd_config(args: argparse.Namespace) -> int:

@@ -112,6 +112,11 @@ def install(root: Path) -> list[str]:
     put_file(etc / "kvguard/kvguard.yaml", (DEPLOY / "kvguard.yaml").read_bytes(), 0o640, group, said)
     for rule in sorted(DEFAULT_RULES_DIR.glob("*.yaml")):
         put_file(etc / "kvguard/rules" / rule.name, rule.read_bytes(), 0o640, group, said)
+    from kvguard.cli import build_parser
+    from kvguard.cli.completion import bash_script
+
+    completion = bash_script(build_parser()).encode()
+    put_file(root / "usr/share/bash-completion/completions/kvguard", completion, 0o644, None, said)
     if root == Path("/") and Path("/run/systemd/system").is_dir():  # systemd runs: it reads the units again
         _systemd("systemctl", root, "daemon-reload")
     return said

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from kvguard.proto.channel import NODE, OPERATOR, OPERATOR_URI, READER, READER_URI, peer_role
-from kvguard.proto.logs import logger
+from kvguard.proto.logs import fields, logger
 
 log = logger("daemon")
 
@@ -167,7 +167,11 @@ class RoleCheck(grpc.aio.ServerInterceptor):
             reason = f"{method} takes {takes}; this one ({who}) is {article} {role}'s, which {_MAY[role]}"
         with contextlib.suppress(RuntimeError):  # a loop already closed: the daemon is stopping
             self.loop.call_soon_threadsafe(self.counters.update, {f"access_denied_{role or 'unknown'}": 1})
-        log.warning(f"refused {context.peer()}: {reason}")
+        cn = names[0].decode(errors="replace") if names else ""
+        log.warning(
+            f"refused {context.peer()}: {reason}",
+            extra=fields(peer=context.peer(), method=method, cn=cn, role=role or "", reason=reason),
+        )
         return reason
 
 

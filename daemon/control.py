@@ -34,7 +34,7 @@ from kvguard.ledger.requests import ENDED
 from kvguard.proto import pb
 from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
-from kvguard.proto.logs import logger
+from kvguard.proto.logs import fields, logger
 from kvguard.ruleset import Ruleset
 
 log = logger("daemon")
@@ -182,7 +182,7 @@ class Control:
             self.pipeline.alert(acknowledgement(acknowledged, action, first + at), counter="acknowledgements")
         self.counters[f"action_{which}"] += 1
         said = self._said(action)
-        log.info(f"{by}: {said}")
+        log.info(f"{by}: {said}", extra=fields(method="ControlService.Act", by=by, action=which))
         return svc.ActionResult(record=first + at + len(orders), action=action, message=said)
 
     def _kill(self, action: svc.Action) -> list[tuple[str, svc.Command]]:
@@ -348,6 +348,7 @@ class ControlServicer:
             return await self.control.act(request, by)
         except ActionRefused as exc:
             self.control.counters["actions_refused"] += 1
-            log.warning(f"{by}: action refused: {exc}")
+            said = fields(peer=context.peer(), method="ControlService.Act", by=by, reason=str(exc))
+            log.warning(f"{by}: action refused: {exc}", extra=said)
             await context.abort(exc.code, str(exc))
             raise  # abort raises; this is for the type checker

@@ -9,6 +9,7 @@ control characters escaped).
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple, TextIO
@@ -29,13 +30,20 @@ _MIN_INT64 = -(1 << 63)
 # ---------------------------------------------------------------------------------------- time
 
 
+AGO_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}  # seconds
+
+
 def parse_time(text: str, option: str = "TIME") -> int:
-    """Integer nanoseconds, or an ISO-8601 timestamp (naive: UTC) as nanoseconds since the epoch;
+    """Integer nanoseconds, a time ago (`30m`, `24h`, `7d`: that long before now), or an ISO-8601
+    timestamp (naive: UTC) as nanoseconds since the epoch;
     before 1970 too, as negative nanoseconds (a record's ts_ns is whatever its node's clock
     read, and every record must be reachable by time). UsageError naming the option and the
     value if it is neither, or outside ts_ns's range (int64)."""
     value = text.strip()
-    if re.fullmatch(r"-?\d+", value):
+    ago = re.fullmatch(r"(\d+(?:\.\d+)?)(s|m|h|d|w)", value)
+    if ago:  # relative: that long before now (`--since 24h`)
+        ns = time.time_ns() - int(float(ago.group(1)) * AGO_UNITS[ago.group(2)] * 10**9)
+    elif re.fullmatch(r"-?\d+", value):
         ns = int(value)
     else:
         frac_ns = 0
@@ -47,8 +55,8 @@ def parse_time(text: str, option: str = "TIME") -> int:
             when = datetime.fromisoformat(value)
         except ValueError:
             raise UsageError(
-                f"{option} {text!r} is not a time: give integer nanoseconds or an ISO-8601 timestamp "
-                "such as 2026-03-01T12:00:00Z"
+                f"{option} {text!r} is not a time: give integer nanoseconds, an ISO-8601 timestamp "
+                "such as 2026-03-01T12:00:00Z, or a time ago such as 30m, 24h, 7d"
             ) from None
         if when.tzinfo is None:
             when = when.replace(tzinfo=UTC)

@@ -527,3 +527,21 @@ def test_records_before_1970_are_reached_by_every_query(
             assert rc == 1 and "globex" in out
     finally:
         d.stop()
+
+
+def test_query_by_severity_and_by_a_time_ago(daemon: Service, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = audit(
+        capsys, "query", *store_of(daemon), "--kind", "finding", "--severity", "critical", "-o", "json"
+    )
+    found = [r["finding"] for r in jsonl(out)]
+    assert rc == 0 and found and {f["severity"] for f in found} <= {"critical"}
+    _, every, _ = audit(capsys, "query", *store_of(daemon), "--kind", "finding", "-o", "json")
+    assert len(found) == sum(r["finding"]["severity"] == "critical" for r in jsonl(every))
+    assert any(r["finding"]["severity"] != "critical" for r in jsonl(every))
+    # The capture's clock starts at the epoch: nothing in the last day, all in the last 60,000 days.
+    _, recent, _ = audit(capsys, "query", *store_of(daemon), "--since", "24h", "-o", "json")
+    assert jsonl(recent) == []
+    _, all_of_it, _ = audit(capsys, "query", *store_of(daemon), "--since", "60000d", "-o", "json")
+    assert len(jsonl(all_of_it)) == len(jsonl(audit(capsys, "query", *store_of(daemon), "-o", "json")[1]))
+    rc, _, err = audit(capsys, "query", *store_of(daemon), "--since", "yesterday")
+    assert rc == 2 and "--since 'yesterday' is not a time" in err and "24h" in err

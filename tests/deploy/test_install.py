@@ -64,6 +64,8 @@ def test_install_puts_units_user_config_and_rules_where_the_units_look(tmp_path:
     rules = sorted(p.name for p in (etc / "kvguard/rules").glob("*.yaml"))
     assert rules and rules == sorted(p.name for p in (REPO / "ruleset/rules").glob("*.yaml"))
     assert mode_owner(etc / "kvguard/pki")[::2] == (0o750, gid)
+    completion = root / "usr/share/bash-completion/completions/kvguard"
+    assert "complete -F _kvguard kvguard" in completion.read_text()
     assert "/etc/systemd/system/kvguard-daemon.service: installed" in done.stdout.replace(str(root), "")
     assert "kvguard certs init /etc/kvguard/pki" in done.stdout  # what to do next
 
