@@ -236,13 +236,13 @@ def test_operator_actions_are_confirmed_then_recorded_with_who_did_them(
             assert (kill.kill.req, kill.by) == ("g12", WHO) and "leak" in kill.kill.message
             assert "Kill request: kill of g12 ordered to c0" in screen_text(app)
             # acknowledge: the mark and who
-            said = await act(pilot, "a", "")
+            said = await act(pilot, "a", "seen")
             assert said.startswith(f"Acknowledge alert: alert {share.cursor} acknowledged")
             await until(pilot, lambda: share.cursor in app.data.acks)
             assert row(app, "#alerts", str(share.cursor))[0] == "✓"
             assert f"acknowledged by {WHO}" in words(screen_text(app))
             # quarantine its pages (acme's pages 1-8 that globex read)
-            said = await act(pilot, "x", "")
+            said = await act(pilot, "x", "contain")
             assert "quarantine of 8 page(s) of pool 0 on c0 ordered" in said
             await until(pilot, lambda: any(c.HasField("quarantine") and c.by == WHO for c in c0.commands))
             # its rule to monitor, then the rules screen says so, and who
@@ -258,7 +258,7 @@ def test_operator_actions_are_confirmed_then_recorded_with_who_did_them(
             await pilot.press("3")
             await type_filter(pilot, "stale_read")
             await until(pilot, lambda: rows(app, "#alerts") == 2)
-            said = await act(pilot, "k", "")
+            said = await act(pilot, "k", "late")
             assert not app.data.last_result_ok and "has already ended" in said
             assert app.screen.query_one(ActionLine).has_class("failed")
 
@@ -269,8 +269,8 @@ def test_operator_actions_are_confirmed_then_recorded_with_who_did_them(
     kinds = [(a.WhichOneof("body"), a.by, a.reason) for a in actions]
     assert kinds[1:] == [  # the first: the fleet's own acknowledgement (conftest)
         ("kill", WHO, "leak"),
-        ("acknowledge", WHO, ""),
-        ("quarantine", WHO, ""),
+        ("acknowledge", WHO, "seen"),
+        ("quarantine", WHO, "contain"),
         ("rule_mode", WHO, "noisy"),
     ]
 
@@ -366,7 +366,11 @@ def test_against_a_daemon_without_the_newer_calls_the_dashboard_says_so_and_goes
             assert "alert feed: AlertService.Subscribe: UNIMPLEMENTED" in screen_text(app)
             app.ask_kill("r1", "")
             await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
-            await pilot.press("enter")
+            await pilot.press("enter")  # no reason: refused on the spot, nothing sent
+            await pilot.pause()
+            assert isinstance(app.screen, ConfirmScreen) and not app.data.last_result
+            assert "a reason is required: type why, then enter" in screen_text(app)
+            await pilot.press(*"test", "enter")
             await until(pilot, lambda: bool(app.data.last_result))
             assert "Kill request failed: ControlService.Act: UNIMPLEMENTED" in app.data.last_result
             assert app.data.unreachable is None and app.data.polls >= 3  # the fleet went on
@@ -395,7 +399,7 @@ def test_under_mutual_tls_an_action_is_the_certificates_and_a_readers_is_refused
                 await until(pilot, lambda: len(app.data.alerts) == 1 and app.data.fleet is not None)
                 await pilot.press("a")
                 await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
-                await pilot.press("enter")
+                await pilot.press(*"seen", "enter")
                 await until(pilot, lambda: bool(app.data.last_result))
                 return app.data.last_result
 

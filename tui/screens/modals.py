@@ -2,8 +2,9 @@
 and k9s's) and the confirmation an operator action goes through.
 
 Invariants: an action reaches the daemon only from ConfirmScreen's confirm (enter in its
-reason line, or its Confirm button), which returns the reason typed (possibly empty); escape
-or Cancel returns None and nothing is sent. The help lists exactly the keys the screens bind
+reason line, or its Confirm button) with a reason typed: without one it is refused on the
+spot (the audit log records why every action was taken); escape or Cancel returns None and
+nothing is sent. The help lists exactly the keys the screens bind
 (HELP is checked against the bindings by the tests).
 """
 
@@ -120,7 +121,11 @@ class ConfirmScreen(ModalScreen[str | None]):
         with Vertical(id="confirm-box") as box:
             box.border_title = self.title_text
             yield Static(Text(self.prompt), id="confirm-prompt")
-            yield Input(placeholder="reason (recorded in the audit log); enter confirms", id="confirm-reason")
+            yield Input(
+                placeholder="reason (required: recorded in the audit log); enter confirms",
+                id="confirm-reason",
+            )
+            yield Static("", id="confirm-said")
             with Horizontal(id="confirm-buttons"):
                 yield Button("Confirm", variant="error", id="confirm")
                 yield Button("Cancel", id="cancel")
@@ -129,13 +134,21 @@ class ConfirmScreen(ModalScreen[str | None]):
         self.query_one("#confirm-reason", Input).focus()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
-        self.dismiss(event.value.strip())
+        self._confirm(event.value)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "confirm":
-            self.dismiss(self.query_one("#confirm-reason", Input).value.strip())
+            self._confirm(self.query_one("#confirm-reason", Input).value)
         else:
             self.dismiss(None)
+
+    def _confirm(self, typed: str) -> None:
+        reason = typed.strip()
+        if not reason:  # refused here: nothing is sent
+            self.query_one("#confirm-said", Static).update("a reason is required: type why, then enter")
+            self.query_one("#confirm-reason", Input).focus()
+            return
+        self.dismiss(reason)
 
     def action_cancel(self) -> None:
         self.dismiss(None)
