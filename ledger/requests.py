@@ -121,6 +121,9 @@ if {name for name, value in vars(Request).items() if isinstance(value, _Number)}
     raise ImportError("Request must read every number of the REQ table (ledger/pages.h: Req)")
 
 
+DRAIN_STEPS = 2  # forwards an engine may run for a request after a kill from outside reached it
+
+
 class Requests:
     """Every request the ledger knows, by name and index; `applied` is the ledger's count of
     applied events, the clock of retirement."""
@@ -226,12 +229,13 @@ class Requests:
         self.columns["state"][r.idx] = STATE[state]
 
     def killed_from_outside(self, r: Request) -> None:
-        """A kill ordered from outside the engine reaches it between steps: the forward already
-        under way for the request (its next step, the page it grants for it, and that step's
-        reads) finishes, its output dropped by the engine, and is a drain, not progress (SGLang
-        runs it; vLLM does not)."""
+        """A kill ordered from outside the engine reaches it between steps: the forwards already
+        formed for the request (their steps, the pages they grant, their reads) finish, their
+        output dropped by the engine, and are a drain, not progress. SGLang's overlap schedule
+        forms the next forward before it processes the last one's results, where a kill takes
+        effect: up to DRAIN_STEPS of them; vLLM runs none."""
         if not r.ended:
-            self.draining[r.idx] = 1
+            self.draining[r.idx] = DRAIN_STEPS
 
     def drains(self, r: Request, step: bool) -> bool:
         """Whether this write (`step`) or read of an ended request is the drain of the forward

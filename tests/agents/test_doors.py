@@ -20,6 +20,7 @@ from pathlib import Path
 from agent_helpers import leak, stored, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from log_lines import said as said_lines
 
 from kvguard.agents.agent import NodeAgent
 from kvguard.agents.guard import AgentSink, Guard
@@ -138,7 +139,7 @@ def test_a_guard_that_goes_away_is_said_once(tmp_path: Path, capsys: object) -> 
         assert wait_for(lambda: agent.counters["guards_gone"] == 1)
     finally:
         agent.stop()
-    said = capsys.readouterr().err.splitlines()  # type: ignore[attr-defined]
+    said = said_lines(capsys.readouterr().err)  # type: ignore[attr-defined]
     # (An earlier test's agent may still say its own guard went away while this one runs.)
     gone = [line for line in said if "went away" in line and "gpu-2" in line]
     assert gone == ["kvguard agent: the guard of gpu-2 went away; gpu-2 is unguarded until it reconnects"]
@@ -331,7 +332,7 @@ def test_the_socket_framing_survives_any_bytes(tmp_path: Path) -> None:
     # and whatever a peer may send (any bytes framed or not, lengths over the limit, another
     # node's events, an end mid-frame). The agent's connection thread always returns, raises
     # nothing, and spools every event of the whole frames that came before the first bad byte.
-    agent = NodeAgent(tmp_path / "agent.sock", "127.0.0.1:1", tmp_path / "spool", frame_timeout=0.2)
+    agent = NodeAgent(tmp_path / "agent.sock", "127.0.0.1:1", tmp_path / "spool", frame_timeout=1.0)
     crashes: list[object] = []
     hook = threading.excepthook
     threading.excepthook = crashes.append

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from endpoints import serve
+from log_lines import said as said_lines
 
 from kvguard.agents.engine_watch import read_engine
 from kvguard.agents.probes import (
@@ -221,9 +222,7 @@ def test_an_unguarded_engines_undersized_pool_reaches_the_daemon(tmp_path: Path)
         http.server_close()
     assert [(f.finding, f.node) for f in found] == [("config_drift", "sglang-p0")]
     assert "681280 tokens" in found[0].message and "1048576" in found[0].message
-    said = [
-        line.split(" (after ")[0] for line in err.splitlines() if line.startswith("kvguard agent: probe ")
-    ]
+    said = [line.split(" (after ")[0] for line in said_lines(err) if line.startswith("kvguard agent: probe ")]
     unread = [line for line in said if "pool of" not in line and "read in full again" not in line]
     assert sorted(unread) == sorted(
         [

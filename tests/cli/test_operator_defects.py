@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from agent_helpers import Lines, stored, wait_for
+from log_lines import said as said_lines
 
 from kvguard.agents.guard import AgentSink, Guard
 from kvguard.cli.options import listen_address
@@ -70,7 +71,7 @@ def test_a_second_daemon_on_a_taken_port_refuses_and_the_first_serves_on(
     second = kvguard("daemon", "--listen", daemon.address, "--store", str(tmp_path / "other.db"))
     assert second.returncode == 2 and second.stdout == ""  # never READY
     assert (
-        second.stderr.splitlines()[-1]
+        said_lines(second.stderr)[-1]
         == f"kvguard daemon: cannot listen on {daemon.address}: the address is in use"
     )
     assert "Traceback" not in second.stderr
@@ -172,7 +173,7 @@ def test_verify_of_a_store_that_does_not_exist_says_so_and_creates_nothing(tmp_p
 def test_a_daemon_whose_store_cannot_be_opened_says_why_in_a_line(store: str, said: str) -> None:
     run = kvguard("daemon", "--listen", "127.0.0.1:0", "--store", store)
     assert run.returncode == 2 and run.stdout == ""
-    (line,) = run.stderr.splitlines()  # one line, no traceback
+    (line,) = said_lines(run.stderr)  # one line, no traceback
     shown = store.replace("s3cret", "***")  # a password never reaches the log
     assert line.startswith(f"kvguard daemon: audit store {shown} cannot be opened: ") and said in line
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+from log_lines import said as said_lines
 
 from kvguard.cli.process import Service
 from kvguard.daemon.access import ListenerError, check_listener
@@ -36,7 +37,7 @@ def kvguard_daemon(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[st
 def test_a_plaintext_listener_beyond_loopback_is_refused_in_one_line(tmp_path: Path, listen: str) -> None:
     run = kvguard_daemon(tmp_path, "--listen", listen)
     assert run.returncode == 2 and run.stdout == ""  # never READY
-    (line,) = run.stderr.splitlines()
+    (line,) = said_lines(run.stderr)
     assert line.startswith(f"kvguard daemon: --listen {listen}: ")
     assert "anyone who reaches it could read the audit log and speak as any node" in line
     assert "--tls-ca" in line and "--insecure" in line
@@ -53,7 +54,7 @@ def test_insecure_serves_beyond_loopback_and_warns_once(tmp_path: Path) -> None:
         assert state.events == 0
     finally:
         said = daemon.stop()
-    warnings = [line for line in said.splitlines() if "warning" in line]
+    warnings = [line for line in said_lines(said) if "warning" in line]
     assert warnings == [
         "kvguard daemon: warning: plaintext gRPC on 0.0.0.0:0 (0.0.0.0 is every IPv4 interface), "
         "as --insecure allows: anyone who reaches it can read the audit log and speak as any node"
@@ -138,6 +139,6 @@ def test_an_address_in_use_stops_the_start_in_one_line(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         run = kvguard_daemon(tmp_path, "--listen", f"127.0.0.1:{port}")
     assert run.returncode == 2 and run.stdout == ""
-    said = run.stderr.splitlines()[-1]
+    said = said_lines(run.stderr)[-1]
     assert said == f"kvguard daemon: cannot listen on 127.0.0.1:{port}: the address is in use"
     assert "Traceback" not in run.stderr

@@ -18,6 +18,7 @@ import grpc
 import pytest
 from certificates import client, make_pki, tls_args
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from log_lines import said as said_lines
 
 from kvguard.agents.upstream import AgentStream
 from kvguard.cli.process import Service, start_daemon
@@ -129,7 +130,7 @@ def test_a_node_streams_its_own_events_and_reads_nothing(pki: Path, daemon: Serv
     assert [pb.Event.FromString(body).node for _, _, body in s.rows(kind="event")] == ["p0"]
     s.close()
     assert denials(pki, daemon) == {"node": 3, "reader": 0, "operator": 0}
-    logged = [line for line in daemon.stop().splitlines() if " refused " in line]
+    logged = [line for line in said_lines(daemon.stop()) if " refused " in line]
     assert len(logged) == 3
     for line, (method, reason) in zip(logged, said.items(), strict=True):
         assert line.startswith("kvguard daemon: refused ipv4:127.0.0.1:") and line.endswith(f": {reason}")

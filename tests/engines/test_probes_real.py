@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from endpoints import serve
 from engine_venvs import run_scenario
+from log_lines import said as said_lines
 
 from kvguard.agents.engine_watch import read_engine
 from kvguard.agents.probes import (
@@ -277,7 +278,7 @@ def test_a_real_agent_reads_real_engines_into_the_daemon(
     # /server_info says the configured "auto"; the decode side's log says fp8_e4m3.
     assert pair == {("page_size", "sg-p0", "sg-d0"), ("kv_dtype", "sg-p0", "sg-d0")}
     assert "probe sg-p0: pool of 8192 tokens (513 pages of 16, 1 reserved), context 4096" in err
-    said = [line for line in err.splitlines() if line.startswith("kvguard agent: probe vllm-c0: GET")]
+    said = [line for line in said_lines(err) if line.startswith("kvguard agent: probe vllm-c0: GET")]
     assert len(said) == 1 and said[0].startswith(
         f"kvguard agent: probe vllm-c0: GET {short_url}/metrics: HTTP 404"
     )

@@ -162,12 +162,13 @@ def killed(by: str, steps: int) -> list[Finding]:
 
 
 def test_the_forward_under_way_when_a_kill_came_from_outside_is_a_drain() -> None:
-    """SGLang learns of a kill between steps and still runs the forward it has already formed
-    (its output dropped): that one step is a drain. A second is progress, and so is any step
+    """SGLang learns of a kill between steps and still runs the forwards it has already formed
+    (its output dropped; its overlap schedule forms the next before the last one's results
+    end the request): those two steps are a drain. A third is progress, and so is any step
     after a kill the engine's own guard made (it drops the request before the forward)."""
-    assert killed("unverified:alice", 1) == []
-    assert killed("daemon", 1) == []
-    found = killed("daemon", 2)
+    assert killed("unverified:alice", 2) == []
+    assert killed("daemon", 1) == killed("daemon", 2) == []
+    found = killed("daemon", 3)
     assert {(f.finding, f.details["event"]) for f in found} == {
         ("rejected_progress", "step"),
         ("rejected_progress", "read"),
