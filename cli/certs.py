@@ -17,6 +17,7 @@ the CA's key stays in DIR, which should then go offline for anything beyond a te
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -41,10 +42,13 @@ class Wanted:
     kind: str  # daemon, node, reader, operator
     name: str
     hosts: tuple[str, ...] = ()  # the daemon's DNS names and IP addresses
+    also: tuple[str, ...] = ()  # a node certificate's other nodes (one host's engines: --node a,b)
 
     @property
     def stem(self) -> str:
-        return "daemon" if self.kind == "daemon" else f"{self.kind}-{self.name}"
+        if self.kind == "daemon":
+            return "daemon"
+        return f"{self.kind}-{'+'.join((self.name, *self.also))}"
 
 
 def _checked_name(kind: str, name: str) -> str:
@@ -68,8 +72,9 @@ def _checked_host(host: str) -> str:
     return host
 
 
-def _plan(directory: Path, wanted: list[Wanted], with_ca: bool) -> None:
-    """Refuse before writing anything: a file that exists, a name given twice."""
+def _plan(directory: Path, wanted: list[Wanted], with_ca: bool, renew: bool = False) -> None:
+    """Refuse before writing anything: a file that exists (unless `renew`: a rotation replaces
+    it), a name given twice."""
     stems = ["ca"] if with_ca else []
     stems += [w.stem for w in wanted]
     twice = sorted({s for s in stems if stems.count(s) > 1})
@@ -77,15 +82,20 @@ def _plan(directory: Path, wanted: list[Wanted], with_ca: bool) -> None:
         raise CertsError(f"named twice: {', '.join(twice)}")
     existing = [str(directory / f"{s}{ext}") for s in stems for ext in (".pem", ".key")]
     existing = [p for p in existing if os.path.exists(p)]
-    if existing:
+    if existing and not renew:
         raise CertsError(f"would overwrite {', '.join(existing)}: choose another directory or remove them")
 
 
 def _write(path: Path, data: bytes, private: bool) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    fd = os.open(path, flags, 0o600 if private else 0o644)
+    """`data` as `path`, made whole beside it and renamed over it: a reader (a service at its
+    restart) finds the old file or the new one, never a key without its certificate's bytes."""
+    spare = path.with_name(f".{path.name}.new")
+    with contextlib.suppress(FileNotFoundError):
+        spare.unlink()
+    fd = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+    os.replace(spare, path)
 
 
 def _owner(owner: str) -> tuple[int, int]:
@@ -186,7 +196,7 @@ class Authority:
         else:
             cn, usage = wanted.name, ExtendedKeyUsageOID.CLIENT_AUTH
             if wanted.kind == "node":
-                sans.append(x509.DNSName(wanted.name))
+                sans += [x509.DNSName(name) for name in (wanted.name, *wanted.also)]
             else:
                 sans.append(
                     x509.UniformResourceIdentifier(READER_URI if wanted.kind == "reader" else OPERATOR_URI)
@@ -226,10 +236,15 @@ class Authority:
 
 
 def _wanted(args: argparse.Namespace) -> list[Wanted]:
+    """What the --node, --reader and --operator options ask for; `--node a,b` is one
+    certificate that speaks for nodes a and b (the engines of one host behind one agent)."""
     wanted = []
     for kind in KINDS:
-        for name in getattr(args, kind) or []:
-            wanted.append(Wanted(kind, _checked_name(kind, name)))
+        for given in getattr(args, kind) or []:
+            names = [_checked_name(kind, n) for n in given.split(",")] if kind == "node" else [given]
+            if len(set(names)) != len(names):
+                raise CertsError(f"--node {given}: names a node twice")
+            wanted.append(Wanted(kind, _checked_name(kind, names[0]), also=tuple(names[1:])))
     return wanted
 
 
@@ -309,10 +324,13 @@ def cmd_certs(args: argparse.Namespace) -> int:
             authority = Authority.create(directory, args.ca_name, args.ca_days)
             made = [directory / "ca.pem"]
         else:
+            if args.daemon_host:  # the daemon's own, again (a rotation, or new names)
+                hosts = tuple(_checked_host(h) for h in args.daemon_host)
+                wanted.insert(0, Wanted("daemon", "daemon", hosts))
             if not wanted:
-                raise CertsError("name at least one --node, --reader or --operator")
+                raise CertsError("name at least one --node, --reader, --operator or --daemon-host")
             authority = Authority.load(directory)
-            _plan(directory, wanted, with_ca=False)
+            _plan(directory, wanted, with_ca=False, renew=args.renew)
             made = []
         made += [authority.issue(directory, w, args.days) for w in wanted]
         if owner is not None:  # the service's user reads its certificate and key (the CA's key stays root's)
@@ -347,7 +365,12 @@ def add_parser(sub: Subcommands) -> None:
 
     def named(q: argparse.ArgumentParser) -> None:
         q.add_argument("dir", help="the directory of the CA and its certificates")
-        q.add_argument("--node", action="append", metavar="NAME", help="a node's certificate (repeatable)")
+        q.add_argument(
+            "--node",
+            action="append",
+            metavar="NAME[,NAME...]",
+            help="a node's certificate (repeatable); a,b: one certificate for nodes a and b (one host)",
+        )
         q.add_argument("--reader", action="append", metavar="NAME", help="a reader's: audit, alerts, fleet")
         q.add_argument(
             "--operator", action="append", metavar="NAME", help="an operator's: also act (kill ...)"
@@ -378,14 +401,25 @@ def add_parser(sub: Subcommands) -> None:
     )
     init.add_argument("--ca-name", default="kvguard CA", help="the CA's common name")
     init.add_argument("--ca-days", type=int, default=3650, help="the CA's validity (default 3650)")
-    named(
-        add_command(
-            verbs,
-            "issue",
-            "more certificates from DIR's CA",
-            "Sign more node, reader or operator certificates with the CA made by `certs init DIR`.",
-            "kvguard certs issue pki --node d1",
-        )
+    issue = add_command(
+        verbs,
+        "issue",
+        "more certificates from DIR's CA, or new ones in place of those that expire",
+        "Sign more node, reader or operator certificates, or the daemon's again, with the CA made by "
+        "`certs init DIR`; --renew replaces those that exist (the services take them at restart).",
+        "kvguard certs issue pki --node d1 --node gpu-3,gpu-4 --renew",
+    )
+    named(issue)
+    issue.add_argument(
+        "--daemon-host",
+        action="append",
+        metavar="HOST",
+        help="issue the daemon's certificate again, for these names (repeatable)",
+    )
+    issue.add_argument(
+        "--renew",
+        action="store_true",
+        help="replace certificates that exist (a rotation) instead of refusing",
     )
     show = add_command(
         verbs,

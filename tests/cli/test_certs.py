@@ -166,3 +166,55 @@ def test_init_as_root_gives_the_services_user_its_keys_and_not_the_cas(tmp_path:
     assert refused.returncode == 2 and "--owner no-such-user: no such user or group" in refused.stderr
     assert not (tmp_path / "other" / "ca.pem").exists()  # refused before anything was written
     shutil.rmtree(base)
+
+
+def test_one_certificate_for_the_nodes_of_a_host_and_a_renewal_in_place(tmp_path: Path) -> None:
+    from cryptography import x509
+
+    pki = tmp_path / "pki"
+    assert certs("init", str(pki), "--node", "gpu-3,gpu-4").returncode == 0
+    host = x509.load_pem_x509_certificate((pki / "node-gpu-3+gpu-4.pem").read_bytes())
+    names = host.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["gpu-3", "gpu-4"]
+    twice = certs("issue", str(pki), "--node", "gpu-5,gpu-5")
+    assert twice.returncode == 2 and "--node gpu-5,gpu-5: names a node twice" in twice.stderr
+    # A rotation: without --renew nothing is replaced; with it, the daemon's and the host's
+    # certificates are new (new serials), from the same CA.
+    before = {
+        stem: x509.load_pem_x509_certificate((pki / f"{stem}.pem").read_bytes())
+        for stem in ("daemon", "node-gpu-3+gpu-4")
+    }
+    refused = certs("issue", str(pki), "--daemon-host", "localhost", "--daemon-host", "127.0.0.1")
+    assert refused.returncode == 2 and "would overwrite" in refused.stderr
+    renewed = certs(
+        "issue",
+        str(pki),
+        "--daemon-host",
+        "localhost",
+        "--daemon-host",
+        "127.0.0.1",
+        "--node",
+        "gpu-3,gpu-4",
+        "--renew",
+    )
+    assert renewed.returncode == 0, renewed.stderr
+    for stem, old in before.items():
+        new = x509.load_pem_x509_certificate((pki / f"{stem}.pem").read_bytes())
+        assert new.serial_number != old.serial_number and new.issuer == old.issuer
+    assert not list(pki.glob(".*.new"))  # replaced whole, nothing left beside
+    daemon = start_daemon(
+        str(tmp_path / "audit.db"),
+        0,
+        *("--tls-ca", str(pki / "ca.pem"), "--tls-cert", str(pki / "daemon.pem")),
+        *("--tls-key", str(pki / "daemon.key")),
+    )
+    try:
+        # The host's certificate speaks for both of its nodes, and for no other.
+        for node in ("gpu-3", "gpu-4"):
+            stream = AgentStream(channel(daemon.address, tls(pki, "node-gpu-3+gpu-4")), node)
+            assert stream.send(stale_reads(node, 1)).accepted > 0
+            stream.close()
+        with pytest.raises(DaemonRefused, match="it names gpu-3, gpu-4"):
+            AgentStream(channel(daemon.address, tls(pki, "node-gpu-3+gpu-4")), "gpu-5")
+    finally:
+        daemon.stop()
