@@ -175,13 +175,16 @@ def _demo(out_dir: Path, store: Path, sock: Path, address: str, started: float, 
             f"   {'acme secret leaked':22}{'YES' if leaked['unguarded'] else 'no':{width}}  "
             f"{'YES' if leaked['guarded'] else 'no'}\n"
         )
+        p("\n3. what each cluster's guards found (one line a finding; in monitor mode an action is\n")
+        p("   only what enforce would have done: `would kill`)\n")
         for name, cluster in clusters.items():
             findings = cluster.findings()
-            p(f"\n3. findings of the {name} cluster's guards ({len(findings)}):\n")
+            p(f"\n   {name} ({len(findings)}):\n")
             for f in findings:
-                victim = f" victim {f['victim_tenant']} ({f['victim_req']})" if f.get("victim_tenant") else ""
-                p(f"   {f['severity'].upper():8} {f['action']:16} {f['rule']:24} on {f['node']}{victim}\n")
-                p(f"            {_short(f['message'], 110)}\n")
+                acts = f["action"] not in ("alert", "log")  # alerts are made in either mode
+                action = f"would {f['action']}" if runs[name] == "monitor" and acts else f["action"]
+                victim = f" victim {f['victim_tenant']}" if f.get("victim_tenant") else ""
+                p(f"   {f['severity'].upper():8} {action:18} {f['rule']:26} {f['node']:10}{victim}\n")
     finally:
         for cluster in clusters.values():
             cluster.__exit__(None, None, None)
