@@ -75,6 +75,21 @@ class Tls:
             [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True
         )
 
+    def role(self) -> str:
+        """The role this side's own certificate gives it (OPERATOR, READER or NODE), as the
+        other side's `peer_role` will read it."""
+        from cryptography import x509
+
+        cert = x509.load_pem_x509_certificate(self.cert)
+        try:
+            names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except x509.ExtensionNotFound:
+            return NODE
+        uris = names.get_values_for_type(x509.UniformResourceIdentifier)
+        if OPERATOR_URI in uris:
+            return OPERATOR
+        return READER if READER_URI in uris else NODE
+
     def channel_credentials(self) -> grpc.ChannelCredentials:
         import grpc
 

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import grpc
 
-from kvguard.proto.channel import Tls, channel
+from kvguard.proto.channel import OPERATOR, Tls, channel
 from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
@@ -99,6 +99,9 @@ class DaemonClient:
     def __init__(self, address: str, tls: Tls | None = None, user: str | None = None) -> None:
         self.address = address
         self.tls = tls
+        # Under mutual TLS only an operator's certificate may act; plaintext is the daemon's
+        # to judge (it takes actions only from loopback, as `unverified:`).
+        self.may_act = tls is None or tls.role() == OPERATOR
         self.user = user if user is not None else _os_user()
         self.metadata = ((USER_METADATA, self.user),)
         self.pin_fleet: Callable[[svc.FleetState], None] | None = None

@@ -22,8 +22,16 @@ if TYPE_CHECKING:
     from kvguard.tui.app import TopApp
 
 
+# The bindings that act on the daemon (ControlService.Act): not offered to a reader.
+ACTIONS = frozenset({"acknowledge", "kill", "quarantine", "rule_mode", "toggle", "default"})
+
+
 class DashboardScreen(Screen[None]):
     TITLE = ""  # the status line's first word
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """A reader's certificate may not act: its action keys are neither shown nor taken."""
+        return not (action in ACTIONS and not self.top.client.may_act)
 
     @property
     def top(self) -> TopApp:
