@@ -99,7 +99,7 @@ def follow(client: DaemonClient, f: Filter, emit: Emit) -> None:
                     backoff.succeeded()
             finally:
                 cancel()
-            raise Unreachable("AlertService.Subscribe", "ENDED", "the daemon ended the stream")
+            raise Unreachable("AlertService.Subscribe", "ENDED", "")
         except Unreachable as exc:
             if not down:
                 _say(f"{client.address}: {exc}; resuming after cursor {cursor} when it is back")

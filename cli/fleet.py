@@ -133,7 +133,10 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         with channel(args.daemon, tls_from_args(args)) as ch:
             state = svc_grpc.FleetServiceStub(ch).State(svc.FleetRequest(), timeout=args.timeout)
     except grpc.RpcError as exc:
-        print(f"kvguard fleet: daemon {args.daemon}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        from kvguard.tui.client import WORDS
+
+        words = WORDS.get(exc.code().name, exc.code().name)
+        print(f"kvguard fleet: daemon {args.daemon}: {words}: {exc.details()}", file=sys.stderr)
         return 2
     if args.output == "json":
         sys.stdout.write(orjson.dumps(message_json_dict(state)).decode() + "\n")

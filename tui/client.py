@@ -39,11 +39,33 @@ CHANNEL_OPTIONS = (
 )
 
 
+# What a gRPC status means to the person reading the dashboard or a command's error.
+WORDS = {
+    "UNAVAILABLE": "the daemon cannot be reached",
+    "DEADLINE_EXCEEDED": "the daemon did not answer in time",
+    "PERMISSION_DENIED": "not allowed",
+    "UNAUTHENTICATED": "not authenticated",
+    "UNIMPLEMENTED": "not served by this daemon",
+    "NOT_FOUND": "not found",
+    "INVALID_ARGUMENT": "refused",
+    "FAILED_PRECONDITION": "refused",
+    "ALREADY_EXISTS": "refused",
+    "RESOURCE_EXHAUSTED": "the daemon is overloaded",
+    "CANCELLED": "cancelled",
+    "DATA_LOSS": "the audit store failed",
+    "INTERNAL": "the daemon failed",
+    "CLOSED": "the connection to the daemon closed",
+    "ENDED": "the daemon ended the stream",
+}
+
+
 class DaemonError(RuntimeError):
-    """A call the daemon did not answer as asked; the message says which call and why."""
+    """A call the daemon did not answer as asked; the message says which call and why, in
+    words (`code` keeps the gRPC status's name for programs)."""
 
     def __init__(self, call: str, code: str, details: str) -> None:
-        super().__init__(f"{call}: {code}: {details}" if details else f"{call}: {code}")
+        words = WORDS.get(code, "failed")
+        super().__init__(f"{call}: {words}: {details}" if details else f"{call}: {words}")
         self.call = call
         self.code = code
         self.details = details
@@ -65,7 +87,7 @@ def error_of(call: str, exc: grpc.RpcError) -> DaemonError:
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return Unreachable(call, name, details)
     if code == grpc.StatusCode.UNIMPLEMENTED:
-        return Unsupported(call, name, "this daemon does not serve it (older than the dashboard)")
+        return Unsupported(call, name, "it is older than the dashboard")
     return DaemonError(call, name, details)
 
 

@@ -109,4 +109,4 @@ class AlertFeed:
                 self.received += 1
                 self._pending.append(alert)
             self.backoff.succeeded()
-        raise Unreachable("AlertService.Subscribe", "ENDED", "the daemon ended the stream")
+        raise Unreachable("AlertService.Subscribe", "ENDED", "")

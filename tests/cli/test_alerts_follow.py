@@ -249,7 +249,7 @@ def test_a_follower_stopped_with_alerts_undelivered_exits_1_and_says_why(
         (["--to", "ftp://x"], "--to ftp://x: unknown output"),
         (["--to", "syslog+udp://h:514?facility=nope"], "facility 'nope' is not one of"),
         (["--to", "http://h/", "--to-header", "no colon"], "--to-header 'no colon': not 'Name: value'"),
-        (["--daemon", "127.0.0.1:1"], "127.0.0.1:1: AuditService.Query: UNAVAILABLE"),
+        (["--daemon", "127.0.0.1:1"], "127.0.0.1:1: AuditService.Query: the daemon cannot be reached"),
     ],
 )
 def test_options_it_cannot_use_exit_2_naming_them(args: list[str], said: str) -> None:

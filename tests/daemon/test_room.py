@@ -48,7 +48,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 def test_kvguard_fleet_names_a_daemon_it_cannot_reach() -> None:
     shown = kvguard_fleet("127.0.0.1:1", "--timeout", "2")
     assert shown.returncode == 2 and shown.stdout == ""
-    assert shown.stderr.startswith("kvguard fleet: daemon 127.0.0.1:1: UNAVAILABLE")
+    assert shown.stderr.startswith("kvguard fleet: daemon 127.0.0.1:1: the daemon cannot be reached")
 
 
 def fleet(address: str) -> svc.FleetState:
