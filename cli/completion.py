@@ -88,7 +88,7 @@ def add_parser(sub: Subcommands) -> None:
         "completion",
         "print the shell completion script (bash; zsh through bashcompinit)",
         "Print a bash completion script for kvguard's subcommands, options and their choices.",
-        "kvguard completion bash > /etc/bash_completion.d/kvguard",
+        "kvguard completion bash",
     )
     p.add_argument("shell", choices=("bash",), help="the shell")
     p.set_defaults(func=cmd_completion)

@@ -147,7 +147,7 @@ def test_the_commands_take_the_same_tls_options_in_either_role(pki: Path, daemon
     as_node = kvguard(*fleet, *tls_args(pki, "node-d0"))
     assert as_node.returncode == 2
     assert as_node.stderr.strip() == (
-        f"kvguard fleet: daemon {daemon.address}: PERMISSION_DENIED: /kvguard.v1.FleetService/State "
+        f"kvguard fleet: daemon {daemon.address}: not allowed: /kvguard.v1.FleetService/State "
         f"{TAKES_A_READER}; this one (d0) is a node's, which {NODE_MAY}"
     )
     replay = kvguard("replay", str(INCIDENT), "--to", daemon.address, *tls_args(pki, "siem"))
