@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvguard.ledger import Finding
 from kvguard.ledger.findings import KILL_ACTIONS
@@ -131,21 +131,6 @@ class Outcomes:
             "judged_ns": str(w.judged_ns),
             "learned_ns": str(w.learned_ns),
         }
-        return Finding(
-            finding=f.finding,
-            node=f.node,
-            req=f.req,
-            tenant=f.tenant,
-            victim_req=f.victim_req,
-            victim_tenant=f.victim_tenant,
-            pool=f.pool,
-            pages=f.pages,
-            seq=f.seq,
-            ts_ns=w.ended_ns or f.ts_ns,
-            message=words,
-            details=details,
-            severity=f.severity,
-            action=f.action,
-            rule=f.rule,
-            tags=(*f.tags, "outcome"),
+        return replace(
+            f, ts_ns=w.ended_ns or f.ts_ns, message=words, details=details, tags=(*f.tags, "outcome")
         )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvguard.ledger import Finding
 
@@ -132,21 +132,11 @@ class Repeats:
         }
         if run.victims:
             details["victim_reqs"] = ",".join(run.victims)
-        return Finding(
-            finding=f.finding,
-            node=f.node,
-            req=f.req,
-            tenant=f.tenant,
+        return replace(
+            f,
             victim_req="",  # a run may name several: details victim_reqs
-            victim_tenant=f.victim_tenant,
-            pool=f.pool,
-            pages=f.pages,
-            seq=f.seq,
             ts_ns=run.last_ns or f.ts_ns,
             message=words,
             details=details,
-            severity=f.severity,
-            action=f.action,
-            rule=f.rule,
             tags=(*f.tags, "repeats"),
         )
