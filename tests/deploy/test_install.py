@@ -5,6 +5,7 @@ the wheel test makes the `kvguard` system user on the host (systemd-sysusers, id
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -24,7 +25,6 @@ from kvguard.cli import install as installer
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-KVGUARD = Path(sys.executable).parent / "kvguard"
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="installs users and owners: needs root")
 
@@ -47,16 +47,29 @@ def group_of(root: Path) -> int:
     )
 
 
-def test_install_puts_units_user_config_and_rules_where_the_units_look(tmp_path: Path) -> None:
+def test_install_puts_units_user_config_and_rules_where_the_units_look(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A kvguard installed inside the staged root (wherever this checkout lives: /tmp, /home):
+    # the units name it by its path there. The wheel test below runs the real command.
     root = tmp_path / "root"
     (root / "etc").mkdir(parents=True)
-    done = kvguard(KVGUARD, "install", "--root", str(root))
-    assert done.returncode == 0, done.stderr
+    venv = root / "opt/kvguard/bin"
+    venv.mkdir(parents=True)
+    (venv / "kvguard").write_text("#!/bin/sh\n")
+    (venv / "kvguard").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(venv / "python"))
+
+    def install() -> str:
+        assert installer.cmd_install(argparse.Namespace(root=str(root))) == 0
+        return capsys.readouterr().out
+
+    said = install()
     etc = root / "etc"
     for unit in ("kvguard-daemon.service", "kvguard-agent.service", "kvguard-alerts.service"):
         text = (etc / "systemd/system" / unit).read_text()
         # The units run this kvguard (where pip put it), not the template's /usr/bin/kvguard.
-        assert f"ExecStart={KVGUARD} {unit.split('-')[1].split('.')[0]}" in text
+        assert f"ExecStart=/opt/kvguard/bin/kvguard {unit.split('-')[1].split('.')[0]}" in text
         assert "/usr/bin/kvguard" not in text
     gid = group_of(root)
     assert mode_owner(etc / "kvguard/kvguard.yaml") == (0o640, 0, gid)
@@ -66,16 +79,15 @@ def test_install_puts_units_user_config_and_rules_where_the_units_look(tmp_path:
     assert mode_owner(etc / "kvguard/pki")[::2] == (0o750, gid)
     completion = root / "usr/share/bash-completion/completions/kvguard"
     assert "complete -F _kvguard kvguard" in completion.read_text()
-    assert "/etc/systemd/system/kvguard-daemon.service: installed" in done.stdout.replace(str(root), "")
-    assert "kvguard certs init /etc/kvguard/pki" in done.stdout  # what to do next
+    assert "/etc/systemd/system/kvguard-daemon.service: installed" in said.replace(str(root), "")
+    assert "kvguard certs init /etc/kvguard/pki" in said  # what to do next
 
     # Again, over an operator's edits: nothing of theirs is overwritten, each file is said.
     (etc / "kvguard/kvguard.yaml").write_text("daemon:\n  mode: monitor\n")
-    again = kvguard(KVGUARD, "install", "--root", str(root))
-    assert again.returncode == 0, again.stderr
+    again = install()
     assert (etc / "kvguard/kvguard.yaml").read_text() == "daemon:\n  mode: monitor\n"
-    assert f"{etc}/kvguard/kvguard.yaml: kept (it differs from the packaged one)" in again.stdout
-    assert "installed" not in again.stdout
+    assert f"{etc}/kvguard/kvguard.yaml: kept (it differs from the packaged one)" in again
+    assert "installed" not in again
 
 
 def test_a_kvguard_the_units_could_not_start_is_refused(
