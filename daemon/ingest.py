@@ -126,9 +126,9 @@ class Ingest:
         self._frozen = time.monotonic()
         # How each request a finding ordered stopped then ended, said as an update of it.
         self.outcomes = Outcomes(lambda finding: self.alert(finding, counter="outcomes"), self._responds)
-        # One alert per run of findings that repeat one another; each is stored.
         # The findings the rules judged (and the daemon's own), by kind, rule and severity.
         self.judged: Counter[tuple[str, str, str]] = Counter()
+        # One alert per run of findings that repeat one another; each is stored.
         self.repeats = Repeats(lambda finding: self.alert(finding, counter="repeated_ends"), loop.call_later)
 
     def ingest(self, batch: Batch) -> None:

@@ -40,7 +40,6 @@ class Run:
     last_seen: float  # monotonic: when the daemon judged the last finding of the run
     repeats: int = 0
     last_ns: int = 0  # the node's time of the last repeat
-    ended: bool = False
     victims: dict[str, None] = field(default_factory=dict)  # the victim requests named, in order
 
 
@@ -54,10 +53,13 @@ class Repeats:
     ):
         self._say = say  # an alert of the daemon's own (Ingest.alert)
         self._later = later  # loop.call_later: the quiet check runs with no event to trigger it
-        self._runs: dict[Key, Run] = {}  # in the order they opened
+        self._runs: dict[Key, Run] = {}  # the open ones, in the order they opened
+        self._of_req: dict[str, dict[Key, None]] = {}  # the open runs of each request, in order
+        self._ended: list[Run] = []  # ended, said once their first cursor is known
         self._armed = False
 
     def __len__(self) -> int:
+        """The open runs (those a request's end may end)."""
         return len(self._runs)
 
     def judged(self, finding: Finding, cursor: Future[int], row: int) -> int:
@@ -66,53 +68,72 @@ class Repeats:
         else its ordinal in its run (1 for the first repeat), for its record to carry."""
         if not finding.req:
             return 0
-        run = self._runs.get(key_of(finding))
+        key = key_of(finding)
+        run = self._runs.get(key)
         now = time.monotonic()
-        if run is None or run.ended:
+        if run is None:
             if len(self._runs) >= MAX_RUNS:
-                next(iter(self._runs.values())).ended = True
-            run = self._runs[key_of(finding)] = Run(finding, cursor, row, now)
+                self._end(next(iter(self._runs)))
+            run = self._runs[key] = Run(finding, cursor, row, now)
+            self._of_req.setdefault(finding.req, {})[key] = None
             if finding.victim_req:
                 run.victims[finding.victim_req] = None
+            if not self._armed:
+                self._arm(QUIET_S)
             return 0
         run.repeats += 1
         run.last_seen, run.last_ns = now, finding.ts_ns
         if finding.victim_req and len(run.victims) < MAX_VICTIMS:
             run.victims[finding.victim_req] = None
-        if not self._armed:
-            self._arm(QUIET_S)
         return run.repeats
 
     def request_ended(self, req: str, node: str | None = None) -> None:
         """Request `req` ended: its runs on `node` end (its prefill node handed it on), or on
         every node (None: it finished where it answers its client, was killed or aborted)."""
-        for key in [k for k in self._runs if k[0] == req and (node is None or k[1] == node)]:
-            self._runs[key].ended = True
+        for key in [k for k in self._of_req.get(req, ()) if node is None or k[1] == node]:
+            self._end(key)
 
     def due(self, *, stopping: bool = False) -> None:
-        """Say the ended runs whose first cursor is known, and end the quiet ones (all of them
-        when `stopping`). On the daemon's loop, after each step of applying and each commit."""
-        if not self._runs:
+        """Say the ended runs whose first cursor is known (all runs end when `stopping`). On
+        the daemon's loop, after each step of applying and each commit: the work is the ended
+        runs' only; the quiet ones are ended by their timer."""
+        if stopping:
+            for key in list(self._runs):
+                self._end(key)
+        if not self._ended:
             return
-        now = time.monotonic()
-        for key, run in list(self._runs.items()):
-            if stopping or now - run.last_seen >= QUIET_S:
-                run.ended = True
-            if run.ended and (run.cursor.done() or not run.repeats):
-                del self._runs[key]
-                if run.repeats:
-                    self._say(self._update(run))
+        waiting = []
+        for run in self._ended:
+            if run.repeats and not run.cursor.done():
+                waiting.append(run)
+            elif run.repeats:
+                self._say(self._update(run))
+        self._ended = waiting
+
+    def _end(self, key: Key) -> None:
+        """Run `key` ends: no finding joins it any more (the next one opens a new run)."""
+        run = self._runs.pop(key)
+        keys = self._of_req[key[0]]
+        del keys[key]
+        if not keys:
+            del self._of_req[key[0]]
+        self._ended.append(run)
 
     def _arm(self, after: float) -> None:
         self._armed = True
         self._later(after, self._quiet_check)
 
     def _quiet_check(self) -> None:
+        """End the runs no finding joined for QUIET_S, say what is due, and come back for the
+        next to fall quiet."""
         self._armed = False
+        now = time.monotonic()
+        for key in [k for k, run in self._runs.items() if now - run.last_seen >= QUIET_S]:
+            self._end(key)
         self.due()
-        waiting = [run.last_seen for run in self._runs.values() if run.repeats and not run.ended]
-        if waiting:
-            self._arm(max(0.1, min(waiting) + QUIET_S - time.monotonic()))
+        if self._runs:
+            first = min(run.last_seen for run in self._runs.values())
+            self._arm(max(0.1, first + QUIET_S - now))
 
     @staticmethod
     def _update(run: Run) -> Finding:
