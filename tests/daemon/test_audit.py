@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,9 +93,28 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         for capture in (INCIDENT, SECOND):
             summary = send_capture(capture, d.address)
             assert summary.accepted == summary.events and not summary.rejected
+        settled(d.store)
         yield d
     finally:
         d.stop()
+
+
+def settled(store: str) -> None:
+    """Wait until the store holds what the daemon will say of what it was sent: the updates of
+    its findings (outcomes, ends of runs of repeats) follow the acks, once their findings are
+    durable. Settled: no record added for a second."""
+
+    def count() -> int:
+        s = Store(store)
+        try:
+            return len(list(s.rows()))
+        finally:
+            s.close()
+
+    last, deadline = -1, time.monotonic() + 30
+    while (now := count()) != last and time.monotonic() < deadline:
+        last = now
+        time.sleep(1.0)
 
 
 def audit(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
