@@ -101,7 +101,9 @@ def test_the_daemon_stops_a_leak_the_local_guard_only_watched(
     # The daemon saw the rejected request go on at prefill, and, where it reached decode, the
     # hand-off not add up there. (Whether decode's admission came before the kill, adding a
     # rejected_progress on decode-0, depends on timing.)
-    assert ("rejected_progress", "prefill-0") in by_node
+    # Stopped at prefill, the kill can land before its progress: the forward already formed
+    # drains (ledger DRAIN_STEPS), and no rejected_progress is owed.
+    assert ("rejected_progress", "prefill-0") in by_node or not at_decode
     assert ("transfer_mismatch", "decode-0") in by_node or not at_decode
     assert not any(f.finding == "stale_read" for f in findings)
     assert {f.node for f in findings} >= ({"prefill-0", "decode-0"} if at_decode else {"prefill-0"})
