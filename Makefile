@@ -43,7 +43,7 @@ $(ENGINE_STAMP): $(STAMP) .ci/engines/install-engines.sh .ci/engines/link-kvguar
 # Style, formatting, the layers of the parts (import-linter contracts in pyproject.toml), and
 # types (mypy, [tool.mypy] in pyproject.toml), checked by package name: the repository root is
 # the package kvguard, which mypy finds through the link build/mypy/kvguard (its mypy_path).
-MYPY_PACKAGES := kvguard.proto kvguard.ledger kvguard.agents.guard
+MYPY_PACKAGES := kvguard.proto kvguard.ledger kvguard.agents.guard kvguard.sinks
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -72,8 +72,8 @@ def _with_dashboard(out_dir: Path, store: Path, sock: Path, address: str, starte
     """The demo in a thread, its narration kept in out_dir/demo.txt, while the dashboard runs
     on this terminal against the demo's daemon, on its alerts; the narration is printed once
     the dashboard is quit (after the demo, if it has not ended by then)."""
+    from kvguard.proto.client import DaemonClient
     from kvguard.tui.app import TopApp
-    from kvguard.tui.client import DaemonClient
 
     client = DaemonClient(address, None)
     app = TopApp(client, screen="alerts", label=f"kvguard demo ({address})")

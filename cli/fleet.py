@@ -133,7 +133,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         with channel(args.daemon, tls_from_args(args)) as ch:
             state = svc_grpc.FleetServiceStub(ch).State(svc.FleetRequest(), timeout=args.timeout)
     except grpc.RpcError as exc:
-        from kvguard.tui.client import WORDS
+        from kvguard.proto.client import WORDS
 
         words = WORDS.get(exc.code().name, exc.code().name)
         print(f"kvguard fleet: daemon {args.daemon}: {words}: {exc.details()}", file=sys.stderr)

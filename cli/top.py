@@ -24,8 +24,8 @@ SCREENS = ("fleet", "pool", "alerts", "timeline", "rules")
 
 
 def cmd_top(args: argparse.Namespace) -> int:
+    from kvguard.proto.client import DaemonClient
     from kvguard.tui.app import TopApp
-    from kvguard.tui.client import DaemonClient
     from kvguard.tui.filter_text import FilterError, parse
 
     if args.filter:

@@ -33,10 +33,8 @@ class BadEvent(ValueError):
 # The contract's vocabulary (proto/vocabulary.py), shared with the clients that filter findings.
 KINDS: tuple[str, ...] = vocabulary.FINDING_KINDS
 SEVERITIES: tuple[str, ...] = vocabulary.SEVERITIES
-# kill: end the one offending request; +quarantine: keep its pages out of the pool;
-# block: refuse admission; deny: refuse the prefix share; alert/log: report only.
-ACTIONS: tuple[str, ...] = ("kill", "kill+quarantine", "alert+quarantine", "block", "deny", "alert", "log")
-KILL_ACTIONS = frozenset({"kill", "kill+quarantine", "block"})  # the actions that end the request
+ACTIONS: tuple[str, ...] = vocabulary.ACTIONS
+KILL_ACTIONS: frozenset[str] = vocabulary.KILL_ACTIONS
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,11 @@ FINDING_KINDS: tuple[str, ...] = (
 # (rule kvguard_reload_failed).
 INTERNAL_KINDS: tuple[str, ...] = ("internal",)
 SEVERITIES: tuple[str, ...] = ("critical", "high", "medium", "low", "info")
+# What a rule may do about a finding. kill: end the one offending request; +quarantine: keep
+# its pages out of the pool; block: refuse admission; deny: refuse the prefix share;
+# alert/log: report only.
+ACTIONS: tuple[str, ...] = ("kill", "kill+quarantine", "alert+quarantine", "block", "deny", "alert", "log")
+KILL_ACTIONS: frozenset[str] = frozenset({"kill", "kill+quarantine", "block"})  # those that end the request
 # The fleet state's counters (FleetState.counters) of the ledger's routine work; every other
 # `ledger_` counter, and every `stream_` and `rejected` one, is input the daemon refused or
 # could not judge: shown as such (`kvguard fleet`, metrics) until it is placed here.

@@ -23,9 +23,9 @@ from textual.binding import Binding, BindingType
 from textual.message import Message
 
 from kvguard.proto import pb
+from kvguard.proto.client import Backoff, DaemonClient, DaemonError, Unreachable, Unsupported
 from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
-from kvguard.tui.client import Backoff, DaemonClient, DaemonError, Unreachable, Unsupported
 from kvguard.tui.feed import AlertFeed
 from kvguard.tui.filter_text import FilterError, parse
 from kvguard.tui.format import ranges

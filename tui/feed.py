@@ -14,9 +14,9 @@ import threading
 from collections import deque
 from dataclasses import replace
 
+from kvguard.proto.client import Backoff, DaemonClient, DaemonError, Unreachable
 from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
-from kvguard.tui.client import Backoff, DaemonClient, DaemonError, Unreachable
 
 
 class AlertFeed:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import tzinfo
 
+from kvguard.proto.client import DaemonError
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
-from kvguard.tui.client import DaemonError
 from kvguard.tui.filter_text import AlertQuery
 
 MAX_ALERTS = 2000

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from kvguard.cli.process import start_agent, start_daemon
-from kvguard.daemon.sinks import cef, fields, jsonl, ocsf
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.sinks import cef, fields, jsonl, ocsf
 from kvguard.testbed.cluster import Cluster
 
 SECRET = "acme memo: Initech deal closes Dec 14 at 4.2B, keep private."

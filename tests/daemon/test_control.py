@@ -20,7 +20,6 @@ from daemon_helpers import stale_reads
 from kvguard.agents.guard import AgentSink, Guard
 from kvguard.agents.upstream import AgentStream
 from kvguard.cli.process import Service, start_agent, start_daemon
-from kvguard.daemon.sinks import ocsf
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
@@ -29,6 +28,7 @@ from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 from kvguard.proto.pool_map import state_name
 from kvguard.ruleset import load_ruleset
+from kvguard.sinks import ocsf
 
 RULES = load_ruleset()
 

@@ -15,11 +15,11 @@ from daemon_helpers import stored_records, wait_for
 from kvguard.agents.upstream import AgentStream
 from kvguard.daemon import repeats, service
 from kvguard.daemon.daemon import Daemon
-from kvguard.daemon.sinks import cef, ocsf
 from kvguard.daemon.store import Store
 from kvguard.proto.builder import EventLog
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
+from kvguard.sinks import cef, ocsf
 
 # What a rejected request may not do, each a distinct fact (the ledger says each once).
 PROGRESS = ("alloc", "write", "xfer_send")

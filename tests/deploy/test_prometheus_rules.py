@@ -116,10 +116,14 @@ def test_each_rule_fires_when_it_must_and_not_before(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def exported_text() -> str:
+    """The source of every part that exports metrics."""
+    parts = ("daemon", "agents", "proto", "sinks", "cli")
+    return "".join(p.read_text() for part in parts for p in (REPO / part).rglob("*.py"))
+
+
 def test_every_metric_the_rules_name_is_one_kvguard_exports() -> None:
-    exported = "".join(
-        p.read_text() for part in ("daemon", "agents", "proto", "cli") for p in (REPO / part).rglob("*.py")
-    )
+    exported = exported_text()
     named = set(re.findall(r"\b(kvguard_[a-z_]+)", RULES.read_text()))
     for metric in named:
         base = metric.removesuffix("_total")
@@ -133,9 +137,7 @@ def test_the_grafana_dashboard_asks_only_for_what_kvguard_exports(tmp_path: Path
     exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
     assert exprs and all(panel["datasource"]["uid"] == "${datasource}" for panel in dashboard["panels"])
     rules_text = RULES.read_text()
-    exported = "".join(
-        p.read_text() for part in ("daemon", "agents", "proto", "cli") for p in (REPO / part).rglob("*.py")
-    )
+    exported = exported_text()
     for metric in set(re.findall(r"\b(kvguard_[a-z_]+)", " ".join(exprs))):
         base = metric.removesuffix("_total").removesuffix("_bucket")
         assert f'"{base}"' in exported or metric in rules_text, metric

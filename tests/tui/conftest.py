@@ -32,10 +32,10 @@ from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
 from kvguard.proto.capture import read_capture
 from kvguard.proto.channel import channel
+from kvguard.proto.client import DaemonClient
 from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.tui.app import TopApp
-from kvguard.tui.client import DaemonClient
 
 BASE_NS = 1_767_258_000 * 10**9  # 2026-01-01 09:00:00 UTC
 NOW_NS = BASE_NS + 90 * 10**9  # the daemon's clock, as pinned

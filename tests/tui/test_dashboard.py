@@ -19,10 +19,10 @@ from kvguard.agents.upstream import AgentStream
 from kvguard.cli.process import start_daemon
 from kvguard.proto import pb
 from kvguard.proto.channel import channel
+from kvguard.proto.client import DaemonClient
 from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.tui.app import TopApp
-from kvguard.tui.client import DaemonClient
 from kvguard.tui.screens.modals import ConfirmScreen, HelpScreen
 from kvguard.tui.widgets.status import ActionLine, Banner, StatusLine
 

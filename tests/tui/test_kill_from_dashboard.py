@@ -17,10 +17,10 @@ from textual.app import App
 
 from kvguard.cli.process import start_agent, start_daemon
 from kvguard.proto import pb
+from kvguard.proto.client import DaemonClient
 from kvguard.proto.filter import Filter
 from kvguard.testbed.cluster import Cluster
 from kvguard.tui.app import TopApp
-from kvguard.tui.client import DaemonClient
 from kvguard.tui.screens.modals import ConfirmScreen
 from kvguard.tui.screens.timeline import TimelineScreen
 

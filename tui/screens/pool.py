@@ -16,7 +16,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.widgets import Static
 
-from kvguard.tui.client import Unsupported
+from kvguard.proto.client import Unsupported
 from kvguard.tui.format import epoch_text
 from kvguard.tui.model import Dashboard
 from kvguard.tui.screens.base import DashboardScreen

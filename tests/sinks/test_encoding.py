@@ -16,14 +16,14 @@ from daemon_helpers import INCIDENT
 
 from kvguard.agents.upstream import AgentStream
 from kvguard.cli.process import start_daemon
-from kvguard.daemon.sinks import cef, fields, jsonl, ocsf, syslog
 from kvguard.proto import pb
 from kvguard.proto.builder import EventLog
 from kvguard.proto.capture import read_capture
 from kvguard.proto.channel import channel
+from kvguard.proto.client import DaemonClient
 from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
-from kvguard.tui.client import DaemonClient
+from kvguard.sinks import cef, fields, jsonl, ocsf, syslog
 
 BASE_NS = 1_767_258_000 * 10**9  # 2026-01-01 09:00:00 UTC
 

@@ -1,6 +1,6 @@
-"""The dashboard's one link to the daemon: its gRPC services (FleetService, AuditService,
-ControlService; the alert feed is tui/feed.py's), called from worker threads, never from the
-UI's loop.
+"""A client of the daemon's gRPC services (FleetService, AuditService, ControlService,
+AlertService), shared by the dashboard (tui/, from worker threads, never from the UI's loop),
+the alert feed (sinks/) and the commands that read the fleet.
 
 Invariants: a call returns the daemon's answer or raises DaemonError, never grpc.RpcError
 (Unreachable when the daemon cannot be reached: the caller retries after `Backoff`; Unsupported

@@ -19,11 +19,11 @@ import pytest
 from certificates import make_pki
 from daemon_helpers import wait_for
 
-from kvguard.daemon.sinks import cef, jsonl
-from kvguard.daemon.sinks.formats import FORMATS
-from kvguard.daemon.sinks.outputs import QueuedOutput, open_output
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.sinks import cef, jsonl
+from kvguard.sinks.output import Options, QueuedOutput
+from kvguard.sinks.registry import format_named, open_output
 
 BASE_NS = 1_767_258_000 * 10**9
 
@@ -125,7 +125,7 @@ def test_rsyslog_receives_each_alert_as_one_rfc_5424_message(rsyslog: Rsyslog, t
     port = {"udp": rsyslog.udp, "tcp": rsyslog.tcp, "tls": rsyslog.tls}[transport]
     url = f"syslog+{transport}://127.0.0.1:{port}?facility=local4"
     sent = [alert(1, "critical"), alert(2, "high", "a = b | c \\ d, ünïcode"), alert(3, "info")]
-    deliver(open_output(url, FORMATS["cef"], ca=str(rsyslog.pki / "ca.pem")), sent)
+    deliver(open_output(url, format_named("cef"), Options(ca=str(rsyslog.pki / "ca.pem"))), sent)
     wait_for(lambda: len(rsyslog.lines()) == len(sent), timeout=20)
     received = sorted((line.split("|", 7) for line in rsyslog.lines()), key=lambda r: r[0])
     by_cursor = {a.cursor: a for a in sent}
@@ -148,7 +148,9 @@ def test_a_syslog_tls_receiver_whose_certificate_the_ca_does_not_sign_is_retried
 ) -> None:
     said: list[str] = []
     url = f"syslog+tls://127.0.0.1:{rsyslog.tls}"
-    output = open_output(url, FORMATS["json"], ca=str(rsyslog.pki / "rogue-ca.pem"), log=said.append)
+    output = open_output(
+        url, format_named("json"), Options(ca=str(rsyslog.pki / "rogue-ca.pem"), log=said.append)
+    )
     output.start()
     output.offer(alert(1))
     wait_for(lambda: any("retrying" in line for line in said))
@@ -167,6 +169,7 @@ class Collector:
 
     def __init__(self) -> None:
         self.posts: list[tuple[str, dict[str, str], object]] = []
+        self.gets: list[str] = []  # what a client that followed a redirect as a GET asked for
         self.statuses: list[int] = []
         self.hold = threading.Event()
         self.hold.set()
@@ -181,6 +184,14 @@ class Collector:
                 collector.hold.wait()
                 status = collector.statuses.pop(0) if collector.statuses else 200
                 self.send_response(status)
+                if 300 <= status < 400:
+                    self.send_header("Location", "/elsewhere")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_GET(self) -> None:
+                collector.gets.append(self.path)
+                self.send_response(200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
@@ -206,7 +217,9 @@ def collector() -> Iterator[Collector]:
 
 
 def test_an_http_collector_receives_each_alert_as_a_json_post(collector: Collector) -> None:
-    output = open_output(collector.url, FORMATS["ocsf"], headers={"Authorization": "Splunk t0ken"})
+    output = open_output(
+        collector.url, format_named("ocsf"), Options(headers={"Authorization": "Splunk t0ken"})
+    )
     deliver(output, [alert(1), alert(2)])
     assert [body["finding_info"]["uid"] for _, _, body in collector.posts] == ["kvguard-1", "kvguard-2"]
     path, headers, body = collector.posts[0]
@@ -214,10 +227,28 @@ def test_an_http_collector_receives_each_alert_as_a_json_post(collector: Collect
     assert headers["Content-Type"] == "application/json" and body["class_uid"] == 2004
 
 
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_an_http_redirect_is_not_followed_and_the_alert_is_rejected_not_counted_sent(
+    collector: Collector, status: int
+) -> None:
+    collector.statuses = [status]
+    said: list[str] = []
+    output = open_output(collector.url, format_named("json"), Options(log=said.append))
+    output.start()
+    output.offer(alert(1))
+    output.offer(alert(2))
+    assert output.close(30) == 0
+    assert collector.gets == []  # urllib's default would GET /elsewhere, without the alert
+    assert [body["cursor"] for _, _, body in collector.posts] == [1, 2]
+    assert (output.sent, output.rejected) == (1, 1)
+    reason = f"HTTP {status} redirect to /elsewhere, not followed"
+    assert said == [f"{collector.url}: alert kvguard-1 rejected: {reason}"]
+
+
 def test_http_retries_a_503_with_backoff_and_skips_what_a_400_rejects(collector: Collector) -> None:
     collector.statuses = [503, 503, 400]
     said: list[str] = []
-    output = open_output(collector.url, FORMATS["json"], log=said.append)
+    output = open_output(collector.url, format_named("json"), Options(log=said.append))
     output.retry_first = 0.01
     output.start()
     output.offer(alert(1))  # 503, 503, then 400: rejected
@@ -235,7 +266,7 @@ def test_http_retries_a_503_with_backoff_and_skips_what_a_400_rejects(collector:
 def test_a_slow_output_drops_its_oldest_alerts_and_says_how_many_in_band(collector: Collector) -> None:
     collector.hold.clear()  # the collector takes the first POST and does not answer yet
     said: list[str] = []
-    output = open_output(collector.url, FORMATS["json"], capacity=3, log=said.append)
+    output = open_output(collector.url, format_named("json"), Options(capacity=3, log=said.append))
     output.start()
     output.offer(alert(1))
     assert collector.arrived.wait(10)  # alert 1 is in flight, the queue empty
@@ -262,7 +293,7 @@ def test_a_slow_output_drops_its_oldest_alerts_and_says_how_many_in_band(collect
 def test_a_file_output_appends_one_line_per_alert(tmp_path: Path) -> None:
     path = tmp_path / "alerts.jsonl"
     path.write_text('{"earlier": true}\n')
-    deliver(open_output(f"file://{path}", FORMATS["json"]), [alert(1), alert(2)])
+    deliver(open_output(f"file://{path}", format_named("json")), [alert(1), alert(2)])
     lines = path.read_text().splitlines()
     assert lines[0] == '{"earlier": true}' and [json.loads(x)["cursor"] for x in lines[1:]] == [1, 2]
 
@@ -271,7 +302,7 @@ def test_a_file_output_appends_one_line_per_alert(tmp_path: Path) -> None:
     ("url", "port"), [("syslog+udp://siem", 514), ("syslog+tcp://siem", 514), ("syslog+tls://siem", 6514)]
 )
 def test_a_syslog_output_without_a_port_takes_its_transports_default(url: str, port: int) -> None:
-    output = open_output(url, FORMATS["json"], ca=None)
+    output = open_output(url, format_named("json"))
     assert (output.host, output.port) == ("siem", port)
 
 
@@ -287,5 +318,5 @@ def test_a_syslog_output_without_a_port_takes_its_transports_default(url: str, p
 )
 def test_an_unusable_output_url_is_an_error_naming_it(url: str, reason: str) -> None:
     with pytest.raises(ValueError, match=re.escape(reason)) as err:
-        open_output(url, FORMATS["json"])
+        open_output(url, format_named("json"))
     assert str(err.value).startswith(url)

@@ -10,8 +10,8 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from kvguard.daemon.sinks import fields
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.sinks import fields
 
 
 def record(alert: svc.Alert) -> dict[str, Any]:
@@ -48,3 +48,6 @@ def record(alert: svc.Alert) -> dict[str, Any]:
 
 def line(alert: svc.Alert) -> str:
     return json.dumps(record(alert), ensure_ascii=False, separators=(",", ":"))
+
+
+body = record  # what an HTTP POST carries: the same object

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvguard.daemon.sinks import fields
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.sinks import fields
 
 SCHEMA_VERSION = "1.6.0"
 CLASS_UID = 2004
@@ -170,3 +170,6 @@ def _observables(f: pb.Finding) -> list[dict[str, Any]]:
 def line(alert: svc.Alert) -> str:
     """The finding as one line of JSON."""
     return json.dumps(event(alert), ensure_ascii=False, separators=(",", ":"))
+
+
+body = event  # what an HTTP POST carries: the OCSF event itself

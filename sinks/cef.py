@@ -7,8 +7,8 @@ break: one becomes a space); extension keys are fixed names of the spec's dictio
 
 from __future__ import annotations
 
-from kvguard.daemon.sinks import fields
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.sinks import fields
 
 # CEF severity 0-10 (0-3 low, 4-6 medium, 7-8 high, 9-10 very high)
 SEVERITIES = {"critical": 10, "high": 8, "medium": 5, "low": 3, "info": 1}
@@ -79,3 +79,8 @@ def line(alert: svc.Alert) -> str:
     ]
     ext = " ".join(f"{key}={extension_value(value)}" for key, value in extensions(alert))
     return "|".join(header) + "|" + ext
+
+
+def body(alert: svc.Alert) -> dict[str, str]:
+    """What an HTTP POST carries: the line, in the one JSON field a collector maps."""
+    return {"cef": line(alert)}

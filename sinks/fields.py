@@ -13,10 +13,9 @@ import socket
 import time
 
 from kvguard import __version__
-from kvguard.ledger.findings import KILL_ACTIONS
 from kvguard.proto import pb
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
-from kvguard.proto.vocabulary import SEVERITIES
+from kvguard.proto.vocabulary import KILL_ACTIONS, SEVERITIES
 
 PRODUCT = "kvguard"
 VENDOR = "kvguard"
