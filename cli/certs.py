@@ -4,7 +4,8 @@ command, each with what its holder may do under mutual TLS (proto/channel.py's r
   init DIR    a new CA (ca.pem, ca.key), the daemon's certificate for the names and addresses
               it is reached by, and any nodes', readers' and operators' certificates named;
   issue DIR   one more node, reader or operator certificate from DIR's CA;
-  show PEM    what a certificate says: its subject, names, role, issuer and validity.
+  revoke DIR  certificates no longer valid: DIR/crl.pem, read by the daemon (cli/certs_crl.py);
+  show PEM    what a certificate (or a CRL) says: its subject, names, role, issuer and validity.
 
 A node's certificate names the node (CN and DNS SAN: the daemon takes a node's events only
 from a certificate that names it); a reader's carries the URI SAN READER_URI, an operator's
@@ -267,9 +268,15 @@ def describe(pem: Path) -> list[tuple[str, str]]:
     from kvguard.proto.channel import OPERATOR_URI, READER_URI
 
     try:
-        cert = x509.load_pem_x509_certificate(pem.read_bytes())
+        data = pem.read_bytes()
     except FileNotFoundError:
         raise CertsError(f"{pem}: no such file") from None
+    if b"-----BEGIN X509 CRL" in data:
+        from kvguard.cli.certs_crl import describe_crl
+
+        return describe_crl(data, pem)
+    try:
+        cert = x509.load_pem_x509_certificate(data)
     except ValueError as exc:
         raise CertsError(f"{pem}: not a PEM certificate ({exc})") from None
     try:
@@ -424,9 +431,12 @@ def add_parser(sub: Subcommands) -> None:
     show = add_command(
         verbs,
         "show",
-        "what a certificate says",
-        "Show a certificate's subject, names, role, issuer and validity.",
+        "what a certificate or a CRL says",
+        "Show a certificate's subject, names, role, issuer and validity, or the serials a CRL revokes.",
         "kvguard certs show pki/operator-alice.pem",
     )
-    show.add_argument("pem", help="a certificate (PEM)")
+    show.add_argument("pem", help="a certificate or a certificate revocation list (PEM)")
     show.set_defaults(func=cmd_certs)
+    from kvguard.cli.certs_crl import add_revoke
+
+    add_revoke(verbs, add_command)

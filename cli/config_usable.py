@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 SERVICE_USER = "kvguard"  # deploy/systemd/kvguard-daemon.service: User=
-FILES = ("tls-ca", "tls-cert", "tls-key")
+FILES = ("tls-ca", "tls-cert", "tls-key", "tls-crl")
 
 
 def problems(section: str, values: dict[str, Any]) -> list[str]:
@@ -26,11 +26,28 @@ def problems(section: str, values: dict[str, Any]) -> list[str]:
             why = _unreadable(Path(str(values[name])))
             if why:
                 found.append(f"{section}: {name}: {values[name]}: {why}")
+    if values.get("tls-crl") and all(
+        os.access(str(values.get(n) or ""), os.R_OK) for n in ("tls-crl", "tls-ca")
+    ):
+        why = _not_the_cas(str(values["tls-crl"]), values.get("tls-ca"))
+        if why:
+            found.append(f"{section}: tls-crl: {values['tls-crl']}: {why}")
     if section == "daemon" and values.get("rules"):
         why = _no_rules(Path(str(values["rules"])))
         if why:
             found.append(f"daemon: rules: {values['rules']}: {why}")
     return found
+
+
+def _not_the_cas(crl: str, ca: Any) -> str:
+    """Why the CRL cannot be used with the CA `ca`; "" if it can."""
+    from kvguard.proto.crl import Crl, CrlError
+
+    try:
+        Crl.load(crl, Path(str(ca)).read_bytes())
+    except CrlError as exc:
+        return str(exc).split(": ", 1)[-1]
+    return ""
 
 
 def _unreadable(path: Path) -> str:

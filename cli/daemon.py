@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvguard.cli.options import (
     Subcommands,
@@ -31,6 +32,10 @@ from kvguard.cli.options import (
 from kvguard.proto.logs import configure as configure_logs
 from kvguard.proto.logs import logger
 
+if TYPE_CHECKING:
+    from kvguard.proto.channel import Tls
+    from kvguard.proto.crl import Crl
+
 log = logger("daemon")
 
 # The daemon's modules (grpc, SQLAlchemy) and the ruleset (CEL) are imported when the command
@@ -41,7 +46,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     """Serve until stopped: exit 0, or 2 on an unusable ruleset, store, key or option."""
     import signal
 
-    from kvguard.cli.reload import Reloader
+    from kvguard.cli.reload import Reloader, fingerprint, watched
     from kvguard.daemon.access import ListenerError, check_listener
     from kvguard.daemon.daemon import Daemon
     from kvguard.daemon.service import serve
@@ -63,6 +68,12 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         return 2
     if warning is not None:
         log.warning(warning)
+    first_read = fingerprint(watched(args))  # what the files were before they are read: a reload's baseline
+    try:
+        crl = load_crl(args, tls)
+    except ValueError as exc:
+        log.error(str(exc))
+        return 2
     try:
         ruleset = load_ruleset(Path(args.rules) if args.rules else None)
     except RulesetError as exc:
@@ -141,7 +152,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         log.error(f"audit store {args.store}: {exc}; see `kvguard audit verify`")
         return 2
     try:
-        server = serve(daemon, args.listen, tls, insecure=args.insecure)
+        server = serve(daemon, args.listen, tls, insecure=args.insecure, crl=crl)
     except OSError as exc:  # the address is taken, or not this host's
         daemon.close()
         writer.close()
@@ -177,7 +188,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     if notifier.watchdog_s is not None:  # WatchdogSec=: pinged only while the loop goes round
         daemon.start_heartbeat(min(1.0, notifier.watchdog_s / 4))
         watchdog = Watchdog(notifier, lambda: daemon.heartbeat_at, "the daemon's loop").start()
-    reloader = Reloader(args, daemon, notifier, port)
+    reloader = Reloader(args, daemon, notifier, port, server, first_read)
     while True:
         taken = signals.wait(args.reload_interval or None)
         if taken & {signal.SIGINT, signal.SIGTERM}:
@@ -201,6 +212,27 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     notifier.close()
     signals.close()
     return 0
+
+
+def load_crl(args: argparse.Namespace, tls: Tls | None) -> Crl | None:
+    """The CRL --tls-crl names, checked against --tls-ca (None when none is named); a
+    ValueError that names the file and the reason otherwise. A stale one is said, and used."""
+    from kvguard.proto.crl import Crl
+
+    if not args.tls_crl:
+        return None
+    if tls is None:
+        raise ValueError(
+            f"--tls-crl {args.tls_crl}: a CRL needs mutual TLS (--tls-ca, --tls-cert, --tls-key)"
+        )
+    crl = Crl.load(args.tls_crl, tls.ca)
+    if crl.stale():
+        log.warning(
+            f"CRL {crl.path}: past its next update ({crl.next_update:%Y-%m-%d %H:%M} UTC); the "
+            f"{len(crl.revoked)} certificate(s) it revokes stay revoked: `kvguard certs revoke` writes "
+            "a new one"
+        )
+    return crl
 
 
 def add_parser(sub: Subcommands) -> None:
@@ -319,5 +351,10 @@ def add_parser(sub: Subcommands) -> None:
         limits.add_argument(
             flag, type=positive_count, default=default, metavar="N", help=f"{what} (default %(default)s)"
         )
-    add_tls_arguments(p)
+    add_tls_arguments(p).add_argument(
+        "--tls-crl",
+        metavar="PEM",
+        help="the CA's certificate revocation list (`kvguard certs revoke`): a client certificate it names "
+        "is refused every call, and its open streams are cut when a reload brings it in",
+    )
     p.set_defaults(func=cmd_daemon)

@@ -244,12 +244,14 @@ def add_log_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """--tls-ca, --tls-cert and --tls-key: mutual TLS on the command's gRPC (proto/channel.py)."""
+def add_tls_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """--tls-ca, --tls-cert and --tls-key: mutual TLS on the command's gRPC (proto/channel.py);
+    the group, for a command's own TLS options."""
     group = parser.add_argument_group("mutual TLS (all three, or none for plaintext on a trusted network)")
     group.add_argument("--tls-ca", metavar="PEM", help="the CA that signs the other side's certificates")
     group.add_argument("--tls-cert", metavar="PEM", help="this side's certificate")
     group.add_argument("--tls-key", metavar="PEM", help="this side's private key")
+    return group
 
 
 def tls_from_args(args: argparse.Namespace) -> Tls | None:

@@ -2,11 +2,13 @@
 (and the agent's, on SIGHUP: its log settings).
 
 The configuration is read again as at start (kvguard.yaml, conf.d, the environment, the same
-flags) and the rules are loaded again. What can change live takes effect: the rules,
+flags) and the rules and the CRL are loaded again. What can change live takes effect: the
+rules, the CRL (--tls-crl: a certificate it now revokes loses its open streams at once),
 --log-level, --log-format; any other setting that changed is said to wait for the next start.
 
-Invariant: all or nothing. A configuration or a rule set that does not load changes nothing,
-is logged as an error and raises the daemon's critical alert (rule kvguard_reload_failed).
+Invariant: all or nothing. A configuration, a rule set or a CRL that does not load changes
+nothing, is logged as an error and raises the daemon's critical alert (rule
+kvguard_reload_failed).
 """
 
 from __future__ import annotations
@@ -23,15 +25,26 @@ from kvguard.proto.logs import logger
 
 if TYPE_CHECKING:
     from kvguard.daemon.daemon import Daemon
+    from kvguard.daemon.service import Server
+    from kvguard.proto.crl import Crl
     from kvguard.proto.sd_notify import Notifier
 
 log = logger("daemon")
 
-LIVE = ("rules", "log_level", "log_format")  # the settings a reload applies
+LIVE = ("rules", "tls_crl", "log_level", "log_format")  # the settings a reload applies
 NOT_SETTINGS = {"func", "command", "argv", "config"}  # what the parsed namespace holds besides
 SETTLE_S = 0.2  # a change is read once the files stop changing for this long (an editor's save)
 
 Fingerprint = tuple[tuple[str, int, int], ...]
+
+
+def watched(args: argparse.Namespace) -> list[Path]:
+    """The files a reload reads again: the configuration's, the rules directory, the CRL."""
+    argv = getattr(args, "argv", None)
+    config = files(argv) if argv is not None else []
+    crl = getattr(args, "tls_crl", None)
+    rules = [Path(args.rules)] if args.rules else []  # bundled rules: fixed
+    return config + rules + ([Path(crl)] if crl else [])
 
 
 def fingerprint(paths: list[Path]) -> Fingerprint:
@@ -53,14 +66,24 @@ def fingerprint(paths: list[Path]) -> Fingerprint:
 class Reloader:
     """The daemon's settings as last applied, and what to watch for changes."""
 
-    def __init__(self, args: argparse.Namespace, daemon: Daemon, notifier: Notifier, port: int) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        daemon: Daemon,
+        notifier: Notifier,
+        port: int,
+        server: Server | None = None,
+        seen: Fingerprint | None = None,
+    ) -> None:
         self.args, self.daemon, self.notifier, self.port = args, daemon, notifier, port
+        self.server = server
         self.argv: list[str] | None = getattr(args, "argv", None)  # None: not from the command line
-        self.seen = fingerprint(self._watched())
+        # `seen`: taken before the files were first read, so that a change made while the
+        # daemon started is the first reload's, not lost.
+        self.seen = seen if seen is not None else fingerprint(watched(args))
 
     def _watched(self) -> list[Path]:
-        config = files(self.argv) if self.argv is not None else []
-        return config + ([Path(self.args.rules)] if self.args.rules else [])  # bundled rules: fixed
+        return watched(self.args)
 
     def changed(self) -> bool:
         """Whether a watched file changed since the last reload (once it has settled)."""
@@ -87,17 +110,33 @@ class Reloader:
             except ConfigError as exc:
                 self._refused("configuration reload", str(exc))
                 return
+        try:
+            crl = self._load_crl(fresh)
+        except ValueError as exc:
+            self._refused("CRL reload", str(exc))
+            return
         change = self._reload_rules(Path(fresh.rules) if fresh.rules else None)
         if change is None:
             return
+        if self.server is not None and self.server.tls is not None:
+            for cut in self.server.revoke(crl):
+                log.warning(f"cut {cut}")
         configure_logs(fresh.log_level, fresh.log_format)
         say_later(self.args, fresh, LIVE, log)
-        moved = fresh.rules != self.args.rules
+        moved = fresh.rules != self.args.rules or fresh.tls_crl != self.args.tls_crl
         for dest in LIVE:
             setattr(self.args, dest, getattr(fresh, dest))
         if moved:  # the rules directory watched is another one now
             self.seen = fingerprint(self._watched())
         self.notifier.ready(f"serving on port {self.port}; reloaded ({why}): rules {change}")
+
+    def _load_crl(self, fresh: argparse.Namespace) -> Crl | None:
+        """The CRL `fresh` names, checked against the CA the server runs with."""
+        from kvguard.cli.daemon import load_crl
+
+        if self.server is None:
+            return None
+        return load_crl(fresh, self.server.tls)
 
     def _refused(self, what: str, reason: str) -> None:
         from kvguard.daemon.daemon import RELOAD_FAILED_RULE

@@ -9,7 +9,9 @@ the hello), a reader's queries the audit log, subscribes to alerts and reads the
 and an operator's does what a reader's does and acts (ControlService) (SERVICE_ROLES). Any
 other call is refused before its servicer runs, with PERMISSION_DENIED and the reason, counted
 (`access_denied_<role>`) and logged; a service missing from SERVICE_ROLES is refused to every
-certificate.
+certificate. A certificate the CRL in force revokes (proto/crl.py; `Revocation`, replaced
+whole on reload) is refused every call, whatever its role, with the reason, counted
+(`access_denied_revoked`); its streams still open when a new CRL revokes it are cut then.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import grpc
 
 from kvguard.proto.channel import NODE, OPERATOR, OPERATOR_URI, READER, READER_URI, peer_role
+from kvguard.proto.crl import Crl
 from kvguard.proto.logs import fields, logger
 
 log = logger("daemon")
@@ -129,13 +132,63 @@ def _is_loopback(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool
 # ----------------------------------------------------------------------------------- the roles
 
 
-class RoleCheck(grpc.aio.ServerInterceptor):
-    """Refuses each call its caller's role may not make (SERVICE_ROLES), before the servicer
-    runs; installed on a server with mutual TLS. `counters` is changed on `loop` only."""
+class Revocation:
+    """The CRL in force, and the streams open under each client certificate (changed on the
+    loop only), so that a certificate a new CRL revokes loses them at once, not at its next call."""
 
-    def __init__(self, counters: Counter[str], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, crl: Crl | None = None) -> None:
+        self.crl = crl
+        self._open: dict[bytes, dict[asyncio.Task[Any], Any]] = {}  # certificate -> stream task -> context
+        self.cut: dict[asyncio.Task[Any], str] = {}  # a stream cut -> why
+
+    def why(self, context: Any) -> str | None:
+        """Why the caller's certificate is revoked; None if it is not (or there is no CRL)."""
+        crl = self.crl
+        pem = context.auth_context().get("x509_pem_cert") if crl is not None else None
+        return crl.why_revoked(pem[0]) if crl is not None and pem else None
+
+    @contextlib.contextmanager
+    def streaming(self, context: Any) -> Iterator[None]:
+        """While a stream runs (on the loop), it is known under its certificate."""
+        pem = context.auth_context().get("x509_pem_cert")
+        task = asyncio.current_task()
+        if not pem or task is None:
+            yield
+            return
+        self._open.setdefault(pem[0], {})[task] = context
+        try:
+            yield
+        finally:
+            streams = self._open.get(pem[0], {})
+            streams.pop(task, None)
+            if not streams:
+                self._open.pop(pem[0], None)
+            self.cut.pop(task, None)
+
+    def replace(self, crl: Crl | None) -> list[str]:
+        """Put `crl` in force (on the loop) and cut each open stream it revokes; what was cut."""
+        self.crl = crl
+        said = []
+        for pem, streams in list(self._open.items()):
+            why = crl.why_revoked(pem) if crl is not None else None
+            for task, context in list(streams.items()) if why else ():
+                self.cut[task] = why  # type: ignore[assignment]
+                task.cancel()
+                said.append(f"{context.peer()}: {why}")
+        return said
+
+
+class RoleCheck(grpc.aio.ServerInterceptor):
+    """Refuses each call its caller's role may not make (SERVICE_ROLES), or whose certificate
+    is revoked, before the servicer runs; installed on a server with mutual TLS. `counters` is
+    changed on `loop` only."""
+
+    def __init__(
+        self, counters: Counter[str], loop: asyncio.AbstractEventLoop, revocation: Revocation | None = None
+    ) -> None:
         self.counters = counters
         self.loop = loop
+        self.revocation = revocation or Revocation()
 
     async def intercept_service(
         self,
@@ -145,28 +198,34 @@ class RoleCheck(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method  # type: ignore[attr-defined]
         allowed = SERVICE_ROLES.get(method.split("/")[1] if method.count("/") == 2 else "", frozenset())
-        if handler is None or allowed == ROLES:
+        if handler is None:
             return handler
-        return _checked_handler(handler, lambda context: self._refusal(method, allowed, context))
+        return _checked_handler(
+            handler, lambda context: self._refusal(method, allowed, context), self.revocation
+        )
 
     def _refusal(self, method: str, allowed: frozenset[str], context: Any) -> str | None:
         """None if the caller may call `method`; otherwise why not (counted and logged)."""
+        revoked = self.revocation.why(context)
         role = peer_role(context)
-        if role in allowed:
+        if revoked is None and (allowed == ROLES or role in allowed):
             return None
         names = context.auth_context().get("x509_common_name", [])
         who = names[0].decode(errors="replace") if names else "no common name"
         who = who if who.isprintable() else ascii(who)  # the log keeps one line per refusal
-        if role is None:
-            reason = f"{method} takes a client certificate"
+        if revoked is not None:
+            reason, counter = revoked, "access_denied_revoked"
+        elif role is None:
+            reason, counter = f"{method} takes a client certificate", "access_denied_unknown"
         elif not allowed:
-            reason = f"{method} is open to no certificate"
+            reason, counter = f"{method} is open to no certificate", f"access_denied_{role}"
         else:
             takes = " or ".join(_TAKES[r] for r in (NODE, READER, OPERATOR) if r in allowed)
             article = "an" if role == OPERATOR else "a"
             reason = f"{method} takes {takes}; this one ({who}) is {article} {role}'s, which {_MAY[role]}"
+            counter = f"access_denied_{role}"
         with contextlib.suppress(RuntimeError):  # a loop already closed: the daemon is stopping
-            self.loop.call_soon_threadsafe(self.counters.update, {f"access_denied_{role or 'unknown'}": 1})
+            self.loop.call_soon_threadsafe(self.counters.update, {counter: 1})
         cn = names[0].decode(errors="replace") if names else ""
         log.warning(
             f"refused {context.peer()}: {reason}",
@@ -176,7 +235,7 @@ class RoleCheck(grpc.aio.ServerInterceptor):
 
 
 def _checked_handler(
-    handler: grpc.RpcMethodHandler, refusal: Callable[[Any], str | None]
+    handler: grpc.RpcMethodHandler, refusal: Callable[[Any], str | None], revocation: Revocation
 ) -> grpc.RpcMethodHandler:
     """`handler` with `refusal` asked first: a reason ends the call with PERMISSION_DENIED."""
     if handler.request_streaming and handler.response_streaming:
@@ -188,15 +247,18 @@ def _checked_handler(
     else:
         behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
     return make(  # type: ignore[operator]
-        _checked(behavior, refusal),
+        _checked(behavior, refusal, revocation),
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )
 
 
-def _checked(behavior: Callable[..., Any], refusal: Callable[[Any], str | None]) -> Callable[..., Any]:
+def _checked(
+    behavior: Callable[..., Any], refusal: Callable[[Any], str | None], revocation: Revocation
+) -> Callable[..., Any]:
     """`behavior` behind `refusal`, of the same kind (gRPC runs coroutines and async
-    generators on its loop, plain functions and generators in its thread pool)."""
+    generators on its loop, plain functions and generators in its thread pool); a stream on
+    the loop is known to `revocation` while it runs, and one it cuts ends with the reason."""
     denied = grpc.StatusCode.PERMISSION_DENIED
 
     if inspect.isasyncgenfunction(behavior):
@@ -204,9 +266,17 @@ def _checked(behavior: Callable[..., Any], refusal: Callable[[Any], str | None])
         async def checked_stream(request: Any, context: Any) -> AsyncIterator[Any]:
             if (reason := refusal(context)) is not None:
                 await context.abort(denied, reason)
-            async with contextlib.aclosing(behavior(request, context)) as responses:
-                async for response in responses:
-                    yield response
+            with revocation.streaming(context):
+                try:
+                    async with contextlib.aclosing(behavior(request, context)) as responses:
+                        async for response in responses:
+                            yield response
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    why = revocation.cut.get(task) if task is not None else None
+                    if why is None:
+                        raise
+                    await context.abort(denied, why)
 
         return checked_stream
     if inspect.iscoroutinefunction(behavior):

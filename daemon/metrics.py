@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 # Daemon counters with a metric of their own: name -> (metric, label values).
 COMMANDS = {"kills": "kill", "quarantines": "quarantine"}
 PREFIX_ACTION = "action_"
-REFUSED_PREFIXES = ("stream_", "rejected", "ledger_")  # what the daemon refused or could not judge
+# what the daemon refused or could not judge (access_denied_<role>: a call its caller may not make)
+REFUSED_PREFIXES = ("stream_", "rejected", "ledger_", "access_denied_")
 # Daemon counters that are values, not counts (a record id, what a start replayed): gauges.
 GAUGES = {
     "snapshot_through": (

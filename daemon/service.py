@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvguard.daemon.access import RoleCheck, check_listener
+from kvguard.daemon.access import Revocation, RoleCheck, check_listener
 from kvguard.daemon.control import ControlServicer
 from kvguard.daemon.daemon import Daemon
 from kvguard.daemon.fanout import Subscriber
@@ -39,6 +39,7 @@ from kvguard.daemon.pool_map import PoolNotFound
 from kvguard.daemon.store import RowError
 from kvguard.proto import pb, wire
 from kvguard.proto.channel import MAX_MESSAGE, TRANSPORT_LIMIT, Tls, peer_names
+from kvguard.proto.crl import Crl
 from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
@@ -314,13 +315,22 @@ class Server:
     actions run there (no thread per stream, so a batch never changes threads in the daemon);
     audit queries, the fleet state, pool maps and rules run in a small thread pool. A plaintext
     `listen` must be on loopback unless `insecure` (ListenerError otherwise:
-    access.check_listener)."""
+    access.check_listener). Under mutual TLS, `crl` (replaced by `revoke`) says which client
+    certificates no longer open anything."""
 
     def __init__(
-        self, daemon: Daemon, listen: str, tls: Tls | None = None, *, insecure: bool = False
+        self,
+        daemon: Daemon,
+        listen: str,
+        tls: Tls | None = None,
+        *,
+        insecure: bool = False,
+        crl: Crl | None = None,
     ) -> None:
         check_listener(listen, tls=tls is not None, insecure=insecure)
         self.loop = daemon.loop
+        self.tls = tls
+        self.revocation = Revocation(crl)
         self._server: grpc.aio.Server | None = None
         start = self._start(daemon, listen, tls)
         self.port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
@@ -329,7 +339,9 @@ class Server:
         server = grpc.aio.server(
             migration_thread_pool=futures.ThreadPoolExecutor(max_workers=8),
             # Under mutual TLS each call is checked against its caller's role first.
-            interceptors=[RoleCheck(daemon.counters, self.loop)] if tls is not None else None,
+            interceptors=[RoleCheck(daemon.counters, self.loop, self.revocation)]
+            if tls is not None
+            else None,
             options=[
                 ("grpc.max_receive_message_length", TRANSPORT_LIMIT),
                 ("grpc.max_send_message_length", TRANSPORT_LIMIT),
@@ -371,6 +383,14 @@ class Server:
         self._server = server
         return port
 
+    def revoke(self, crl: Crl | None, timeout: float = 60) -> list[str]:
+        """Put `crl` in force; the open streams it revokes are cut (said, one line each)."""
+
+        async def replace() -> list[str]:
+            return self.revocation.replace(crl)
+
+        return asyncio.run_coroutine_threadsafe(replace(), self.loop).result(timeout)
+
     def stop(self, grace: float) -> None:
         """Stop serving; streams get `grace` seconds to end."""
         if self._server is not None:
@@ -397,7 +417,10 @@ def bind_problem(listen: str) -> str:
     return "taken, or not an address of this host"
 
 
-def serve(daemon: Daemon, listen: str, tls: Tls | None = None, *, insecure: bool = False) -> Server:
+def serve(
+    daemon: Daemon, listen: str, tls: Tls | None = None, *, insecure: bool = False, crl: Crl | None = None
+) -> Server:
     """Start the gRPC server (health checking and reflection on; mutual TLS when `tls` is
-    given, else plaintext, on loopback unless `insecure`); `.port` is where it listens."""
-    return Server(daemon, listen, tls, insecure=insecure)
+    given, refusing the certificates `crl` revokes, else plaintext, on loopback unless
+    `insecure`); `.port` is where it listens."""
+    return Server(daemon, listen, tls, insecure=insecure, crl=crl)
