@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import os
 import shutil
 import sys
 import textwrap
@@ -66,6 +67,17 @@ def run_demo(out_dir: Path, out: TextIO = sys.stdout, *, top: bool = False) -> i
     finally:
         agent.stop()
         daemon.stop()
+
+
+def _no_terminal() -> str:
+    """Why the dashboard cannot be drawn ("" when it can)."""
+    from kvguard.tui.terminal import NoTerminal, open_terminal
+
+    try:
+        os.close(open_terminal())
+    except NoTerminal as exc:
+        return str(exc)
+    return ""
 
 
 def _with_dashboard(out_dir: Path, store: Path, sock: Path, address: str, started: float, out: TextIO) -> int:
@@ -218,8 +230,8 @@ class _Indented:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """`kvguard demo`: exit 0 when the leak happened unguarded and was stopped guarded, else 1."""
-    if args.top and not sys.stdout.isatty():
-        print("kvguard demo: --top needs a terminal (standard output is not one)", file=sys.stderr)
+    if args.top and (no_terminal := _no_terminal()):
+        print(f"kvguard demo: --top needs a terminal: {no_terminal}", file=sys.stderr)
         return 2
     if testbed_missing("demo"):
         return 2

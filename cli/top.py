@@ -2,13 +2,15 @@
 every other client takes.
 
 Invariant: the parser loads nothing of Textual (it is built for every `kvguard` command);
-options that cannot be used (a screen's name, a filter line) are errors that name the option
-and exit 2, before the terminal is taken over.
+options that cannot be used (a screen's name, a filter line) and a process with no terminal
+are errors that say so and exit 2, before the terminal is taken over. The screen is drawn on
+the terminal itself (tui/terminal.py), so stdout and stderr stay the process's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvguard.cli.options import (
@@ -27,6 +29,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     from kvguard.proto.client import DaemonClient
     from kvguard.tui.app import TopApp
     from kvguard.tui.filter_text import FilterError, parse
+    from kvguard.tui.terminal import NoTerminal, open_terminal
 
     if args.filter:
         try:
@@ -34,6 +37,11 @@ def cmd_top(args: argparse.Namespace) -> int:
         except FilterError as exc:
             print(f"kvguard top: --filter: {exc}", file=sys.stderr)
             return 2
+    try:
+        os.close(open_terminal())  # the screen goes there, never into a redirected stream
+    except NoTerminal as exc:
+        print(f"kvguard top: {exc}; the dashboard needs one", file=sys.stderr)
+        return 2
     client = DaemonClient(args.daemon, tls_from_args(args))
     app = TopApp(
         client,

@@ -37,6 +37,7 @@ from kvguard.tui.screens.modals import ConfirmScreen, HelpScreen
 from kvguard.tui.screens.pool import PoolScreen
 from kvguard.tui.screens.rules import RulesScreen
 from kvguard.tui.screens.timeline import TimelineScreen
+from kvguard.tui.terminal import TerminalDriver
 
 SCREENS = ("fleet", "pool", "alerts", "timeline", "rules")
 HISTORY = 20  # screens esc can go back through
@@ -111,7 +112,7 @@ class TopApp(App[None]):
         tz: tzinfo | None = None,
         label: str | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(driver_class=TerminalDriver)  # drawn on the terminal, not on stderr
         if screen not in SCREENS:
             raise ValueError(f"screen {screen!r}: not one of {', '.join(SCREENS)}")
         self.client = client

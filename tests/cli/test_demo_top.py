@@ -80,10 +80,18 @@ def test_the_demo_runs_under_the_dashboard_and_its_narration_follows_q(tmp_path:
 
 def test_without_a_terminal_the_dashboard_demo_refuses() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "kvguard", "demo", "--top"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvguard", "demo", "--top"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,  # no controlling terminal
     )
     assert done.returncode == 2
-    assert done.stderr == "kvguard demo: --top needs a terminal (standard output is not one)\n"
+    assert done.stderr == (
+        "kvguard demo: --top needs a terminal: there is no terminal (no /dev/tty, and neither standard "
+        "input, output nor error is one)\n"
+    )
 
 
 def plain(data: bytes | bytearray) -> str:
