@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvguard.cli.options import Subcommands, add_command, add_group
+from kvguard.cli.options import Subcommands, add_command, add_group, add_output_argument
 
 NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62})$")  # a node's, reader's or operator's name
 KINDS = ("node", "reader", "operator")
@@ -317,7 +317,16 @@ def cmd_certs(args: argparse.Namespace) -> int:
     """Exit 0 with the files made (or the certificate shown), 2 on a name, file or CA unusable."""
     try:
         if args.certs_command == "show":
-            for field, value in describe(Path(args.pem)):
+            shown = describe(Path(args.pem))
+            if args.output == "json":  # a CRL's serials are a list; every other field is one value
+                import json
+
+                fields: dict[str, Any] = {k: v for k, v in shown if k != "serial" or "since" not in v}
+                if any(k == "serial" and "since" in v for k, v in shown):
+                    fields["revoked"] = [v for k, v in shown if k == "serial"]
+                print(json.dumps(fields, indent=2))
+                return 0
+            for field, value in shown:
                 print(f"{field:8} {value}")
             return 0
         directory = Path(args.dir)
@@ -436,6 +445,7 @@ def add_parser(sub: Subcommands) -> None:
         "kvguard certs show pki/operator-alice.pem",
     )
     show.add_argument("pem", help="a certificate or a certificate revocation list (PEM)")
+    add_output_argument(show, help="output format (json: one object of the fields shown)")
     show.set_defaults(func=cmd_certs)
     from kvguard.cli.certs_crl import add_revoke
 

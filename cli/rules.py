@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvguard.cli.options import Subcommands, add_command, add_group
+from kvguard.cli.options import Subcommands, add_command, add_group, add_output_argument
 
 # The ruleset (YAML, CEL) is imported when a command runs, so that `kvguard --help` does not
 # wait for it.
@@ -25,9 +25,24 @@ def cmd_check(args: argparse.Namespace) -> int:
     except RulesetError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    for rule in ruleset.rules:
-        state = "" if rule.enabled else " (disabled)"
-        print(f"{rule.id:36} {','.join(rule.kinds):24} {rule.severity:9} {rule.action}{state}")
+    if args.output == "json":
+        import json
+
+        rows = [
+            {
+                "id": r.id,
+                "kinds": list(r.kinds),
+                "severity": r.severity,
+                "action": r.action,
+                "enabled": r.enabled,
+            }
+            for r in ruleset.rules
+        ]
+        print(json.dumps(rows, indent=2))
+    else:
+        for rule in ruleset.rules:
+            state = "" if rule.enabled else " (disabled)"
+            print(f"{rule.id:36} {','.join(rule.kinds):24} {rule.severity:9} {rule.action}{state}")
     print(f"{len(ruleset.rules)} rules OK", file=sys.stderr)
     return 0
 
@@ -87,6 +102,7 @@ def add_parser(sub: Subcommands) -> None:
         "kvguard rules check --rules ./rules",
     )
     p.add_argument("--rules", metavar="DIR", help="rules directory (default: the bundled rules)")
+    add_output_argument(p, help="output format (json: a list of rules: id, kinds, severity, action, enabled)")
     p.set_defaults(func=cmd_check)
 
     p = add_command(
