@@ -6,9 +6,8 @@ them, reads them once, frees them and finishes (6 events), and requests follow e
 through the pool: the shape of a daemon's day, compressed. Each variant runs in its own
 process (its peak RSS is its own) over the same events; printed: requests the ledger still
 knows, index slots, peak RSS (before the snapshot), time per event, the snapshot's size and
-the time to dump and to load it, the caller's stall when a forked copy dumps it instead (as
-the daemon does under load) and the time until its bytes are back, and the ratios of the two
-variants.
+the time to dump and to load it, and the ratios of the two variants. (Under load the daemon's
+periodic snapshot is built by a worker process from the store: its loop does not stall.)
 
     python bench/memory.py [--requests N]
 """
@@ -24,7 +23,6 @@ import sys
 import time
 
 from kvguard.ledger import snapshot
-from kvguard.ledger.forked import Forked
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb
 
@@ -62,14 +60,7 @@ def run(requests: int, retire: bool) -> dict[str, float]:
     dumped = time.perf_counter()
     snapshot.load(saved)
     loaded = time.perf_counter()
-    # What the daemon does under load: a forked copy dumps, the caller goes on after the fork.
-    forked = Forked(ledger)
-    fork_s = time.perf_counter() - loaded
-    same = forked.result() == saved
     return {
-        "fork_ms": fork_s * 1e3,
-        "forked_s": time.perf_counter() - loaded,
-        "forked_same": same,
         "snapshot_mb": len(saved) / 1e6,
         "dump_s": dumped - begin,
         "load_s": loaded - dumped,
@@ -102,14 +93,11 @@ def main() -> None:
     r, k = results["retire"], results["keep"]
     print(f"python {sys.version.split()[0]}; {args.requests} requests of {PAGES} pages, {r['events']} events")
     head = f"{'variant':8} {'known':>9} {'slots':>9} {'forgotten':>10} {'peak RSS MB':>12} {'us/event':>9}"
-    print(f"{head} {'snapshot MB':>12} {'dump s':>7} {'load s':>7} {'fork ms':>8} {'forked s':>9}")
+    print(f"{head} {'snapshot MB':>12} {'dump s':>7} {'load s':>7}")
     for name, x in results.items():
         us = x["seconds"] / x["events"] * 1e6
         counts = f"{x['known']:9.0f} {x['slots']:9.0f} {x['forgotten']:10.0f}"
         saved = f"{x['snapshot_mb']:12.1f} {x['dump_s']:7.2f} {x['load_s']:7.2f}"
-        saved += f" {x['fork_ms']:8.1f} {x['forked_s']:9.2f}" + (
-            "" if x["forked_same"] else " (forked dump DIFFERS)"
-        )
         print(f"{name:8} {counts} {x['rss_mb']:12.0f} {us:9.2f} {saved}")
     print(
         f"ratio retire/keep: peak RSS {r['rss_mb'] / k['rss_mb']:.2f}, known {r['known'] / k['known']:.2f}, "

@@ -295,9 +295,9 @@ def add_parser(sub: Subcommands) -> None:
         type=events_count,
         default=SNAPSHOT_EVERY,
         metavar="EVENTS",
-        help="every this many events, save a ledger snapshot (dumped by a forked copy of the daemon while it "
-        "goes on), so that a start after a crash replays only what came after it (0: only at a clean stop; "
-        "default %(default)s)",
+        help="every this many events, save a ledger snapshot (built from the store by a worker process while "
+        "the daemon goes on), so that a start after a crash replays only what came after it (0: only at a "
+        "clean stop; default %(default)s)",
     )
     p.add_argument(
         "--audit-key",

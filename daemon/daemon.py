@@ -140,7 +140,9 @@ class Daemon:
         self.latencies = Latencies()  # receipt of a batch to its verdicts, alerts and ack
         self.fanout = Fanout()
         # Live events are counted from 0: the replayed ones count towards the first snapshot too.
-        self.snapshots = Snapshots(store, snapshot_every, -rebuilt, self.counters)
+        self.snapshots = Snapshots(
+            store, snapshot_every, -rebuilt, self.counters, snapshot.settings(self.ledger)
+        )
         self.writer: Writer = writer if writer is not None else InlineWriter(store)
         gc.freeze()
         self.loop = asyncio.new_event_loop()  # the gRPC server runs on it too (service.py)
@@ -272,12 +274,12 @@ class Daemon:
         if self._thread.is_alive():
             with contextlib.suppress(TimeoutError):
                 asyncio.run_coroutine_threadsafe(self.pipeline.drain(), self.loop).result(timeout)
-            # A forked snapshot being stored finishes first, while the loop that forked it lives
-            # (its copy dies with that thread) and reports its group durable.
-            self.snapshots.join(timeout=120)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
-        self.snapshots.close()  # one still at work is killed: none outlives the daemon
+        # A periodic snapshot still being built is not waited for: the daemon saves its own at
+        # a clean stop (save_snapshot), after all of it. Its worker is killed: none outlives the daemon.
+        self.snapshots.close()
+        self.snapshots.join(timeout=10)
         self.room.close()
 
     def fleet(self) -> svc.FleetState:

@@ -194,7 +194,7 @@ class Ingest:
         self._alerting += bool(group.findings)
         self.writer.submit(group.batches, group.parts)
         if group.rows and self.snapshots.due(self.counters["events"]):
-            self.snapshots.fork(self.ledger, self.counters["events"], group.committed, group.rows)
+            self.snapshots.start(self.counters["events"])
 
     def record(self, records: Sequence[Record]) -> tuple[Future[int], int]:
         """Records of the daemon's own (an operator's action and the commands it orders), into

@@ -1,28 +1,38 @@
-"""The daemon's ledger snapshots: where a restart begins (`restored`), and the periodic one a
-forked copy of the daemon dumps while it goes on (`Snapshots`).
+"""The daemon's ledger snapshots: where a restart begins (`restored`), and the periodic one,
+built by a process of its own from the store (daemon/snapshot_worker.py) while the daemon goes
+on (`Snapshots`).
 
 Invariants: a snapshot is used only if it is sound, bound to the store's chain at the record it
 was taken after, and taken with this daemon's ledger settings; otherwise the whole store is
-replayed, and the reason said in one line that names the snapshot. A periodic snapshot is
-stored only once the group it follows is durable, at most one at a time; a failure (its forked
-copy killed by a signal included) is counted and said, and the next is due `every` events
-later; the copy is always reaped, and killed when the daemon stops.
+replayed, and the reason said in one line that names the snapshot. The periodic one is never
+taken by forking the daemon (its gRPC threads make a forked copy undefined behaviour): the
+worker is started by exec and reads the store only; it ends at a committed group, so what it
+stores is durable. At most one runs at a time; its failure (a signal included) is counted and
+said, and the next is due `every` events later; it is always reaped, and killed when the
+daemon stops.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import threading
 from collections import Counter
-from concurrent.futures import Future
+from typing import Any
+
+import orjson
 
 from kvguard.daemon.store import Store
 from kvguard.ledger import Ledger, snapshot
-from kvguard.ledger.forked import Forked
 from kvguard.proto.logs import logger
 
 log = logger("daemon")
 
-SNAPSHOT_EVERY = 1 << 22  # events after which the next group is followed by a snapshot
+SNAPSHOT_EVERY = 1 << 22  # events after which the next snapshot is due
+WORKER = "kvguard.daemon.snapshot_worker"
 
 
 def restored(store: Store, fresh: Ledger) -> tuple[Ledger, int]:
@@ -52,59 +62,97 @@ def _say(text: str) -> None:
 
 class Snapshots:
     """The periodic snapshot: due every `every` applied events (0: never), counted from
-    `start` (the events replayed at start count too)."""
+    `start` (the events replayed at start count too); built with the ledger `settings` from
+    `store` (its audit keys given to the worker on its stdin, never in its arguments)."""
 
-    def __init__(self, store: Store, every: int, start: int, counters: Counter[str]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        every: int,
+        start: int,
+        counters: Counter[str],
+        settings: dict[str, Any] | None = None,
+    ) -> None:
         self.store = store
         self.every = every
         self._after = start  # the applied-event count the last one was due at
         self.counters = counters
+        self.settings = settings if settings is not None else snapshot.settings(Ledger())
         self.saving: threading.Thread | None = None
-        self._forked: Forked | None = None  # the copy dumping the snapshot being taken
+        self._worker: subprocess.Popen[bytes] | None = None
+        self._closed = False
+        self._lock = threading.Lock()
 
     def due(self, events: int) -> bool:
         return bool(self.every) and self.saving is None and events - self._after >= self.every
 
-    def fork(self, ledger: Ledger, events: int, committed: Future[int], rows: int) -> None:
-        """Snapshot `ledger` as it is after a group just submitted (whose `rows` end at the
-        state it holds now) without stopping: a forked copy dumps it, and a thread stores the
-        bytes once the group is durable (`committed`: its first record id)."""
+    def start(self, events: int) -> None:
+        """Begin a snapshot of what the store holds now; the loop goes on at once."""
         self._after = events  # the next is due `every` on, whatever happens
-        try:
-            forked = self._forked = Forked(ledger)
-        except OSError as exc:
-            self.counters["snapshot_failures"] += 1
-            _say(f"periodic ledger snapshot not taken: {exc}")
-            return
-        self.saving = threading.Thread(
-            target=self._store, args=(forked, committed, rows), name="kvguard-daemon-snapshot", daemon=True
-        )
+        self.saving = threading.Thread(target=self._take, name="kvguard-daemon-snapshot", daemon=True)
         self.saving.start()
 
-    def _store(self, forked: Forked, committed: Future[int], rows: int) -> None:
+    def command(self) -> list[str]:
+        args = [
+            sys.executable,
+            "-m",
+            WORKER,
+            "--store",
+            self.store.url,
+            "--settings",
+            orjson.dumps(self.settings).decode(),
+        ]
+        return args + (["--head-file", self.store.head_file] if self.store.head_file else [])
+
+    def _take(self) -> None:
         try:
-            body = forked.result()
-            through = committed.result() + rows - 1  # groups commit in order: all before it too
-            self.store.save_snapshot(body, through)
-            self.counters["snapshots"] += 1
-            self.counters["snapshot_through"] = through
+            with self._lock:
+                if self._closed:
+                    return
+                # exec'd (vfork + exec): no Python runs in a copy of the daemon
+                worker = self._worker = subprocess.Popen(
+                    self.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                )
+            keys = "\n".join(k.hex() for k in self.store.audit_keys()).encode()
+            out, err = worker.communicate(keys)
+            if worker.returncode != 0:
+                said = err.decode(errors="replace").strip() or f"exit status {worker.returncode}"
+                how = (
+                    f"was killed by {signal.Signals(-worker.returncode).name}"
+                    if worker.returncode < 0
+                    else f"failed: {said}"
+                )
+                raise snapshot.SnapshotError(f"the process building it {how}")
+            head, _, body = out.partition(b"\n")
+            magic, through, size = head.split(b" ") if head.count(b" ") == 2 else (b"", b"0", b"-1")
+            if magic != b"KVGSNAP" or int(size) != len(body):
+                raise snapshot.SnapshotError(
+                    f"the process building it wrote {len(out)} bytes that are not one"
+                )
+            if body:  # else nothing was stored after the latest snapshot
+                self.store.save_snapshot(body, int(through))
+                self.counters["snapshots"] += 1
+                self.counters["snapshot_through"] = int(through)
         except Exception as exc:  # the next one is due after another `every` events
-            self.counters["snapshot_failures"] += 1
-            _say(f"periodic ledger snapshot not saved: {exc}")
+            if not self._closed:  # killed by the daemon's stop: superseded, not failed
+                self.counters["snapshot_failures"] += 1
+                _say(f"periodic ledger snapshot not saved: {exc}")
         finally:
-            forked.stop()  # reaped, whatever happened
-            self._forked = None
+            self._worker = None
             self.saving = None
 
     def join(self, timeout: float) -> None:
-        """Let a snapshot being stored finish."""
+        """Let a snapshot being built and stored finish."""
         saving = self.saving
         if saving is not None:
             saving.join(timeout=timeout)
 
     def close(self) -> None:
-        """The daemon stops: a copy still dumping is killed and reaped (its snapshot is not
-        stored), so that none outlives the daemon."""
-        forked = self._forked
-        if forked is not None:
-            forked.stop()
+        """The daemon stops: a worker still at work is killed (its snapshot is not stored), so
+        that none outlives the daemon."""
+        with self._lock:
+            self._closed = True
+            worker = self._worker
+        if worker is not None and worker.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, signal.SIGKILL)

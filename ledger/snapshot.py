@@ -9,8 +9,7 @@ small arrays packed into one per dtype, and one JSON document for everything els
 value read back is checked for its type and shape, and nothing is allocated beyond what its
 bytes hold (each array's header is checked against its stored size first). A snapshot that
 cannot be read raises SnapshotError naming the reason; the daemon then replays the store
-instead. `Forked` (forked.py) dumps a ledger from a forked copy of the process, so that its
-owner goes on at once.
+instead.
 """
 
 from __future__ import annotations

@@ -47,7 +47,9 @@ def events(engine: Engine, after: int = 0) -> Iterator[pb.Event]:
             yield pb.Event.FromString(batch.event(i))
 
 
-def event_batches(engine: Engine, after: int = 0) -> Iterator[tuple[str, wire.Batch, int]]:
+def event_batches(
+    engine: Engine, after: int = 0, until: int | None = None
+) -> Iterator[tuple[str, wire.Batch, int]]:
     """The stored events after id `after`, in the order they were applied, as their bytes:
     (node, its events, how many of them come before `after`) per record, a run's together
     (the daemon rebuilds its ledger from them at start, applying them as it applied them
@@ -56,6 +58,8 @@ def event_batches(engine: Engine, after: int = 0) -> Iterator[tuple[str, wire.Ba
     query = select(c.id, c.kind, c.node, c.body).where(c.kind.in_(("event", "events"))).order_by(c.id)
     with engine.connect() as conn:
         query = query.where(c.id >= holding(conn, after + 1))
+        if until is not None:  # a record's end: the records that start up to it end there too
+            query = query.where(c.id <= until)
         with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
             for record_id, kind, node, body in result:
                 if type(body) is not bytes or type(node) is not str or type(kind) is not str:

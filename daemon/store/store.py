@@ -389,12 +389,24 @@ class Store:
         """The stored events after id `after`, in the order they were applied, parsed."""
         return reads.events(self.engine, after)
 
-    def event_batches(self, after: int = 0) -> Iterator[tuple[str, wire.Batch, int]]:
-        """The stored events after id `after`, in the order they were applied, as their bytes:
-        (node, its events, how many of them come before `after`) per record, a run's together
-        (the daemon rebuilds its ledger from them at start, applying them as it applied them
-        live)."""
-        return reads.event_batches(self.engine, after)
+    def event_batches(
+        self, after: int = 0, until: int | None = None
+    ) -> Iterator[tuple[str, wire.Batch, int]]:
+        """The stored events after id `after` (and, `until` a record's end, up to it), in the
+        order they were applied, as their bytes: (node, its events, how many of them come
+        before `after`) per record, a run's together (the daemon rebuilds its ledger from them
+        at start, applying them as it applied them live)."""
+        return reads.event_batches(self.engine, after, until)
+
+    def last_id(self) -> int:
+        """The id the store ends at now (0: empty): always the end of a committed group."""
+        with self.engine.connect() as conn:
+            last = _ending(conn, None)
+        return last[0] if last else 0
+
+    def audit_keys(self) -> list[bytes]:
+        """The audit keys this Store was given (for a process that opens the same store)."""
+        return list(self._given)
 
     def rows(self, f: Filter | None = None, **where: Any) -> Iterator[tuple[int, str, bytes]]:
         """(id, kind, body) of the records the filter `f` takes, or the one `where` spells (its

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-ANSI = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\x1b[=>]")
+from terminal_text import plain
 
 
 def test_the_demo_runs_under_the_dashboard_and_its_narration_follows_q(tmp_path: Path) -> None:
@@ -92,8 +92,3 @@ def test_without_a_terminal_the_dashboard_demo_refuses() -> None:
         "kvguard demo: --top needs a terminal: there is no terminal (no /dev/tty, and neither standard "
         "input, output nor error is one)\n"
     )
-
-
-def plain(data: bytes | bytearray) -> str:
-    """What a terminal was sent, its control sequences taken out."""
-    return ANSI.sub(b"", bytes(data)).decode("utf-8", "replace").replace("\r", "")

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from test_demo_top import plain
+from terminal_text import plain
 
 from kvguard.cli.process import start_daemon
 

@@ -1,33 +1,25 @@
 """Where the daemon's ledger snapshots lie and how a bad one fails safe: a snapshot stored in
 parts (no SQL value holds a large ledger whole) and read back whole; one stored whole before
 parts existed still read; one that cannot be read back or loaded said in one line, by name,
-and the store replayed instead; the forked copy that dumps it reaped whatever kills it, and
-never outliving its daemon."""
+and the store replayed instead (the periodic snapshot's worker: test_snapshot_worker.py)."""
 
 from __future__ import annotations
 
 import io
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
-import time
 import zipfile
 from collections import Counter
-from concurrent.futures import Future
 
 import numpy as np
 import pytest
 from alembic import command
 from sqlalchemy import create_engine, text
 
-from kvguard.daemon.snapshots import Snapshots, restored
+from kvguard.daemon.snapshots import restored
 from kvguard.daemon.store import Record, Store, migrations
 from kvguard.daemon.store import store_url as url_of
 from kvguard.daemon.store.chain import snapshot_digest
-from kvguard.ledger import Ledger, forked, snapshot
+from kvguard.ledger import Ledger, snapshot
 from kvguard.proto.builder import EventLog
 
 
@@ -146,74 +138,6 @@ def absurd(good: bytes) -> bytes:
         for name, body in files.items():
             z.writestr(name, body)
     return out.getvalue()
-
-
-def test_a_forked_copy_killed_by_a_signal_is_reaped_counted_and_said(
-    monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    def crash(_: Ledger) -> bytes:
-        os.kill(os.getpid(), signal.SIGSEGV)
-        return b""
-
-    monkeypatch.setattr(forked, "dump", crash)
-    store = Store(str(tmp_path / "audit.db"))
-    counters: Counter[str] = Counter()
-    snaps = Snapshots(store, 1, 0, counters)
-    committed: Future[int] = Future()
-    committed.set_result(1)
-    snaps.fork(ledger_of(events()), 1, committed, 1)
-    pid = snaps._forked.pid if snaps._forked else 0
-    snaps.join(timeout=30)
-    assert counters["snapshot_failures"] == 1 and counters["snapshots"] == 0
-    assert "periodic ledger snapshot not saved: the process dumping the snapshot was killed by SIGSEGV" in (
-        capsys.readouterr().err
-    )
-    with pytest.raises(ChildProcessError):  # reaped already: no zombie left
-        os.waitpid(pid, os.WNOHANG)
-    assert not snaps.due(1) and snaps.saving is None  # the next is due `every` later, as usual
-
-
-def test_a_forked_copy_at_work_is_killed_when_its_daemon_stops_or_dies(
-    monkeypatch: pytest.MonkeyPatch, tmp_path
-) -> None:
-    monkeypatch.setattr(forked, "dump", lambda _: time.sleep(60) or b"")
-    counters: Counter[str] = Counter()
-    snaps = Snapshots(Store(str(tmp_path / "audit.db")), 1, 0, counters)
-    committed: Future[int] = Future()
-    snaps.fork(ledger_of(events()), 1, committed, 1)
-    started = time.monotonic()
-    snaps.close()  # the daemon stops: the copy is killed and reaped at once
-    snaps.join(timeout=10)
-    assert time.monotonic() - started < 5 and counters["snapshot_failures"] == 1
-    # A daemon that dies (SIGKILL, os._exit) takes its copy with it.
-    script = textwrap.dedent(
-        """
-        import os, threading, time
-        from kvguard.ledger import Ledger, forked
-        forked.dump = lambda _: time.sleep(60) or b""
-        def loop():  # the daemon's loop thread forks it
-            print(forked.Forked(Ledger()).pid, flush=True)
-            time.sleep(60)
-        threading.Thread(target=loop, daemon=True).start()
-        time.sleep(0.5)
-        os._exit(70)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
-    pid = int(out.stdout.split()[0])
-    deadline = time.monotonic() + 5
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(pid), f"the copy {pid} outlived its daemon"
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie waiting for init to reap it does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_no_snapshot_thread_is_left_running() -> None:
