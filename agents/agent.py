@@ -50,7 +50,7 @@ from kvguard.cuda_hooks.shim import ShimListener, ShimRecord
 from kvguard.cuda_hooks.tcp_stream import WireReport
 from kvguard.cuda_hooks.witness import NullWitness, Witness, open_witness, wire_event
 from kvguard.proto import pb, wire
-from kvguard.proto.channel import MAX_BATCH_BYTES, MAX_MESSAGE, Tls, channel
+from kvguard.proto.channel import MAX_BATCH_BYTES, MAX_MESSAGE, SHIM_STREAM, WITNESS_STREAM, Tls, channel
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.local import PEER_CLOSED, FrameTimeout, listening, peer_of, recv_frame, send_frame
 from kvguard.proto.logs import logger
@@ -58,8 +58,8 @@ from kvguard.proto.logs import logger
 log = logger("agent")
 
 AGENT = "kvguard-agent"  # how the agent names itself to the daemon
-WITNESS = "ebpf"  # a node's witness reports as node/ebpf: its own sequence, beside the guard's
-SHIM = "shim"  # and its engine's LD_PRELOAD shim as node/shim
+WITNESS = WITNESS_STREAM  # a node's witness reports as node/ebpf: its own sequence, beside the guard's
+SHIM = SHIM_STREAM  # and its engine's LD_PRELOAD shim as node/shim
 # A shim's records come on a socket of their own, read by another thread than its engine's
 # guard: one may be read before the guard's hello (waited for this long) or after the guard
 # has gone (its node kept this long; far shorter than the kernel takes to reuse a PID).

@@ -38,7 +38,7 @@ from kvguard.daemon.ingest import Batch
 from kvguard.daemon.pool_map import PoolNotFound
 from kvguard.daemon.store import RowError
 from kvguard.proto import pb, wire
-from kvguard.proto.channel import MAX_MESSAGE, TRANSPORT_LIMIT, Tls, peer_names
+from kvguard.proto.channel import MAX_MESSAGE, TRANSPORT_LIMIT, Tls, node_of, peer_names
 from kvguard.proto.crl import Crl
 from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -104,9 +104,13 @@ class AgentSession:
         if why:  # its refused events' records name it: the store must be able to keep it
             self._fail("identity", f"node name {name[:40]!r} {why}")
             return False
+        try:  # a node's own probes (node/ebpf: the agent's witness) stream under the node's name
+            node = node_of(name)
+        except ValueError as exc:
+            self._fail("identity", str(exc))
+            return False
         names = peer_names(self.context)
-        # A node's own probes (node/ebpf: the agent's witness) stream under the node's name.
-        if names is not None and name.split("/", 1)[0] not in names:
+        if names is not None and node not in names:
             self._fail(
                 "identity",
                 f"node {name!r} is not named by the client's certificate "

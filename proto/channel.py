@@ -6,8 +6,9 @@ Invariants: with TLS on, the daemon serves only clients whose certificate the CA
 (the handshake fails otherwise, before any request is read); a certificate is a reader's if
 it carries the URI SAN READER_URI, a node's otherwise (`peer_role`; what each may call:
 daemon/access.py); and an agent stream may speak only for a node its certificate names (the
-subject's CN or a DNS name among its SANs), or for that node's probes (`node/probe`, e.g.
-the agent's eBPF witness `p0/ebpf`).
+subject's CN or a DNS name among its SANs), or for that node's probes (`node/probe`, the
+probe one of PROBES: the agent's eBPF witness `p0/ebpf`, its engine's CUDA shim `p0/shim`);
+any other shape of name (`p0/anything`, `p0/../d0`, `p0/ebpf/x`) is refused with or without TLS.
 """
 
 from __future__ import annotations
@@ -34,6 +35,24 @@ READER = "reader"
 OPERATOR = "operator"
 READER_URI = "urn:kvguard:role:reader"
 OPERATOR_URI = "urn:kvguard:role:operator"
+
+
+# The sources a node's agent streams beside its guard, each as NODE/PROBE with its own sequence.
+WITNESS_STREAM = "ebpf"  # the agent's eBPF wire witness
+SHIM_STREAM = "shim"  # the engine's LD_PRELOAD CUDA copy shim
+PROBES = frozenset({WITNESS_STREAM, SHIM_STREAM})
+
+
+def node_of(stream: str) -> str:
+    """The node a stream's name speaks for (`p0` for `p0` and `p0/ebpf`); a ValueError saying
+    why for a name of any other shape."""
+    node, sep, probe = stream.partition("/")
+    if not node or node in (".", ".."):
+        raise ValueError(f"node name {stream[:80]!r} does not start with a node's name")
+    if sep and probe not in PROBES:
+        probes = ", ".join(sorted(PROBES))
+        raise ValueError(f"node name {stream[:80]!r}: after '/' comes a probe of the node, one of {probes}")
+    return node
 
 
 class TlsError(ValueError):

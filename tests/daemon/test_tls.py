@@ -6,6 +6,7 @@ certificate of the CA get in, and a stream speaks only for a node its certificat
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -56,10 +57,29 @@ def test_a_node_speaks_for_the_names_in_its_certificate_only(pki: Path, daemon: 
             )
             with pytest.raises(DaemonRefused, match=refused):
                 AgentStream(ch, name)
+        # p0's probes are the documented ones, nothing else under p0's name, nor a way out of it
+        for name, why in (
+            ("p0/anything", "after '/' comes a probe of the node, one of ebpf, shim"),
+            ("p0/../d0", "after '/' comes a probe of the node, one of ebpf, shim"),
+            ("p0/ebpf/x", "after '/' comes a probe of the node, one of ebpf, shim"),
+            ("../d0", "does not start with a node's name"),
+            ("/ebpf", "does not start with a node's name"),
+        ):
+            with pytest.raises(DaemonRefused, match=re.escape(f"identity: node name {name!r}") + ".*" + why):
+                AgentStream(ch, name)
+        stream = AgentStream(ch, "p0/shim")  # the engine's CUDA shim, the other probe
+        assert stream.send([pool_event("p0/shim")]).accepted == 1
+        stream.close()
     with channel(daemon.address, client(pki, "siem")) as ch:  # the fleet state is for readers
         counters = svc_grpc.FleetServiceStub(ch).State(svc.FleetRequest()).counters
-    assert counters["stream_identity"] == 2
-    assert Store(daemon.store).count("event") == 3
+    assert counters["stream_identity"] == 7
+    assert Store(daemon.store).count("event") == 4
+    assert {
+        n.node
+        for n in svc_grpc.FleetServiceStub(channel(daemon.address, client(pki, "siem")))
+        .State(svc.FleetRequest())
+        .nodes
+    } == {"p0", "p0-spare", "p0/ebpf", "p0/shim"}
 
 
 def test_clients_without_a_certificate_of_the_ca_are_turned_away(pki: Path, daemon: Service) -> None:
