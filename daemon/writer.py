@@ -29,6 +29,16 @@ from kvguard.proto.wire import Batch
 READY_TIMEOUT_S = 60.0  # for the writer process to start and open the store
 
 
+def _told(conn: Connection, message: tuple[str, object]) -> bool:
+    """Say `message` to the daemon; False if it is gone (killed, even before the writer was
+    ready): the writer then ends quietly, having lost nothing it had committed."""
+    try:
+        conn.send(message)
+    except OSError:  # BrokenPipeError, ConnectionResetError: no daemon to tell
+        return False
+    return True
+
+
 def _serve(where: str, key: bytes | None, head_file: str | None, conn: Connection) -> None:
     # The daemon stops the writer (None on the pipe, after its last group), or its death does
     # (EOF). A Ctrl-C, or systemd's SIGTERM to the whole service, reaches the writer too: dying
@@ -38,10 +48,11 @@ def _serve(where: str, key: bytes | None, head_file: str | None, conn: Connectio
     try:
         store = Store(where, key, head_file=head_file)
     except Exception as exc:  # said to the daemon, which refuses to start
-        conn.send(("error", f"the store writer cannot open the store: {exc}"))
+        _told(conn, ("error", f"the store writer cannot open the store: {exc}"))
         return
-    conn.send(("ready", 0))
     try:
+        if not _told(conn, ("ready", 0)):
+            return
         while True:
             try:
                 groups = [conn.recv()]
@@ -58,11 +69,12 @@ def _serve(where: str, key: bytes | None, head_file: str | None, conn: Connectio
             try:
                 ids = store.append([row for group in rows for row in group])
             except StoreError as exc:
-                conn.send(("error", str(exc)))
+                _told(conn, ("error", str(exc)))
                 return
             first = ids[0] if ids else 0
             for group in rows:
-                conn.send(("ok", first))
+                if not _told(conn, ("ok", first)):
+                    return
                 first += sum(row.ids for row in group)
             if stop:
                 return

@@ -5,6 +5,9 @@ and commits everything a closing daemon was sent."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -113,3 +116,23 @@ def test_a_closing_daemon_commits_everything_it_was_sent(tmp_path: Path) -> None
         assert store.count("finding") == 30 and store.verify()[0]
     finally:
         store.close()
+
+
+def test_a_writer_whose_daemon_dies_before_it_is_ready_ends_quietly(tmp_path: Path) -> None:
+    # The daemon SIGKILLed (here: gone by os._exit) while its writer still opens the store: the
+    # writer finds no one to tell it is ready and ends, without a traceback on the journal.
+    script = textwrap.dedent(
+        f"""
+        import os
+        from kvguard.daemon.writer import StoreWriter
+        writer = StoreWriter({str(tmp_path / "audit.db")!r})
+        print(writer._proc.pid, flush=True)
+        os._exit(0)
+        """
+    )
+    done = subprocess.run(  # returns once every holder of stderr (the writer too) has closed it
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    pid = int(done.stdout.split()[0])
+    assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
