@@ -1,6 +1,8 @@
 """`kvguard replay CAPTURE --to ADDR`: a capture's events sent to a daemon as their nodes'
 agents would, keeping the capture's global order across nodes (each run of one node's
-events is a batch, and its ack is awaited before the next).
+events is a batch, and its ack is awaited before the next). A node the daemon refuses (its
+name, or a certificate that does not name it) has its events skipped, each counted as refused
+with the daemon's reason, and the other nodes' go on, as a local replay skips such lines.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from kvguard.agents.upstream import AgentStream
+from kvguard.agents.upstream import AgentStream, DaemonRefused
 from kvguard.proto import pb
 from kvguard.proto.capture import CaptureError, read_capture
 from kvguard.proto.channel import Tls
@@ -46,15 +48,25 @@ def send_capture(
     """Send a capture's events to the daemon at `address`, in order, as their nodes' agents would."""
     summary = SendSummary()
     streams: dict[str, AgentStream] = {}
+    refused: dict[str, str] = {}  # node -> why the daemon would not take its stream
     with daemon_channel(address, tls) as channel:
         try:
             for run in _runs(read_capture(lines), summary, batch):
                 node = run[0][1].node
-                stream = streams.get(node)
-                if stream is None:
-                    stream = streams[node] = AgentStream(channel, node, "kvguard-replay")
-                ack = stream.send(e for _, e in run)
                 summary.events += len(run)
+                try:
+                    if node not in refused and node not in streams:
+                        streams[node] = AgentStream(channel, node, "kvguard-replay")
+                    ack = streams[node].send(e for _, e in run) if node not in refused else None
+                except DaemonRefused as exc:
+                    refused[node] = str(exc)
+                    gone = streams.pop(node, None)
+                    if gone is not None:
+                        gone.close()
+                    ack = None
+                if ack is None:
+                    summary.rejected += [(n, f"node {node!r} refused: {refused[node]}") for n, _ in run]
+                    continue
                 summary.accepted += ack.accepted
                 summary.repeats += ack.repeats
                 line_of = {e.seq: n for n, e in run}

@@ -175,3 +175,26 @@ def test_replay_and_audit_queries_reach_a_tls_daemon(pki: Path, daemon: Service)
         [*kvguard, "audit", "query", "--daemon", daemon.address], capture_output=True, text=True, timeout=60
     )
     assert plain.returncode == 2 and "UNAVAILABLE" in plain.stderr
+
+
+def test_replay_to_skips_the_nodes_the_daemon_refuses_and_sends_the_rest(pki: Path, daemon: Service) -> None:
+    # p0's certificate speaks for p0 (and p0-spare) only: d0's lines are refused, each said with
+    # the daemon's reason, and every p0 line after them still goes, as a local replay would.
+    from kvguard.proto.builder import EventLog
+
+    log = EventLog()
+    for i in range(3):
+        for node in ("p0", "d0"):
+            log.add(node, "pool", pool=i, role="decode", page_size=16, num_pages=8)
+    capture = Path(daemon.store).parent / "two-nodes.jsonl"
+    capture.write_text(log.to_jsonl())
+    done = subprocess.run(
+        [sys.executable, "-m", "kvguard", "replay", str(capture), "--to", daemon.address,
+         *tls_args(pki, "node-p0")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    said = done.stdout + done.stderr
+    assert said.count("node 'd0' refused: identity: node 'd0' is not named by the client's certificate") == 3
+    assert "3 refused" in said and "Traceback" not in said
+    assert Store(daemon.store).count("event") == 3  # p0's three, d0's none
