@@ -40,7 +40,7 @@ from kvguard.ledger.pools import GRANT_RUNS, Node, Pools
 from kvguard.ledger.requests import Request, Requests
 from kvguard.ledger.transfers import Transfers
 from kvguard.proto import pb, wire
-from kvguard.proto.limits import NODE_BYTES, SEQ_MAX, unstorable
+from kvguard.proto.limits import NODE_BYTES, SEQ_JUMP_MAX, SEQ_MAX, unstorable
 
 RETIRE_IDLE = 1 << 16  # applied events without news of a request before it may be retired
 FORGET_IDLE = 1 << 20  # ... before it may be forgotten
@@ -332,6 +332,12 @@ class Ledger:
         if seq <= node.last_seq and not node.gaps.holds(seq):
             raise BadEvent(
                 f"sequence number {seq} of node {name} repeats (last applied: {node.last_seq})", "repeat"
+            )
+        if node.last_seq and seq - node.last_seq > SEQ_JUMP_MAX:  # refused before it moves any count
+            raise BadEvent(
+                f"{kind} event of node {name}: seq {seq} is {seq - node.last_seq - 1} past the last applied "
+                f"({node.last_seq}); numbers grow by one an event, at most {SEQ_JUMP_MAX} lost at once",
+                "out_of_range",
             )
         self.findings.at(name, seq, ts)
         return node

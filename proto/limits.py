@@ -11,6 +11,9 @@ the bytes counted here, and text without NUL characters).
 from __future__ import annotations
 
 SEQ_MAX = 2**63 - 1  # seq and epoch: uint64 on the wire, a signed 64-bit column in the store
+# How far past its node's last applied number an event's may be: numbers grow by one an event,
+# so a jump beyond this is a forged or corrupt number, not events lost (2^32: days of a busy node's).
+SEQ_JUMP_MAX = 2**32
 NODE_BYTES = 128  # a node's name (UTF-8)
 REQ_BYTES = 256  # a request's id
 TENANT_BYTES = 128  # a tenant's name

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvguard.ledger import BadEvent, Ledger, sequence, snapshot
 from kvguard.ledger.sequence import Gaps
-from kvguard.proto import pb
+from kvguard.proto import limits, pb
 
 
 def admit(seq: int, req: str = "", tenant: str = "acme", node: str = "n0", epoch: int = 0) -> pb.Event:
@@ -107,3 +107,19 @@ def test_a_snapshot_keeps_the_gaps() -> None:
     again.apply(admit(2))  # still a gap to fill, not a repeat
     with pytest.raises(BadEvent, match="repeats"):
         again.apply(admit(4))
+
+
+def test_a_forged_number_far_ahead_is_refused_and_moves_no_count() -> None:
+    ledger = Ledger()
+    for seq in (1, 2):
+        ledger.apply(admit(seq))
+    before = (ledger.stats.missing, ledger.nodes["n0"].last_seq, ledger.nodes["n0"].gaps.ranges())
+    for forged in (2**62, 2**63 - 1, 2 + limits.SEQ_JUMP_MAX + 1):
+        with pytest.raises(BadEvent, match="past the last applied") as refused:
+            ledger.apply(admit(forged))
+        assert refused.value.kind == "out_of_range"
+        assert (ledger.stats.missing, ledger.nodes["n0"].last_seq, ledger.nodes["n0"].gaps.ranges()) == before
+    ledger.apply(admit(3))  # the node's next goes on as if nothing came between
+    assert ledger.stats.missing == 0 and ledger.last_missing == 0
+    ledger.apply(admit(3 + limits.SEQ_JUMP_MAX))  # a jump within the bound is events lost, counted
+    assert ledger.stats.missing == limits.SEQ_JUMP_MAX - 1
