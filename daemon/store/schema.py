@@ -102,7 +102,10 @@ def _python_type(column: Column[Any]) -> type:
 
 
 # What each column of each table reads back as: int, str or bytes.
-_TYPES = {t.name: {c.name: _python_type(c) for c in t.columns} for t in (records, snapshots, seal, named)}
+_TYPES = {
+    t.name: {c.name: _python_type(c) for c in t.columns}
+    for t in (records, snapshots, snapshot_parts, seal, named)
+}
 _WANTED = {int: "an integer", str: "text", bytes: "a blob"}
 
 

@@ -68,6 +68,10 @@ def latest(conn: Any) -> tuple[int, bytes, bytes] | str:
         snapshot_parts.c.snapshot_id == snapshot_id
     )
     for part, piece in conn.execute(query.order_by(snapshot_parts.c.part)):
+        try:  # a part edited outside kvguard (text where its bytes belong) is named, not a traceback
+            part, piece = checked("snapshot_parts", f"{name}: a part", {"part": part, "body": piece}).values()
+        except RowError as exc:
+            return str(exc)
         if part != len(pieces) or part >= parts:
             return f"{name} has part {part} where part {len(pieces)} of {parts} belongs"
         if not piece or len(piece) > SNAPSHOT_PART:

@@ -67,6 +67,16 @@ def _ending(conn: Any, through: int | None) -> tuple[int, bytes] | None:
     return v["id"] + run_ids(v["kind"], v["body"]) - 1, v["hash"]
 
 
+def _text(data: bytes) -> str | bytes:
+    """A SQLite TEXT value as a str; its bytes when they are not UTF-8 (a store edited by hand,
+    a faulty disk), which the row checks then name ("column node holds bytes ..., not text")
+    where sqlite3 would raise from inside a query."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return data
+
+
 def _checkpoint(conn: Any) -> None:
     """Copy what is committed in the WAL into the database file, as far as no reader still
     needs the frames (SQLite's PASSIVE checkpoint: it never waits for a reader or the writer)."""
@@ -101,6 +111,7 @@ class Store:
 
             @event.listens_for(self.engine, "connect")
             def _pragmas(dbapi_conn: Any, _: Any) -> None:
+                dbapi_conn.text_factory = _text  # a TEXT value that is not UTF-8 is named, not a crash
                 cursor = dbapi_conn.cursor()
                 cursor.execute("PRAGMA journal_mode=WAL")
                 cursor.execute("PRAGMA synchronous=FULL")  # a commit survives a crash of the machine too

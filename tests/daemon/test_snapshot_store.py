@@ -142,3 +142,57 @@ def absurd(good: bytes) -> bytes:
 
 def test_no_snapshot_thread_is_left_running() -> None:
     assert not [t for t in threading.enumerate() if t.name == "kvguard-daemon-snapshot"]
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("'not a blob'", "a part: column body holds text 'not a blob', not a blob"),
+        ("CAST(X'FF61' AS TEXT)", None),  # not UTF-8: read back as its bytes, which the digest refuses
+    ],
+)
+def test_a_snapshot_part_edited_to_text_is_named_and_the_store_replayed(
+    tmp_path, value: str, said: str | None
+) -> None:
+    # SQLite keeps any value in any column: a hand edit can leave text, even text that is not
+    # UTF-8, where a snapshot's bytes belong. The daemon then replays the store; it never fails.
+    where = str(tmp_path / "audit.db")
+    store = Store(where)
+    evs = events()
+    store.append([Record.of_event(e) for e in evs])
+    store.save_snapshot(snapshot.dump(ledger_of(evs)), part_bytes=1000)
+    store.close()
+    engine = create_engine(url_of(where))
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE snapshot_parts SET body = {value} WHERE part = 1"))
+    engine.dispose()
+    store = Store(where)
+    found = store.latest_snapshot()
+    assert isinstance(found, str)
+    if said is not None:
+        assert found.endswith(said), found
+    fresh = Ledger()
+    assert restored(store, fresh) == (fresh, 0)  # the whole store replayed instead
+    store.close()
+
+
+def test_text_that_is_not_utf8_in_a_record_is_named_by_audit_verify(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    where = str(tmp_path / "audit.db")
+    store = Store(where)
+    store.append([Record.of_event(e) for e in events()])
+    store.close()
+    engine = create_engine(url_of(where))
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE records SET node = CAST(X'FF61' AS TEXT) WHERE id = 3"))
+    engine.dispose()
+    done = subprocess.run(
+        [sys.executable, "-m", "kvguard", "audit", "verify", "--store", where], capture_output=True, text=True
+    )
+    assert "Traceback" not in done.stderr and done.returncode == 1, done.stderr
+    assert (
+        "NOT proven intact after 2 good records: record 3: column node holds a blob of 2 bytes, not text"
+        in (done.stdout + done.stderr)
+    )
