@@ -214,6 +214,8 @@ def item_row(item: AuditItem) -> Row:
             claimed = pb.Event()
         payload = claimed.WhichOneof("payload") or "unreadable bytes"
         what = f"refused {payload} ({body.kind}), {body.size} bytes"
+        if body.size > len(body.event):  # only a prefix kept: the rest is known by its digest
+            what += f" (first {len(body.event)} kept; sha256 {body.sha256.hex()[:16]}...)"
         return Row(
             rid,
             format_time(claimed.ts_ns) if claimed.ts_ns else "",

@@ -13,6 +13,7 @@ run the same way in Python.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -74,10 +75,16 @@ class Record(NamedTuple):
         node: str, epoch: int, seq: int, ts_ns: int, kind: str, reason: str, event: bytes
     ) -> Record:
         """The row of an event the daemon refused (`kind`: the counter it went to), on the
-        stream of `node`: its first REFUSAL_BYTES kept as evidence; a seq or time the store
-        cannot hold is 0 in the columns (the bytes still carry it)."""
+        stream of `node`: its first REFUSAL_BYTES kept as evidence, its size and the SHA-256 of
+        all of it (so a copy of it held elsewhere can be matched); a seq or time the store cannot
+        hold is 0 in the columns (the bytes still carry it)."""
         body = svc.Refusal(
-            kind=kind, reason=reason, epoch=epoch, event=event[:REFUSAL_BYTES], size=len(event)
+            kind=kind,
+            reason=reason,
+            epoch=epoch,
+            event=event[:REFUSAL_BYTES],
+            size=len(event),
+            sha256=hashlib.sha256(event).digest(),
         ).SerializeToString()
         seq = seq if 0 <= seq <= SEQ_MAX else 0
         return Record("refused", node, seq, ts_ns if -SEQ_MAX <= ts_ns <= SEQ_MAX else 0, body)

@@ -68,3 +68,39 @@ def test_reports_and_reads_above_the_limits_are_refused_and_a_restart_under_lowe
             stream.close()
     finally:
         second.stop()
+
+
+def test_a_large_refused_event_is_kept_as_a_bounded_prefix_with_its_size_and_digest(tmp_path: Path) -> None:
+    import hashlib
+    import subprocess
+    import sys
+
+    from kvguard.daemon.store import Store
+    from kvguard.daemon.store.rows import REFUSAL_BYTES
+    from kvguard.proto.channel import channel
+
+    store = str(tmp_path / "audit.db")
+    daemon = start_daemon(store)
+    events = [pb.Event(node="n0", seq=i, admit=pb.Admit(req=f"r{i}", tenant="x" * 3_000_000)) for i in (1, 2)]
+    try:
+        with channel(daemon.address, None) as ch:
+            stream = AgentStream(ch, "n0")
+            ack = stream.send(events)  # refused: a stage that is none (and a tenant over its bound)
+            stream.close()
+        assert ack.accepted == 0 and len(ack.rejected) == 2
+    finally:
+        daemon.stop()
+    s = Store(store)
+    rows = [svc.Refusal.FromString(body) for _, _, body in s.rows(kind="refused")]
+    s.close()
+    for row, event in zip(rows, events, strict=True):
+        whole = event.SerializeToString()
+        assert row.event == whole[:REFUSAL_BYTES] and row.size == len(whole)
+        assert row.sha256 == hashlib.sha256(whole).digest()
+    assert Path(store).stat().st_size < 2 * 2 * REFUSAL_BYTES + (1 << 20)  # not 6 MB of refused bytes
+    said = subprocess.run(
+        [sys.executable, "-m", "kvguard", "audit", "query", "--store", store, "--kind", "refused"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert said.count(f"(first {REFUSAL_BYTES} kept; sha256 ") == 2

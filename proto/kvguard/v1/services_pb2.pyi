@@ -252,18 +252,20 @@ class AuditRecord(_message.Message):
     def __init__(self, id: _Optional[int] = ..., kind: _Optional[str] = ..., event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., finding: _Optional[_Union[_events_pb2.Finding, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., refused: _Optional[_Union[Refusal, _Mapping]] = ..., action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
 
 class Refusal(_message.Message):
-    __slots__ = ("kind", "reason", "epoch", "event", "size")
+    __slots__ = ("kind", "reason", "epoch", "event", "size", "sha256")
     KIND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     kind: str
     reason: str
     epoch: int
     event: bytes
     size: int
-    def __init__(self, kind: _Optional[str] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., event: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
+    sha256: bytes
+    def __init__(self, kind: _Optional[str] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., event: _Optional[bytes] = ..., size: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
 class FleetRequest(_message.Message):
     __slots__ = ()
