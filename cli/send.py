@@ -1,6 +1,8 @@
 """`kvguard replay CAPTURE --to ADDR`: a capture's events sent to a daemon as their nodes'
 agents would, keeping the capture's global order across nodes (each run of one node's
-events is a batch, and its ack is awaited before the next). A node the daemon refuses (its
+events is a batch of at most `batch` events and MAX_BATCH_BYTES bytes, and its ack is awaited
+before the next). An event the daemon could never take (over its message limit) is refused
+here, alone, with the reason; the rest goes on. A node the daemon refuses (its
 name, or a certificate that does not name it) has its events skipped, each counted as refused
 with the daemon's reason, and the other nodes' go on, as a local replay skips such lines.
 """
@@ -13,8 +15,10 @@ from dataclasses import dataclass, field
 from kvguard.agents.upstream import AgentStream, DaemonRefused
 from kvguard.proto import pb
 from kvguard.proto.capture import CaptureError, read_capture
-from kvguard.proto.channel import Tls
+from kvguard.proto.channel import MAX_BATCH_BYTES, MAX_MESSAGE, Tls
 from kvguard.proto.channel import channel as daemon_channel
+
+MESSAGE_OVERHEAD = 64  # a batch message's own bytes around one event
 
 
 @dataclass
@@ -29,15 +33,26 @@ class SendSummary:
 def _runs(
     items: Iterator[tuple[int, pb.Event | CaptureError]], summary: SendSummary, limit: int
 ) -> Iterator[list[tuple[int, pb.Event]]]:
+    """Runs of one node's events in capture order, each within `limit` events and
+    MAX_BATCH_BYTES bytes; an event over the daemon's message limit alone is refused here."""
     run: list[tuple[int, pb.Event]] = []
+    size = 0
     for number, item in items:
         if isinstance(item, CaptureError):
             summary.bad_lines.append(item)
             continue
-        if run and (run[-1][1].node != item.node or len(run) >= limit):
+        nbytes = item.ByteSize()
+        if nbytes > MAX_MESSAGE - MESSAGE_OVERHEAD:
+            summary.events += 1
+            summary.rejected.append(
+                (number, f"{nbytes} bytes, over the daemon's message limit of {MAX_MESSAGE}: not sent")
+            )
+            continue
+        if run and (run[-1][1].node != item.node or len(run) >= limit or size + nbytes > MAX_BATCH_BYTES):
             yield run
-            run = []
+            run, size = [], 0
         run.append((number, item))
+        size += nbytes
     if run:
         yield run
 

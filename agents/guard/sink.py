@@ -22,7 +22,7 @@ from typing import Protocol
 from kvguard.proto import pb, wire
 from kvguard.proto.capture import event_to_json
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
-from kvguard.proto.local import recv_frame, send_bytes, send_frame
+from kvguard.proto.local import MAX_FRAME, recv_frame, send_bytes, send_frame
 
 Command = Callable[[svc.Command], None]
 HELLO_ANSWER_S = 5.0  # an agent answers a hello at once; one that has not by then is written to anyway
@@ -138,6 +138,23 @@ class CaptureSink(_QueuedSink):
         self._file.close()
 
 
+FRAME_BYTES = MAX_FRAME // 2  # the events one frame to the agent carries at most (their bytes)
+EVENT_OVERHEAD = 8  # a frame's bytes around each event (its field tag and length)
+
+
+def _frame_share(pending: list[bytes]) -> int:
+    """How many of `pending`, from the first, one frame carries (within FRAME_BYTES); 0 when
+    the first alone is over the agent's frame limit."""
+    if len(pending[0]) + 2 * EVENT_OVERHEAD > MAX_FRAME:
+        return 0
+    size = 0
+    for n, body in enumerate(pending):
+        size += len(body) + EVENT_OVERHEAD
+        if n and size > FRAME_BYTES:
+            return n
+    return len(pending)
+
+
 def _hang_up(sock: socket.socket) -> None:
     """Shut the connection down, then close it: a bare close() leaves it open while the
     command reader is blocked on it (the agent would never see the guard go)."""
@@ -175,6 +192,7 @@ class AgentSink(_QueuedSink):
         self.socket_path = str(socket_path)
         self.node = node
         self.sent = 0
+        self.oversized = 0  # events over the agent's frame limit, dropped (said on stderr)
         self.connected = threading.Event()
         self.ready = threading.Event()
         self._on_command = on_command
@@ -285,12 +303,22 @@ class AgentSink(_QueuedSink):
             else:
                 stop = False
             while self._pending:
+                take = _frame_share(self._pending)
+                if take == 0:  # one event the agent could never take: dropped alone, said, counted
+                    self.oversized += 1
+                    print(
+                        f"kvguard guard: {self.node}: an event of {len(self._pending[0])} bytes is over the "
+                        f"agent's frame limit of {MAX_FRAME}; dropped",
+                        file=sys.stderr,
+                    )
+                    self._pending = self._pending[1:]
+                    continue
                 try:
                     if sock is None:
                         sock = self._connect()
-                    send_bytes(sock, wire.frame(self._pending))
-                    self.sent += len(self._pending)
-                    self._pending = []
+                    send_bytes(sock, wire.frame(self._pending[:take]))
+                    self.sent += take
+                    self._pending = self._pending[take:]
                 except (OSError, ConnectionError):
                     if sock is not None:
                         _hang_up(sock)

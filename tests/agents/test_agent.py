@@ -458,3 +458,51 @@ def test_an_engine_restarted_mid_traffic_loses_nothing_and_is_judged_afresh(
     (node,) = [n for n in fleet.nodes if n.node == "d0"]
     assert (node.epoch, node.restarts, node.last_seq) == (2, 1, second._seq)
     assert [p.report.num_pages for p in node.pools] == [32]
+
+
+def test_the_guards_sink_frames_by_bytes_and_drops_only_an_event_over_the_frame_limit(
+    tmp_path: Path, cluster, capfd: pytest.CaptureFixture[str]
+) -> None:  # type: ignore[no-untyped-def]
+    # Queued together, these events make one batch far over the agent's 16 MiB frame limit: a
+    # frame of them all would be refused, resent and refused forever. Framed by bytes, every
+    # one arrives but the single event no frame can carry, which is dropped alone and said.
+    store, _, _, _ = cluster
+    pages = 1 << 20
+    step = 200_000
+    log = pb_events(pages, step)
+    huge = pb.Event(
+        node="d0", seq=len(log) + 1, alloc=pb.Alloc(req="huge", pool=0, pages=list(range(pages)) * 6)
+    )
+    assert huge.ByteSize() > MAX_FRAME
+    tail = pb.Event(node="d0", seq=len(log) + 2, free=pb.Free(req="r0", pool=0, pages=list(range(step))))
+    sink = AgentSink(tmp_path / "agent.sock", "d0")
+    assert sink.wait_ready(30)
+    for event in [*log, huge, tail]:
+        assert sink.put(event.SerializeToString())
+    assert sink.flush()
+    expected = [e.seq for e in log] + [tail.seq]
+    assert wait_for(lambda: [e.seq for e in stored(store)] == expected, timeout=60)
+    assert sink.oversized == 1 and sink.sent == len(expected)
+    assert f"over the agent's frame limit of {MAX_FRAME}; dropped" in capfd.readouterr().err
+    sink.close()
+
+
+def pb_events(pages: int, step: int) -> list[pb.Event]:
+    """A pool of `pages` and requests that each take `step` of them (each ~0.8 MB on the wire)."""
+    events = [
+        pb.Event(node="d0", seq=1, pool=pb.PoolReport(pool=0, role="decode", page_size=16, num_pages=pages))
+    ]
+    for i in range(pages // step):
+        events.append(
+            pb.Event(
+                node="d0", seq=len(events) + 1, admit=pb.Admit(req=f"r{i}", tenant="acme", stage="decode")
+            )
+        )
+        events.append(
+            pb.Event(
+                node="d0",
+                seq=len(events) + 1,
+                alloc=pb.Alloc(req=f"r{i}", pool=0, pages=range(i * step, (i + 1) * step)),
+            )
+        )
+    return events

@@ -104,3 +104,47 @@ def test_a_large_refused_event_is_kept_as_a_bounded_prefix_with_its_size_and_dig
         text=True,
     ).stdout
     assert said.count(f"(first {REFUSAL_BYTES} kept; sha256 ") == 2
+
+
+def test_replay_to_sends_batches_under_the_message_limit_and_refuses_only_an_event_over_it(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    from kvguard.daemon.store import Store
+    from kvguard.proto.builder import EventLog
+    from kvguard.proto.channel import MAX_MESSAGE
+
+    pages = 1 << 20
+    log = EventLog()
+    log.add("n0", "pool", pool=0, role="colocated", page_size=16, num_pages=pages)
+    step = 200_000  # each alloc ~0.8 MB on the wire: together far over the daemon's 16 MiB
+    for i in range(pages // step):
+        log.add("n0", "admit", req=f"r{i}", tenant="acme", stage="decode")
+        log.add("n0", "alloc", req=f"r{i}", pool=0, pages=list(range(i * step, (i + 1) * step)))
+    huge = log.add("n0", "admit", req="huge", tenant="acme", stage="decode")
+    huge_alloc = log.add("n0", "alloc", req="huge", pool=0, pages=list(range(pages)) * 6)  # ~19 MB alone
+    assert huge_alloc.ByteSize() > MAX_MESSAGE and huge.seq
+    after = log.add("n0", "free", req="r0", pool=0, pages=list(range(step)))
+    capture = tmp_path / "big.jsonl"
+    capture.write_text(log.to_jsonl())
+    store = str(tmp_path / "audit.db")
+    daemon = start_daemon(store)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvguard", "replay", str(capture), "--to", daemon.address],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        daemon.stop()
+    said = done.stdout + done.stderr
+    assert done.returncode == 1 and "Traceback" not in said, said[-2000:]
+    assert f"over the daemon's message limit of {MAX_MESSAGE}: not sent" in said
+    s = Store(store)
+    stored = [e.seq for e in s.events()]
+    s.close()
+    assert stored == [e.seq for e in log.events if e.seq != huge_alloc.seq]  # all but the one
+    assert after.seq in stored
