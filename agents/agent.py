@@ -50,7 +50,15 @@ from kvguard.cuda_hooks.shim import ShimListener, ShimRecord
 from kvguard.cuda_hooks.tcp_stream import WireReport
 from kvguard.cuda_hooks.witness import NullWitness, Witness, open_witness, wire_event
 from kvguard.proto import pb, wire
-from kvguard.proto.channel import MAX_BATCH_BYTES, MAX_MESSAGE, SHIM_STREAM, WITNESS_STREAM, Tls, channel
+from kvguard.proto.channel import (
+    MAX_BATCH_BYTES,
+    MAX_MESSAGE,
+    SHIM_STREAM,
+    WITNESS_STREAM,
+    Tls,
+    channel,
+    node_of,
+)
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.local import PEER_CLOSED, FrameTimeout, listening, peer_of, recv_frame, send_frame
 from kvguard.proto.logs import logger
@@ -126,7 +134,11 @@ class NodeAgent:
             "frame_timeouts": 0,
             "spool_set_aside": 0,
             "guards_gone": 0,
+            "identity_refused": 0,  # guards and streams of nodes the daemon will never take from this agent
         }
+        # The nodes this agent's certificate names (None: plaintext, the daemon decides): the
+        # daemon refuses any other's stream for good, so none is opened, and its guard is told.
+        self.speaks_for: frozenset[str] | None = tls.names() if tls is not None else None
         self.frame_timeout = frame_timeout
         self.door = Door(max_guards, self.counters, log.warning)
         self._counters_said: dict[str, int] = {}
@@ -157,7 +169,12 @@ class NodeAgent:
                 if self.canary_interval_s > 0 and "/" not in node:
                     self.canaries[node] = Canary(node, self.canary_interval_s, log.warning)
                 self.counters["spool_set_aside"] += spool.set_aside
-                threading.Thread(target=self._upstream, args=(node, spool), daemon=True).start()
+                why_not = self._never_taken(node)
+                if why_not is None:
+                    threading.Thread(target=self._upstream, args=(node, spool), daemon=True).start()
+                else:  # an earlier run's spool the daemon would refuse forever: kept, not retried
+                    self.counters["identity_refused"] += 1
+                    log.error(f"{why_not}: its spool {spool.path} is kept and not sent")
             return spool
 
     def _source(self, name: str) -> Source:
@@ -219,6 +236,11 @@ class NodeAgent:
                 raise ValueError("the first message must be hello with the guard's node")
             if "/" in node:
                 raise ValueError(f"node {node!r}: names with '/' are the agent's own probes'")
+            why_not = self._never_taken(node)
+            if why_not is not None:  # a permanent refusal: said to the guard now, not retried upstream
+                self.counters["identity_refused"] += 1
+                _refuse(conn, "identity", why_not)
+                return
             # The guard runs inside the engine: the socket's peer is the engine process.
             peer = peer_of(conn)
             pid = peer.pid
@@ -375,6 +397,14 @@ class NodeAgent:
         self.counters["rejected"] += len(rejected)
         self.counters["acked"] += ack.accepted + ack.repeats
         spool.ack(max((ack.durable_epoch, ack.durable_seq), batch[-1]), rejected)
+
+    def _never_taken(self, node: str) -> str | None:
+        """Why the daemon will never take `node`'s events from this agent (its certificate does
+        not name the node); None if it may."""
+        if self.speaks_for is not None and node_of(node) not in self.speaks_for:
+            names = ", ".join(sorted(self.speaks_for))
+            return f"node {node!r} is not named by this agent's certificate (it names {names})"
+        return None
 
     def _upstream(self, node: str, spool: Spool) -> None:
         """The node's spool to the daemon: up to IN_FLIGHT batches sent ahead of their acks

@@ -109,6 +109,21 @@ class Tls:
             return OPERATOR
         return READER if READER_URI in uris else NODE
 
+    def names(self) -> frozenset[str]:
+        """The node names this side's own certificate gives it (CN and DNS SANs), as the daemon
+        reads them (`peer_names`): the nodes an agent with it may stream for."""
+        from cryptography import x509
+        from cryptography.x509.oid import NameOID
+
+        cert = x509.load_pem_x509_certificate(self.cert)
+        names = {str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)}
+        try:
+            sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            names |= set(sans.get_values_for_type(x509.DNSName))
+        except x509.ExtensionNotFound:
+            pass
+        return frozenset(names)
+
     def channel_credentials(self) -> grpc.ChannelCredentials:
         import grpc
 

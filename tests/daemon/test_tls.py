@@ -198,3 +198,27 @@ def test_replay_to_skips_the_nodes_the_daemon_refuses_and_sends_the_rest(pki: Pa
     assert said.count("node 'd0' refused: identity: node 'd0' is not named by the client's certificate") == 3
     assert "3 refused" in said and "Traceback" not in said
     assert Store(daemon.store).count("event") == 3  # p0's three, d0's none
+
+
+def test_an_agent_refuses_a_guard_its_certificate_does_not_name_and_retries_nothing(
+    pki: Path, daemon: Service, tmp_path: Path
+) -> None:
+    # The agent holds d0's certificate: a guard of p0 would have its events refused by the
+    # daemon forever. It is told so at its hello, counted, and nothing is spooled or retried.
+    sock = tmp_path / "agent.sock"
+    spool = tmp_path / "spool"
+    agent = start_agent(str(sock), daemon.address, str(spool), *tls_args(pki, "node-d0"))
+    try:
+        sink = AgentSink(sock, "p0")
+        deadline = time.monotonic() + 20
+        while not sink.refused and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sink.refused == "identity: node 'p0' is not named by this agent's certificate (it names d0)"
+        assert not sink.connected.is_set() and sink.refusals >= 1
+        sink.close()
+        time.sleep(1.0)  # time enough for a retry loop to show itself
+    finally:
+        said = agent.stop()
+    assert "retrying" not in said and "unavailable" not in said
+    assert not list(spool.glob("*p0*"))
+    assert Store(daemon.store).count("event") == 0
