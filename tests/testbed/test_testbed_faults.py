@@ -101,7 +101,9 @@ def double_free(c: Cluster) -> dict[str, Result]:
 def late_write(c: Cluster) -> dict[str, Result]:
     # globex's long prompt prefills slowly; the router gives up and aborts it at decode.
     thread, slow = in_background(lambda: c.complete("globex", "G" * 40 + OTHER * 6, max_tokens=1))
-    time.sleep(0.5)
+    # Well after the abort (at prefill_timeout_s), well before globex's prefill ends (~2.4 s):
+    # margins that hold on a loaded machine.
+    time.sleep(1.0)
     # acme's request gets the pages released by the abort; its KV lands first ...
     results = {"acme": c.complete("acme", SECRET, max_tokens=len(SECRET))}
     thread.join()
@@ -191,7 +193,7 @@ def test_double_free(tmp_path: Path) -> None:
 
 
 def test_late_write(tmp_path: Path) -> None:
-    options = {"prefill_ms_per_token": 3, "prefill_timeout_s": 0.4, "decode_step_ms": 40}
+    options = {"prefill_ms_per_token": 6, "prefill_timeout_s": 0.4, "decode_step_ms": 80}
     results, _ = run(tmp_path, "off", ("late_write",), late_write, **options)
     assert results["globex"][0] == 504
     assert text(results["acme"]) != SECRET and "GGGG" in text(results["acme"])  # globex's late KV
