@@ -28,7 +28,8 @@ def message_json_dict(message: Message) -> dict[str, Any]:
         value = getattr(message, fd.name)
         if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
             entry = fd.message_type.fields_by_name["value"]
-            out[fd.name] = {key: _value(entry, v) for key, v in value.items()}
+            # keys sorted: a map's order is the parser's, and the same message must print the same
+            out[fd.name] = {key: _value(entry, value[key]) for key in sorted(value)}
         elif fd.is_repeated:
             out[fd.name] = [_value(fd, v) for v in value]
         elif fd.has_presence:
