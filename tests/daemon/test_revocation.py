@@ -36,6 +36,16 @@ def certs(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvguard", "certs", *args], capture_output=True, text=True)
 
 
+def rogue_crl(pki: Path, tmp_path: Path) -> Path:
+    """A directory holding another CA (the test PKI's rogue one) and a CRL it signed."""
+    rogue = tmp_path / "rogue"
+    rogue.mkdir()
+    shutil.copy(pki / "rogue-ca.pem", rogue / "ca.pem")
+    shutil.copy(pki / "rogue-ca.key", rogue / "ca.key")
+    assert certs("revoke", str(rogue), "--serial", "02").returncode == 0
+    return rogue
+
+
 def serial_of(pem: Path) -> str:
     from cryptography import x509
 
@@ -170,11 +180,7 @@ def test_a_reload_cuts_the_revoked_certificates_open_streams_at_once(pki: Path, 
 
 
 def test_a_crl_that_is_not_the_cas_is_refused_at_start_and_at_reload(pki: Path, tmp_path: Path) -> None:
-    rogue = tmp_path / "rogue"
-    rogue.mkdir()
-    shutil.copy(pki / "rogue-ca.pem", rogue / "ca.pem")
-    shutil.copy(pki / "rogue-ca.key", rogue / "ca.key")
-    assert certs("revoke", str(rogue), "--serial", "02").returncode == 0
+    rogue = rogue_crl(pki, tmp_path)
     with pytest.raises(RuntimeError) as refused:
         start_daemon(str(tmp_path / "a.db"), 0, *tls_args(pki, "daemon"), "--tls-crl", str(rogue / "crl.pem"))
     assert (
@@ -260,11 +266,7 @@ def test_certs_revoke_with_nothing_named_signs_the_list_again_with_a_later_next_
 
 
 def test_config_check_finds_a_crl_that_is_not_the_cas(pki: Path, tmp_path: Path) -> None:
-    rogue = tmp_path / "rogue"
-    rogue.mkdir()
-    shutil.copy(pki / "rogue-ca.pem", rogue / "ca.pem")
-    shutil.copy(pki / "rogue-ca.key", rogue / "ca.key")
-    assert certs("revoke", str(rogue), "--serial", "02").returncode == 0
+    rogue = rogue_crl(pki, tmp_path)
     config = tmp_path / "kvguard.yaml"
     files = {"tls-ca": pki / "ca.pem", "tls-cert": pki / "daemon.pem", "tls-key": pki / "daemon.key"}
     lines = [f"  {k}: {v}" for k, v in files.items()]
