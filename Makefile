@@ -51,12 +51,14 @@ lint: $(STAMP)
 	mkdir -p build/mypy && ln -sfn ../.. build/mypy/kvguard
 	$(BIN)/mypy $(addprefix -p ,$(MYPY_PACKAGES))
 
-# The LD_PRELOAD shim that counts an engine's CUDA copies (cuda_hooks/shim/kvguard_shim.c), and
+# The LD_PRELOAD shim that counts an engine's CUDA copies and witnesses its allocations and
+# kernel launches (cuda_hooks/shim/kvguard_*.c), and
 # the transfer-naming library whose calls the eBPF witness probes (kvguard_label.c).
 shim: $(SHIM) $(LABEL)
 
-$(SHIM): cuda_hooks/shim/kvguard_shim.c cuda_hooks/shim/record.h
-	$(CC) -O2 -Wall -Wextra -Werror -fPIC -shared -o $@ $< -ldl -lpthread
+SHIM_SOURCES := $(wildcard cuda_hooks/shim/kvguard_*.c)
+$(SHIM): $(filter-out cuda_hooks/shim/kvguard_label.c,$(SHIM_SOURCES)) cuda_hooks/shim/record.h cuda_hooks/shim/shim.h
+	$(CC) -O2 -Wall -Wextra -Werror -fPIC -shared -o $@ $(filter %.c,$^) -ldl -lpthread
 
 $(LABEL): cuda_hooks/shim/kvguard_label.c
 	$(CC) -O2 -Wall -Wextra -Werror -fPIC -shared -o $@ $<

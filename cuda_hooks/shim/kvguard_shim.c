@@ -15,7 +15,8 @@
 // bytes count once, under the kind its call names (the driver's typed calls map onto the
 // runtime's kinds), and under `failed_bytes` instead when the call returned an error.
 
-#define _GNU_SOURCE
+#include "shim.h"
+
 #include <dlfcn.h>
 #include <link.h>
 #include <errno.h>
@@ -30,9 +31,6 @@
 #include <unistd.h>
 
 #include "record.h"
-
-typedef int cuda_status;  // cudaError_t and CUresult: 0 is success for both
-typedef unsigned long long device_ptr;  // CUdeviceptr
 
 #define DEFAULT_SOCKET "/run/kvguard/agent.sock.shim"
 
@@ -68,32 +66,30 @@ static int find_loaded(struct dl_phdr_info *info, size_t size, void *data) {
 // The real function: the next definition in the global scope, or, where the CUDA library was
 // loaded into a local scope (dlopen RTLD_LOCAL: Python extensions such as torch are), the
 // one in that already loaded library.
-static void *resolve(const char *name, const char *library) {
-    void *fn = dlsym(RTLD_NEXT, name);
+void *kvguard_resolve(const char *name, const char *library) {
+    void *fn = kvguard_real_dlsym(RTLD_NEXT, name);
     if (fn)
         return fn;
     struct loaded want = {.library = library};
     if (dl_iterate_phdr(find_loaded, &want)) {
         void *handle = dlopen(want.path, RTLD_LAZY | RTLD_NOLOAD);
-        if (handle)
-            fn = dlsym(handle, name);
+        if (handle) {
+            fn = kvguard_real_dlsym(handle, name);
+            dlclose(handle);  // NOLOAD took a reference: the library stays loaded by its owner
+        }
     }
     return fn;
 }
-
-#define UNRESOLVED 999  // cudaErrorUnknown, CUDA_ERROR_UNKNOWN: no real function to call
 
 #define REAL(name, library)                                                  \
     static __typeof__(&name) real_##name;                                    \
     __typeof__(&name) fn = __atomic_load_n(&real_##name, __ATOMIC_RELAXED);  \
     if (!fn) {                                                               \
-        fn = (__typeof__(&name))resolve(#name, library);                     \
+        fn = (__typeof__(&name))kvguard_resolve(#name, library);                     \
         if (!fn)                                                             \
             return UNRESOLVED;                                               \
         __atomic_store_n(&real_##name, fn, __ATOMIC_RELAXED);                \
     }
-#define RUNTIME "libcudart.so"
-#define DRIVER "libcuda.so"
 
 static inline cuda_status count(int kind, size_t bytes, cuda_status status) {
     if (current.active) {
@@ -134,25 +130,17 @@ static int connect_agent(void) {
     return fd;
 }
 
-// Returns 0 when the record went to the agent, -1 when it was dropped (and counted).
-int kvguard_xfer_end(void) {
-    if (!current.active)
-        return -1;
-    current.active = 0;
-    struct kvguard_shim_record *r = &current.rec;
-    r->magic = KVGUARD_SHIM_MAGIC;
-    r->version = KVGUARD_SHIM_VERSION;
-    r->pid = (uint32_t)getpid();
-    r->dropped = atomic_load(&dropped);
+int kvguard_send(void *record, size_t size) {
     int sent = -1;
-    // A transfer's end is rare next to its copies: a lock here costs the engine nothing.
+    // Records are rare next to the calls they count (one a transfer or a step): a lock here
+    // costs the engine nothing.
     pthread_mutex_lock(&agent_lock);
     for (int attempt = 0; attempt < 2 && sent < 0; attempt++) {
         if (agent < 0)
             agent = connect_agent();
         if (agent < 0)
             break;
-        if (send(agent, r, sizeof(*r), MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)sizeof(*r)) {
+        if (send(agent, record, size, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)size) {
             sent = 0;
         } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
             close(agent);  // the agent went away: reconnect once
@@ -165,6 +153,21 @@ int kvguard_xfer_end(void) {
     if (sent < 0)
         atomic_fetch_add(&dropped, 1);
     return sent;
+}
+
+uint64_t kvguard_dropped(void) { return atomic_load(&dropped); }
+
+// Returns 0 when the record went to the agent, -1 when it was dropped (and counted).
+int kvguard_xfer_end(void) {
+    if (!current.active)
+        return -1;
+    current.active = 0;
+    struct kvguard_shim_record *r = &current.rec;
+    r->magic = KVGUARD_SHIM_MAGIC;
+    r->version = KVGUARD_SHIM_VERSION;
+    r->pid = (uint32_t)getpid();
+    r->dropped = atomic_load(&dropped);
+    return kvguard_send(r, sizeof(*r));
 }
 
 // ------------------------------------------------------------------ the CUDA runtime
