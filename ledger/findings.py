@@ -209,12 +209,15 @@ class Findings:
         pages: np.ndarray | None = None,
         details: dict[str, Any] | None = None,
         key: tuple[Any, ...] | None = None,
+        node: str | None = None,
     ) -> None:
         """Record a finding of request `req` (a Request, or None). `key` identifies the fact
         for de-duplication: a fact already reported (the same stale pages read again at the
-        next decode step) is counted, not repeated."""
+        next decode step) is counted, not repeated. `node`: the node it is about, when not the
+        event's (a probe's stream speaks about its engine's node)."""
+        about = self.node if node is None else node
         if self.dedupe:
-            fact = (kind, self.node, req.idx if req else 0, victim, *(key or ()))
+            fact = (kind, about, req.idx if req else 0, victim, *(key or ()))
             if fact in self.reported:
                 self.stats.suppressed += 1
                 return
@@ -224,7 +227,7 @@ class Findings:
         self.found.append(
             Finding(
                 finding=kind,
-                node=self.node,
+                node=about,
                 req=req.id if req else "",
                 tenant=req.tenant if req else "",
                 victim_req=victim_req,

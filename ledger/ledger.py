@@ -39,6 +39,7 @@ from kvguard.ledger.pages import Verified
 from kvguard.ledger.pools import GRANT_RUNS, Node, Pools
 from kvguard.ledger.requests import Request, Requests
 from kvguard.ledger.transfers import Transfers
+from kvguard.ledger.witness import CudaWitness
 from kvguard.proto import pb, wire
 from kvguard.proto.limits import NODE_BYTES, SEQ_JUMP_MAX, SEQ_MAX, unstorable
 
@@ -106,6 +107,7 @@ class Ledger:
         self._run = np.zeros(1, _pages.RUN)  # apply_clean's record of a run (pages.h: RunCounts)
         self._run["grant_runs"] = GRANT_RUNS
         own, life, xfers = self.ownership, self.lifecycle, self.transfers
+        cuda = CudaWitness(self.pools, self.findings)
         self._handlers: dict[str, Callable[[Node, Any], None]] = {
             "pool": self.pools.on_pool,
             "admit": life.on_admit,
@@ -127,6 +129,8 @@ class Ledger:
             "xfer_send": xfers.on_send,
             "xfer_recv": xfers.on_recv,
             "wire": xfers.on_wire,
+            "launches": cuda.on_launches,
+            "pool_memory": cuda.on_pool_memory,
         }
 
     @property

@@ -17,6 +17,9 @@ SEQ_JUMP_MAX = 2**32
 NODE_BYTES = 128  # a node's name (UTF-8)
 REQ_BYTES = 256  # a request's id
 TENANT_BYTES = 128  # a tenant's name
+# The ruleset's attention kernel name patterns, NUL-separated, as the guard's step word holds
+# them for the CUDA shim (cuda_hooks/shim/record.h: KVGUARD_PATTERNS_BYTES).
+ATTENTION_PATTERNS_BYTES = 8192
 
 
 def unstorable(value: str, limit: int) -> str:

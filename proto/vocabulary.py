@@ -20,6 +20,7 @@ FINDING_KINDS: tuple[str, ...] = (
     "config_drift",
     "cross_tenant_share",
     "anomaly",
+    "unguarded_attention",
 )
 # The daemon's own alerts (severity and rule set by the daemon): "internal" is kvguard failing
 # at something an operator must see, such as a rules reload that was refused

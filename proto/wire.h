@@ -23,7 +23,7 @@ enum {
     WIRE_FREE = 18,
     WIRE_READ = 22,
     WIRE_STEP = 29,
-    WIRE_LAST_PAYLOAD = 29
+    WIRE_LAST_PAYLOAD = 31 /* pool_memory */
 };
 #define WIRE_PAGES 3 /* `pages` in Alloc, Write, Free and ReadEntry */
 

@@ -44,8 +44,9 @@ class Counters:
 class Ruleset:
     """An ordered list of rules and the counters of their evaluation."""
 
-    def __init__(self, rules: Sequence[Rule]) -> None:
+    def __init__(self, rules: Sequence[Rule], lists: dict[str, tuple[str, ...]] | None = None) -> None:
         self.rules: list[Rule] = list(rules)
+        self.lists: dict[str, tuple[str, ...]] = dict(lists or {})  # the rule files' named lists
         self.counters: Counters = Counters()
         by_kind: dict[str, list[Rule]] = {}
         for rule in self.rules:

@@ -9,7 +9,8 @@ most MAX_DEPTH deep: anything else is one error naming the file, never an except
 PyYAML (whose composer recurses once per level). Rule order is file name order, then order in a file.
 A rule's fields (rule, description, finding, condition, severity, action, output, tags,
 exceptions, enabled): REQUIRED_FIELDS and OPTIONAL_FIELDS below, ruleset/rules/*.yaml, and
-docs/operator.md, "Rules".
+docs/operator.md, "Rules". Beside rules, a file may hold named lists (`- list: NAME`, `items`,
+`append`) of the kinds in LISTS: defined once, extended by later items with `append: true`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from kvguard.ledger.findings import ACTIONS, KINDS, SEVERITIES
+from kvguard.proto.limits import ATTENTION_PATTERNS_BYTES
 from kvguard.ruleset.condition import Condition, ConditionError
 from kvguard.ruleset.errors import RuleError, RulesetError
 from kvguard.ruleset.evaluator import UNMATCHED_RULE, Ruleset
@@ -38,6 +40,12 @@ EXCEPTION_FIELDS: tuple[str, ...] = ("name", "condition")
 MAX_FILE_BYTES = 64 << 10  # the shipped files are a few KiB; PyYAML in pure Python is slow on big ones
 MAX_DEPTH = 32  # a rule file needs 5 levels (rules, a rule, exceptions, an exception, a value)
 _RULE_ID = re.compile(r"[a-z0-9_.-]+")
+# The lists a rule file may define: name -> what its items are.
+LISTS: dict[str, str] = {
+    "attention_kernels": "name patterns (fnmatch) of the kernels that read KV (the CUDA launch witness)",
+}
+LIST_FIELDS: tuple[str, ...] = ("list", "items", "description", "append")
+MAX_ITEM = 256
 _MISSING = object()
 _PLAIN_TAGS = frozenset(
     f"tag:yaml.org,2002:{name}" for name in ("str", "int", "float", "bool", "null", "seq", "map")
@@ -49,14 +57,18 @@ def load_ruleset(path: Path | None = None) -> Ruleset:
 
     Raises RulesetError listing every error found.
     """
-    rules, errors = load_rules(path)
+    lists: dict[str, tuple[str, ...]] = {}
+    rules, errors = load_rules(path, lists)
     if errors:
         raise RulesetError(errors)
-    return Ruleset(rules)
+    return Ruleset(rules, lists)
 
 
-def load_rules(path: Path | None = None) -> tuple[list[Rule], list[RuleError]]:
-    """The rules of `path` and the errors found; the rules are only usable if there are none."""
+def load_rules(
+    path: Path | None = None, lists: dict[str, tuple[str, ...]] | None = None
+) -> tuple[list[Rule], list[RuleError]]:
+    """The rules of `path` and the errors found; the rules are only usable if there are none.
+    The lists the files define go into `lists`."""
     root = Path(path) if path is not None else DEFAULT_RULES_DIR
     if root.is_dir():
         files = sorted((p for p in root.glob("*.yaml") if not p.name.startswith(".")), key=lambda p: p.name)
@@ -69,8 +81,9 @@ def load_rules(path: Path | None = None) -> tuple[list[Rule], list[RuleError]]:
     rules: list[Rule] = []
     errors: list[RuleError] = []
     seen_ids: dict[str, tuple[Path, int]] = {}
+    lists = {} if lists is None else lists
     for file in files:
-        parser = _FileParser(file, seen_ids)
+        parser = _FileParser(file, seen_ids, lists)
         rules.extend(parser.parse())
         errors.extend(sorted(parser.errors, key=lambda error: error.line))  # stable: same line keeps order
     return rules, errors
@@ -141,9 +154,12 @@ def _read_bounded(path: Path) -> str:
 class _FileParser:
     """Parses one rule file, appending to `errors` and to the shared `seen_ids`."""
 
-    def __init__(self, path: Path, seen_ids: dict[str, tuple[Path, int]]) -> None:
+    def __init__(
+        self, path: Path, seen_ids: dict[str, tuple[Path, int]], lists: dict[str, tuple[str, ...]]
+    ) -> None:
         self.path = path
         self.seen_ids = seen_ids
+        self.lists = lists
         self.errors: list[RuleError] = []
         self._constructor = SafeConstructor()
 
@@ -196,6 +212,9 @@ class _FileParser:
         for item in root.value:
             if not isinstance(item, MappingNode):
                 self.error(_line(item), f"each rule must be a mapping of fields, not {self._what(item)}")
+                continue
+            if any(self._scalar(key) == "list" for key, _ in item.value):
+                self._list(item)
                 continue
             rule = self._rule(item)
             if rule is not None:
@@ -351,6 +370,35 @@ class _FileParser:
             line=start,
         )
 
+    def _list(self, node: MappingNode) -> None:
+        fields = self._mapping(node, LIST_FIELDS, "a list")
+        name = self._choice("list", fields["list"], tuple(LISTS))
+        if "items" not in fields:
+            self.error(_line(node), "list is missing required field 'items'")
+            return
+        items = fields["items"]
+        if not isinstance(items, SequenceNode):
+            self.error(_line(items), f"items must be a list of strings, not {self._what(items)}")
+            return
+        values = [self._string("items", item) for item in items.value]
+        for item, value in zip(items.value, values, strict=True):
+            if value is not None and (len(value) > MAX_ITEM or not value.isprintable()):
+                self.error(
+                    _line(item), f"list item {value[:40]!r} is over {MAX_ITEM} characters or unprintable"
+                )
+        append = self._enabled(fields["append"], "append") if "append" in fields else False
+        if name is None or None in values or append is None:
+            return
+        if name in self.lists and not append:
+            self.error(_line(node), f"list '{name}' is defined again: add `append: true` to extend it")
+            return
+        merged = (*self.lists.get(name, ()), *(v for v in values if v is not None))
+        size = sum(len(v.encode()) + 1 for v in merged)
+        if size > ATTENTION_PATTERNS_BYTES:
+            self.error(_line(items), f"list '{name}' takes {size} bytes (at most {ATTENTION_PATTERNS_BYTES})")
+            return
+        self.lists[name] = merged
+
     def _rule_id(self, node: Node) -> str | None:
         value = self._string("rule", node)
         if value is None:
@@ -400,12 +448,12 @@ class _FileParser:
         tags = [self._string("tags", item) for item in node.value]
         return tuple(dict.fromkeys(t for t in tags if t is not None)) if None not in tags else None
 
-    def _enabled(self, node: Node) -> bool | None:
+    def _enabled(self, node: Node, field: str = "enabled") -> bool | None:
         value = self._scalar(node)
         if isinstance(value, bool):
             return value
         if value is not _MISSING or not isinstance(node, ScalarNode):
-            self.error(_line(node), f"'enabled' must be true or false, not {_describe(node, value)}")
+            self.error(_line(node), f"'{field}' must be true or false, not {_describe(node, value)}")
         return None
 
     def _exceptions(self, node: Node) -> tuple[RuleException, ...] | None:

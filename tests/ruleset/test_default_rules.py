@@ -22,6 +22,7 @@ def test_default_rules_load() -> None:
         "20-lifetime.yaml",
         "30-transfer.yaml",
         "40-config.yaml",
+        "50-witness.yaml",
         "90-anomaly.yaml",
     ]
     for rule in ruleset.rules:

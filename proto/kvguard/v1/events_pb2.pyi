@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Event(_message.Message):
-    __slots__ = ("node", "seq", "ts_ns", "epoch", "pool", "admit", "reject", "abort", "finish", "bootstrap", "alloc", "write", "free", "hold", "release", "share", "read", "xfer_send", "xfer_recv", "wire", "kill", "heartbeat", "scrub", "step")
+    __slots__ = ("node", "seq", "ts_ns", "epoch", "pool", "admit", "reject", "abort", "finish", "bootstrap", "alloc", "write", "free", "hold", "release", "share", "read", "xfer_send", "xfer_recv", "wire", "kill", "heartbeat", "scrub", "step", "launches", "pool_memory")
     NODE_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TS_NS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class Event(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     SCRUB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    LAUNCHES_FIELD_NUMBER: _ClassVar[int]
+    POOL_MEMORY_FIELD_NUMBER: _ClassVar[int]
     node: str
     seq: int
     ts_ns: int
@@ -56,7 +58,9 @@ class Event(_message.Message):
     heartbeat: Heartbeat
     scrub: Scrub
     step: Step
-    def __init__(self, node: _Optional[str] = ..., seq: _Optional[int] = ..., ts_ns: _Optional[int] = ..., epoch: _Optional[int] = ..., pool: _Optional[_Union[PoolReport, _Mapping]] = ..., admit: _Optional[_Union[Admit, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., bootstrap: _Optional[_Union[Bootstrap, _Mapping]] = ..., alloc: _Optional[_Union[Alloc, _Mapping]] = ..., write: _Optional[_Union[Write, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., hold: _Optional[_Union[Hold, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., share: _Optional[_Union[Share, _Mapping]] = ..., read: _Optional[_Union[Read, _Mapping]] = ..., xfer_send: _Optional[_Union[XferSend, _Mapping]] = ..., xfer_recv: _Optional[_Union[XferRecv, _Mapping]] = ..., wire: _Optional[_Union[Wire, _Mapping]] = ..., kill: _Optional[_Union[Kill, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., scrub: _Optional[_Union[Scrub, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
+    launches: Launches
+    pool_memory: PoolMemory
+    def __init__(self, node: _Optional[str] = ..., seq: _Optional[int] = ..., ts_ns: _Optional[int] = ..., epoch: _Optional[int] = ..., pool: _Optional[_Union[PoolReport, _Mapping]] = ..., admit: _Optional[_Union[Admit, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., bootstrap: _Optional[_Union[Bootstrap, _Mapping]] = ..., alloc: _Optional[_Union[Alloc, _Mapping]] = ..., write: _Optional[_Union[Write, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ..., hold: _Optional[_Union[Hold, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., share: _Optional[_Union[Share, _Mapping]] = ..., read: _Optional[_Union[Read, _Mapping]] = ..., xfer_send: _Optional[_Union[XferSend, _Mapping]] = ..., xfer_recv: _Optional[_Union[XferRecv, _Mapping]] = ..., wire: _Optional[_Union[Wire, _Mapping]] = ..., kill: _Optional[_Union[Kill, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., scrub: _Optional[_Union[Scrub, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., launches: _Optional[_Union[Launches, _Mapping]] = ..., pool_memory: _Optional[_Union[PoolMemory, _Mapping]] = ...) -> None: ...
 
 class PoolReport(_message.Message):
     __slots__ = ("pool", "role", "engine", "engine_version", "model", "page_size", "num_pages", "context_len", "max_prompt_tokens", "kv_dtype", "tp_size", "quant", "mem_fraction", "source", "cluster", "reserved_pages", "regions")
@@ -369,6 +373,62 @@ class Heartbeat(_message.Message):
     dropped: int
     canary: int
     def __init__(self, agent_version: _Optional[str] = ..., dropped: _Optional[int] = ..., canary: _Optional[int] = ...) -> None: ...
+
+class Launches(_message.Message):
+    __slots__ = ("launches", "graphs", "attention", "checked", "unguarded", "captured", "unjudged", "unnamed", "unwrapped", "checks", "steps", "kernel", "kernel_steps", "judged")
+    LAUNCHES_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_FIELD_NUMBER: _ClassVar[int]
+    UNGUARDED_FIELD_NUMBER: _ClassVar[int]
+    CAPTURED_FIELD_NUMBER: _ClassVar[int]
+    UNJUDGED_FIELD_NUMBER: _ClassVar[int]
+    UNNAMED_FIELD_NUMBER: _ClassVar[int]
+    UNWRAPPED_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    JUDGED_FIELD_NUMBER: _ClassVar[int]
+    launches: int
+    graphs: int
+    attention: int
+    checked: int
+    unguarded: int
+    captured: int
+    unjudged: int
+    unnamed: int
+    unwrapped: int
+    checks: int
+    steps: int
+    kernel: str
+    kernel_steps: int
+    judged: bool
+    def __init__(self, launches: _Optional[int] = ..., graphs: _Optional[int] = ..., attention: _Optional[int] = ..., checked: _Optional[int] = ..., unguarded: _Optional[int] = ..., captured: _Optional[int] = ..., unjudged: _Optional[int] = ..., unnamed: _Optional[int] = ..., unwrapped: _Optional[int] = ..., checks: _Optional[int] = ..., steps: _Optional[int] = ..., kernel: _Optional[str] = ..., kernel_steps: _Optional[int] = ..., judged: _Optional[bool] = ...) -> None: ...
+
+class PoolMemory(_message.Message):
+    __slots__ = ("pool", "kind", "base", "bytes", "covered", "lo", "hi", "call", "allocations", "steps")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    COVERED_FIELD_NUMBER: _ClassVar[int]
+    LO_FIELD_NUMBER: _ClassVar[int]
+    HI_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    pool: int
+    kind: str
+    base: int
+    bytes: int
+    covered: int
+    lo: int
+    hi: int
+    call: str
+    allocations: int
+    steps: int
+    def __init__(self, pool: _Optional[int] = ..., kind: _Optional[str] = ..., base: _Optional[int] = ..., bytes: _Optional[int] = ..., covered: _Optional[int] = ..., lo: _Optional[int] = ..., hi: _Optional[int] = ..., call: _Optional[str] = ..., allocations: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class Scrub(_message.Message):
     __slots__ = ("pool", "pages")
