@@ -46,7 +46,15 @@ from kvguard.agents.upstream import (
     node_status,
 )
 from kvguard.cuda_hooks.shim import PROBE as SHIM_PROBE
-from kvguard.cuda_hooks.shim import ShimListener, ShimRecord
+from kvguard.cuda_hooks.shim import (
+    LaunchRecord,
+    MemoryRecord,
+    Record,
+    ShimListener,
+    ancestry,
+    launches_event,
+    memory_event,
+)
 from kvguard.cuda_hooks.tcp_stream import WireReport
 from kvguard.cuda_hooks.witness import NullWitness, Witness, open_witness, wire_event
 from kvguard.proto import pb, wire
@@ -309,37 +317,47 @@ class NodeAgent:
             conn.close()
             self.door.leave()
 
-    def _shim_record(self, pid: int, record: ShimRecord) -> None:
-        """A transfer's CUDA copies as the engine's shim counted them: a wire event of the
-        engine's node's shim source. The node is the one whose guard runs in that process."""
+    def _shim_record(self, pid: int, record: Record) -> None:
+        """What the engine's shim saw: a transfer's CUDA copies (a wire event), its launches
+        or its pool memory, as events of the node's shim stream. The node is the one whose
+        guard runs in that process, or in the nearest process above it (an engine's workers)."""
         node = self._engine_node(pid)
         if node is None:
-            self._shim_refused(pid, f"no guard of process {pid} is connected, so its node is unknown")
-            return
-        if record.calls == 0:  # the transfer moved nothing through CUDA copies: no observation
+            self._shim_refused(
+                pid, f"no guard of process {pid} or above it is connected, so its node is unknown"
+            )
             return
         source = self._source(f"{node}/{SHIM}")
-        source.emit(
-            wire=pb.Wire(
-                xfer=record.xfer,
-                bytes=record.device_bytes,
-                calls=record.calls,
-                probe=SHIM_PROBE,
-                complete=True,
+        if isinstance(record, LaunchRecord):
+            source.emit(launches=launches_event(record))
+        elif isinstance(record, MemoryRecord):
+            source.emit(pool_memory=memory_event(record))
+        elif record.calls == 0:  # the transfer moved nothing through CUDA copies: no observation
+            return
+        else:
+            source.emit(
+                wire=pb.Wire(
+                    xfer=record.xfer,
+                    bytes=record.device_bytes,
+                    calls=record.calls,
+                    probe=SHIM_PROBE,
+                    complete=True,
+                )
             )
-        )
         self.counters["shim_records"] += 1
         if record.dropped > self._shim_dropped.get(pid, 0):  # in-band, like any other loss
             self._shim_dropped[pid] = record.dropped
             source.emit(heartbeat=pb.Heartbeat(agent_version=AGENT, dropped=record.dropped))
 
     def _engine_node(self, pid: int) -> str | None:
-        """The node whose guard runs in process `pid`: waiting up to SHIM_GUARD_WAIT_S for the
-        guard's hello, or the node of a guard gone less than DEPARTED_KEEP_S ago."""
+        """The node whose guard runs in process `pid` or the nearest process above it:
+        waiting up to SHIM_GUARD_WAIT_S for the guard's hello, or the node of a guard gone
+        less than DEPARTED_KEEP_S ago."""
         deadline = time.monotonic() + SHIM_GUARD_WAIT_S
+        line = ancestry(pid)
         with self._engines_changed:
             while True:
-                node = self.engines.get(pid)
+                node = next((self.engines[p] for p in line if p in self.engines), None)
                 gone = self._departed.get(pid)
                 if node is None and gone is not None and time.monotonic() - gone[1] < DEPARTED_KEEP_S:
                     node = gone[0]

@@ -28,6 +28,7 @@ from kvguard.agents.guard.attention import AttentionCheck
 from kvguard.agents.guard.handles import Handles
 from kvguard.agents.guard.sink import EventSink, NullSink
 from kvguard.agents.guard.verdict import CLEAN, RANK, Verdict, WallClock, merged
+from kvguard.cuda_hooks.steps import StepWord, bind_pool, shim_loaded
 from kvguard.ledger.findings import KILL_ACTIONS, BadEvent, Finding
 from kvguard.ledger.ledger import Ledger
 from kvguard.proto import pb, wire
@@ -103,6 +104,9 @@ class Guard:
         self._ones_of: dict[int, np.ndarray] = {}
         self.attention = AttentionCheck(self.ledger, node)
         self.handles = Handles()  # its requests' numbers, which its steps carry instead of names
+        # The CUDA shim's step word, where the shim is preloaded: it judges attention launches by it.
+        patterns = self.ruleset.lists.get("attention_kernels", ())
+        self.steps: StepWord | None = StepWord(patterns) if shim_loaded() is not None else None
         self.sink.listen(self.command)
 
     # ------------------------------------------------------------------ core
@@ -589,6 +593,20 @@ class Guard:
         with self._lock:
             return self._check(pool, reqs, block_tables, context_lens, stable, table_rows, in_slots)
 
+    def step_done(self) -> None:
+        """The step the last checks were for has launched its kernels: an attention kernel
+        launched from now on needs another check (the CUDA shim's launch witness)."""
+        if self.steps is not None:
+            with self._lock:
+                self.steps.ended()
+
+    def pool_memory(self, pool: int, regions: Iterable[tuple[int, int]]) -> None:
+        """Where a pool's KV lies in device memory: (address, bytes its pages need) a region,
+        as the engine's tensors say (data_ptr, nbytes). The CUDA shim, where it is preloaded,
+        tells the agent how much of each the allocations under it hold, and any later free or
+        unmap of it."""
+        bind_pool(pool, regions)
+
     def _check(
         self,
         pool: int,
@@ -599,6 +617,8 @@ class Guard:
         table_rows: Any = None,
         in_slots: bool = False,
     ) -> Verdict:
+        if self.steps is not None:
+            self.steps.checked()
         reads = self.attention.failing(pool, reqs, block_tables, context_lens, stable, table_rows, in_slots)
         if not reads:
             return CLEAN

@@ -135,6 +135,12 @@ class NullGuard:
     def receive_allowed(self, req: str, pool: int, pages: Iterable[int]) -> bool:
         return True
 
+    def step_done(self) -> None:
+        """No step word: nothing to end."""
+
+    def pool_memory(self, pool: int, regions: Iterable[tuple[int, int]]) -> None:
+        """No shim is told of the pool."""
+
     def check_attention(
         self,
         pool: int,
