@@ -1,0 +1,178 @@
+"""The shim's launch and allocation witnesses (`make shim`), in a real engine process: a
+Python process with the shim preloaded, a real Guard streaming to a real node agent and
+daemon, and the stand-in CUDA driver and runtime (testbed/standin, built here) reached the
+ways engines reach the real ones: the runtime dlopens the driver and asks cuGetProcAddress_v2
+for what it calls, the engine dlsyms the driver's handle for launches (as Triton does).
+
+What a user depends on: every attention launch after a guard check is clean; one with no
+check before it, and a graph replay whose step no check covered, are findings that name the
+kernel, the node and the step; other kernels never are; a pool is matched to the memory
+under it, and freeing that memory under live requests is caught.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvguard.cli.process import start_agent, start_daemon
+from kvguard.cuda_hooks.shim import LIBRARY
+from kvguard.daemon.store import Store
+from kvguard.proto import pb
+from kvguard.testbed.standin import build
+
+ENGINE = r"""
+import json, sys
+import numpy as np
+from kvguard.agents.guard import AgentSink, Guard
+from kvguard.testbed.standin import StandinCuda
+
+cuda = StandinCuda(sys.argv[1])
+guard = Guard("p0", mode="monitor", sink=AgentSink(sys.argv[2], "p0"))
+attention = cuda.function("_Z31kvguard_testbed_paged_attentionPfS_")
+norm, gemm = cuda.function("kvguard_testbed_rmsnorm"), cuda.function("ampere_sgemm_128x64_tn")
+PAGE_BYTES = 4096
+guard.pool(0, "decode", 16, 64, context_len=1024)
+guard.pool(1, "decode", 16, 64, context_len=1024)
+kv = cuda.malloc(64 * PAGE_BYTES)                # the runtime's cudaMalloc: the whole pool
+short = cuda.reserve_and_map(32 * PAGE_BYTES, 8 * PAGE_BYTES)  # mapped for half of pool 1
+guard.pool_memory(0, [(kv, 64 * PAGE_BYTES)])
+guard.pool_memory(1, [(short, 64 * PAGE_BYTES)])
+guard.admit("r1", "acme", 32, "decode")
+guard.alloc("r1", 0, [1, 2])
+guard.write("r1", 0, [1, 2])
+tables, lens = np.array([[1, 2]]), np.array([32])
+
+def step(kernels):
+    guard.check_attention(0, ["r1"], tables, lens)
+    status = [cuda.launch(k) for k in kernels]
+    guard.step_done()
+    return status
+
+status = step([norm, attention, gemm, attention])   # steps 1: guarded
+status += step([attention])                          # 2: guarded
+status.append(cuda.launch(norm))                     # between steps: not attention, ignored
+status.append(cuda.launch(attention))                # unguarded, after step 2 ended
+s = cuda.stream()
+graph = cuda.capture(s, [norm, attention])           # captured: recorded, not run
+guard.check_attention(0, ["r1"], tables, lens)
+status.append(cuda.graph_launch(graph, s))           # 3: the graph replays a checked batch
+guard.step_done()
+status.append(cuda.graph_launch(graph, s))           # a stale replay: no check of its step
+stub = cuda.register("_Z31kvguard_testbed_paged_attentionPfS_")
+guard.check_attention(0, ["r1"], tables, lens)
+status.append(cuda.runtime_launch(stub, s))          # 4: through the runtime, guarded, counted once
+guard.step_done()
+cuda.free(kv)                                        # pool 0's memory, while r1 holds 2 pages
+guard.sink.flush()
+print(json.dumps({"status": status, "runs": cuda.runs(attention)}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    assert LIBRARY.exists(), f"{LIBRARY} is not built: run `make shim`"
+    return build(tmp_path_factory.mktemp("standin"))
+
+
+def run_engine(standin: Path, agent_sock: str) -> dict[str, list[int] | int]:
+    env = {**os.environ, "LD_PRELOAD": str(LIBRARY), "KVGUARD_SHIM_SOCKET": f"{agent_sock}.shim"}
+    env.pop("KVGUARD_STEPS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", ENGINE, str(standin), agent_sock],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, list[int] | int] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+def stored(store: str, want: int) -> tuple[list[pb.Finding], list[pb.Event]]:
+    """The daemon's findings and p0/shim's events, once `want` findings are in."""
+    deadline = time.monotonic() + 30
+    while True:
+        s = Store(store)
+        findings = [pb.Finding.FromString(b) for _, _, b in s.rows(kind="finding")]
+        shim = [pb.Event.FromString(b) for _, _, b in s.rows(kind="event", node="p0/shim")]
+        s.close()
+        if len(findings) >= want or time.monotonic() > deadline:
+            return findings, shim
+        time.sleep(0.2)
+
+
+def test_the_witness_catches_unguarded_attention_and_pool_memory_let_go(
+    standin: Path, tmp_path: Path
+) -> None:
+    store = str(tmp_path / "audit.db")
+    daemon = start_daemon(store)
+    sock = str(tmp_path / "agent.sock")
+    agent = start_agent(sock, daemon.address, str(tmp_path / "spool"))
+    try:
+        result = run_engine(standin, sock)
+        findings, shim = stored(store, 4)
+    finally:
+        agent.stop()
+        daemon.stop()
+    # The shim changed nothing: every call succeeded, every launched attention kernel ran
+    # (3 alone, 1 unguarded, 2 graph replays; the runtime's launch is of the same kernel).
+    assert set(result["status"]) == {0} and result["runs"] == 7  # type: ignore[arg-type]
+
+    by_kind: dict[str, list[pb.Finding]] = {}
+    for f in findings:
+        by_kind.setdefault(f.finding, []).append(f)
+    assert sorted(by_kind) == ["anomaly", "config_drift", "unguarded_attention"], [
+        f.message for f in findings
+    ]
+
+    # The launch alone, then the stale graph replay: each names the kernel, the node, the step.
+    alone, replay = by_kind["unguarded_attention"]
+    kernel = "_Z31kvguard_testbed_paged_attentionPfS_"
+    assert (alone.node, alone.details["kernel"], alone.details["step"], alone.details["graphs"]) == (
+        "p0",
+        kernel,
+        "2",
+        "0",
+    )
+    assert (replay.node, replay.details["kernel"], replay.details["step"], replay.details["graphs"]) == (
+        "p0",
+        kernel,
+        "3",
+        "1",
+    )
+    assert alone.severity == "critical" and "after the guard's step 2 ended" in alone.message
+
+    # Pool 0 lies in memory allocated for it; pool 1's pages reach past what was mapped.
+    (drift,) = by_kind["config_drift"]
+    assert (drift.node, drift.pool, drift.details["covered"], drift.details["bytes"]) == (
+        "p0",
+        1,
+        str(32 * 4096),
+        str(64 * 4096),
+    )
+    assert drift.details["call"] == "cuMemMap"
+    (gone,) = by_kind["anomaly"]
+    assert (gone.node, gone.pool, list(gone.pages), gone.details["requests"]) == ("p0", 0, [1, 2], "1")
+    assert gone.details["call"] == "cuMemFree"  # the runtime's cudaFree, seen where it reaches the driver
+
+    # The counts behind them: every attention launch judged once, captured ones not run.
+    launches = [e.launches for e in shim if e.WhichOneof("payload") == "launches"]
+    assert sum(x.attention for x in launches) == 7
+    assert sum(x.checked for x in launches) == 5 and sum(x.unguarded for x in launches) == 2
+    assert sum(x.captured for x in launches) == 1 and sum(x.graphs for x in launches) == 2
+    assert sum(x.launches for x in launches) == 12 and all(x.judged for x in launches)
+    assert not any(x.unnamed or x.unwrapped or x.unjudged for x in launches)
+    memory = [e.pool_memory for e in shim if e.WhichOneof("payload") == "pool_memory"]
+    assert [(m.pool, m.kind, m.covered) for m in memory] == [
+        (0, "bound", 64 * 4096),
+        (1, "bound", 32 * 4096),
+        (0, "freed", 0),
+    ]
