@@ -70,6 +70,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             prefill_ms_per_token=args.prefill_ms_per_token,
             decode_step_ms=args.decode_step_ms,
             offload_delay_ms=args.offload_delay_ms,
+            cuda_witness=args.cuda_witness,
         )
     except ValueError as exc:
         print(f"kvguard testbed up: {exc}", file=sys.stderr)
@@ -123,6 +124,12 @@ def add_parser(sub: Subcommands) -> None:
         type=float,
         default=30.0,
         help="seconds the router waits for a prefill before it answers 504",
+    )
+    p.add_argument(
+        "--cuda-witness",
+        action="store_true",
+        help="preload the kvguard CUDA shim into the workers (launch, allocation and copy witnesses); "
+        "on a CPU device the decode step's kernels are launched on a stand-in CUDA driver",
     )
     p.add_argument("--prefill-ms-per-token", type=float, default=0.0, help="test control: slow prefill")
     p.add_argument("--decode-step-ms", type=float, default=0.0, help="test control: slow decode steps")

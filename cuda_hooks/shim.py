@@ -43,6 +43,7 @@ MEMORY_MAGIC = 0x4D47564B  # "KVGM"
 MEMORY_RECORD = struct.Struct("=IHHIIII8Q32s")
 MEMORY_KINDS = {1: "bound", 2: "freed", 3: "unmapped"}
 STEPS_SEEN = 1  # LaunchRecord.flags: a guard's step word was mapped
+UNGUARDED_GRAPH = 2  # ... the first unguarded attention launch was a graph launch
 LARGEST = max(SHIM_RECORD.size, LAUNCH_RECORD.size, MEMORY_RECORD.size)
 
 
@@ -84,6 +85,7 @@ class LaunchRecord:
     kernel_steps: int
     dropped: int
     kernel: str  # the first unguarded attention kernel's name
+    kernel_in_graph: bool = False  # ... launched in a graph
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +133,9 @@ def _checked(data: bytes, layout: struct.Struct, what: str) -> tuple[int, ...]:
 
 def parse_launch(data: bytes) -> LaunchRecord:
     _, _, _, _pid, flags, *counts, kernel = _checked(data, LAUNCH_RECORD, "launch")
-    return LaunchRecord(bool(flags & STEPS_SEEN), *counts, kernel=_text(kernel))  # type: ignore[arg-type]
+    return LaunchRecord(
+        bool(flags & STEPS_SEEN), *counts, kernel=_text(kernel), kernel_in_graph=bool(flags & UNGUARDED_GRAPH)
+    )  # type: ignore[arg-type]
 
 
 def parse_memory(data: bytes) -> MemoryRecord:
@@ -157,6 +161,7 @@ def launches_event(r: LaunchRecord) -> pb.Launches:
         kernel=r.kernel,
         kernel_steps=r.kernel_steps,
         judged=r.steps_seen,
+        kernel_in_graph=r.kernel_in_graph,
     )
 
 

@@ -38,19 +38,20 @@ class CudaWitness:
         engine = node_of(node.name)
         if x.unguarded:
             kernel = x.kernel or "(its name came in a later report)"
+            how = "in a CUDA graph's replay" if x.kernel_in_graph else "launched"
             self._found.report(
                 "unguarded_attention",
-                f"attention kernel {kernel} ran on {engine} with no guard check before it: after the "
-                f"guard's step {x.kernel_steps} ended and before another was checked "
+                f"attention kernel {kernel} ran ({how}) on {engine} with no guard check before it: after "
+                f"the guard's step {x.kernel_steps} ended and before another was checked "
                 f"({x.unguarded} of {x.attention} attention launch(es) in this report unguarded)",
                 details={
                     "kernel": x.kernel,
                     "step": x.kernel_steps,
                     "unguarded": x.unguarded,
                     "attention": x.attention,
-                    "graphs": x.graphs,
+                    "graph": int(x.kernel_in_graph),
                 },
-                key=("launch", x.kernel_steps, x.kernel),
+                key=("launch", x.kernel, x.kernel_in_graph),  # a path that is never checked: once
                 node=engine,
             )
         if x.judged and x.steps >= QUIET_STEPS and x.attention == 0 and x.checks > 0 and not x.unjudged:

@@ -271,7 +271,10 @@ class DecodeWorker(Worker):
                     idle = True
                     continue
                 if not (idle and pause):
-                    self._step(batch)
+                    try:
+                        self._step(batch)
+                    finally:
+                        self.guard.step_done()  # its kernels are launched: the next needs a check
                     self.wake.notify_all()  # the streams (op_generate) take their new tokens
             # With slow steps staged, a request admitted to an idle loop waits for the next step
             # boundary as it would behind a running batch, not less: the window in which a
@@ -285,7 +288,9 @@ class DecodeWorker(Worker):
         ps = self.config.page_size
         lens = np.array([r.prompt_tokens + len(r.generated) for r in batch], dtype=np.int64)
         tables = self.slot_tables[[r.slot for r in batch]]
-        if self.pool.device.type == "cuda":  # the tag check runs on the device, on its block tables
+        if "unguarded_attention" in self.faults:  # attention reached by a path the guard does not hook
+            verdict = Verdict()
+        elif self.pool.device.type == "cuda":  # the tag check runs on the device, on its block tables
             on_device = (
                 torch.from_numpy(tables).to(self.pool.device),
                 torch.from_numpy(lens).to(self.pool.device),
@@ -304,6 +309,8 @@ class DecodeWorker(Worker):
             lens, tables = lens[keep], tables[keep]
         steps = torch.tensor([len(r.generated) for r in batch], dtype=torch.long)
         tokens = self.model.decode_step(self.pool, torch.from_numpy(tables), torch.from_numpy(lens), steps)
+        if self.kernels is not None:
+            self.kernels.decode()
         # Each new token's KV goes at position `len`; a full last page needs a new page first.
         for i, r in enumerate(batch):
             pos = int(lens[i])

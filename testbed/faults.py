@@ -18,6 +18,8 @@ FAULTS: dict[str, str] = {
     "cross_tenant_share": "the prefix cache matches on the user prompt only, across tenants",
     "block_table": "decode copies a new request's block table from the neighbouring batch slot beyond its "
     "first page",
+    "unguarded_attention": "a decode step runs its attention without the guard's check (a code path the "
+    "adapter does not hook): only the CUDA launch witness (--cuda-witness) sees it",
     "half_written_page": "chunked prefill (prompts over three pages) ends its first chunk half way through "
     "the first page and starts the next chunk at the second: the rest of the first page keeps its previous "
     "owner's KV, which is sent and attended",

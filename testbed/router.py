@@ -89,6 +89,7 @@ class ClusterConfig:
     prefill_ms_per_token: float = 0.0
     decode_step_ms: float = 0.0
     offload_delay_ms: float = 50.0
+    cuda_witness: bool = False  # preload the kvguard shim into the workers (its CUDA witnesses)
 
     def __post_init__(self) -> None:
         self.faults = tuple(sorted(check_faults(self.faults)))
@@ -123,7 +124,16 @@ def _spawn(config: ClusterConfig, role: str) -> subprocess.Popen[str]:
         "prefix_cache": config.prefix_cache,
         "host_cache": config.host_cache,
         "device": config.device,
+        "cuda_witness": config.cuda_witness,
     }
+    env = None
+    if config.cuda_witness:  # the shim, preloaded into the worker; its records go to the agent
+        from kvguard.agents.guard import SHIM_LIBRARY
+
+        preload = " ".join(p for p in (str(SHIM_LIBRARY), os.environ.get("LD_PRELOAD", "")) if p)
+        env = {**os.environ, "LD_PRELOAD": preload}
+        if config.agent_socket:
+            env["KVGUARD_SHIM_SOCKET"] = f"{config.agent_socket}.shim"
     # Spawned from the thread that serves (the main one): PR_SET_PDEATHSIG, which the worker sets,
     # fires when the thread that forked it ends, not only the process.
     return subprocess.Popen(
@@ -138,6 +148,7 @@ def _spawn(config: ClusterConfig, role: str) -> subprocess.Popen[str]:
         ],
         stdout=subprocess.PIPE,
         text=True,
+        env=env,
     )
 
 

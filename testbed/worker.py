@@ -57,6 +57,23 @@ class WorkerConfig:
     prefix_cache: bool = False  # keep prompts' pages for reuse by identical prompts
     host_cache: bool = False  # offload prompts' KV to host memory, restore on a repeat
     device: str = "cpu"  # pool and model; on CUDA the guard checks tags and checksums there
+    cuda_witness: bool = False  # the shim is preloaded: on CPU, attention is launched on the stand-in driver
+
+
+class StandinKernels:
+    """The testbed's decode kernels on the stand-in CUDA driver (testbed/standin): nothing but
+    launches, each the one a GPU run makes at that point (its norm, its paged attention)."""
+
+    def __init__(self) -> None:
+        from kvguard.testbed.standin import StandinCuda
+
+        self.cuda = StandinCuda()
+        self.norm = self.cuda.function("kvguard_testbed_rmsnorm")
+        self.paged_attention = self.cuda.function("kvguard_testbed_paged_attention")
+
+    def decode(self) -> None:
+        self.cuda.launch(self.norm)
+        self.cuda.launch(self.paged_attention)
 
 
 class Worker:
@@ -87,6 +104,9 @@ class Worker:
                 on_kill=self._killed,
                 on_quarantine=self._quarantined,
             )
+        # The witness's kernels: on CUDA the real ones; on a CPU, the decode step's attention is
+        # also launched on the stand-in CUDA driver, so that the shim has launches to judge.
+        self.kernels = StandinKernels() if config.cuda_witness and self.pool.device.type == "cpu" else None
         self.guard.pool(
             0,
             "prefill" if config.role == "prefill" else "decode",
@@ -100,6 +120,8 @@ class Worker:
             # the sender post can be mapped to them (unused by the testbed's TCP transfer).
             regions=self.pool.regions() if config.role != "prefill" else [],
         )
+        if self.pool.device.type == "cuda":  # where the pool's KV lies, for the shim's allocation witness
+            self.guard.pool_memory(0, [(t.data_ptr(), t.nbytes) for t in (self.pool.k, self.pool.v)])
 
     # ------------------------------------------------------------------ guard and pages
 

@@ -10,7 +10,8 @@ This package is the guard's whole public surface; engines import from here only.
   agent; `CaptureSink`: a JSON Lines capture; `NullSink`).
 - `page_checksums`: per-page KV checksums, where the pool lies (CPU or GPU), as a transfer's
   two ends report them; `TransferLabel`: names the transfer a thread's copies belong to, for
-  the node's witnesses.
+  the node's witnesses; `SHIM_LIBRARY`: the CUDA shim an engine's processes preload (its copy,
+  launch and allocation witnesses).
 """
 
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ from kvguard.agents.guard.null import NullGuard
 from kvguard.agents.guard.sink import AgentSink, CaptureSink, EventSink, NullSink
 from kvguard.agents.guard.verdict import Verdict, WallClock
 from kvguard.cuda_hooks.kernels import CHECKSUM_MULTIPLIER, page_checksums
+from kvguard.cuda_hooks.shim import LIBRARY as SHIM_LIBRARY
 from kvguard.cuda_hooks.shim import CopyLabel as TransferLabel
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "Mode",
     "NullGuard",
     "NullSink",
+    "SHIM_LIBRARY",
     "TransferLabel",
     "Verdict",
     "WallClock",

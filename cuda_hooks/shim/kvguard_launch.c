@@ -208,6 +208,7 @@ static int classify(uintptr_t key, const char **name) {
 static struct {
     _Atomic uint64_t launches, graphs, attention, checked, unguarded, captured, unjudged, unnamed;
     _Atomic uint64_t kernel_steps;
+    _Atomic int kernel_graph;  // that launch was a graph's
     _Atomic uint64_t sent_steps;  // the guard's steps at the last record (+1; 0: none sent)
     _Atomic int first_unguarded;  // an unguarded launch is waiting in `kernel`
     char kernel[KVGUARD_KERNEL_NAME];
@@ -241,6 +242,8 @@ int kvguard_launches_flush(void) {
         memcpy(r.kernel, counts.kernel, sizeof(r.kernel));
         r.kernel[sizeof(r.kernel) - 1] = 0;
         r.kernel_steps = atomic_load(&counts.kernel_steps);
+        if (atomic_load(&counts.kernel_graph))
+            r.flags |= KVGUARD_UNGUARDED_GRAPH;
         atomic_store(&counts.first_unguarded, 0);
     }
     r.dropped = kvguard_dropped();
@@ -252,14 +255,14 @@ int kvguard_launches_flush(void) {
 }
 
 // One attention launch (or a graph launch holding attention) that ran: judged by the word.
-static void judge(const char *name) {
+static void judge(const char *name, int graph) {
     struct kvguard_steps *word = kvguard_steps_word();
-    if (!word || word_load(&word->checks) == 0) {
+    uint64_t ends = word ? word_load(&word->ends) : 0, checks = word ? word_load(&word->checks) : 0;
+    uint64_t steps = word ? word_load(&word->steps) : 0;
+    if (!checks && !steps) {  // no guard, or one that has not begun serving: the engine's warm-up
         atomic_fetch_add_explicit(&counts.unjudged, 1, memory_order_relaxed);
         return;
     }
-    uint64_t ends = word_load(&word->ends), checks = word_load(&word->checks);
-    uint64_t steps = word_load(&word->steps);
     atomic_fetch_add_explicit(&counts.attention, 1, memory_order_relaxed);
     int now = 0;
     if (checks > ends) {
@@ -270,6 +273,7 @@ static void judge(const char *name) {
         if (atomic_compare_exchange_strong(&counts.first_unguarded, &none, 2)) {
             strncpy(counts.kernel, name, sizeof(counts.kernel) - 1);
             atomic_store(&counts.kernel_steps, steps);
+            atomic_store(&counts.kernel_graph, graph);
             atomic_store(&counts.first_unguarded, 1);
             now = 1;  // said at once, not at the step's end
         }
@@ -312,7 +316,7 @@ static inline void launched(uintptr_t key, void *stream, int runtime) {
         atomic_fetch_add_explicit(&counts.captured, 1, memory_order_relaxed);
         return;
     }
-    judge(name);
+    judge(name, 0);
 }
 
 // ------------------------------------------------------------------ graphs
@@ -450,7 +454,7 @@ static void graph_launched(void *exec) {
     }
     const char *name = NULL;
     if (graph_attention(g, &name))
-        judge(name ? name : "");
+        judge(name ? name : "", 1);
 }
 
 // ------------------------------------------------------------------ the driver's entry points

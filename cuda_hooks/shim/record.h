@@ -36,14 +36,14 @@ struct kvguard_launch_record {
     uint16_t version;
     uint16_t reserved;
     uint32_t pid;
-    uint32_t flags;           // KVGUARD_STEPS_SEEN: a guard's step word is mapped
+    uint32_t flags;           // KVGUARD_STEPS_SEEN, KVGUARD_UNGUARDED_GRAPH
     uint64_t launches;        // kernel and graph launches since the last record
     uint64_t graphs;          // of which graph launches
     uint64_t attention;       // attention launches judged (a graph launch holding one counts once)
     uint64_t checked;         // of which an open, checked step of the guard preceded
     uint64_t unguarded;       // of which none did
     uint64_t captured;        // attention launches recorded into a graph under capture (not run)
-    uint64_t unjudged;        // attention launches before the guard's first check
+    uint64_t unjudged;        // attention launches before the guard's first check or step end
     uint64_t unnamed;         // launches whose kernel name could not be read
     uint64_t unwrapped;       // entry points handed out unwrapped so far (no slot left): blind spots
     uint64_t checks;          // the guard's checks and steps when this record was sent
@@ -53,6 +53,7 @@ struct kvguard_launch_record {
     char kernel[KVGUARD_KERNEL_NAME];  // the first unguarded attention kernel's name
 };
 #define KVGUARD_STEPS_SEEN 1u
+#define KVGUARD_UNGUARDED_GRAPH 2u  // the first unguarded launch was a graph launch
 
 // ------------------------------------------------------------------ the allocation witness
 // Sent when a guard binds a pool's memory (kind bound) and when a call frees or unmaps a part

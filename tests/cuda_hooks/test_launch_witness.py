@@ -136,13 +136,13 @@ def test_the_witness_catches_unguarded_attention_and_pool_memory_let_go(
     # The launch alone, then the stale graph replay: each names the kernel, the node, the step.
     alone, replay = by_kind["unguarded_attention"]
     kernel = "_Z31kvguard_testbed_paged_attentionPfS_"
-    assert (alone.node, alone.details["kernel"], alone.details["step"], alone.details["graphs"]) == (
+    assert (alone.node, alone.details["kernel"], alone.details["step"], alone.details["graph"]) == (
         "p0",
         kernel,
         "2",
         "0",
     )
-    assert (replay.node, replay.details["kernel"], replay.details["step"], replay.details["graphs"]) == (
+    assert (replay.node, replay.details["kernel"], replay.details["step"], replay.details["graph"]) == (
         "p0",
         kernel,
         "3",
