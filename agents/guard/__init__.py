@@ -27,6 +27,7 @@ from kvguard.cuda_hooks.shim import CopyLabel as TransferLabel
 
 __all__ = [
     "CHECKSUM_MULTIPLIER",
+    "SHIM_LIBRARY",
     "AgentSink",
     "CaptureSink",
     "EventSink",
@@ -35,7 +36,6 @@ __all__ = [
     "Mode",
     "NullGuard",
     "NullSink",
-    "SHIM_LIBRARY",
     "TransferLabel",
     "Verdict",
     "WallClock",
