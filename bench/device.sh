@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one device call (an H200 lent through the `device` tool): the gpu-marked
-# tests (the kernels against the shared vectors, GPU against CPU, the testbed on CUDA) and
-# bench/gpu.py, their output saved under $OUT. The device image has torch, CuPy, NumPy,
+# tests (the kernels against the shared vectors, GPU against CPU, the testbed on CUDA),
+# bench/gpu.py and bench/gpu_witness.py (the CUDA shim on real launches), their output saved
+# under $OUT. The device image has torch, CuPy, NumPy,
 # protobuf, grpcio and pytest; what else kvguard needs travels as wheels in .whl/ (ignored by
 # git; see docs/operator.md, "GPU kernels", for the download command).
 #
@@ -13,6 +14,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 python3 setup.py -q build_ext --inplace 2>&1 | tail -n 3  # the ledger's C extension, for this Python
+cc -O2 -Wall -fPIC -shared -o cuda_hooks/shim/libkvguard_shim.so cuda_hooks/shim/kvguard_launch.c \
+    cuda_hooks/shim/kvguard_memory.c cuda_hooks/shim/kvguard_resolve.c cuda_hooks/shim/kvguard_shim.c -ldl -lpthread
 ln -sfn "$PWD" /tmp/pkg/kvguard  # the repository root is the package
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
@@ -24,3 +27,6 @@ echo "gpu tests: ${SECONDS} s" | tee -a "$out/device.txt"
 SECONDS=0
 timeout 200 python3 bench/gpu.py 2>&1 | tee "$out/gpu-bench.log"
 echo "bench/gpu.py: ${SECONDS} s" | tee -a "$out/device.txt"
+SECONDS=0
+timeout 150 python3 bench/gpu_witness.py --rounds 3 2>&1 | tee "$out/gpu-witness.log"
+echo "bench/gpu_witness.py: ${SECONDS} s" | tee -a "$out/device.txt"
