@@ -278,7 +278,12 @@ static void judge(const char *name, int graph) {
             now = 1;  // said at once, not at the step's end
         }
     }
-    if (now || atomic_load_explicit(&counts.sent_steps, memory_order_relaxed) != steps + 1)
+    uint64_t sent = atomic_load_explicit(&counts.sent_steps, memory_order_relaxed);
+    if (!sent)  // the first judged launch: its step is where records start from
+        atomic_compare_exchange_strong(&counts.sent_steps, &sent, steps + 1);
+    else if (sent != steps + 1)
+        now = 1;
+    if (now)
         kvguard_launches_flush();
 }
 

@@ -5,14 +5,15 @@ with dlsym on the driver's handle (as Triton's launchers do) and through the run
 asks cuGetProcAddress_v2, as the real one does). Kernels do nothing on the CPU but count
 their runs; what is exercised is every door the kvguard shim watches.
 
-Invariant: the libraries are built from their sources here, once per source text (a cache
-folder named by its hash), never taken from anywhere else.
+Invariant: the libraries are built from their sources here, once per source text and build
+command (a cache folder named by their hash), never taken from anywhere else.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import inspect
 import os
 import subprocess
 from pathlib import Path
@@ -24,7 +25,8 @@ RTLD_LOCAL = getattr(os, "RTLD_LOCAL", 0)
 
 def build(folder: str | Path | None = None) -> Path:
     """The folder holding both libraries, built there (default: a cache folder) if missing."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES.values())).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in SOURCES.values()) + inspect.getsource(build).encode()
+    digest = hashlib.sha256(text).hexdigest()[:16]  # the sources and how they are built
     if folder is None:
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         folder = cache / "kvguard" / f"standin-{digest}"
@@ -35,7 +37,9 @@ def build(folder: str | Path | None = None) -> Path:
         if target.exists():
             continue
         partial = out / f".{name}.{os.getpid()}"
-        extra = ["-ldl", "-lpthread", "-Wl,-rpath,$ORIGIN"] if "cudart" in name else []
+        # -Bsymbolic: the library's own calls and function addresses bind to itself, as the real
+        # ones' do (libcuda's cuGetProcAddress hands out its own functions, never a preload's).
+        extra = ["-Wl,-Bsymbolic", *(["-ldl", "-lpthread", "-Wl,-rpath,$ORIGIN"] if "cudart" in name else [])]
         cmd = [
             "cc",
             "-O2",

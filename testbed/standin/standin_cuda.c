@@ -109,6 +109,13 @@ CUresult cuLaunchKernel(struct function *f, unsigned gx, unsigned gy, unsigned g
     return launch(f, stream);
 }
 
+// The per-thread default stream's entry point (what cuGetProcAddress hands out with
+// CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM): the same launch here.
+CUresult cuLaunchKernel_ptsz(struct function *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                             unsigned bz, unsigned shared, void *stream, void **params, void **extra) {
+    return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra);
+}
+
 typedef struct {
     unsigned grid[3], block[3], shared;
     void *stream;
