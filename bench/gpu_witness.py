@@ -100,7 +100,11 @@ def engine(mode: str, launches: int, shim: bool, sock: Path | None) -> dict[str,
         env["LD_PRELOAD"] = str(LIBRARY)
         env["KVGUARD_SHIM_SOCKET"] = str(sock)
     done = subprocess.run(
-        [sys.executable, "-c", ENGINE, mode, str(launches)], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", ENGINE, mode, str(launches)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     if done.returncode:
         raise RuntimeError(done.stderr[-3000:])
@@ -109,7 +113,9 @@ def engine(mode: str, launches: int, shim: bool, sock: Path | None) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--standin", action="store_true", help="the stand-in CUDA driver, even with a GPU")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--launches", type=int, default=20000)
@@ -144,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     base, nbytes = witnessed["pool"]  # type: ignore[misc]
     checks = {
         "shim loaded, guard publishing steps": bool(witnessed["shim"]),
-        "pool matched to its allocation": [(m.kind, m.base, m.covered) for m in memory] == [("bound", base, nbytes)],
+        "pool matched to its allocation": [(m.kind, m.base, m.covered) for m in memory]
+        == [("bound", base, nbytes)],
         "8 attention launches checked": sum(r.checked for r in launches) == 8,
         "1 unguarded, its kernel named": sum(r.unguarded for r in launches) == 1 and len(unguarded) == 1,
         "every kernel named": not any(r.unnamed for r in launches),

@@ -36,7 +36,8 @@ PROGRAM = r"""
 #include <string.h>
 #include <time.h>
 typedef int (*gpa_t)(const char *, void **, int, unsigned long long, int *);
-typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **);
+typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                        void **, void **);
 typedef int (*get_t)(void **, void *, const char *);
 typedef int (*graph_launch_t)(void *, void *);
 int main(int argc, char **argv) {
@@ -87,7 +88,9 @@ VARIANTS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--launches", type=int, default=2_000_000)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
@@ -115,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             word.close()
     bases = {graph: statistics.median(times[n]) for n, (shim, _, graph) in VARIANTS.items() if not shim}
-    print(f"cuLaunchKernel / cuGraphLaunch on the stand-in driver, {args.launches:,} launches, median of {args.rounds}")
+    print(
+        f"cuLaunchKernel / cuGraphLaunch on the stand-in driver, {args.launches:,} launches, "
+        f"median of {args.rounds}"
+    )
     print("| variant | ns/launch | ratio | added ns |\n|---|---:|---:|---:|")
     for name, values in times.items():
         med, base = statistics.median(values), bases[VARIANTS[name][2]]

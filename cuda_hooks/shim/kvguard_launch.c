@@ -32,6 +32,11 @@
 
 __thread __attribute__((tls_model("initial-exec"))) int kvguard_in_runtime;
 
+// For cuda_hooks/shim.py and steps.py to check that they use the same layouts.
+const size_t kvguard_launch_record_size = sizeof(struct kvguard_launch_record);
+const size_t kvguard_memory_record_size = sizeof(struct kvguard_memory_record);
+const size_t kvguard_steps_size = sizeof(struct kvguard_steps);
+
 // ------------------------------------------------------------------ the guard's step word
 
 static struct kvguard_steps *_Atomic steps_word;

@@ -176,3 +176,73 @@ def test_the_witness_catches_unguarded_attention_and_pool_memory_let_go(
         (1, "bound", 32 * 4096),
         (0, "freed", 0),
     ]
+
+
+# An engine whose model runs in a worker process (vLLM's multiprocess executor, SGLang's
+# scheduler beside its tokenizer): the guard's process checks, the worker launches.
+WORKER = r"""
+import ctypes, sys
+from kvguard.testbed.standin import StandinCuda
+cuda = StandinCuda(sys.argv[1])
+attention = cuda.function("_Z16flash_fwd_kernelv")
+print("ready", flush=True)
+for line in sys.stdin:
+    launch = line.strip() == "launch"
+    status = cuda.launch(attention) if launch else ctypes.CDLL(None).kvguard_launches_flush()
+    print(status, flush=True)
+"""
+GUARD_PROCESS = r"""
+import subprocess, sys
+import numpy as np
+from kvguard.agents.guard import AgentSink, Guard
+guard = Guard("p0", mode="monitor", sink=AgentSink(sys.argv[2], "p0"))
+guard.pool(0, "decode", 16, 64, context_len=1024)
+guard.sink.flush()
+# Started after the guard: it inherits its step word.
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[3], sys.argv[1]], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+assert worker.stdout.readline() == "ready\n"
+def say(line):
+    worker.stdin.write(line + "\n"); worker.stdin.flush()
+    return int(worker.stdout.readline())
+guard.check_attention(0, [], np.zeros((0, 1), np.int64), np.zeros(0, np.int64))
+first = say("launch")      # checked in the guard's process, launched in the worker
+guard.step_done()
+second = say("launch")     # no check since the step ended
+say("flush")
+worker.stdin.close()
+worker.wait()
+print(first, second, flush=True)
+"""
+
+
+def test_a_workers_launches_are_judged_by_its_engines_guard(standin: Path, tmp_path: Path) -> None:
+    store = str(tmp_path / "audit.db")
+    daemon = start_daemon(store)
+    sock = str(tmp_path / "agent.sock")
+    agent = start_agent(sock, daemon.address, str(tmp_path / "spool"))
+    env = {**os.environ, "LD_PRELOAD": str(LIBRARY), "KVGUARD_SHIM_SOCKET": f"{sock}.shim"}
+    env.pop("KVGUARD_STEPS", None)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", GUARD_PROCESS, str(standin), sock, WORKER],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        findings, shim = stored(store, 1)
+    finally:
+        agent.stop()
+        daemon.stop()
+    assert done.stdout.split() == ["0", "0"]
+    (found,) = findings  # the worker's record, sent from its own process, speaks for p0
+    assert (found.finding, found.node, found.details["kernel"], found.details["step"]) == (
+        "unguarded_attention",
+        "p0",
+        "_Z16flash_fwd_kernelv",
+        "1",
+    )
+    launches = [e.launches for e in shim if e.WhichOneof("payload") == "launches"]
+    assert (sum(x.checked for x in launches), sum(x.unguarded for x in launches)) == (1, 1)

@@ -18,7 +18,19 @@ from pathlib import Path
 import pytest
 
 from kvguard.cli.process import start_agent, start_daemon
-from kvguard.cuda_hooks.shim import LIBRARY, SHIM_RECORD, ShimListener, ShimRecord, parse_record
+from kvguard.cuda_hooks import steps
+from kvguard.cuda_hooks.shim import (
+    LAUNCH_RECORD,
+    LIBRARY,
+    MEMORY_RECORD,
+    SHIM_RECORD,
+    LaunchRecord,
+    MemoryRecord,
+    ShimListener,
+    ShimRecord,
+    parse_any,
+    parse_record,
+)
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
 
@@ -78,6 +90,27 @@ def run_engine(copier: Path, plan: dict, shim: str = "", agent: str = "", preloa
 def test_the_record_layout_is_the_shims() -> None:
     shim = ctypes.CDLL(str(LIBRARY))
     assert ctypes.c_size_t.in_dll(shim, "kvguard_shim_record_size").value == SHIM_RECORD.size
+    assert ctypes.c_size_t.in_dll(shim, "kvguard_launch_record_size").value == LAUNCH_RECORD.size
+    assert ctypes.c_size_t.in_dll(shim, "kvguard_memory_record_size").value == MEMORY_RECORD.size
+    assert ctypes.c_size_t.in_dll(shim, "kvguard_steps_size").value == steps.SIZE
+
+
+def test_bad_launch_and_memory_records_are_refused_with_the_reason() -> None:
+    launch = LAUNCH_RECORD.pack(0x4C47564B, 1, 0, 7, 3, *range(1, 14), b"flash_fwd_kernel")
+    parsed = parse_any(launch)
+    assert isinstance(parsed, LaunchRecord) and parsed.steps_seen and parsed.kernel_in_graph
+    assert (parsed.launches, parsed.dropped, parsed.kernel) == (1, 13, "flash_fwd_kernel")
+    memory = MEMORY_RECORD.pack(0x4D47564B, 1, 0, 7, 2, 3, 0, *range(8), b"cuMemUnmap")
+    assert parse_any(memory) == MemoryRecord(2, "unmapped", 0, 1, 2, 3, 4, 5, 6, 7, "cuMemUnmap")
+    for data, reason in [
+        (launch[:-1], "launch record of 311 bytes (expected 312)"),
+        (launch[:4] + b"\x02\0" + launch[6:], "launch record version 2 (this agent reads 1)"),
+        (memory + b"\0", "memory record of 121 bytes (expected 120)"),
+        (MEMORY_RECORD.pack(0x4D47564B, 1, 0, 7, 2, 9, 0, *range(8), b""), "memory record of kind 9"),
+        (b"KV", "shim record of 2 bytes"),
+    ]:
+        with pytest.raises(ValueError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+            parse_any(data)
 
 
 def test_bad_records_are_refused_with_the_reason() -> None:

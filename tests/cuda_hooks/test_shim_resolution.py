@@ -25,8 +25,8 @@ typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned
                         void **, void **);
 typedef int (*gpa1_t)(const char *, void **, int, unsigned long long);
 typedef int (*gpa2_t)(const char *, void **, int, unsigned long long, int *);
-int cuLaunchKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **,
-                   void **);
+int cuLaunchKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                   void **, void **);
 int cuModuleGetFunction(void **, void *, const char *);
 int cuGetProcAddress(const char *, void **, int, unsigned long long);
 int cuStreamCreate(void **, unsigned);
@@ -67,7 +67,10 @@ int main(void) {
     return 0;
 }
 """
-FOO = 'int value = 1;\n#include <dlfcn.h>\nint next_value(void) { int *v = dlsym(RTLD_NEXT, "value"); return v ? *v : -1; }\n'
+FOO = """int value = 1;
+#include <dlfcn.h>
+int next_value(void) { int *v = dlsym(RTLD_NEXT, "value"); return v ? *v : -1; }
+"""
 BAR = "int value = 2;\n"
 
 
@@ -80,8 +83,18 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (out / f"{name}.c").write_text(source)
         subprocess.run(["cc", "-shared", "-fPIC", "-o", out / name, out / f"{name}.c", "-ldl"], check=True)
     (out / "program.c").write_text(PROGRAM)
-    links = [f"-L{standin}", "-l:libcuda.so.1", f"-Wl,-rpath,{standin}", f"-L{out}", "-Wl,--no-as-needed", "-lfoo", "-lbar"]
-    subprocess.run(["cc", "-o", out / "program", out / "program.c", *links, f"-Wl,-rpath,{out}", "-ldl"], check=True)
+    links = [
+        f"-L{standin}",
+        "-l:libcuda.so.1",
+        f"-Wl,-rpath,{standin}",
+        f"-L{out}",
+        "-Wl,--no-as-needed",
+        "-lfoo",
+        "-lbar",
+    ]
+    subprocess.run(
+        ["cc", "-o", out / "program", out / "program.c", *links, f"-Wl,-rpath,{out}", "-ldl"], check=True
+    )
     return out / "program"
 
 
@@ -106,7 +119,11 @@ def test_every_door_to_the_driver_is_watched_once(program: Path, tmp_path: Path)
     word = StepWord(["*flash_fwd*"])
     word.checked()  # one step, open for the whole run
     try:
-        shimmed = run(program, True, {"KVGUARD_SHIM_SOCKET": str(tmp_path / "shim.sock"), "KVGUARD_STEPS": str(word.path)})
+        shimmed = run(
+            program,
+            True,
+            {"KVGUARD_SHIM_SOCKET": str(tmp_path / "shim.sock"), "KVGUARD_STEPS": str(word.path)},
+        )
         assert arrived.wait(10)
     finally:
         listener.close()

@@ -218,3 +218,51 @@ def test_a_file_larger_than_the_bound_is_refused_unread(tmp_path: Path) -> None:
     write(tmp_path, "10-big.yaml", rule_text(append="  tags: [a]") + f"- {within}\n")
     (error,) = load_errors(tmp_path)
     assert error.reason.startswith("each rule must be a mapping of fields, not a list")
+
+
+def test_named_lists_are_defined_once_and_extended_by_append(tmp_path: Path) -> None:
+    write(tmp_path, "10-rules.yaml", rule_text())
+    write(tmp_path, "20-list.yaml", '- list: attention_kernels\n  items: ["*flash_fwd*", "_fwd_kernel*"]\n')
+    write(
+        tmp_path, "30-more.yaml", '- list: attention_kernels\n  append: true\n  items: ["my_attention_*"]\n'
+    )
+    ruleset = load_ruleset(tmp_path)
+    assert ruleset.lists == {"attention_kernels": ("*flash_fwd*", "_fwd_kernel*", "my_attention_*")}
+    assert len(ruleset.rules) == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "reason"),
+    [
+        ("- list: attention_kernel\n  items: [a]\n", 1, "unknown list 'attention_kernel'"),
+        ("- list: attention_kernels\n", 1, "list is missing required field 'items'"),
+        ("- list: attention_kernels\n  items: a\n", 2, "items must be a list of strings, not a string"),
+        ("- list: attention_kernels\n  items: [[a]]\n", 2, "'items' must be a string, not a list"),
+        ("- list: attention_kernels\n  items: [a]\n  apend: true\n", 3, "unknown field 'apend' in a list"),
+        (
+            "- list: attention_kernels\n  items: [a]\n  append: yes please\n",
+            3,
+            "'append' must be true or false",
+        ),
+        ('- list: attention_kernels\n  items: ["a\\tb"]\n', 2, "is over 256 characters or unprintable"),
+        (
+            "- list: attention_kernels\n  items: [a]\n- list: attention_kernels\n  items: [b]\n",
+            3,
+            "defined again",
+        ),
+        (
+            "- list: attention_kernels\n  items: [" + ", ".join(["x" * 200] * 41) + "]\n",
+            2,
+            "takes 8241 bytes",
+        ),
+    ],
+)
+def test_a_bad_list_is_named_with_its_line_and_reason(
+    tmp_path: Path, text: str, line: int, reason: str
+) -> None:
+    write(tmp_path, "10-rules.yaml", rule_text())
+    write(tmp_path, "20-list.yaml", text)
+    errors = load_errors(tmp_path)
+    assert any(e.line == line and reason in e.reason and e.path.name == "20-list.yaml" for e in errors), (
+        errors
+    )
