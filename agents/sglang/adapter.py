@@ -371,6 +371,10 @@ class SglangAdapter(PdTransfers):
                     self.stop(req, verdict.reason(req.rid))
         return verdict
 
+    def step_done(self) -> None:
+        """The step's kernels are launched (the CUDA shim's launch witness: the next needs a check)."""
+        self.guard.step_done()
+
     def _block_table(self, req_to_token: Any, rows: Any, width: int) -> Any:
         """Each row's page ids (its first slot of every page), [batch, width]: a strided view
         gathered by row, on the host through NumPy (torch's indexing is slower there), on a

@@ -209,6 +209,10 @@ def _scheduler_made(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> N
 
 
 def _run_batch(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    if getattr(scheduler, "enable_overlap", False):
+        # The overlap scheduler launches a step's kernels on its forward thread, after run_batch
+        # returns: a step ends when the next begins, right before that one's check.
+        _run("step done", SglangAdapter.step_done)
     if (
         batch is not None
         and getattr(batch, "reqs", None)
@@ -225,6 +229,11 @@ def _run_batch(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
             scheduler.req_to_token_pool,
             getattr(batch, "extend_lens", None),
         )
+
+
+def _ran_batch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    if not getattr(scheduler, "enable_overlap", False):  # the forward's kernels are launched
+        _run("step done", SglangAdapter.step_done)
 
 
 def _sender_init(sender: Any, *args: Any, **kwargs: Any) -> None:
@@ -292,6 +301,7 @@ def hooks() -> list[tuple[str, Callable[..., Any], str]]:
         (f"{REQ}.set_finish_with_abort", _set_finish_with_abort, "AROUND"),
         (f"{SCHED}.__init__", _scheduler_made, "AFTER"),
         (f"{SCHED}.run_batch", _run_batch, "BEFORE"),
+        (f"{SCHED}.run_batch", _ran_batch, "AFTER"),
     ]
     for sender in SENDERS:
         table += [

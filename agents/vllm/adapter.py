@@ -367,6 +367,11 @@ class VllmAdapter:
                         "update_from_output (stop)", self._stop, state, scheduler, None, forwarded
                     )
         result = orig(scheduler, *args, **kwargs)
+        if state is not None and state.attachment.active:
+            # The step's forward has run: its kernels are launched, the next launch needs a check
+            # (vLLM's async scheduling checks step N+1 before this: its launches are then judged
+            # against a closed step; run the launch witness without --async-scheduling).
+            state.attachment.contain("step done", state.guard.step_done)
         if self._told and isinstance(result, dict):
             told, self._told = self._told, []
             result = tell(result, told)
