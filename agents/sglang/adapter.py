@@ -111,7 +111,7 @@ class SglangAdapter(PdTransfers):
             context_len,
             self.attachment.settings.tenants(),
         )
-        return self.guard.pool(
+        verdict = self.guard.pool(
             POOL,
             role,
             book.page_size,
@@ -125,6 +125,14 @@ class SglangAdapter(PdTransfers):
             source="sglang scheduler (in-engine)",
             **facts,
         )
+        # Where the pool's KV lies on the GPU (each layer's buffers), for the CUDA shim's
+        # allocation witness where it is preloaded.
+        kv = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
+        buffers = [b for name in ("k_buffer", "v_buffer", "kv_buffer") for b in getattr(kv, name, None) or ()]
+        on_gpu = [(b.data_ptr(), b.numel() * b.element_size()) for b in buffers if getattr(b, "is_cuda", False)]
+        if on_gpu:
+            self.guard.pool_memory(POOL, on_gpu)
+        return verdict
 
     def rows_bound(self, pool: Any, reqs: list[Any]) -> None:
         """ReqToTokenPool.alloc bound rows to requests: the first time, the request is admitted."""
