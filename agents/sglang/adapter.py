@@ -129,7 +129,7 @@ class SglangAdapter(PdTransfers):
         # allocation witness where it is preloaded.
         kv = allocator.get_kvcache() if hasattr(allocator, "get_kvcache") else None
         buffers = [b for name in ("k_buffer", "v_buffer", "kv_buffer") for b in getattr(kv, name, None) or ()]
-        on_gpu = [(b.data_ptr(), b.numel() * b.element_size()) for b in buffers if getattr(b, "is_cuda", False)]
+        on_gpu = [(b.data_ptr(), b.numel() * b.element_size()) for b in buffers if getattr(b, "is_cuda", 0)]
         if on_gpu:
             self.guard.pool_memory(POOL, on_gpu)
         return verdict
