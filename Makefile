@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml setup.py $(EXTENSIONS)
 	touch $@
 
 # `make demo TOP=1`: the same, watched on the dashboard (kvguard top) until it is quit.
-demo: $(STAMP)
+demo: $(STAMP) shim
 	$(BIN)/kvguard demo $(if $(TOP),--top)
 
 # The rule fixtures (`kvguard rules test`) run inside pytest (tests/ruleset/). Two workers,

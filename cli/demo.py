@@ -129,14 +129,21 @@ def _settled(spool: Path) -> None:
 
 
 def _demo(out_dir: Path, store: Path, sock: Path, address: str, started: float, out: TextIO) -> int:
+    from kvguard.agents.guard import SHIM_LIBRARY
     from kvguard.daemon.audit.exposure import exposure_of, format_exposure
     from kvguard.daemon.audit.source import open_source
     from kvguard.testbed.cluster import Cluster
 
     runs = {"unguarded": "monitor", "guarded": "enforce"}
+    witness = SHIM_LIBRARY.exists()  # the guarded cluster's workers run with the CUDA shim preloaded
     clusters = {
         name: Cluster(
-            out_dir / name, faults=("incident",), guard=mode, agent_socket=str(sock), node_prefix=f"{name}-"
+            out_dir / name,
+            faults=("incident",),
+            guard=mode,
+            agent_socket=str(sock),
+            node_prefix=f"{name}-",
+            cuda_witness=witness and name == "guarded",
         )
         for name, mode in runs.items()
     }
@@ -147,9 +154,9 @@ def _demo(out_dir: Path, store: Path, sock: Path, address: str, started: float, 
     p("context, admission asks finished() instead of rejected, a one-page hand-off is reported done.\n")
     p("unguarded = kvguard in monitor mode (it reports, never acts); guarded = enforce.\n")
     p(f"Both clusters' guards stream to one node agent and the kvguard daemon at {address}.\n\n")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda c: c.__enter__(), clusters.values()))
-    try:
+    try:  # a cluster that started is stopped even when the other did not start
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda c: c.__enter__(), clusters.values()))
         _, models = clusters["guarded"].get("/v1/models")
         context = models["data"][0]["max_model_len"]
         up = time.monotonic() - started
@@ -201,12 +208,37 @@ def _demo(out_dir: Path, store: Path, sock: Path, address: str, started: float, 
         for cluster in clusters.values():
             cluster.__exit__(None, None, None)
     _settled(out_dir / "spool")
-    p("\n4. the daemon's exposure report for acme (kvguard audit exposure --tenant acme):\n\n")
+    p("\n4. the CUDA launch witness on the guarded cluster (the kvguard shim preloaded into its\n")
+    p("   workers; on this CPU their decode kernels launch on a stand-in CUDA driver)\n\n")
+    line = _witness_line(store, "guarded-decode-0") if witness else "not run: the shim is not built (make shim)"
+    p(f"   {line}\n")
+    p("\n5. the daemon's exposure report for acme (kvguard audit exposure --tenant acme):\n\n")
     format_exposure(exposure_of(open_source(str(store), None), "acme"), _Indented(out))
     p(f"\naudit log: {store} (kvguard audit query --store {store}; kvguard audit verify --store {store})\n")
     p(f"\ndone in {time.monotonic() - started:.1f}s\n")
     good = leaked["unguarded"] and not leaked["guarded"] and results["guarded"][0] >= 500
     return 0 if good else 1
+
+
+def _witness_line(store: Path, node: str) -> str:
+    """What the node's shim saw, summed from its `launches` events in the audit store."""
+    from kvguard.daemon.store import Store
+    from kvguard.proto import pb
+
+    s = Store(str(store))
+    try:
+        events = [pb.Event.FromString(b) for _, _, b in s.rows(kind="event", node=f"{node}/shim")]
+    finally:
+        s.close()
+    x = [e.launches for e in events if e.WhichOneof("payload") == "launches"]
+    attention, checked, unguarded = (
+        sum(getattr(r, f) for r in x) for f in ("attention", "checked", "unguarded")
+    )
+    steps = max((r.steps for r in x), default=0)
+    if not attention:
+        return f"{node}: no attention launch seen in {steps} steps"
+    verdict = f"all {checked} after a guard check" if checked == attention else f"{unguarded} UNGUARDED"
+    return f"{node}: {attention} attention launches in {steps} steps, {verdict}"
 
 
 class _Indented:

@@ -27,6 +27,8 @@ class Cluster:
             self.args += ["--fault", fault]
         for name, value in options.items():
             flag = "--" + name.replace("_", "-")
+            if value is False:
+                continue  # a switch left off
             if value is True:
                 self.args.append(flag)
             elif isinstance(value, dict):

@@ -76,6 +76,10 @@ def test_the_demo_runs_under_the_dashboard_and_its_narration_follows_q(tmp_path:
     assert "kvguard demo: the 2026 prefill/decode disaggregation leak" in after
     assert re.search(r"acme secret leaked\s+YES\s+no", after), after
     assert "done in" in after
+    # The guarded cluster ran with the CUDA shim: every attention launch it saw was checked.
+    assert re.search(
+        r"guarded-decode-0: (\d+) attention launches in \d+ steps, all \1 after a guard check", after
+    ), after
 
 
 def test_without_a_terminal_the_dashboard_demo_refuses() -> None:
