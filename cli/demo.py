@@ -210,7 +210,7 @@ def _demo(out_dir: Path, store: Path, sock: Path, address: str, started: float, 
     _settled(out_dir / "spool")
     p("\n4. the CUDA launch witness on the guarded cluster (the kvguard shim preloaded into its\n")
     p("   workers; on this CPU their decode kernels launch on a stand-in CUDA driver)\n\n")
-    line = _witness_line(store, "guarded-decode-0") if witness else "not run: the shim is not built (make shim)"
+    line = _witness_line(store, "guarded-decode-0") if witness else "not run: the shim is not built"
     p(f"   {line}\n")
     p("\n5. the daemon's exposure report for acme (kvguard audit exposure --tenant acme):\n\n")
     format_exposure(exposure_of(open_source(str(store), None), "acme"), _Indented(out))
