@@ -14,8 +14,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 python3 setup.py -q build_ext --inplace 2>&1 | tail -n 3  # the ledger's C extension, for this Python
-cc -O2 -Wall -fPIC -shared -o cuda_hooks/shim/libkvguard_shim.so cuda_hooks/shim/kvguard_launch.c \
-    cuda_hooks/shim/kvguard_memory.c cuda_hooks/shim/kvguard_resolve.c cuda_hooks/shim/kvguard_shim.c -ldl -lpthread
+cc -O2 -Wall -fPIC -shared -o cuda_hooks/shim/libkvguard_shim.so \
+    $(ls cuda_hooks/shim/kvguard_*.c | grep -v kvguard_label) -ldl -lpthread  # the CUDA shim, as `make shim`
 ln -sfn "$PWD" /tmp/pkg/kvguard  # the repository root is the package
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"

@@ -75,6 +75,13 @@ extern struct family kvguard_launch, kvguard_launch_ex, kvguard_graph_launch, kv
     kvguard_gpa2;
 extern _Atomic uint64_t kvguard_unwrapped;  // entry points handed out unwrapped: no slot was left
 
+// The launch witness's judgement (kvguard_launch.c), for the graphs' (kvguard_graph.c).
+enum { KVGUARD_NAMED = 1, KVGUARD_ATTENTION = 2 };
+int kvguard_classify(uintptr_t key, const char **name);  // KVGUARD_NAMED | KVGUARD_ATTENTION, cached
+uint64_t kvguard_patterns_generation(void);              // changes when the attention patterns do
+void kvguard_judge(const char *name, int graph);          // one attention launch that ran
+void kvguard_count_graph_launch(int known);               // a graph launch (known: its summary is)
+
 // The guard's step word (record.h), mapped when a guard publishes one; NULL until then.
 struct kvguard_steps;
 struct kvguard_steps *kvguard_steps_word(void);
