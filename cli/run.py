@@ -14,6 +14,7 @@ import sys
 
 from kvguard.agents.engines import ENGINES
 from kvguard.cli.options import AGENT_SOCKET, Subcommands, add_command
+from kvguard.cuda_hooks.shim import LIBRARY as SHIM
 
 # The engines' plugin allow-lists: when the operator set one, kvguard is added to it.
 PLUGIN_LISTS = tuple(engine.allow_list for engine in ENGINES.values())
@@ -33,6 +34,9 @@ def engine_environment(args: argparse.Namespace, environ: dict[str, str]) -> dic
     else:
         env["KVGUARD_AGENT_SOCKET"] = args.agent_socket
         env.pop("KVGUARD_CAPTURE", None)
+    if getattr(args, "cuda_witness", False):  # the shim first: it must see the engine's first CUDA call
+        env["LD_PRELOAD"] = " ".join(p for p in (str(SHIM), env.get("LD_PRELOAD", "")) if p)
+        env["KVGUARD_SHIM_SOCKET"] = f"{args.agent_socket}.shim"
     for name in PLUGIN_LISTS:
         allowed = [p for p in env.get(name, "").split(",") if p.strip()]
         if allowed and "kvguard" not in allowed:
@@ -46,6 +50,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         print("kvguard run: no engine command given (kvguard run [options] -- COMMAND ...)", file=sys.stderr)
+        return 2
+    if args.cuda_witness and args.capture:
+        print(
+            "kvguard run: --cuda-witness sends to the node agent: it does not go with --capture",
+            file=sys.stderr,
+        )
+        return 2
+    if args.cuda_witness and not SHIM.exists():
+        print(f"kvguard run: --cuda-witness: the CUDA shim {SHIM} is not built (make shim)", file=sys.stderr)
         return 2
     if not args.capture:
         try:
@@ -62,6 +75,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 2
     env = engine_environment(args, dict(os.environ))
     where = f"capture {env['KVGUARD_CAPTURE']}" if args.capture else f"agent {args.agent_socket}"
+    if args.cuda_witness:
+        where += ", CUDA launches and pool memory witnessed by the shim"
     node = env["KVGUARD_NODE"] or "host name"
     print(
         f"kvguard run: {command[0]} with kvguard attached ({args.mode}; node {node}; events to {where})",
@@ -112,6 +127,11 @@ def add_parser(sub: Subcommands) -> None:
         "--tenant-field",
         default="",
         help="where the adapter reads a request's tenant (default cache_salt; see docs/engines.md)",
+    )
+    p.add_argument(
+        "--cuda-witness",
+        action="store_true",
+        help="preload the CUDA shim into the engine: its launch and allocation witnesses (docs/operator.md)",
     )
     p.add_argument("engine_command", nargs=argparse.REMAINDER, help="the engine's command line, after --")
     p.set_defaults(func=cmd_run)

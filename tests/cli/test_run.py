@@ -62,3 +62,34 @@ def test_run_without_a_command_or_an_agent_says_so(tmp_path: Path) -> None:
         timeout=60,
     )
     assert done.returncode == 2 and "cannot start 'no-such-engine-xyz'" in done.stderr
+
+
+def test_run_with_the_cuda_witness_preloads_the_shim_into_the_engine(tmp_path: Path) -> None:
+    import socket
+
+    sock = tmp_path / "agent.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock))  # a socket where the agent's is: `run` only checks that it is one
+    probe = (
+        "import ctypes, os; process = ctypes.CDLL(None); "
+        "print(hasattr(process, 'kvguard_steps_attach'), os.environ['KVGUARD_SHIM_SOCKET'])"
+    )
+    try:
+        done = subprocess.run(
+            [*KVGUARD, "--cuda-witness", "--agent-socket", str(sock), "--", sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        listener.close()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", f"{sock}.shim"]  # the engine runs with the shim loaded
+    assert "witnessed by the shim" in done.stderr
+    done = subprocess.run(
+        [*KVGUARD, "--cuda-witness", "--capture", str(tmp_path / "c.jsonl"), "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "does not go with --capture" in done.stderr
