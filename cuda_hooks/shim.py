@@ -35,8 +35,8 @@ SHIM_RECORD = struct.Struct("=IHHIi128s8QQQQQ")
 PROBE = "shim:cuda"
 LAUNCH_MAGIC = 0x4C47564B  # "KVGL"
 # magic, version, reserved, pid, flags, launches, graphs, attention, checked, unguarded,
-# captured, unjudged, unnamed, unwrapped, checks, steps, kernel_steps, dropped, kernel
-LAUNCH_RECORD = struct.Struct("=IHHII13Q192s")
+# captured, unjudged, unnamed, unwrapped, checks, steps, kernel_steps, quiet_steps, dropped, kernel
+LAUNCH_RECORD = struct.Struct("=IHHII14Q192s")
 MEMORY_MAGIC = 0x4D47564B  # "KVGM"
 # magic, version, reserved, pid, pool, kind, reserved2, base, bytes, covered, lo, hi,
 # allocations, steps, dropped, call
@@ -83,6 +83,7 @@ class LaunchRecord:
     checks: int
     steps: int
     kernel_steps: int
+    quiet_steps: int  # steps ended since the last attention kernel the process saw
     dropped: int
     kernel: str  # the first unguarded attention kernel's name
     kernel_in_graph: bool = False  # ... launched in a graph
@@ -160,6 +161,7 @@ def launches_event(r: LaunchRecord) -> pb.Launches:
         steps=r.steps,
         kernel=r.kernel,
         kernel_steps=r.kernel_steps,
+        quiet_steps=r.quiet_steps,
         judged=r.steps_seen,
         kernel_in_graph=r.kernel_in_graph,
     )

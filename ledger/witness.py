@@ -54,15 +54,15 @@ class CudaWitness:
                 key=("launch", x.kernel, x.kernel_in_graph),  # a path that is never checked: once
                 node=engine,
             )
-        if x.judged and x.steps >= QUIET_STEPS and x.attention == 0 and x.checks > 0 and not x.unjudged:
+        if x.judged and x.quiet_steps >= QUIET_STEPS and x.checks > 0:
             self._found.report(
                 "anomaly",
-                f"the CUDA witness on {engine} saw no attention kernel launched although the guard checked "
-                f"and ended {x.steps} steps ({x.launches} other launch(es) seen): it does not see this "
+                f"the CUDA witness on {engine} saw no attention kernel launched in the last {x.quiet_steps} "
+                f"steps the guard ended ({x.launches} other launch(es) seen): it does not see this "
                 "engine's attention (a kernel name no attention_kernels pattern matches, a library that "
                 "reaches the driver around the shim), so it vouches for nothing",
                 details={
-                    "steps": x.steps,
+                    "steps": x.quiet_steps,
                     "launches": x.launches,
                     "unnamed": x.unnamed,
                     "unwrapped": x.unwrapped,

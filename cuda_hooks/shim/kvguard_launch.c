@@ -212,12 +212,18 @@ int kvguard_classify(uintptr_t key, const char **name) {
 static struct {
     _Atomic uint64_t launches, graphs, attention, checked, unguarded, captured, unjudged, unnamed;
     _Atomic uint64_t kernel_steps;
+    _Atomic uint64_t attention_seen;  // the guard's steps at the last attention kernel seen (+1; 0: none)
     _Atomic int kernel_graph;  // that launch was a graph's
     _Atomic uint64_t sent_steps;  // the guard's steps at the last record (+1; 0: none sent)
     _Atomic int first_unguarded;  // an unguarded launch is waiting in `kernel`
     char kernel[KVGUARD_KERNEL_NAME];
 } counts;
 static pthread_mutex_t flush_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t quiet_sent;  // the guard's steps at the last record sent with nothing in it (flush_lock)
+
+static inline void attention_seen(uint64_t steps) {
+    atomic_store_explicit(&counts.attention_seen, steps + 1, memory_order_relaxed);
+}
 
 // Send what was counted since the last record (skipped when another thread is sending).
 int kvguard_launches_flush(void) {
@@ -251,9 +257,15 @@ int kvguard_launches_flush(void) {
         atomic_store(&counts.first_unguarded, 0);
     }
     r.dropped = kvguard_dropped();
+    uint64_t seen = atomic_load(&counts.attention_seen);
+    r.quiet_steps = seen ? r.steps - (seen - 1) : r.steps;
     int sent = 0;
-    if (r.launches || r.attention || r.unguarded || r.captured || r.unjudged)
+    if (r.launches || r.attention || r.unguarded || r.captured || r.unjudged) {
         sent = kvguard_send(&r, sizeof(r));
+    } else if (word && r.quiet_steps >= KVGUARD_QUIET_STEPS && r.steps >= quiet_sent + KVGUARD_QUIET_STEPS) {
+        quiet_sent = r.steps;  // nothing seen for a while: said, once every so many steps
+        sent = kvguard_send(&r, sizeof(r));
+    }
     pthread_mutex_unlock(&flush_lock);
     return sent;
 }
@@ -263,6 +275,7 @@ void kvguard_judge(const char *name, int graph) {
     struct kvguard_steps *word = kvguard_steps_word();
     uint64_t ends = word ? word_load(&word->ends) : 0, checks = word ? word_load(&word->checks) : 0;
     uint64_t steps = word ? word_load(&word->steps) : 0;
+    attention_seen(steps);
     if (!checks && !steps) {  // no guard, or one that has not begun serving: the engine's warm-up
         atomic_fetch_add_explicit(&counts.unjudged, 1, memory_order_relaxed);
         return;
@@ -331,6 +344,8 @@ static inline void launched(uintptr_t key, void *stream, int runtime) {
     if (!(flags & ATTENTION))
         return;
     if (capturing(stream, runtime)) {
+        struct kvguard_steps *word = kvguard_steps_word();
+        attention_seen(word ? word_load(&word->steps) : 0);
         atomic_fetch_add_explicit(&counts.captured, 1, memory_order_relaxed);
         return;
     }

@@ -49,11 +49,15 @@ struct kvguard_launch_record {
     uint64_t checks;          // the guard's checks and steps when this record was sent
     uint64_t steps;
     uint64_t kernel_steps;    // the guard's steps at the first unguarded launch
+    uint64_t quiet_steps;     // steps ended since the last attention kernel this process saw (all: none)
     uint64_t dropped;         // records this process could not send before this one
     char kernel[KVGUARD_KERNEL_NAME];  // the first unguarded attention kernel's name
 };
 #define KVGUARD_STEPS_SEEN 1u
 #define KVGUARD_UNGUARDED_GRAPH 2u  // the first unguarded launch was a graph launch
+// A process that launches nothing the witness judges still reports, every this many steps, so
+// that a witness blind to an engine's kernels says so (quiet_steps) instead of staying silent.
+#define KVGUARD_QUIET_STEPS 8
 
 // ------------------------------------------------------------------ the allocation witness
 // Sent when a guard binds a pool's memory (kind bound) and when a call frees or unmaps a part

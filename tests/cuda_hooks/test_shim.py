@@ -96,14 +96,19 @@ def test_the_record_layout_is_the_shims() -> None:
 
 
 def test_bad_launch_and_memory_records_are_refused_with_the_reason() -> None:
-    launch = LAUNCH_RECORD.pack(0x4C47564B, 1, 0, 7, 3, *range(1, 14), b"flash_fwd_kernel")
+    launch = LAUNCH_RECORD.pack(0x4C47564B, 1, 0, 7, 3, *range(1, 15), b"flash_fwd_kernel")
     parsed = parse_any(launch)
     assert isinstance(parsed, LaunchRecord) and parsed.steps_seen and parsed.kernel_in_graph
-    assert (parsed.launches, parsed.dropped, parsed.kernel) == (1, 13, "flash_fwd_kernel")
+    assert (parsed.launches, parsed.quiet_steps, parsed.dropped, parsed.kernel) == (
+        1,
+        13,
+        14,
+        "flash_fwd_kernel",
+    )
     memory = MEMORY_RECORD.pack(0x4D47564B, 1, 0, 7, 2, 3, 0, *range(8), b"cuMemUnmap")
     assert parse_any(memory) == MemoryRecord(2, "unmapped", 0, 1, 2, 3, 4, 5, 6, 7, "cuMemUnmap")
     for data, reason in [
-        (launch[:-1], "launch record of 311 bytes (expected 312)"),
+        (launch[:-1], "launch record of 319 bytes (expected 320)"),
         (launch[:4] + b"\x02\0" + launch[6:], "launch record version 2 (this agent reads 1)"),
         (memory + b"\0", "memory record of 121 bytes (expected 120)"),
         (MEMORY_RECORD.pack(0x4D47564B, 1, 0, 7, 2, 9, 0, *range(8), b""), "memory record of kind 9"),

@@ -45,20 +45,18 @@ def test_an_unguarded_launch_names_the_kernel_node_and_step_once() -> None:
 
 def test_checked_launches_are_not_findings_and_a_blind_witness_is() -> None:
     ledger = ledger_with_pool()
-    assert (
-        shim(
-            ledger,
-            1,
-            launches=pb.Launches(launches=90, attention=30, checked=30, steps=30, checks=30, judged=True),
-        )
-        == []
-    )
-    assert (
-        shim(ledger, 2, launches=pb.Launches(launches=5, steps=7, checks=7, judged=True)) == []
-    )  # too few steps
-    assert shim(ledger, 3, launches=pb.Launches(launches=5, unjudged=2, steps=9, checks=9, judged=True)) == []
-    (blind,) = shim(ledger, 4, launches=pb.Launches(launches=40, steps=8, checks=8, judged=True))
-    assert (blind.finding, blind.node) == ("anomaly", "d0") and "saw no attention kernel" in blind.message  # type: ignore[attr-defined]
+
+    def launches(seq: int, **counts: int) -> list[object]:
+        return shim(ledger, seq, launches=pb.Launches(judged=True, **counts))
+
+    assert launches(1, launches=90, attention=30, checked=30, steps=30, checks=30) == []
+    # A step with no attention (its requests all stopped before the forward) is no blindness.
+    assert launches(2, launches=5, steps=31, checks=31, quiet_steps=1) == []
+    assert launches(3, steps=38, checks=38, quiet_steps=7) == []
+    (blind,) = launches(4, launches=40, steps=47, checks=47, quiet_steps=8)
+    assert (blind.finding, blind.node) == ("anomaly", "d0")  # type: ignore[attr-defined]
+    assert "no attention kernel launched in the last 8 steps" in blind.message  # type: ignore[attr-defined]
+    assert launches(5, steps=55, checks=55, quiet_steps=16) == []  # said once
 
 
 def test_pool_memory_findings_carry_the_numbers() -> None:

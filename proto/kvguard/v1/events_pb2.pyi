@@ -375,7 +375,7 @@ class Heartbeat(_message.Message):
     def __init__(self, agent_version: _Optional[str] = ..., dropped: _Optional[int] = ..., canary: _Optional[int] = ...) -> None: ...
 
 class Launches(_message.Message):
-    __slots__ = ("launches", "graphs", "attention", "checked", "unguarded", "captured", "unjudged", "unnamed", "unwrapped", "checks", "steps", "kernel", "kernel_steps", "judged", "kernel_in_graph")
+    __slots__ = ("launches", "graphs", "attention", "checked", "unguarded", "captured", "unjudged", "unnamed", "unwrapped", "checks", "steps", "kernel", "kernel_steps", "judged", "kernel_in_graph", "quiet_steps")
     LAUNCHES_FIELD_NUMBER: _ClassVar[int]
     GRAPHS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +391,7 @@ class Launches(_message.Message):
     KERNEL_STEPS_FIELD_NUMBER: _ClassVar[int]
     JUDGED_FIELD_NUMBER: _ClassVar[int]
     KERNEL_IN_GRAPH_FIELD_NUMBER: _ClassVar[int]
+    QUIET_STEPS_FIELD_NUMBER: _ClassVar[int]
     launches: int
     graphs: int
     attention: int
@@ -406,7 +407,8 @@ class Launches(_message.Message):
     kernel_steps: int
     judged: bool
     kernel_in_graph: bool
-    def __init__(self, launches: _Optional[int] = ..., graphs: _Optional[int] = ..., attention: _Optional[int] = ..., checked: _Optional[int] = ..., unguarded: _Optional[int] = ..., captured: _Optional[int] = ..., unjudged: _Optional[int] = ..., unnamed: _Optional[int] = ..., unwrapped: _Optional[int] = ..., checks: _Optional[int] = ..., steps: _Optional[int] = ..., kernel: _Optional[str] = ..., kernel_steps: _Optional[int] = ..., judged: _Optional[bool] = ..., kernel_in_graph: _Optional[bool] = ...) -> None: ...
+    quiet_steps: int
+    def __init__(self, launches: _Optional[int] = ..., graphs: _Optional[int] = ..., attention: _Optional[int] = ..., checked: _Optional[int] = ..., unguarded: _Optional[int] = ..., captured: _Optional[int] = ..., unjudged: _Optional[int] = ..., unnamed: _Optional[int] = ..., unwrapped: _Optional[int] = ..., checks: _Optional[int] = ..., steps: _Optional[int] = ..., kernel: _Optional[str] = ..., kernel_steps: _Optional[int] = ..., judged: _Optional[bool] = ..., kernel_in_graph: _Optional[bool] = ..., quiet_steps: _Optional[int] = ...) -> None: ...
 
 class PoolMemory(_message.Message):
     __slots__ = ("pool", "kind", "base", "bytes", "covered", "lo", "hi", "call", "allocations", "steps")
