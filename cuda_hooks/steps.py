@@ -14,6 +14,7 @@ guard's lock), the patterns under a seqlock (generation odd while they change).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import mmap
@@ -70,6 +71,7 @@ class StepWord:
         if self.process is not None:
             self.process.kvguard_steps_attach(str(self.path).encode())
         os.environ[STEPS_ENV] = str(self.path)  # for the engine's workers, started after this
+        atexit.register(self.close)  # the file goes with the process (a killed one leaves 8 KiB)
 
     def publish(self, patterns: Iterable[str]) -> None:
         data = pack_patterns(patterns)
