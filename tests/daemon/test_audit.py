@@ -513,6 +513,28 @@ def test_kvguard_audit_exposure_as_a_user_runs_it(daemon: Service) -> None:
 # ------------------------------------------------------------------------------------ before 1970
 
 
+def settled_count(store: str, quiet_s: float = 0.5, within_s: float = 10.0) -> int:
+    """The store's record count once it has stopped growing: the daemon writes the records its
+    judgement makes (a run's end, an outcome) shortly after the events that caused them."""
+
+    def counted() -> int:
+        s = Store(store)
+        try:
+            return s.count()
+        finally:
+            s.close()
+
+    deadline = time.monotonic() + within_s
+    count = counted()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = counted()
+        if now == count:
+            return count
+        count = now
+    return count
+
+
 def test_records_before_1970_are_reached_by_every_query(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -529,7 +551,7 @@ def test_records_before_1970_are_reached_by_every_query(
     try:
         summary = send_capture(shifted, d.address)
         assert summary.accepted == summary.events == 39 and not summary.rejected
-        total = Store(str(d.store)).count()
+        total = settled_count(str(d.store))
         for source in (store_of(d), ("--daemon", d.address)):
             rc, out, err = audit(capsys, "query", *source, "-o", "json")
             assert rc == 0 and len(jsonl(out)) == total and f"{total} records from" in err
