@@ -337,12 +337,13 @@ class AgentSink(_QueuedSink):
         return self._queue.qsize() + len(self._pending)
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until every event queued so far has been handed to the agent."""
+        """Wait until every event queued so far has been handed to the agent, for at most
+        `timeout` seconds (an agent that is gone, or refuses this guard, takes none): whether
+        they all were."""
         deadline = time.monotonic() + timeout
-        self._queue.join()
-        while self._pending and time.monotonic() < deadline:
+        while (self._queue.unfinished_tasks or self._pending) and time.monotonic() < deadline:
             time.sleep(0.01)
-        return not self._pending
+        return not self._queue.unfinished_tasks and not self._pending
 
     def close(self) -> None:
         self._closing.set()

@@ -138,6 +138,9 @@ def test_an_unreachable_agent_never_blocks_the_engine(tmp_path: Path) -> None:
     # The heartbeat carries the running count in-band (it may itself be dropped while the
     # queue is full; the next one that gets through carries the total).
     assert guard.ledger.nodes["d0"].dropped == before
+    started = time.monotonic()
+    assert not sink.flush(timeout=0.3)  # nobody takes them: it says so, in its time, not never
+    assert time.monotonic() - started < 3
     threading.Thread(target=sink.close, daemon=True).start()  # close() waits for a connection
 
 
