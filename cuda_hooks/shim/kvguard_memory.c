@@ -1,6 +1,6 @@
 // The allocation witness: the device memory the process allocates or maps (cuMemAlloc,
-// cuMemAllocAsync, the virtual memory calls cuMemMap/cuMemUnmap PyTorch's expandable segments
-// use, and the runtime's cudaMalloc/cudaFree), so that the memory under a KV pool is seen
+// cuMemAllocAsync and cuMemAllocFromPoolAsync, the virtual memory calls cuMemMap/cuMemUnmap
+// PyTorch's expandable segments use, and the runtime's cudaMalloc/cudaFree), so that the memory under a KV pool is seen
 // where CUDA hands it out, not only where the engine says it is.
 //
 // A guard binds each of its pool's regions (kvguard_pool_bind: base, bytes its pages need);
@@ -235,6 +235,22 @@ EXPORT(kvguard_mem_alloc_async, cuMemAllocAsync, DRIVER, cuda_status, (device_pt
        (ptr, size, stream))
 EXPORT(kvguard_mem_alloc_async, cuMemAllocAsync_ptsz, DRIVER, cuda_status,
        (device_ptr * ptr, size_t size, CUstream stream), (ptr, size, stream))
+
+typedef cuda_status (*alloc_pool_fn)(device_ptr *, size_t, void *, CUstream);
+FAMILY(kvguard_mem_alloc_pool, cuda_status, (device_ptr * ptr, size_t size, void *pool, CUstream stream),
+       (ptr, size, pool, stream))
+static cuda_status kvguard_mem_alloc_pool_impl(void *real, device_ptr *ptr, size_t size, void *pool, CUstream stream) {
+    if (!real)
+        return UNRESOLVED;
+    cuda_status status = ((alloc_pool_fn)real)(ptr, size, pool, stream);
+    if (status == 0 && ptr && !kvguard_in_runtime)
+        added(*ptr, size, "cuMemAllocFromPoolAsync");  // PyTorch's cudaMallocAsync backend
+    return status;
+}
+EXPORT(kvguard_mem_alloc_pool, cuMemAllocFromPoolAsync, DRIVER, cuda_status,
+       (device_ptr * ptr, size_t size, void *pool, CUstream stream), (ptr, size, pool, stream))
+EXPORT(kvguard_mem_alloc_pool, cuMemAllocFromPoolAsync_ptsz, DRIVER, cuda_status,
+       (device_ptr * ptr, size_t size, void *pool, CUstream stream), (ptr, size, pool, stream))
 
 typedef cuda_status (*free_async_fn)(device_ptr, CUstream);
 FAMILY(kvguard_mem_free_async, cuda_status, (device_ptr ptr, CUstream stream), (ptr, stream))

@@ -71,7 +71,7 @@ struct family {
 
 extern struct family kvguard_launch, kvguard_launch_ex, kvguard_graph_launch, kvguard_instantiate5,
     kvguard_instantiate_flags, kvguard_instantiate_params, kvguard_mem_alloc, kvguard_mem_free,
-    kvguard_mem_alloc_async, kvguard_mem_free_async, kvguard_mem_map, kvguard_mem_unmap, kvguard_gpa1,
+    kvguard_mem_alloc_async, kvguard_mem_alloc_pool, kvguard_mem_free_async, kvguard_mem_map, kvguard_mem_unmap, kvguard_gpa1,
     kvguard_gpa2;
 extern _Atomic uint64_t kvguard_unwrapped;  // entry points handed out unwrapped: no slot was left
 

@@ -157,6 +157,15 @@ class StandinCuda:
         _ok(self._proc("cuMemAlloc", ctypes.c_void_p, ctypes.c_size_t)(ctypes.byref(p), nbytes), "cuMemAlloc")
         return int(p.value)
 
+    def pool_alloc(self, nbytes: int) -> int:
+        """cuMemAllocFromPoolAsync, as PyTorch's cudaMallocAsync backend allocates."""
+        p = ctypes.c_uint64()
+        alloc = self._proc(
+            "cuMemAllocFromPoolAsync", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p
+        )
+        _ok(alloc(ctypes.byref(p), nbytes, None, None), "cuMemAllocFromPoolAsync")
+        return int(p.value)
+
     def mem_free(self, ptr: int) -> None:
         _ok(self._proc("cuMemFree", ctypes.c_uint64)(ptr), "cuMemFree")
 

@@ -252,6 +252,11 @@ CUresult cuMemFree_v2(CUdeviceptr ptr) {
     return OK;
 }
 
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *ptr, size_t size, void *pool, void *stream) {
+    (void)pool, (void)stream;  // one pool here, allocated at once
+    return cuMemAlloc_v2(ptr, size);
+}
+
 CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
     (void)align, (void)addr, (void)flags;
     void *p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -310,6 +315,7 @@ static const struct {
     {"cuGraphLaunch", 10000, -1, (void *)cuGraphLaunch},
     {"cuMemAlloc", 3020, -1, (void *)cuMemAlloc_v2},
     {"cuMemFree", 3020, -1, (void *)cuMemFree_v2},
+    {"cuMemAllocFromPoolAsync", 11020, -1, (void *)cuMemAllocFromPoolAsync},
     {"cuMemAddressReserve", 10020, -1, (void *)cuMemAddressReserve},
     {"cuMemAddressFree", 10020, -1, (void *)cuMemAddressFree},
     {"cuMemCreate", 10020, -1, (void *)cuMemCreate},

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvguard.cli.process import start_agent, start_daemon
-from kvguard.cuda_hooks.shim import LIBRARY
+from kvguard.cuda_hooks.shim import LIBRARY, ShimListener
 from kvguard.daemon.store import Store
 from kvguard.proto import pb
 from kvguard.testbed.standin import build
@@ -246,3 +246,58 @@ def test_a_workers_launches_are_judged_by_its_engines_guard(standin: Path, tmp_p
     )
     launches = [e.launches for e in shim if e.WhichOneof("payload") == "launches"]
     assert (sum(x.checked for x in launches), sum(x.unguarded for x in launches)) == (1, 1)
+
+
+ALLOCATOR = r"""
+import json, sys
+from kvguard.cuda_hooks.steps import bind_pool
+from kvguard.testbed.standin import StandinCuda
+cuda = StandinCuda(sys.argv[1])
+regions = {
+    "cudaMalloc": cuda.malloc(1 << 16),
+    "cuMemAlloc": cuda.mem_alloc(1 << 16),
+    "cuMemAllocFromPoolAsync": cuda.pool_alloc(1 << 16),
+    "cuMemMap": cuda.reserve_and_map(1 << 16, 1 << 14),
+}
+covered = [bind_pool(i, [(base, 1 << 16)])[0] for i, base in enumerate(regions.values())]
+cuda.unmap(regions["cuMemMap"] + (1 << 14), 1 << 14)  # one chunk of pool 3 goes
+print(json.dumps(covered), flush=True)
+"""
+
+
+def test_every_allocator_is_matched_to_its_pool(standin: Path, tmp_path: Path) -> None:
+    got: list[object] = []
+    listener = ShimListener(
+        tmp_path / "shim.sock", lambda pid, r: got.append(r), lambda pid, why: got.append(why)
+    )
+    env = {**os.environ, "LD_PRELOAD": str(LIBRARY), "KVGUARD_SHIM_SOCKET": str(tmp_path / "shim.sock")}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", ALLOCATOR, str(standin)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        deadline = time.monotonic() + 10
+        while len(got) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        listener.close()
+    assert json.loads(done.stdout) == [1 << 16] * 4
+    calls = [(r.pool, r.kind, r.call, r.covered) for r in got]  # type: ignore[attr-defined]
+    assert calls == [
+        (
+            0,
+            "bound",
+            "cuMemAlloc",
+            1 << 16,
+        ),  # the runtime's cudaMalloc, reached by its handle: seen at the driver
+        (1, "bound", "cuMemAlloc", 1 << 16),
+        (2, "bound", "cuMemAllocFromPoolAsync", 1 << 16),
+        (3, "bound", "cuMemMap", 1 << 16),
+        (3, "unmapped", "cuMemUnmap", 0),
+    ]
+    lo, hi = got[4].lo - got[4].base, got[4].hi - got[4].base  # type: ignore[attr-defined]
+    assert (lo, hi) == (1 << 14, 1 << 15)
