@@ -1,5 +1,8 @@
 // kvguard LD_PRELOAD shim: counts what an engine process copies with the CUDA runtime and
-// driver copy calls, for hosts where BPF is not allowed. Built by `make shim`.
+// driver copy calls, for hosts where BPF is not allowed. Built by `make shim`, one library with
+// its other parts: the launch witness (kvguard_launch.c, kvguard_graph.c), the allocation
+// witness (kvguard_memory.c) and how a process finds the driver (kvguard_resolve.c). This file
+// also holds what they share: kvguard_resolve() and the one non-blocking way to the agent.
 //
 //   LD_PRELOAD=cuda_hooks/shim/libkvguard_shim.so python -m my_engine
 //
