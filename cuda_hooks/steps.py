@@ -92,11 +92,6 @@ class StepWord:
         if self._flush is not None:
             self._flush()
 
-    @property
-    def counts(self) -> tuple[int, int, int]:
-        """(checks, ends, steps) as published."""
-        return self._checks.value, self._ends.value, self._steps.value
-
     def close(self) -> None:
         if os.environ.get(STEPS_ENV) == str(self.path):
             del os.environ[STEPS_ENV]

@@ -160,7 +160,7 @@ static const struct {
     {"cuMemUnmap", &kvguard_mem_unmap},
 };
 
-void *kvguard_wrap_exact(const char *abi_name, void *real) {
+static void *wrap_exact(const char *abi_name, void *real) {
     for (size_t i = 0; i < sizeof(exact) / sizeof(exact[0]); i++)
         if (strcmp(abi_name, exact[i].name) == 0)
             return claim(exact[i].family, real);
@@ -199,7 +199,7 @@ static struct family *family_of(const char *symbol, int version) {
     return NULL;
 }
 
-void *kvguard_wrap(const char *symbol, int cuda_version, void *real) {
+static void *wrap(const char *symbol, int cuda_version, void *real) {
     struct family *f = family_of(symbol, cuda_version);
     return f ? claim(f, real) : NULL;
 }
@@ -210,7 +210,7 @@ void *dlsym(void *handle, const char *name) {
     const void *caller = __builtin_return_address(0);
     void *found = handle == RTLD_NEXT ? next_after(caller, name) : kvguard_real_dlsym(handle, name);
     if (found && name[0] == 'c' && name[1] == 'u' && name[2] >= 'A' && name[2] <= 'Z') {
-        void *wrapper = kvguard_wrap_exact(name, found);
+        void *wrapper = wrap_exact(name, found);
         if (wrapper)
             return wrapper;
     }
@@ -222,7 +222,7 @@ typedef cuda_status (*gpa2_fn)(const char *, void **, int, uint64_t, int *);
 
 static cuda_status answered(const char *symbol, void **pfn, int version, cuda_status status) {
     if (status == 0 && pfn && *pfn && symbol) {
-        void *wrapper = kvguard_wrap(symbol, version, *pfn);
+        void *wrapper = wrap(symbol, version, *pfn);
         if (wrapper)
             *pfn = wrapper;
     }

@@ -31,10 +31,6 @@ uint64_t kvguard_dropped(void);
 // launch or allocation, already counted once.
 extern __thread __attribute__((tls_model("initial-exec"))) int kvguard_in_runtime;
 
-// The launch and memory witnesses' entry points, for the wrappers the resolver hands out.
-void *kvguard_wrap(const char *symbol, int cuda_version, void *real);  // exact ABI name or a cuGetProcAddress one
-void *kvguard_wrap_exact(const char *abi_name, void *real);
-
 // ------------------------------------------------------------------ wrapped entry points
 // A family is one ABI of a driver entry point (cuLaunchKernel and cuLaunchKernel_ptsz share
 // one). Its SLOTS wrappers each call the real function in the same slot: the resolver hands
