@@ -31,6 +31,7 @@ from urllib.parse import unquote
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvguard.agents.bus import BusLink, BusStream, BusUnavailable
 from kvguard.agents.canary import Canary
 from kvguard.agents.door import Door
 from kvguard.agents.engine_watch import watch_engine
@@ -58,8 +59,8 @@ from kvguard.cuda_hooks.shim import (
 from kvguard.cuda_hooks.tcp_stream import WireReport
 from kvguard.cuda_hooks.witness import NullWitness, Witness, open_witness, wire_event
 from kvguard.proto import pb, wire
+from kvguard.proto.bus import BusSettings
 from kvguard.proto.channel import (
-    MAX_BATCH_BYTES,
     MAX_MESSAGE,
     SHIM_STREAM,
     WITNESS_STREAM,
@@ -104,6 +105,8 @@ class NodeAgent:
         max_guards: int = MAX_GUARDS,
         frame_timeout: float = FRAME_TIMEOUT_S,
         canary_interval_s: float = 0.0,
+        bus: BusSettings | None = None,
+        cell: str = "",
     ) -> None:
         self.socket_path = Path(socket_path)
         self.canary_interval_s = canary_interval_s  # 0: no self-test canary (agents/canary.py)
@@ -151,9 +154,14 @@ class NodeAgent:
         self.door = Door(max_guards, self.counters, log.warning)
         self._counters_said: dict[str, int] = {}
         self._channel = channel(daemon, tls)
-        self.reach = DaemonReach(
-            self._channel, daemon, log.warning, self.stopping
-        )  # says if the daemon is down
+        # The bus in place of the daemon's stream, where it is configured (agents/bus.py).
+        self.bus = BusLink(bus, cell, log.warning) if bus is not None else None
+        if self.bus is not None:
+            self.daemon = f"the bus at {','.join(bus.servers)} (cell {cell})"
+        else:
+            self.reach = DaemonReach(
+                self._channel, daemon, log.warning, self.stopping
+            )  # says if the daemon is down
         for path in sorted(self.spool_dir.glob("*.spool")):
             self._spool(unquote(path.stem))  # events of an earlier run go out first
         self.witness: Witness = NullWitness("not asked for")
@@ -419,7 +427,7 @@ class NodeAgent:
     def _never_taken(self, node: str) -> str | None:
         """Why the daemon will never take `node`'s events from this agent (its certificate does
         not name the node); None if it may."""
-        if self.speaks_for is not None and node_of(node) not in self.speaks_for:
+        if self.bus is None and self.speaks_for is not None and node_of(node) not in self.speaks_for:
             names = ", ".join(sorted(self.speaks_for))
             return f"node {node!r} is not named by this agent's certificate (it names {names})"
         return None
@@ -432,11 +440,16 @@ class NodeAgent:
         repeats)."""
         delay = 0.1
         while not self.stopping.is_set():
-            stream = None
+            stream: AgentStream | BusStream | None = None
             try:
                 relay = functools.partial(self._relay, node)  # commands go to the guard as they come
-                stream = AgentStream(self._channel, node, AGENT, on_command=relay, on_ack=spool.wake)
-                self.reach.reachable()  # the hello's ack came back
+                if self.bus is not None:
+                    stream = BusStream(self.bus, node, AGENT, on_command=relay, on_ack=spool.wake)
+                else:
+                    stream = AgentStream(self._channel, node, AGENT, on_command=relay, on_ack=spool.wake)
+                    self.reach.reachable()  # the hello's ack came back
+                # The largest message the other side takes: the daemon's, or the bus servers'.
+                largest = self.bus.max_message() if self.bus is not None else MAX_MESSAGE
                 spool.ack(stream.durable)
                 delay = 0.1
                 in_flight: deque[list[Position]] = deque()  # sent, not acknowledged, oldest first
@@ -463,27 +476,30 @@ class NodeAgent:
                     if full:
                         continue
                     after = in_flight[-1][-1] if in_flight else (0, 0)
-                    batch, bodies = spool.take(self.batch, MAX_BATCH_BYTES, 0.2, after, bool(in_flight))
+                    batch, bodies = spool.take(self.batch, largest // 2, 0.2, after, bool(in_flight))
                     if not batch:
                         continue
-                    if len(batch) == 1 and len(bodies[0]) > MAX_MESSAGE - 64:
+                    if len(batch) == 1 and len(bodies[0]) > largest - 64:
                         if in_flight:  # dropped only at the spool's head: after what is in flight
                             self._acknowledged(node, spool, in_flight.popleft(), stream.next_ack())
                             continue
                         # The daemon would refuse the message, and the agent resend it, forever.
                         log.warning(
                             f"{node} seq {batch[0]} is {len(bodies[0])} bytes, over "
-                            f"the daemon's {MAX_MESSAGE}; dropped"
+                            f"the {largest} a message may be; dropped"
                         )
                         self.counters["oversized"] += 1
                         spool.ack((0, 0), {batch[0]})
                         continue
-                    stream.post(bodies)
+                    stream.post(bodies, batch)
                     in_flight.append(batch)
-            except (grpc.RpcError, DaemonRefused) as exc:
+            except (grpc.RpcError, DaemonRefused, BusUnavailable) as exc:
                 self.counters["reconnects"] += 1
                 detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-                if isinstance(exc, grpc.RpcError) and exc.code() is grpc.StatusCode.UNAVAILABLE:
+                if isinstance(exc, BusUnavailable):
+                    if self.bus is not None and self.bus.reached:  # else the link said it is down, once
+                        log.warning(f"{node}: {detail}; retrying")
+                elif isinstance(exc, grpc.RpcError) and exc.code() is grpc.StatusCode.UNAVAILABLE:
                     self.reach.unreachable(detail)  # said once for the agent, not at every retry
                 else:
                     log.warning(f"daemon {self.daemon} unavailable for {node} ({detail}); retrying")
@@ -545,6 +561,8 @@ class NodeAgent:
         self.say_counters()
         self.witness.close()
         self._channel.close()
+        if self.bus is not None:
+            self.bus.close()
         for spool in self.spools.values():
             spool.close()
 

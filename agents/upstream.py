@@ -189,8 +189,9 @@ class AgentStream:
         self.durable = (ack.durable_epoch, ack.durable_seq)
         return ack
 
-    def post(self, bodies: list[bytes]) -> None:
-        """Send a batch of serialized events without waiting for its ack (see next_ack)."""
+    def post(self, bodies: list[bytes], positions: object = None) -> None:
+        """Send a batch of serialized events without waiting for its ack (see next_ack); their
+        positions are the daemon's to read from them (a bus stream takes them: agents/bus.py)."""
         self._out.put(svc.RawAgentMessage(batch=svc.RawEventBatch(events=bodies)).SerializeToString())
 
     def status(self, status: svc.NodeStatus) -> None:

@@ -19,6 +19,7 @@ from kvguard.cli import (
     agent,
     alerts,
     audit,
+    bus,
     certs,
     completion,
     config,
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         audit,
         alerts,
         fleet,
+        bus,
         top,
         rules,
         certs,
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line `argv` (default: sys.argv[1:]) and return its exit code."""
+    from kvguard.proto.bus import BusError
     from kvguard.proto.channel import TlsError
 
     parser = build_parser()
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         code = int(args.func(args))
         sys.stdout.flush()  # here, not at exit: a reader gone is caught below
         return code
-    except TlsError as exc:  # unusable --tls-* options, from any command that takes them
+    except (TlsError, BusError) as exc:  # unusable --tls-* or --bus options, from any command that takes them
         print(f"kvguard {args.command}: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:

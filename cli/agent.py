@@ -16,10 +16,12 @@ import argparse
 from kvguard.cli.options import (
     AGENT_SOCKET,
     Subcommands,
+    add_bus_arguments,
     add_command,
     add_daemon_argument,
     add_log_arguments,
     add_tls_arguments,
+    bus_from_args,
     positive_count,
     power_of_two,
     seconds,
@@ -49,6 +51,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     configure_logs(args.log_level, args.log_format)
     notifier = Notifier(component="agent")  # systemd's, when it started the agent (Type=notify)
     tls = tls_from_args(args)
+    bus = bus_from_args(args)
     agent = NodeAgent(
         args.socket,
         args.daemon,
@@ -60,6 +63,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         max_guards=args.max_guards,
         frame_timeout=args.frame_timeout,
         canary_interval_s=args.canary_interval,
+        bus=bus,
+        cell=args.cell,
     )
     for spec in args.probe or []:
         parts = spec.split(":", 3)
@@ -95,9 +100,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
         log.info(f"metrics on {metrics.url}")
     thread = threading.Thread(target=agent.serve, daemon=True)
     thread.start()
-    log.info(f"guards connect to {args.socket}; daemon {args.daemon}; spool {args.spool}")
+    log.info(f"guards connect to {args.socket}; events to {agent.daemon}; spool {args.spool}")
     print("READY", flush=True)
-    status = f"guards connect to {args.socket}; daemon {args.daemon}"
+    status = f"guards connect to {args.socket}; events to {agent.daemon}"
     notifier.ready(status)
     watchdog = None
     if notifier.watchdog_s is not None:  # WatchdogSec=: pinged only while the accept loop goes round
@@ -194,6 +199,7 @@ def add_parser(sub: Subcommands) -> None:
         "NODE/ebpf's dropped",
     )
     add_tls_arguments(p)
+    add_bus_arguments(p, cell=True)
     add_log_arguments(p)
     p.add_argument(
         "--metrics-listen",

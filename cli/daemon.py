@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING
 
 from kvguard.cli.options import (
     Subcommands,
+    add_bus_arguments,
     add_command,
     add_log_arguments,
     add_tls_arguments,
+    bus_from_args,
     byte_count,
     events_count,
     listen_address,
@@ -61,6 +63,12 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     # systemctl reload (ExecReload): one that comes while the daemon starts waits for READY.
     signals = Signals(signal.SIGHUP)
     tls = tls_from_args(args)
+    bus = bus_from_args(args)
+    if bus is not None and not args.store.startswith("postgresql"):
+        log.error(
+            f"--bus: the daemons on the bus share one PostgreSQL audit store; --store {args.store} is not one"
+        )
+        return 2
     try:  # before anything is opened: a listener that must not serve stops the start
         warning = check_listener(args.listen, tls=tls is not None, insecure=args.insecure)
     except ListenerError as exc:
@@ -110,6 +118,14 @@ def cmd_daemon(args: argparse.Namespace) -> int:
                 )
             store.seal()
         store.write_key()  # a sealed store is written only with its key: say so now, not at the first batch
+        if bus is not None and store.head_file is not None and not Path(store.head_file).exists():
+            # A daemon new to a store the fleet's daemons share: its head starts from the end as
+            # it stands (each daemon's head proves the end up to its own last commit).
+            log.info(f"audit store {store.shown}: shared on the bus; this daemon's head starts at its end")
+            try:
+                store.adopt_head()
+            except OSError as exc:
+                raise StoreError(f"audit head file {store.head_file} cannot be written: {exc.strerror}") from None
         # A store that lost records from its end (or its head) is not written to: the next
         # commit's head would cover the loss up.
         complete = store.completeness()
@@ -134,7 +150,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
             mode=args.mode,
             writer=writer,
             clock_skew_ns=skew,
-            snapshot_every=args.snapshot_every,
+            # On the bus the daemon holds the cells it leases, rebuilt as it takes them.
+            snapshot_every=0 if bus is not None else args.snapshot_every,
+            rebuild=bus is None,
             store_reserve=args.store_reserve,
             limits=Limits(
                 pages_per_pool=args.max_pages_per_pool,
@@ -160,6 +178,25 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         log.error(str(exc))
         return 2
     port = server.port
+    intake = None
+    if bus is not None:
+        import socket
+
+        from kvguard.daemon.bus import BusIntake
+
+        intake = BusIntake(
+            daemon, bus, args.bus_name or f"{socket.gethostname()}-{port}", lease_s=args.bus_lease
+        )
+        try:
+            intake.start()
+        except Exception as exc:  # the bus down, refused, or misconfigured: said, not served without it
+            server.stop(grace=0)
+            daemon.close()
+            writer.close()
+            store.close()
+            log.error(f"--bus {args.bus}: {type(exc).__name__} {exc}".rstrip())
+            return 2
+        log.info(f"on the bus {args.bus} as daemon {intake.name} of cluster {bus.cluster}")
     metrics = None
     if args.metrics_listen:
         from kvguard.daemon.metrics import DaemonCollector
@@ -200,14 +237,17 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     notifier.stopping("stopping: committing what was received, then saving a ledger snapshot")
     if metrics is not None:
         metrics.stop()
+    if intake is not None:  # its cells given back once what was taken of them is stored
+        intake.close()
     server.stop(grace=2)
     daemon.close()  # what was received is applied and submitted before the writer finishes
     if watchdog is not None:
         watchdog.stop()
     writer.close()
-    # The next start loads this and replays only what comes after it.
-    through = daemon.save_snapshot()
-    log.info(f"ledger snapshot saved after record {through}")
+    if intake is None:
+        # The next start loads this and replays only what comes after it.
+        through = daemon.save_snapshot()
+        log.info(f"ledger snapshot saved after record {through}")
     store.close()
     notifier.close()
     signals.close()
@@ -351,6 +391,16 @@ def add_parser(sub: Subcommands) -> None:
         limits.add_argument(
             flag, type=positive_count, default=default, metavar="N", help=f"{what} (default %(default)s)"
         )
+    bus = add_bus_arguments(p, cell=False)
+    bus.add_argument("--bus-name", default="", help="this daemon's name on the bus (default: host-port)")
+    bus.add_argument(
+        "--bus-lease",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long a cell stays this daemon's after it last renewed its lease: a lost daemon's cells "
+        "move after this",
+    )
     add_tls_arguments(p).add_argument(
         "--tls-crl",
         metavar="PEM",

@@ -258,3 +258,54 @@ def tls_from_args(args: argparse.Namespace) -> Tls | None:
     """The parsed TLS options as a Tls, or None for plaintext; a TlsError names what is missing
     or unreadable (`kvguard` exits 2 on it)."""
     return Tls.load(args.tls_ca, args.tls_cert, args.tls_key)
+
+
+# ------------------------------------------------------------------------------------ the bus
+
+
+def add_bus_arguments(parser: argparse.ArgumentParser, *, cell: bool) -> argparse._ArgumentGroup:
+    """--bus and its settings (proto/bus.py); `cell`: the agent's --cell too."""
+    group = parser.add_argument_group(
+        "the bus (NATS JetStream, past one daemon: docs/operator.md); without --bus, gRPC to one daemon"
+    )
+    group.add_argument(
+        "--bus",
+        metavar="URL[,URL...]",
+        help="the JetStream cluster's servers, nats://host:port, comma-separated",
+    )
+    group.add_argument("--bus-cluster", default="kvguard", help="the kvguard cluster's name on the bus")
+    group.add_argument(
+        "--bus-user", default="", help="this side's bus user (`kvguard bus config` makes them)"
+    )
+    group.add_argument("--bus-password-file", metavar="FILE", help="the file holding the bus user's password")
+    if cell:
+        group.add_argument(
+            "--cell",
+            default="",
+            help="the prefill/decode cell of this host's nodes: the nodes that exchange KV, with any "
+            "external KV tier they share (A-Z a-z 0-9 _ -; needed with --bus)",
+        )
+    return group
+
+
+def bus_from_args(args: argparse.Namespace) -> Any:
+    """The parsed bus options as a BusSettings, or None without --bus; a BusError names what is
+    wrong (`kvguard` exits 2 on it)."""
+    from pathlib import Path
+
+    from kvguard.proto.bus import BusError, BusSettings, check_cell
+
+    if not args.bus:
+        if getattr(args, "cell", ""):
+            raise BusError("--cell is the node's cell on the bus: it needs --bus")
+        return None
+    if hasattr(args, "cell"):
+        if not args.cell:
+            raise BusError("--bus needs --cell: the prefill/decode cell this host's nodes belong to")
+        check_cell(args.cell)
+    return BusSettings(
+        servers=[s.strip() for s in args.bus.split(",") if s.strip()],
+        cluster=args.bus_cluster,
+        user=args.bus_user,
+        password_file=Path(args.bus_password_file) if args.bus_password_file else None,
+    )

@@ -23,7 +23,7 @@ import gc
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +43,7 @@ from kvguard.daemon.store import Store
 from kvguard.daemon.writer import InlineWriter, Writer
 from kvguard.ledger import CLOCK_SKEW_NS, Finding, Ledger, snapshot
 from kvguard.ledger.limits import UNBOUNDED, Limits
+from kvguard.proto import wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.logs import logger
 from kvguard.ruleset import Rule, Ruleset, RulesetError, load_ruleset
@@ -110,31 +111,23 @@ class Daemon:
         snapshot_every: int = SNAPSHOT_EVERY,
         store_reserve: int = RESERVE,
         limits: Limits | None = None,
+        rebuild: bool = True,
     ) -> None:
         self.counters: Counter[str] = Counter()
         self.commands = Commands(mode, store.count("command"), self.counters)  # checks the mode first
         self.store = store
         self.ruleset = ruleset if ruleset is not None else load_ruleset()
         # What was applied once is applied again whatever the limits are now; they bound what comes next.
-        self.ledger, through = restored(store, Ledger(clock_skew_ns=clock_skew_ns, limits=UNBOUNDED))
-        self.ledger.limits = UNBOUNDED
-        rebuilt = 0
+        # A daemon on the bus (`rebuild` False) starts empty: it rebuilds each cell it takes (adopt).
+        self.ledger, through = (
+            restored(store, Ledger(clock_skew_ns=clock_skew_ns, limits=UNBOUNDED))
+            if rebuild
+            else (Ledger(clock_skew_ns=clock_skew_ns), store.last_id())
+        )
         self.seen = Seen()  # the last events of each node, to tell a repeat from a tampered copy
-        for node, batch, skip in store.event_batches(after=through):
-            # Verdicts are already stored; this rebuilds the state. An event the ledger refuses
-            # now (a store edited, or written by another version) is said and skipped, so
-            # that one stored event cannot stop every start.
-            for i, exc in self.ledger.replay(batch, node, skip):
-                self.counters["replay_refused"] += 1
-                if self.counters["replay_refused"] <= REPLAY_REFUSALS_SAID:
-                    epoch, seq = batch.position(i)
-                    log.warning(
-                        f"stored event seq {seq} (epoch {epoch}) of node {node} cannot be "
-                        f"applied again ({exc}); skipped: see `kvguard audit verify`"
-                    )
-            self.seen.record(node, batch, skip, len(batch))
-            rebuilt += len(batch) - skip
-        self.ledger.limits = limits if limits is not None else Limits()
+        self.limits = limits if limits is not None else Limits()
+        rebuilt = self._replay(store.event_batches(after=through)) if rebuild else 0
+        self.ledger.limits = self.limits
         self.counters["rebuilt_events"] = rebuilt
         self.counters["snapshot_through"] = through
         self.latencies = Latencies()  # receipt of a batch to its verdicts, alerts and ack
@@ -175,6 +168,48 @@ class Daemon:
             store.space, store.engine.url.render_as_string(hide_password=True), store_reserve
         )
         self.heartbeat_at = time.monotonic()  # the loop's last turn of its heartbeat (start_heartbeat)
+
+    def _replay(self, batches: Iterable[tuple[str, wire.Batch, int]]) -> int:
+        """Apply stored events again, judging none (their verdicts are stored already): the
+        state they left, rebuilt; returns how many. An event the ledger refuses now (a store
+        edited, or written by another version) is said and skipped, so that one stored event
+        cannot stop every start."""
+        rebuilt = 0
+        self.ledger.limits = UNBOUNDED  # what was applied once is applied again
+        try:
+            for node, batch, skip in batches:
+                for i, exc in self.ledger.replay(batch, node, skip):
+                    if exc.kind == "repeat":  # a cell taken again holds what it held before
+                        self.counters["replay_known"] += 1
+                        continue
+                    self.counters["replay_refused"] += 1
+                    if self.counters["replay_refused"] <= REPLAY_REFUSALS_SAID:
+                        epoch, seq = batch.position(i)
+                        log.warning(
+                            f"stored event seq {seq} (epoch {epoch}) of node {node} cannot be "
+                            f"applied again ({exc}); skipped: see `kvguard audit verify`"
+                        )
+                self.seen.record(node, batch, skip, len(batch))
+                rebuilt += len(batch) - skip
+        finally:
+            self.ledger.limits = self.limits
+        return rebuilt
+
+    async def adopt(self, nodes: Collection[str]) -> int:
+        """Take over `nodes` (a cell's, on the bus): their stored events applied again, as
+        another daemon applied them, so that what comes next is judged on their state and
+        what is stored already is a repeat (on the loop; the store is read off it). Returns
+        how many events were applied."""
+        loop = asyncio.get_running_loop()
+        stored = await loop.run_in_executor(None, lambda: list(self.store.event_batches(nodes=nodes)))
+        with self.pipeline.lock:
+            rebuilt = self._replay(stored)
+            for name in nodes:
+                node = self.ledger.nodes.get(name)
+                if node is not None:
+                    self.pipeline.durable[name] = (node.epoch, node.durable_seq)
+        self.counters["adopted_events"] += rebuilt
+        return rebuilt
 
     def start_heartbeat(self, every: float) -> None:
         """Let the loop note the time at least every `every` seconds, in `heartbeat_at`: what

@@ -38,6 +38,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         callspec = getattr(item, "callspec", None)
         if callspec is not None and callspec.params.get("store_url") == "postgresql":
             item.add_marker(pytest.mark.postgres)
+        if "pg_store_url" in names or "pg_databases" in names:
+            item.add_marker(pytest.mark.postgres)
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +67,31 @@ def store_url(
     if request.param == "sqlite":
         yield str(tmp_path / "audit.db")  # its head beside it
         return
+    yield from _pg_database(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def pg_store_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A fresh PostgreSQL database (what several daemons on the bus share)."""
+    yield from _pg_database(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def pg_databases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], str]]:
+    """`new()` -> a fresh PostgreSQL database's URL, as many as a test needs (dropped after it)."""
+    made: list[Iterator[str]] = []
+
+    def new() -> str:
+        made.append(_pg_database(tmp_path, monkeypatch))
+        return next(made[-1])
+
+    yield new
+    for database in made:
+        for _ in database:  # its teardown
+            pass
+
+
+def _pg_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     # The chain's head of a PostgreSQL store lies in the daemon's state directory (the
     # test's, for the daemons it starts too, and the Stores it opens).
     monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path))

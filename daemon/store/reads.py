@@ -11,7 +11,7 @@ those indexed for it (`req`, `named`) and the steps naming it within its span on
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any, NamedTuple
 
 from google.protobuf.message import DecodeError
@@ -48,7 +48,7 @@ def events(engine: Engine, after: int = 0) -> Iterator[pb.Event]:
 
 
 def event_batches(
-    engine: Engine, after: int = 0, until: int | None = None
+    engine: Engine, after: int = 0, until: int | None = None, nodes: Collection[str] | None = None
 ) -> Iterator[tuple[str, wire.Batch, int]]:
     """The stored events after id `after`, in the order they were applied, as their bytes:
     (node, its events, how many of them come before `after`) per record, a run's together
@@ -60,6 +60,8 @@ def event_batches(
         query = query.where(c.id >= holding(conn, after + 1))
         if until is not None:  # a record's end: the records that start up to it end there too
             query = query.where(c.id <= until)
+        if nodes is not None:
+            query = query.where(c.node.in_(list(nodes)))
         with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
             for record_id, kind, node, body in result:
                 if type(body) is not bytes or type(node) is not str or type(kind) is not str:

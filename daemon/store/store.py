@@ -3,12 +3,14 @@ in one hash chain, in SQLite (WAL, a file: the default) or PostgreSQL (any SQLAl
 
 Invariants: records are only ever inserted; every event, finding and command has an id, 1, 2,
 3, ... without gaps; each record's hash covers its id, every column and the previous record's
-(chain.py), so `verify()` proves that nothing was altered, removed or reordered; one store has
-one writer (the daemon's writer process), which owns the chain and its last hash, and writes
+(chain.py), so `verify()` proves that nothing was altered, removed or reordered; a SQLite store
+has one writer (the daemon's writer process), which owns the chain and its last hash; a
+PostgreSQL store may have several (the daemons of a fleet on the bus), which take turns at the
+chain's end under one transaction-scoped lock, each reading the end afresh. Each writer writes
 the chain's head outside the database after each commit (head.py), so that `completeness()`
-proves that nothing was removed from its end either; a store sealed with an audit key is
-appended to only with that key. Snapshots are kept bound to the chain, the newest
-SNAPSHOTS_KEPT, their bodies in parts (snapshot_rows.py).
+proves that nothing was removed from its end either, up to what that writer last wrote; a
+store sealed with an audit key is appended to only with that key. Snapshots are kept bound to
+the chain, the newest SNAPSHOTS_KEPT, their bodies in parts (snapshot_rows.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import hmac
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,7 @@ from kvguard.proto.logs import logger
 log = logger("store")
 
 WAL_RESTART_S = 1.0  # how often the writer lets SQLite start its WAL over (restart_wal)
+CHAIN_LOCK = 0x6B7667_636861696E  # PostgreSQL advisory lock: the chain's end, one writer at a time
 
 
 class StoreError(RuntimeError):
@@ -136,6 +139,7 @@ class Store:
             cursor = self._raw.cursor()
             cursor.execute("PRAGMA wal_autocheckpoint=0")
             cursor.close()
+        self._shared = not sqlite  # writers take turns at the chain's end (see the module's invariants)
         mark = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
         names = ("id", *COLUMNS, "body", "prev_hash", "hash")
         self._insert = f"INSERT INTO records ({', '.join(names)}) VALUES ({', '.join([mark] * len(names))})"
@@ -222,20 +226,40 @@ class Store:
             return []
         mac = self.write_key()
         with self._lock:
-            prev, record_id = self._last_hash, self._next_id
-            values = []
-            also = []
-            for row in rows:
-                kind, node, seq, ts_ns, body, req, tenant, victim_tenant, finding, severity, others, ids = row
-                columns = (kind, node, seq, ts_ns, req, tenant, victim_tenant, finding, severity)
-                digest = chain(prev, record_id, columns, body, mac)
-                values.append((record_id, *columns, body, prev, digest))
-                prev = digest
-                if others:
-                    also += [(record_id, other) for other in others]
-                record_id += ids
             try:
                 cursor = self._raw.cursor()
+                if self._shared:  # another daemon may have appended: its end, under the lock
+                    cursor.execute("SELECT pg_advisory_xact_lock(%s)", (CHAIN_LOCK,))
+                    cursor.execute("SELECT id, kind, body, hash FROM records ORDER BY id DESC LIMIT 1")
+                    end = cursor.fetchone()
+                    if end is not None:
+                        self._next_id = end[0] + run_ids(end[1], bytes(end[2]))
+                        self._last_hash = bytes(end[3])
+                prev, record_id = self._last_hash, self._next_id
+                values = []
+                also = []
+                for row in rows:
+                    (
+                        kind,
+                        node,
+                        seq,
+                        ts_ns,
+                        body,
+                        req,
+                        tenant,
+                        victim_tenant,
+                        finding,
+                        severity,
+                        others,
+                        ids,
+                    ) = row
+                    columns = (kind, node, seq, ts_ns, req, tenant, victim_tenant, finding, severity)
+                    digest = chain(prev, record_id, columns, body, mac)
+                    values.append((record_id, *columns, body, prev, digest))
+                    prev = digest
+                    if others:
+                        also += [(record_id, other) for other in others]
+                    record_id += ids
                 cursor.executemany(self._insert, values)
                 if also:
                     cursor.executemany(self._insert_named, also)
@@ -401,13 +425,13 @@ class Store:
         return reads.events(self.engine, after)
 
     def event_batches(
-        self, after: int = 0, until: int | None = None
+        self, after: int = 0, until: int | None = None, nodes: Collection[str] | None = None
     ) -> Iterator[tuple[str, wire.Batch, int]]:
-        """The stored events after id `after` (and, `until` a record's end, up to it), in the
-        order they were applied, as their bytes: (node, its events, how many of them come
-        before `after`) per record, a run's together (the daemon rebuilds its ledger from them
-        at start, applying them as it applied them live)."""
-        return reads.event_batches(self.engine, after, until)
+        """The stored events after id `after` (and, `until` a record's end, up to it; only
+        those of `nodes`, if given), in the order they were applied, as their bytes: (node,
+        its events, how many of them come before `after`) per record, a run's together (the
+        daemon rebuilds its ledger from them at start, applying them as it applied them live)."""
+        return reads.event_batches(self.engine, after, until, nodes)
 
     def last_id(self) -> int:
         """The id the store ends at now (0: empty): always the end of a committed group."""

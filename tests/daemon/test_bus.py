@@ -1,0 +1,211 @@
+"""Past one daemon, for real: a 3-server NATS JetStream cluster, daemons as processes on one
+PostgreSQL audit store, a simulated fleet of 256 nodes in 64 prefill/decode cells published
+as its agents publish. The fleet is judged alike by 1, 2 and 4 daemons and by one ledger on
+the same events; a daemon and a NATS server killed mid-run lose nothing and double nothing;
+a cell that moves between a transfer's two ends is judged once."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from agent_helpers import wait_for
+from bus_cluster import NatsCluster
+from daemon_helpers import stored_findings
+
+from kvguard.cli.process import Service, start_daemon
+from kvguard.daemon.store import Store
+from kvguard.ledger import Ledger
+from kvguard.proto import bus, pb
+from kvguard.ruleset import load_ruleset
+from kvguard.testbed.fleet import Fleet, fleet, publish
+
+LEASE = "2"  # seconds: a lost daemon's cells move this soon
+
+
+@pytest.fixture
+def nats(tmp_path: Path) -> Iterator[NatsCluster]:
+    cluster = NatsCluster(tmp_path / "nats", "t", {"host-a": ["d0", "p0"]})
+    yield cluster
+    cluster.stop()
+
+
+def daemons(nats: NatsCluster, store: str, n: int, tmp: Path, first: int = 0) -> list[Service]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    return [
+        start_daemon(
+            store,
+            0,
+            *nats.args(),
+            "--bus-lease",
+            LEASE,
+            "--bus-name",
+            f"daemon-{i}",
+            "--audit-head",
+            str(tmp / f"head-{i}"),
+            quiet=True,
+        )
+        for i in range(first, first + n)
+    ]
+
+
+def stored_events(store: str) -> Counter[tuple[str, int, int]]:
+    """Each stored event's (node, epoch, seq), with how often it is stored."""
+    s = Store(store)
+    try:
+        events = [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")]
+    finally:
+        s.close()
+    return Counter((e.node, e.epoch, e.seq) for e in events)
+
+
+def verdicts(findings: list[pb.Finding] | list) -> Counter[tuple[str, str, str, str]]:
+    return Counter((f.finding, f.rule, f.node, f.req) for f in findings)
+
+
+def one_ledger(f: Fleet) -> Counter[tuple[str, str, str, str]]:
+    """The verdicts of one ledger on the fleet's events, in the stream's order."""
+    ledger, rules, found = Ledger(), load_ruleset(), []
+    for _, events in f.batches:
+        for event in events:
+            for finding in ledger.apply(event):
+                judged = rules.evaluate(finding)
+                if judged is not None:
+                    found.append(judged)
+    return verdicts(found)
+
+
+def all_stored(store: str, f: Fleet, timeout: float = 120) -> Counter[tuple[str, int, int]]:
+    assert wait_for(lambda: sum(stored_events(store).values()) >= f.events, timeout=timeout), (
+        f"{sum(stored_events(store).values())} of {f.events} events stored"
+    )
+    time.sleep(0.5)  # anything stored twice would show by now
+    return stored_events(store)
+
+
+def start_over(nats: NatsCluster) -> None:
+    """The next run's daemons find the stream as published, read by nobody yet."""
+
+    async def clear() -> None:
+        nc = await nats.settings().connect("kvguard-test")
+        js = nc.jetstream()
+        for info in await js.consumers_info(bus.stream_name(nats.cluster)):
+            await js.delete_consumer(bus.stream_name(nats.cluster), info.name)
+        await js.delete_key_value(bus.bucket_name(nats.cluster))
+        await nc.close()
+
+    asyncio.run(clear())
+
+
+def test_the_fleet_is_judged_alike_by_one_two_and_four_daemons(
+    nats: NatsCluster, pg_databases: Callable[[], str], tmp_path: Path
+) -> None:
+    f = fleet(64, ticks=14, length=4, fault_every=5)  # 256 nodes in 64 cells
+    expected = one_ledger(f)
+    assert sum(n for (kind, *_), n in expected.items() if kind == "transfer_mismatch") == len(f.planted) > 0
+    for n in (1, 2, 4):
+        store = pg_databases()
+        running = daemons(nats, store, n, tmp_path / f"run-{n}")
+        if n == 1:  # the first daemon makes the stream; its agents publish to it
+            publish(f, nats.settings())
+        try:
+            events = all_stored(store, f)
+            assert len(events) == f.events and set(events.values()) == {1}, f"{n} daemon(s): lost or doubled"
+            assert verdicts(stored_findings(store)) == expected, f"{n} daemon(s) judged otherwise"
+        finally:
+            for d in running:
+                d.stop()
+        start_over(nats)
+
+
+def test_a_daemon_and_a_nats_server_killed_mid_run_lose_and_double_nothing(
+    nats: NatsCluster, pg_store_url: str, tmp_path: Path
+) -> None:
+    f = fleet(32, ticks=30, length=4, fault_every=5)
+    expected = one_ledger(f)
+    running = daemons(nats, pg_store_url, 2, tmp_path)
+    publisher = threading.Thread(target=publish, args=(f, nats.settings()))
+    publisher.start()
+    try:
+        assert wait_for(lambda: sum(stored_events(pg_store_url).values()) > f.events // 4, timeout=60)
+        running[0].kill()  # SIGKILL: its cells move to the other once their leases lapse
+        nats.kill(1)  # and one of the three servers: the stream has two replicas left
+        assert wait_for(lambda: sum(stored_events(pg_store_url).values()) > f.events // 2, timeout=60)
+        nats.start(1)
+        publisher.join(120)
+        events = all_stored(pg_store_url, f)
+        assert len(events) == f.events and set(events.values()) == {1}, "lost or doubled"
+        assert verdicts(stored_findings(pg_store_url)) == expected
+    finally:
+        publisher.join(120)
+        for d in running[1:]:
+            d.stop()
+
+
+def test_a_cell_moved_between_a_transfers_two_ends_is_judged_once(
+    nats: NatsCluster, pg_store_url: str, tmp_path: Path
+) -> None:
+    """The short transfer of the incident: daemon A stores the sender's side and dies; daemon B
+    takes the cell, rebuilds it from the store, and judges the receiver's side against it:
+    one transfer_mismatch, one kill to the decode node, nothing of A's judged again."""
+    whole = fleet(1, decodes=1, ticks=12, length=3, fault_every=2)
+    nodes = [(node, events) for node, events in whole.batches]
+    cut = next(  # just after the planted request's send, before its receipt
+        i
+        for i, (node, events) in enumerate(nodes)
+        if any(e.HasField("xfer_send") and e.xfer_send.req == whole.planted[0] for e in events)
+    )
+    first, rest = Fleet(whole.cells, nodes[: cut + 1]), Fleet(whole.cells, nodes[cut + 1 :])
+    [a] = daemons(nats, pg_store_url, 1, tmp_path)
+    commands: list[bytes] = []
+
+    async def listen(stop: threading.Event) -> None:
+        nc = await nats.settings().connect("kvguard-test-commands")
+        decode = whole.cells["cell000"][1]
+
+        async def heard(msg) -> None:  # type: ignore[no-untyped-def]
+            commands.append(msg.data)
+
+        await nc.subscribe(bus.command_subject(nats.cluster, decode), cb=heard)
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        await nc.close()
+
+    stop = threading.Event()
+    listener = threading.Thread(target=asyncio.run, args=(listen(stop),))
+    listener.start()
+    b = None
+    try:
+        publish(first, nats.settings())
+        all_stored(pg_store_url, first)
+        before = verdicts(stored_findings(pg_store_url))
+        a.kill()
+        [b] = daemons(nats, pg_store_url, 1, tmp_path, first=1)
+        publish(rest, nats.settings())
+        events = all_stored(pg_store_url, whole, timeout=60)
+        assert set(events.values()) == {1}
+        after = verdicts(stored_findings(pg_store_url))
+        assert after == one_ledger(whole)
+        [mismatch] = [k for k in after if k[0] == "transfer_mismatch" and k[3] == whole.planted[0]]
+        assert before[mismatch] == 0 and after[mismatch] == 1  # judged by B, once
+        assert all(after[k] == n for k, n in before.items())  # A's verdicts stand, none again
+        kills = [
+            c for c in map(pb_command, commands) if c.HasField("kill") and c.kill.req == whole.planted[0]
+        ]
+        assert kills and {k.kill.finding for k in kills} >= {"transfer_mismatch"}
+    finally:
+        stop.set()
+        listener.join(10)
+        if b is not None:
+            b.stop()
+
+
+def pb_command(data: bytes):  # type: ignore[no-untyped-def]
+    from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+    return svc.Command.FromString(data)
