@@ -97,6 +97,8 @@ class BusIntake:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._tasks: set[asyncio.Future[Any]] = set()  # acks and publishes under way
+        self.seen: dict[str, tuple[str, set[str]]] = {}  # every cell: its daemon, its sources (last turn)
+        daemon.bus = self  # its fleet state says the cells (fill)
 
     # ------------------------------------------------------------------ start, stop
 
@@ -160,7 +162,7 @@ class BusIntake:
         with contextlib.suppress(Exception):
             await self._kv.delete(f"daemon.{self.name}")
         with contextlib.suppress(Exception):
-            await self._nc.drain()
+            await self._nc.close()  # nothing is pending: every cell was given back
 
     # ------------------------------------------------------------------ leases
 
@@ -198,12 +200,15 @@ class BusIntake:
         keys = await self._keys()
         alive = max(1, sum(1 for k in keys if k.startswith("daemon.")))
         leased = {k.removeprefix("cell.") for k in keys if k.startswith("cell.")}
+        await self._look(cells, leased)
         share = math.ceil(len(cells) / alive)
-        staying = [c for c in self.cells.values() if not c.leaving]
-        if len(staying) > share:  # one a turn, so that the cells spread without churn
-            spare = max(staying, key=lambda c: _rank(c.name, self.name))
-            spare.leaving = True
-            self._spawn(self._give_back(spare))
+        staying = sorted(
+            (c for c in self.cells.values() if not c.leaving), key=lambda c: _rank(c.name, self.name)
+        )
+        if len(staying) > share:  # a daemon joined: what is over the share goes, as it ranks last here
+            for spare in staying[share:]:
+                spare.leaving = True
+                self._spawn(self._give_back(spare))
             return
         for name in sorted(cells.keys() - self.cells.keys() - leased, key=lambda c: _rank(c, self.name)):
             if len(staying) >= share:
@@ -215,6 +220,25 @@ class BusIntake:
             cell = self.cells[name] = Cell(name, revision, time.monotonic())
             staying.append(cell)
             self._spawn(self._take(cell, cells[name]))  # off the turn: renewals go on meanwhile
+
+    async def _look(self, cells: dict[str, set[str]], leased: set[str]) -> None:
+        """Note every cell's daemon (for the fleet's view: `kvguard fleet`)."""
+        seen = {}
+        for cell, sources in cells.items():
+            owner = ""
+            if cell in self.cells:
+                owner = self.name
+            elif cell in leased:
+                with contextlib.suppress(Exception):  # it lapsed meanwhile
+                    owner = (await self._kv.get(bus.lease_key(cell))).value.decode()
+            seen[cell] = (owner, sources)
+        self.seen = seen
+
+    def fill(self, state: svc.FleetState) -> None:
+        """This daemon's name and the cells as last seen, into a fleet state (any thread)."""
+        state.daemon = self.name
+        for cell, (owner, sources) in sorted(self.seen.items()):
+            state.cells.add(cell=cell, daemon=owner, sources=sorted(sources))
 
     async def _keys(self) -> list[str]:
         from nats.js.errors import NoKeysError

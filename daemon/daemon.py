@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kvguard.daemon.commands import Commands, Reply
 from kvguard.daemon.control import Control
@@ -47,6 +47,9 @@ from kvguard.proto import wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.logs import logger
 from kvguard.ruleset import Rule, Ruleset, RulesetError, load_ruleset
+
+if TYPE_CHECKING:
+    from kvguard.daemon.bus import BusIntake
 
 log = logger("daemon")
 
@@ -168,6 +171,7 @@ class Daemon:
             store.space, store.engine.url.render_as_string(hide_password=True), store_reserve
         )
         self.heartbeat_at = time.monotonic()  # the loop's last turn of its heartbeat (start_heartbeat)
+        self.bus: BusIntake | None = None  # its intake on the bus, if it is on one (daemon/bus.py)
 
     def _replay(self, batches: Iterable[tuple[str, wire.Batch, int]]) -> int:
         """Apply stored events again, judging none (their verdicts are stored already): the
@@ -350,6 +354,8 @@ class Daemon:
                 state.judged.add(kind=kind, rule=rule_id, severity=severity, count=n)
             for name, n in self.counters.items():
                 state.counters[name] = n
+            if self.bus is not None:
+                self.bus.fill(state)
             # What the ledger could not see or judge, and what it retired and forgot.
             for name, n in ledger.stats.totals().items():
                 state.counters[f"ledger_{name}"] = n

@@ -16,10 +16,11 @@ the same bytes.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvguard.agents.bus import BusLink, BusStream
+from kvguard.agents.bus import BusLink, BusStream, BusUnavailable
 from kvguard.proto import pb
 from kvguard.proto.bus import BusSettings
 
@@ -168,18 +169,33 @@ def fleet(
     return out
 
 
-def publish(fleet: Fleet, settings: BusSettings) -> None:
+def publish(fleet: Fleet, settings: BusSettings, give_up_s: float = 60.0) -> None:
     """Publish the fleet's batches to the bus in their order, each once stored before the next
-    (so that the stream holds them in that order), as their nodes' agents would (agents/bus.py)."""
+    (so that the stream holds them in that order), as their nodes' agents would (agents/bus.py):
+    a batch in doubt (the bus lost a server, a PubAck did not come) is sent again on a new
+    stream, which knows whether the bus holds it already."""
     link = BusLink(settings, "unset", lambda text: None)
     streams: dict[str, BusStream] = {}
     try:
         for node, events in fleet.batches:
-            stream = streams.get(node)
-            if stream is None:
-                stream = streams[node] = BusStream(link, node, cell=fleet.cell_of(node))
-            stream.post([e.SerializeToString() for e in events], [(e.epoch, e.seq) for e in events])
-            stream.next_ack()
+            positions = [(e.epoch, e.seq) for e in events]
+            deadline = time.monotonic() + give_up_s
+            while True:
+                try:
+                    stream = streams.get(node)
+                    if stream is None:
+                        stream = streams[node] = BusStream(link, node, cell=fleet.cell_of(node))
+                    if stream.durable < positions[-1]:
+                        stream.post([e.SerializeToString() for e in events], positions)
+                        stream.next_ack()
+                    break
+                except BusUnavailable:
+                    if time.monotonic() > deadline:
+                        raise
+                    gone = streams.pop(node, None)
+                    if gone is not None:
+                        gone.close()
+                    time.sleep(0.2)
     finally:
         for stream in streams.values():
             stream.close()

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from agent_helpers import wait_for
 from bus_cluster import NatsCluster
@@ -22,6 +23,8 @@ from kvguard.cli.process import Service, start_daemon
 from kvguard.daemon.store import Store
 from kvguard.ledger import Ledger
 from kvguard.proto import bus, pb
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 from kvguard.ruleset import load_ruleset
 from kvguard.testbed.fleet import Fleet, fleet, publish
 
@@ -35,13 +38,15 @@ def nats(tmp_path: Path) -> Iterator[NatsCluster]:
     cluster.stop()
 
 
-def daemons(nats: NatsCluster, store: str, n: int, tmp: Path, first: int = 0) -> list[Service]:
+def daemons(
+    nats: NatsCluster, store: str, n: int, tmp: Path, first: int = 0, cluster: str = ""
+) -> list[Service]:
     tmp.mkdir(parents=True, exist_ok=True)
     return [
         start_daemon(
             store,
             0,
-            *nats.args(),
+            *nats.args(cluster=cluster),
             "--bus-lease",
             LEASE,
             "--bus-name",
@@ -80,26 +85,41 @@ def one_ledger(f: Fleet) -> Counter[tuple[str, str, str, str]]:
     return verdicts(found)
 
 
+def stored_count(store: str) -> int:
+    s = Store(store)
+    try:
+        return s.count("event")
+    finally:
+        s.close()
+
+
 def all_stored(store: str, f: Fleet, timeout: float = 120) -> Counter[tuple[str, int, int]]:
-    assert wait_for(lambda: sum(stored_events(store).values()) >= f.events, timeout=timeout), (
-        f"{sum(stored_events(store).values())} of {f.events} events stored"
+    assert wait_for(lambda: stored_count(store) >= f.events, timeout=timeout), (
+        f"{stored_count(store)} of {f.events} events stored"
     )
     time.sleep(0.5)  # anything stored twice would show by now
     return stored_events(store)
 
 
-def start_over(nats: NatsCluster) -> None:
-    """The next run's daemons find the stream as published, read by nobody yet."""
+def alive(nats: NatsCluster, cluster: str) -> int:
+    """How many daemons say they are alive on the bus of kvguard cluster `cluster`."""
 
-    async def clear() -> None:
+    async def count() -> int:
         nc = await nats.settings().connect("kvguard-test")
-        js = nc.jetstream()
-        for info in await js.consumers_info(bus.stream_name(nats.cluster)):
-            await js.delete_consumer(bus.stream_name(nats.cluster), info.name)
-        await js.delete_key_value(bus.bucket_name(nats.cluster))
-        await nc.close()
+        try:
+            kv = await nc.jetstream().key_value(bus.bucket_name(cluster))
+            return sum(1 for key in await kv.keys() if key.startswith("daemon."))
+        except Exception:
+            return 0
+        finally:
+            await nc.close()
 
-    asyncio.run(clear())
+    return asyncio.run(count())
+
+
+def fleet_state(daemon: Service) -> svc.FleetState:
+    with grpc.insecure_channel(daemon.address) as channel:
+        return svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest(), timeout=10)
 
 
 def test_the_fleet_is_judged_alike_by_one_two_and_four_daemons(
@@ -109,18 +129,33 @@ def test_the_fleet_is_judged_alike_by_one_two_and_four_daemons(
     expected = one_ledger(f)
     assert sum(n for (kind, *_), n in expected.items() if kind == "transfer_mismatch") == len(f.planted) > 0
     for n in (1, 2, 4):
-        store = pg_databases()
-        running = daemons(nats, store, n, tmp_path / f"run-{n}")
-        if n == 1:  # the first daemon makes the stream; its agents publish to it
-            publish(f, nats.settings())
-        try:
-            events = all_stored(store, f)
-            assert len(events) == f.events and set(events.values()) == {1}, f"{n} daemon(s): lost or doubled"
-            assert verdicts(stored_findings(store)) == expected, f"{n} daemon(s) judged otherwise"
-        finally:
-            for d in running:
-                d.stop()
-        start_over(nats)
+        judged_by(n, nats, f, expected, pg_databases(), tmp_path)
+
+
+def judged_by(
+    n: int, nats: NatsCluster, f: Fleet, expected: Counter[tuple[str, str, str, str]], store: str, tmp: Path
+) -> None:
+    """The fleet's events, published the same way to a kvguard cluster of their own, judged
+    by `n` daemons: all stored once, judged as `expected`, every daemon holding cells."""
+    cluster = f"fleet{n}"
+    running = daemons(nats, store, n, tmp / cluster, cluster=cluster)
+    try:
+        assert wait_for(lambda: alive(nats, cluster) == n)  # each takes its share as cells appear
+        publish(f, nats.settings(cluster=cluster))
+        events = all_stored(store, f)
+        assert len(events) == f.events and set(events.values()) == {1}, f"{n} daemon(s): lost or doubled"
+        assert verdicts(stored_findings(store)) == expected, f"{n} daemon(s) judged otherwise"
+        names = {f"daemon-{i}" for i in range(n)}
+
+        def held() -> set[str]:
+            return {c.daemon for c in fleet_state(running[0]).cells}
+
+        assert wait_for(lambda: held() == names), f"{n} daemon(s) hold {held()}"
+        state = fleet_state(running[-1])
+        assert len(state.cells) == 64 and all(len(c.sources) == 4 for c in state.cells)
+    finally:
+        for d in running:
+            d.stop()
 
 
 def test_a_daemon_and_a_nats_server_killed_mid_run_lose_and_double_nothing(
@@ -132,10 +167,10 @@ def test_a_daemon_and_a_nats_server_killed_mid_run_lose_and_double_nothing(
     publisher = threading.Thread(target=publish, args=(f, nats.settings()))
     publisher.start()
     try:
-        assert wait_for(lambda: sum(stored_events(pg_store_url).values()) > f.events // 4, timeout=60)
+        assert wait_for(lambda: stored_count(pg_store_url) > f.events // 4, timeout=60)
         running[0].kill()  # SIGKILL: its cells move to the other once their leases lapse
         nats.kill(1)  # and one of the three servers: the stream has two replicas left
-        assert wait_for(lambda: sum(stored_events(pg_store_url).values()) > f.events // 2, timeout=60)
+        assert wait_for(lambda: stored_count(pg_store_url) > f.events // 2, timeout=60)
         nats.start(1)
         publisher.join(120)
         events = all_stored(pg_store_url, f)
@@ -205,7 +240,5 @@ def test_a_cell_moved_between_a_transfers_two_ends_is_judged_once(
             b.stop()
 
 
-def pb_command(data: bytes):  # type: ignore[no-untyped-def]
-    from kvguard.proto.kvguard.v1 import services_pb2 as svc
-
+def pb_command(data: bytes) -> svc.Command:
     return svc.Command.FromString(data)

@@ -60,22 +60,25 @@ class NatsCluster:
     def urls(self) -> list[str]:
         return [f"nats://127.0.0.1:{p}" for p in self.ports]
 
-    def settings(self, user: str = DAEMON_USER, replicas: int | None = None) -> BusSettings:
+    def settings(
+        self, user: str = DAEMON_USER, replicas: int | None = None, cluster: str = ""
+    ) -> BusSettings:
         return BusSettings(
             servers=self.urls,
-            cluster=self.cluster,
+            cluster=cluster or self.cluster,
             user=user,
             password_file=self.dir / "passwords" / user,
             replicas=replicas if replicas is not None else min(3, self.count),
         )
 
-    def args(self, user: str = DAEMON_USER) -> list[str]:
-        """A kvguard service's bus options as this user."""
+    def args(self, user: str = DAEMON_USER, cluster: str = "") -> list[str]:
+        """A kvguard service's bus options as this user (in kvguard cluster `cluster`: the
+        daemons' user may speak for any; an agent's only for the one it was made for)."""
         return [
             "--bus",
             ",".join(self.urls),
             "--bus-cluster",
-            self.cluster,
+            cluster or self.cluster,
             "--bus-user",
             user,
             "--bus-password-file",

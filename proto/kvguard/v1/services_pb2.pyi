@@ -346,7 +346,7 @@ class StoreRoom(_message.Message):
     def __init__(self, used_bytes: _Optional[int] = ..., free_known: _Optional[bool] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., growth_bytes_per_s: _Optional[float] = ..., full_in_s: _Optional[float] = ..., refusing: _Optional[str] = ...) -> None: ...
 
 class FleetState(_message.Message):
-    __slots__ = ("nodes", "requests", "events", "findings", "counters", "latencies", "store", "now_ns", "mode", "judged")
+    __slots__ = ("nodes", "requests", "events", "findings", "counters", "latencies", "store", "now_ns", "mode", "judged", "daemon", "cells")
     class FindingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +371,8 @@ class FleetState(_message.Message):
     NOW_NS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     JUDGED_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_FIELD_NUMBER: _ClassVar[int]
+    CELLS_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
     requests: int
     events: int
@@ -381,7 +383,19 @@ class FleetState(_message.Message):
     now_ns: int
     mode: str
     judged: _containers.RepeatedCompositeFieldContainer[FindingCount]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., latencies: _Optional[_Iterable[_Union[StageLatency, _Mapping]]] = ..., store: _Optional[_Union[StoreRoom, _Mapping]] = ..., now_ns: _Optional[int] = ..., mode: _Optional[str] = ..., judged: _Optional[_Iterable[_Union[FindingCount, _Mapping]]] = ...) -> None: ...
+    daemon: str
+    cells: _containers.RepeatedCompositeFieldContainer[CellLease]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., latencies: _Optional[_Iterable[_Union[StageLatency, _Mapping]]] = ..., store: _Optional[_Union[StoreRoom, _Mapping]] = ..., now_ns: _Optional[int] = ..., mode: _Optional[str] = ..., judged: _Optional[_Iterable[_Union[FindingCount, _Mapping]]] = ..., daemon: _Optional[str] = ..., cells: _Optional[_Iterable[_Union[CellLease, _Mapping]]] = ...) -> None: ...
+
+class CellLease(_message.Message):
+    __slots__ = ("cell", "daemon", "sources")
+    CELL_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    cell: str
+    daemon: str
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cell: _Optional[str] = ..., daemon: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FindingCount(_message.Message):
     __slots__ = ("kind", "rule", "severity", "count")
