@@ -125,7 +125,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
             try:
                 store.adopt_head()
             except OSError as exc:
-                raise StoreError(f"audit head file {store.head_file} cannot be written: {exc.strerror}") from None
+                raise StoreError(
+                    f"audit head file {store.head_file} cannot be written: {exc.strerror}"
+                ) from None
         # A store that lost records from its end (or its head) is not written to: the next
         # commit's head would cover the loss up.
         complete = store.completeness()

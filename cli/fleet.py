@@ -1,8 +1,8 @@
 """`kvguard fleet`: the daemon's state as an operator reads it at a terminal: its nodes (their
 agent's stream, their guard as the agent last said, how long ago it said so, their events a
-second and lag), the findings so far, the input it refused, its own latency, and the audit
-store's room (a table), or the FleetState message as JSON (proto/message_json.py: zero and
-false fields included, 64-bit integers as numbers).
+second and lag), the findings so far, the input it refused, on the bus which daemon holds which
+cell, its own latency, and the audit store's room (a table), or the FleetState message as JSON
+(proto/message_json.py: zero and false fields included, 64-bit integers as numbers).
 
 Invariant: it only reads (FleetService.State); an unreachable daemon is an error that names
 the address and exits 2, never an empty table; a node's guard is what its agent said last
@@ -114,6 +114,14 @@ def render(state: svc.FleetState, out: TextIO) -> None:
     }
     if refused:
         out.write("refused or unjudged: " + ", ".join(f"{k} {n}" for k, n in sorted(refused.items())) + "\n")
+    if state.daemon:  # on the bus: which daemon holds which cell
+        held = sum(1 for c in state.cells if c.daemon == state.daemon)
+        out.write(f"\non the bus as {state.daemon}: {held} of {len(state.cells)} cells held here\n")
+        rows = [("CELL", "DAEMON", "NODES")]
+        rows += [(c.cell, c.daemon or "(between daemons)", ", ".join(c.sources)) for c in state.cells]
+        width = [max(len(r[i]) for r in rows) for i in range(2)]
+        for r in rows:
+            out.write(f"{r[0].ljust(width[0])}  {r[1].ljust(width[1])}  {r[2]}\n")
     if state.latencies:
         out.write("\nSTAGE     COUNT      p50 ms    p99 ms    max ms\n")
         for s in state.latencies:

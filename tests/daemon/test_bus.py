@@ -7,6 +7,7 @@ a cell that moves between a transfer's two ends is judged once."""
 from __future__ import annotations
 
 import asyncio
+import io
 import threading
 import time
 from collections import Counter
@@ -19,6 +20,7 @@ from agent_helpers import wait_for
 from bus_cluster import NatsCluster
 from daemon_helpers import stored_findings
 
+from kvguard.cli.fleet import render
 from kvguard.cli.process import Service, start_daemon
 from kvguard.daemon.store import Store
 from kvguard.ledger import Ledger
@@ -153,6 +155,10 @@ def judged_by(
         assert wait_for(lambda: held() == names), f"{n} daemon(s) hold {held()}"
         state = fleet_state(running[-1])
         assert len(state.cells) == 64 and all(len(c.sources) == 4 for c in state.cells)
+        table = io.StringIO()
+        render(state, table)  # `kvguard fleet`
+        assert f"on the bus as daemon-{n - 1}:" in table.getvalue()
+        assert all(f"{c.cell}  {c.daemon}" in table.getvalue() for c in state.cells)
     finally:
         for d in running:
             d.stop()
