@@ -170,7 +170,8 @@ class BusStream:
         except NotFoundError:
             return (0, 0), 0
         except NoRespondersError:
-            raise BusUnavailable(f"the stream {self._link.stream} is not there yet (a daemon makes it)") from None
+            stream = self._link.stream
+            raise BusUnavailable(f"the stream {stream} is not there yet (a daemon makes it)") from None
         except Exception as exc:
             raise BusUnavailable(self._why(f"cannot read {self.node}'s last message", exc)) from None
         return bus.parse_last((msg.headers or {}).get(bus.LAST)), msg.seq
