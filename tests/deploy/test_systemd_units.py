@@ -16,6 +16,7 @@ import pytest
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 UNITS = ("kvguard-daemon.service", "kvguard-agent.service")  # the services (sd_notify, watchdog)
 ALERTS = "kvguard-alerts.service"  # the alert feed: a client, no notify
+NATS = "kvguard-nats@.service"  # a server of the bus's JetStream cluster (verified as instance 1)
 ANALYZE = "/usr/bin/systemd-analyze"
 
 
@@ -29,11 +30,12 @@ def root(tmp_path: Path) -> Path:
     launcher = root / "usr/bin/kvguard"
     launcher.write_text(f'#!/bin/sh\nexec {sys.executable} -m kvguard "$@"\n')
     launcher.chmod(0o755)
+    shutil.copy2(Path(sys.executable).parent / "nats-server", root / "usr/bin/nats-server")
     shutil.copy2(os.path.realpath("/bin/kill"), root / "bin/kill")
     shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
     units = root / "etc/systemd/system"
     units.mkdir(parents=True)
-    for name in (*UNITS, ALERTS):
+    for name in (*UNITS, ALERTS, NATS):
         shutil.copy2(DEPLOY / name, units / name)
     return root
 
@@ -53,7 +55,7 @@ def settings(name: str) -> dict[str, list[str]]:
 
 
 def test_systemd_verifies_the_units_without_a_word(root: Path) -> None:
-    done = analyze("verify", f"--root={root}", *UNITS, ALERTS)
+    done = analyze("verify", f"--root={root}", *UNITS, ALERTS, NATS.replace("@", "@1"))
     assert (done.returncode, done.stdout + done.stderr) == (0, "")
     # The launcher it found is a working kvguard.
     launched = subprocess.run(
@@ -115,9 +117,18 @@ def test_the_alert_feed_resumes_from_its_cursor_file_as_kvguard() -> None:
     assert unit["Restart"] == ["always"] and unit["CapabilityBoundingSet"] == [""]
 
 
+def test_a_bus_server_runs_its_own_file_as_kvguard_and_leaves_in_lame_duck_mode() -> None:
+    unit = settings(NATS)
+    assert unit["ExecStart"] == ["/usr/bin/nats-server -c /etc/kvguard/nats/server-%i.conf"]
+    assert unit["User"] == ["kvguard"] and unit["CapabilityBoundingSet"] == [""]
+    assert unit["KillSignal"] == ["SIGUSR2"] and unit["StateDirectory"] == ["kvguard-nats"]
+
+
 # systemd's exposure levels, tenfold (1.7 is 17), at most: the daemon's, the agent's (root, eBPF),
 # the alert feed's.
-@pytest.mark.parametrize(("name", "most"), [(UNITS[0], 20), (UNITS[1], 30), (ALERTS, 20)])
+@pytest.mark.parametrize(
+    ("name", "most"), [(UNITS[0], 20), (UNITS[1], 30), (ALERTS, 20), (NATS.replace("@", "@1"), 20)]
+)
 def test_systemd_rates_the_units_exposure_low(root: Path, name: str, most: int) -> None:
     done = analyze("security", "--offline=yes", f"--root={root}", f"--threshold={most}", name)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr
