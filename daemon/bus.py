@@ -51,6 +51,7 @@ IN_FLIGHT = 256  # a cell's batches taken and not yet stored: its consumer waits
 ACK_WAIT_S = 120.0  # a batch delivered and not acknowledged in this long is delivered again
 MAX_STATUS_BYTES = 64 * 1024
 GUARD_STATES = ("connected", "gone", "none")
+START_TRIES = 20  # making the stream and the bucket, half a second apart
 
 
 @dataclass(eq=False)
@@ -65,6 +66,26 @@ class Cell:
     task: asyncio.Task[None] | None = None
     stopping: bool = False  # read no more of it
     leaving: bool = False  # being given back (renewed until it is)
+
+
+async def make_stream(js: Any, settings: bus.BusSettings, max_age_s: float = MAX_AGE_S) -> None:
+    """The cluster's stream, made (or brought to these settings) as the daemons need it."""
+    from nats.js.api import StorageType, StreamConfig
+
+    config = StreamConfig(
+        name=bus.stream_name(settings.cluster),
+        subjects=[f"{bus.ROOT}.{settings.cluster}.>"],
+        num_replicas=settings.replicas,
+        storage=StorageType.FILE,
+        allow_direct=True,
+        max_age=max_age_s,
+    )
+    try:
+        await js.add_stream(config)
+    except Exception as exc:  # there, with other settings: brought to these
+        if "already in use" not in str(exc):
+            raise
+        await js.update_stream(config)
 
 
 def _rank(cell: str, daemon: str) -> bytes:
@@ -108,37 +129,33 @@ class BusIntake:
         asyncio.run_coroutine_threadsafe(self._start(), self.daemon.loop).result(timeout)
 
     async def _start(self) -> None:
-        from nats.js.api import StorageType, StreamConfig
-
         async def error(exc: Exception) -> None:
             log.warning(f"bus: {exc}")
 
         self._nc = await self.settings.connect(f"kvguard-daemon {self.name}", error_cb=error)
         self._js = self._nc.jetstream()
-        config = StreamConfig(
-            name=self.stream,
-            subjects=[f"{bus.ROOT}.{self.cluster}.>"],
-            num_replicas=self.settings.replicas,
-            storage=StorageType.FILE,
-            allow_direct=True,
-            max_age=self.max_age_s,
-        )
-        try:
-            await self._js.add_stream(config)
-        except Exception as exc:  # there, with other settings: brought to these
-            if "already in use" not in str(exc):
-                raise
-            await self._js.update_stream(config)
-        bucket = bus.bucket_name(self.cluster)
-        try:
-            self._kv = await self._js.key_value(bucket)
-        except Exception:
-            self._kv = await self._js.create_key_value(
-                bucket=bucket, ttl=self.lease_s, history=1, replicas=self.settings.replicas
-            )
+        for attempt in range(START_TRIES):  # servers still electing, daemons making them at once
+            try:
+                await make_stream(self._js, self.settings, self.max_age_s)
+                self._kv = await self._bucket()
+                break
+            except Exception:
+                if attempt == START_TRIES - 1:
+                    raise
+                await asyncio.sleep(0.5)
         await self._nc.subscribe(f"{bus.CONTROL}.{self.cluster}.*.status", cb=self._status)
         await self._kv.put(f"daemon.{self.name}", self.name.encode())
         self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _bucket(self) -> Any:
+        """The lease bucket, made if it is not there."""
+        bucket = bus.bucket_name(self.cluster)
+        try:
+            return await self._js.key_value(bucket)
+        except Exception:
+            return await self._js.create_key_value(
+                bucket=bucket, ttl=self.lease_s, history=1, replicas=self.settings.replicas
+            )
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop taking batches, let what was taken be stored and acknowledged, give every cell
