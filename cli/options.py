@@ -303,9 +303,11 @@ def bus_from_args(args: argparse.Namespace) -> Any:
         if not args.cell:
             raise BusError("--bus needs --cell: the prefill/decode cell this host's nodes belong to")
         check_cell(args.cell)
-    return BusSettings(
+    settings = BusSettings(
         servers=[s.strip() for s in args.bus.split(",") if s.strip()],
         cluster=args.bus_cluster,
         user=args.bus_user,
         password_file=Path(args.bus_password_file) if args.bus_password_file else None,
     )
+    settings.password()  # a file that cannot be used is said now, not at each reconnect
+    return settings

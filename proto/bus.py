@@ -185,12 +185,20 @@ class BusSettings:
                 raise BusError(f"bus server {server!r}: not a nats:// or tls:// URL")
 
     def password(self) -> str | None:
+        """The user's password, from a file only its owner may read (BusError otherwise)."""
         if self.password_file is None:
             return None
+        where = f"bus password file {self.password_file}"
         try:
-            return self.password_file.read_text().strip()
+            mode = self.password_file.stat().st_mode
+            text = self.password_file.read_text().strip()
         except OSError as exc:
-            raise BusError(f"bus password file {self.password_file}: {exc.strerror}") from None
+            raise BusError(f"{where}: {exc.strerror}") from None
+        if mode & 0o077:
+            raise BusError(f"{where}: others may read or write it (mode {mode & 0o777:o}); chmod 600 it")
+        if not text:
+            raise BusError(f"{where}: it is empty")
+        return text
 
     async def connect(self, name: str, **callbacks: Any) -> Any:
         """A connection to the bus as this user (nats.aio.client.Client), reconnecting for ever."""

@@ -157,3 +157,9 @@ def test_bus_options_that_cannot_work_are_named(capsys: pytest.CaptureFixture[st
     assert "share one PostgreSQL audit store" in capsys.readouterr().err
     assert kvguard(["bus", "config", "--cluster", "x y", "--dir", str(tmp_path / "b")]) == 2
     assert "bus cluster 'x y'" in capsys.readouterr().err
+    shared = tmp_path / "password"
+    shared.write_text("secret\n")
+    shared.chmod(0o644)
+    bus = ["--bus", "nats://h:1", "--cell", "c1", "--bus-user", "u", "--bus-password-file", str(shared)]
+    assert kvguard(["agent", *bus, "--socket", str(tmp_path / "s")]) == 2
+    assert "others may read or write it (mode 644)" in capsys.readouterr().err
