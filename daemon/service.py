@@ -18,6 +18,7 @@ then the live ones, with the same filter (proto/filter.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import socket
 import time
@@ -48,6 +49,7 @@ from kvguard.proto.limits import NODE_BYTES, unstorable
 MAX_BATCH = 65536
 MAX_IN_FLIGHT = 8  # batches of one stream applied or committing but not yet acknowledged
 BACKLOG_PAGE = 1000  # alerts read from the store at a time
+SHARED_POLL_S = 1.0  # on the bus: how often an alert stream reads the other daemons' alerts
 MAX_STATUS_BYTES = 1 << 16  # an agent's NodeStatus message at most
 GUARD_STATES = ("connected", "gone", "none")
 
@@ -218,7 +220,8 @@ class AgentServicer:
 
 class AlertServicer:
     """AlertService.Subscribe on the server's event loop: the store's backlog after the
-    subscriber's cursor, then live alerts, each once, in cursor order."""
+    subscriber's cursor, then live alerts, each once, in cursor order; on the bus, every
+    daemon's alerts, from the store they all write."""
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
@@ -260,6 +263,12 @@ class AlertServicer:
                 async for alert in self._catch_up(f, last):
                     last = alert.cursor
                     yield alert
+                if self.daemon.bus is not None:
+                    # On the bus every daemon writes the store: its alerts come in the store's
+                    # order, read from it at each of this daemon's alerts and every poll.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(sub.live.get(), SHARED_POLL_S)
+                    continue
                 while not sub.overflowed:
                     if sub.live.empty():
                         fanout.delivered(sub)

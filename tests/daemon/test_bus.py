@@ -18,7 +18,7 @@ import grpc
 import pytest
 from agent_helpers import wait_for
 from bus_cluster import NatsCluster
-from daemon_helpers import stored_findings
+from daemon_helpers import stored_findings, stored_records
 
 from kvguard.cli.fleet import render
 from kvguard.cli.process import Service, start_daemon
@@ -119,6 +119,17 @@ def alive(nats: NatsCluster, cluster: str) -> int:
     return asyncio.run(count())
 
 
+def alerts(daemon: Service, count: int, timeout: float = 30) -> list[svc.Alert]:
+    """The first `count` alerts of the daemon's alert stream, from the start."""
+    got: list[svc.Alert] = []
+    with grpc.insecure_channel(daemon.address) as channel:
+        for alert in svc_grpc.AlertServiceStub(channel).Subscribe(svc.AlertFilter(), timeout=timeout):
+            got.append(alert)
+            if len(got) == count:
+                break
+    return got
+
+
 def fleet_state(daemon: Service) -> svc.FleetState:
     with grpc.insecure_channel(daemon.address) as channel:
         return svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest(), timeout=10)
@@ -155,6 +166,13 @@ def judged_by(
         assert wait_for(lambda: held() == names), f"{n} daemon(s) hold {held()}"
         state = fleet_state(running[-1])
         assert len(state.cells) == 64 and all(len(c.sources) == 4 for c in state.cells)
+        # Any daemon's alert stream carries every daemon's alerts, once each, in the store's order.
+        wanted = [x for x in stored_records(store) if "repeat" not in x.details]
+        got = alerts(running[0], len(wanted))
+        assert Counter((a.finding.finding, a.finding.node, a.finding.req) for a in got) == Counter(
+            (x.finding, x.node, x.req) for x in wanted
+        )
+        assert [a.cursor for a in got] == sorted({a.cursor for a in got})
         table = io.StringIO()
         render(state, table)  # `kvguard fleet`
         assert f"on the bus as daemon-{n - 1}:" in table.getvalue()
