@@ -61,6 +61,7 @@ from kvguard.cuda_hooks.witness import NullWitness, Witness, open_witness, wire_
 from kvguard.proto import pb, wire
 from kvguard.proto.bus import BusSettings
 from kvguard.proto.channel import (
+    MAX_BATCH_BYTES,
     MAX_MESSAGE,
     SHIM_STREAM,
     WITNESS_STREAM,
@@ -156,8 +157,9 @@ class NodeAgent:
         self._channel = channel(daemon, tls)
         # The bus in place of the daemon's stream, where it is configured (agents/bus.py).
         self.bus = BusLink(bus, cell, log.warning) if bus is not None else None
+        self.upstream = f"daemon {daemon}"  # where events go, in words
         if self.bus is not None:
-            self.daemon = f"the bus at {','.join(bus.servers)} (cell {cell})"
+            self.daemon = self.upstream = f"the bus at {','.join(bus.servers)} (cell {cell})"
         else:
             self.reach = DaemonReach(
                 self._channel, daemon, log.warning, self.stopping
@@ -448,8 +450,10 @@ class NodeAgent:
                 else:
                     stream = AgentStream(self._channel, node, AGENT, on_command=relay, on_ack=spool.wake)
                     self.reach.reachable()  # the hello's ack came back
-                # The largest message the other side takes: the daemon's, or the bus servers'.
+                # The largest message the other side takes (the daemon's, or the bus servers'),
+                # and the most a batch holds in events' bytes.
                 largest = self.bus.max_message() if self.bus is not None else MAX_MESSAGE
+                most = largest // 2 if self.bus is not None else MAX_BATCH_BYTES
                 spool.ack(stream.durable)
                 delay = 0.1
                 in_flight: deque[list[Position]] = deque()  # sent, not acknowledged, oldest first
@@ -476,7 +480,7 @@ class NodeAgent:
                     if full:
                         continue
                     after = in_flight[-1][-1] if in_flight else (0, 0)
-                    batch, bodies = spool.take(self.batch, largest // 2, 0.2, after, bool(in_flight))
+                    batch, bodies = spool.take(self.batch, most, 0.2, after, bool(in_flight))
                     if not batch:
                         continue
                     if len(batch) == 1 and len(bodies[0]) > largest - 64:

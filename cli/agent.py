@@ -100,9 +100,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
         log.info(f"metrics on {metrics.url}")
     thread = threading.Thread(target=agent.serve, daemon=True)
     thread.start()
-    log.info(f"guards connect to {args.socket}; events to {agent.daemon}; spool {args.spool}")
+    log.info(f"guards connect to {args.socket}; {agent.upstream}; spool {args.spool}")
     print("READY", flush=True)
-    status = f"guards connect to {args.socket}; events to {agent.daemon}"
+    status = f"guards connect to {args.socket}; {agent.upstream}"
     notifier.ready(status)
     watchdog = None
     if notifier.watchdog_s is not None:  # WatchdogSec=: pinged only while the accept loop goes round

@@ -66,7 +66,7 @@ class Service:
         self._close()
 
     def stop(self) -> str:
-        """SIGTERM and wait; returns what the service wrote on stderr."""
+        """SIGTERM and wait; returns what the service wrote on stderr (a quiet one's too)."""
         err = ""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -75,6 +75,11 @@ class Service:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 _, err = self.proc.communicate()  # what it said before it was killed still counts
+        else:
+            self.proc.wait()
+        if self._said is not None and not self._said.closed:
+            self._said.seek(0)
+            err = self._said.read()
         self._close()
         return err or ""
 

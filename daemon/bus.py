@@ -5,8 +5,8 @@ command subject; nodes' statuses heard on theirs (proto/bus.py names them all).
 
 Which daemon judges a cell is a lease (the KV bucket's key `cell.<cell>`, which lapses
 LEASE_S after its last renewal): a daemon takes unleased cells up to its share (the cells
-over the daemons alive, `daemon.<name>` keys that lapse the same way), gives back one a turn
-while it holds more than its share, and lets go of a cell it could not renew for half a
+over the daemons alive, `daemon.<name>` keys that lapse the same way), gives back what is over
+its share when another daemon joins, and lets go of a cell it could not renew for half a
 lease, before any other daemon may take it.
 
 Invariants: a cell is judged by one daemon at a time, as far as its lease says (a daemon
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf.message import DecodeError
 
 from kvguard.daemon.ingest import Batch
-from kvguard.daemon.service import MAX_BATCH
+from kvguard.daemon.service import GUARD_STATES, MAX_BATCH, MAX_STATUS_BYTES
 from kvguard.proto import bus, wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.logs import logger
@@ -49,8 +49,6 @@ MAX_AGE_S = 7 * 86400.0  # how long the stream keeps events (a daemon must have 
 FETCH = 256  # messages (batches) fetched at once
 IN_FLIGHT = 256  # a cell's batches taken and not yet stored: its consumer waits beyond
 ACK_WAIT_S = 120.0  # a batch delivered and not acknowledged in this long is delivered again
-MAX_STATUS_BYTES = 64 * 1024
-GUARD_STATES = ("connected", "gone", "none")
 START_TRIES = 20  # making the stream and the bucket, half a second apart
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -174,7 +174,6 @@ class BusSettings:
     user: str = ""
     password_file: Path | None = None
     replicas: int = 3  # of the stream and the lease bucket (the daemon creates them)
-    options: dict[str, Any] = field(default_factory=dict)  # passed on to nats.connect
 
     def __post_init__(self) -> None:
         check_cluster(self.cluster)
@@ -213,6 +212,5 @@ class BusSettings:
             inbox_prefix=inbox(self.user or name).encode(),
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
-            **self.options,
             **callbacks,
         )

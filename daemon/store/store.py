@@ -140,6 +140,7 @@ class Store:
             cursor.execute("PRAGMA wal_autocheckpoint=0")
             cursor.close()
         self._shared = not sqlite  # writers take turns at the chain's end (see the module's invariants)
+        self._last_row = 0  # the id of the last record this writer appended (0: none yet)
         mark = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
         names = ("id", *COLUMNS, "body", "prev_hash", "hash")
         self._insert = f"INSERT INTO records ({', '.join(names)}) VALUES ({', '.join([mark] * len(names))})"
@@ -229,12 +230,7 @@ class Store:
             try:
                 cursor = self._raw.cursor()
                 if self._shared:  # another daemon may have appended: its end, under the lock
-                    cursor.execute("SELECT pg_advisory_xact_lock(%s)", (CHAIN_LOCK,))
-                    cursor.execute("SELECT id, kind, body, hash FROM records ORDER BY id DESC LIMIT 1")
-                    end = cursor.fetchone()
-                    if end is not None:
-                        self._next_id = end[0] + run_ids(end[1], bytes(end[2]))
-                        self._last_hash = bytes(end[3])
+                    self._shared_end(cursor)
                 prev, record_id = self._last_hash, self._next_id
                 values = []
                 also = []
@@ -270,6 +266,7 @@ class Store:
                     self._raw.rollback()
                 raise StoreError(f"audit store {self.shown}: commit failed: {exc}") from exc
             self._next_id, self._last_hash = record_id, prev
+            self._last_row = values[-1][0]
             self._write_head(mac)
         if self._checkpoints is not None:
             self._checkpoints.set()
@@ -278,6 +275,27 @@ class Store:
             name = "kvguard-store-checkpoint"
             threading.Thread(target=self._checkpoint_loop, name=name, daemon=True).start()
         return [v[0] for v in values]
+
+    def _shared_end(self, cursor: Any) -> None:
+        """The chain's end as it is now (other writers may have appended), read under the
+        chain's lock; StoreError if what this writer appended last is no longer there as it
+        wrote it (records removed from the end, or rewritten, while it runs): appending after
+        the new end would hide that."""
+        cursor.execute("SELECT pg_advisory_xact_lock(%s)", (CHAIN_LOCK,))  # held until this commit ends
+        if self._last_row:
+            cursor.execute("SELECT hash FROM records WHERE id = %s", (self._last_row,))
+            mine = cursor.fetchone()
+            if mine is None or bytes(mine[0]) != self._last_hash:
+                what = "gone" if mine is None else "altered"
+                raise StoreError(
+                    f"audit store {self.shown}: record {self._last_row}, which this writer appended, is "
+                    f"{what}: not appending after it (see `kvguard audit verify`)"
+                )
+        cursor.execute("SELECT id, kind, body, hash FROM records ORDER BY id DESC LIMIT 1")
+        end = cursor.fetchone()
+        if end is not None:
+            self._next_id = end[0] + run_ids(end[1], bytes(end[2]))
+            self._last_hash = bytes(end[3])
 
     def _write_head(self, key: bytes | None) -> None:
         """After a commit: the chain's new head, beside the store. A head that cannot be written

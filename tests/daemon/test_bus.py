@@ -177,6 +177,10 @@ def judged_by(
         render(state, table)  # `kvguard fleet`
         assert f"on the bus as daemon-{n - 1}:" in table.getvalue()
         assert all(f"{c.cell}  {c.daemon}" in table.getvalue() for c in state.cells)
+    except BaseException:
+        for i, d in enumerate(running):  # what each daemon said, to tell why
+            print(f"daemon-{i}:\n{d.stop()[-4000:]}")
+        raise
     finally:
         for d in running:
             d.stop()
