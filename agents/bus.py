@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from google.protobuf.message import DecodeError
+
 from kvguard.agents.spool_file import Position
 from kvguard.proto import bus
 from kvguard.proto.channel import MAX_MESSAGE
@@ -81,7 +83,7 @@ class BusLink:
         async def error(exc: Exception) -> None:
             text = str(exc)
             if "permissions violation" in text.lower():
-                self.refusals.append(text)
+                self.refusals = [*self.refusals[-15:], text]
                 log.error(f"the bus refused this agent: {text}")
 
         async def disconnected() -> None:
@@ -178,7 +180,10 @@ class BusStream:
 
     async def _subscribe(self) -> Any:
         async def heard(msg: Any) -> None:
-            self._commands.put(svc.Command.FromString(msg.data))
+            try:
+                self._commands.put(svc.Command.FromString(msg.data))
+            except DecodeError as exc:  # only daemons may publish here: said, never relayed
+                log.warning(f"a command for {self.node} on the bus is not a kvguard.v1.Command: {exc}")
 
         subject = bus.command_subject(self._link.settings.cluster, self.node)
         return await self._nc.subscribe(subject, cb=heard)
@@ -192,7 +197,8 @@ class BusStream:
                 log.exception(f"relaying command {command.id} to {self.node}")
 
     def _why(self, what: str, exc: BaseException) -> str:
-        refused = next((r for r in reversed(self._link.refusals) if self.subject in r), None)
+        # The server says the subject it refused in lower case.
+        refused = next((r for r in reversed(self._link.refusals) if self.subject.lower() in r.lower()), None)
         if refused is not None:
             return f"{what}: the bus refused this agent ({refused}); is its user given node {self.node}?"
         return f"{what}: {type(exc).__name__} {exc}".rstrip()
