@@ -58,6 +58,7 @@ def server_configs(
     route_port: int,
     data: Path,
     users: list[dict[str, object]],
+    tls: dict[str, str] | None = None,
 ) -> list[str]:
     """Each server's configuration (NATS's format; JSON is a subset of it)."""
     routes = [f"nats-route://{host}:{route_port + i}" for i in range(servers)]
@@ -70,6 +71,8 @@ def server_configs(
             "jetstream": {"store_dir": str(data / f"server-{i + 1}")},
             "accounts": {"KVGUARD": {"jetstream": "enabled", "users": users}},
         }
+        if tls is not None:  # clients must speak TLS: no password crosses the network in the clear
+            config["tls"] = tls
         if servers > 1:
             config["cluster"] = {
                 "name": f"kvguard-{cluster}",
@@ -99,7 +102,15 @@ def cmd_bus(args: argparse.Namespace) -> int:
         allowed["subscribe"]["allow"].append(f"{inbox(user)}.>")  # its replies, no one else's
         users.append({"user": user, "password": _password(passwords, user), "permissions": allowed})
     data = Path(args.data) if args.data else out / "data"
-    configs = server_configs(args.cluster, args.servers, args.host, args.port, args.route_port, data, users)
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            print("kvguard bus config: --tls-cert and --tls-key go together", file=sys.stderr)
+            return 2
+        tls = {"cert_file": str(Path(args.tls_cert).resolve()), "key_file": str(Path(args.tls_key).resolve())}
+    configs = server_configs(
+        args.cluster, args.servers, args.host, args.port, args.route_port, data, users, tls
+    )
     for i, text in enumerate(configs):
         path = out / f"server-{i + 1}.conf"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -109,9 +120,10 @@ def cmd_bus(args: argparse.Namespace) -> int:
     urls = ",".join(f"nats://{args.host}:{args.port + i}" for i in range(args.servers))
     print(f"wrote {len(configs)} server configuration(s) and {len(users)} password file(s) to {out}")
     print(f"start each:  nats-server -c {out}/server-N.conf   (or: systemctl start kvguard-nats@N)")
+    tls_note = " --bus-tls-ca CA.pem (the CA of --tls-cert)" if tls is not None else ""
     print(
         f"daemons:     --bus {urls} --bus-cluster {args.cluster} --bus-user {DAEMON_USER} "
-        f"--bus-password-file {passwords}/{DAEMON_USER}"
+        f"--bus-password-file {passwords}/{DAEMON_USER}{tls_note}"
     )
     return 0
 
@@ -141,6 +153,13 @@ def add_parser(sub: Subcommands) -> None:
     p.add_argument(
         "--route-port", type=int, default=6222, help="the first server's route port (then +1 each)"
     )
+    p.add_argument(
+        "--tls-cert",
+        metavar="PEM",
+        help="the servers' certificate (`kvguard certs init --daemon-host HOST` makes one): clients must use "
+        "TLS (--bus-tls-ca); routes between the servers stay plaintext: keep them on a private network",
+    )
+    p.add_argument("--tls-key", metavar="PEM", help="the servers' private key")
     p.add_argument(
         "--agent",
         action="append",

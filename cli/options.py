@@ -278,6 +278,12 @@ def add_bus_arguments(parser: argparse.ArgumentParser, *, cell: bool) -> argpars
         "--bus-user", default="", help="this side's bus user (`kvguard bus config` makes them)"
     )
     group.add_argument("--bus-password-file", metavar="FILE", help="the file holding the bus user's password")
+    group.add_argument(
+        "--bus-tls-ca",
+        metavar="PEM",
+        help="TLS to the bus, its servers' certificates verified against this CA (`kvguard bus config "
+        "--tls-cert`); the password never crosses the network in the clear",
+    )
     if cell:
         group.add_argument(
             "--cell",
@@ -308,6 +314,9 @@ def bus_from_args(args: argparse.Namespace) -> Any:
         cluster=args.bus_cluster,
         user=args.bus_user,
         password_file=Path(args.bus_password_file) if args.bus_password_file else None,
+        tls_ca=Path(args.bus_tls_ca) if args.bus_tls_ca else None,
     )
     settings.password()  # a file that cannot be used is said now, not at each reconnect
+    if settings.tls_ca is not None:
+        settings.tls_context()
     return settings

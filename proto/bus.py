@@ -23,6 +23,7 @@ Invariant: token() is injective and untoken(token(x)) == x.
 from __future__ import annotations
 
 import re
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +175,7 @@ class BusSettings:
     user: str = ""
     password_file: Path | None = None
     replicas: int = 3  # of the stream and the lease bucket (the daemon creates them)
+    tls_ca: Path | None = None  # the CA of the servers' certificate: TLS to them, verified
 
     def __post_init__(self) -> None:
         check_cluster(self.cluster)
@@ -199,11 +201,20 @@ class BusSettings:
             raise BusError(f"{where}: it is empty")
         return text
 
+    def tls_context(self) -> ssl.SSLContext:
+        """TLS that verifies the servers against `tls_ca` (BusError if it cannot be read)."""
+        try:
+            return ssl.create_default_context(cafile=str(self.tls_ca))
+        except (OSError, ssl.SSLError) as exc:
+            raise BusError(f"bus TLS CA {self.tls_ca}: {getattr(exc, 'strerror', None) or exc}") from None
+
     async def connect(self, name: str, **callbacks: Any) -> Any:
         """A connection to the bus as this user (nats.aio.client.Client), reconnecting for ever."""
         import nats
 
         user = self.user or None
+        if self.tls_ca is not None:
+            callbacks["tls"] = self.tls_context()
         return await nats.connect(
             list(self.servers),
             name=name,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,35 @@ def test_an_agents_user_speaks_only_for_its_own_nodes(nats: NatsCluster) -> None
         assert messages(nats, bus.events_subject("t", "c1", "d0")) == 0
     finally:
         link.close()
+
+
+def test_on_a_tls_bus_no_password_crosses_in_the_clear(tmp_path: Path) -> None:
+    pki = tmp_path / "pki"
+    assert kvguard(["certs", "init", str(pki)]) == 0  # a server certificate for localhost, 127.0.0.1
+    nats = NatsCluster(
+        tmp_path / "nats",
+        "t",
+        {"host-a": ["d0"]},
+        tls=(pki / "daemon.pem", pki / "daemon.key", pki / "ca.pem"),
+    )
+    try:
+        make_stream(nats)
+        link = BusLink(nats.settings("host-a"), "c1", lambda text: None)
+        stream = BusStream(link, "d0")
+        post(stream, events_of(1, 2))
+        assert stream.next_ack(10).durable_seq == 2
+        stream.close()
+        link.close()
+        said: list[str] = []
+        plain = BusLink(replace(nats.settings("host-a"), tls_ca=None), "c1", said.append)
+        try:
+            with pytest.raises(BusUnavailable, match="cannot reach the bus"):
+                BusStream(plain, "d0")  # no TLS, or TLS without the CA: refused before a password is sent
+            assert said and "cannot reach the bus" in said[0]
+        finally:
+            plain.close()
+    finally:
+        nats.stop()
 
 
 def test_bus_options_that_cannot_work_are_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -41,7 +41,14 @@ def _free_base(count: int) -> int:
 
 
 class NatsCluster:
-    def __init__(self, directory: Path, cluster: str, agents: dict[str, list[str]], servers: int = 3) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        cluster: str,
+        agents: dict[str, list[str]],
+        servers: int = 3,
+        tls: tuple[Path, Path, Path] | None = None,  # the servers' certificate, key, and its CA
+    ) -> None:
         self.dir = directory
         self.cluster = cluster
         self.count = servers
@@ -50,6 +57,9 @@ class NatsCluster:
         specs = [f"--agent={user}={','.join(nodes)}" for user, nodes in agents.items()]
         args = ["bus", "config", "--cluster", cluster, "--dir", str(directory), "--servers", str(servers)]
         args += ["--port", str(base), "--route-port", str(base + servers), *specs]
+        self.tls_ca = tls[2] if tls is not None else None
+        if tls is not None:
+            args += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
         assert kvguard(args) == 0
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * servers
         for i in range(servers):
@@ -69,6 +79,7 @@ class NatsCluster:
             user=user,
             password_file=self.dir / "passwords" / user,
             replicas=replicas if replicas is not None else min(3, self.count),
+            tls_ca=self.tls_ca,
         )
 
     def args(self, user: str = DAEMON_USER, cluster: str = "") -> list[str]:
@@ -83,6 +94,7 @@ class NatsCluster:
             user,
             "--bus-password-file",
             str(self.dir / "passwords" / user),
+            *(["--bus-tls-ca", str(self.tls_ca)] if self.tls_ca is not None else []),
         ]
 
     def start(self, i: int) -> None:
