@@ -203,10 +203,6 @@ class BusStream:
             return f"{what}: the bus refused this agent ({refused}); is its user given node {self.node}?"
         return f"{what}: {type(exc).__name__} {exc}".rstrip()
 
-    @property
-    def durable_seq(self) -> int:
-        return self.durable[1]
-
     def post(self, bodies: list[bytes], positions: list[Position] | None = None) -> None:
         """Publish a batch of serialized events (their `positions`) after those posted before."""
         assert positions, "a batch to the bus names its positions"

@@ -434,9 +434,6 @@ class BusIntake:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def held(self) -> list[str]:
-        return sorted(self.cells)
-
 
 @dataclass(frozen=True)
 class _Outbox:
