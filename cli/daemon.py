@@ -187,7 +187,11 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         from kvguard.daemon.bus import BusIntake
 
         intake = BusIntake(
-            daemon, bus, args.bus_name or f"{socket.gethostname()}-{port}", lease_s=args.bus_lease
+            daemon,
+            bus,
+            args.bus_name or f"{socket.gethostname()}-{port}",
+            lease_s=args.bus_lease,
+            snapshot_every=args.snapshot_every,  # each cell's, in the bus's object store
         )
         try:
             intake.start()
@@ -339,7 +343,8 @@ def add_parser(sub: Subcommands) -> None:
         metavar="EVENTS",
         help="every this many events, save a ledger snapshot (built from the store by a worker process while "
         "the daemon goes on), so that a start after a crash replays only what came after it (0: only at a "
-        "clean stop; default %(default)s)",
+        "clean stop; default %(default)s); on the bus, every this many events of a cell, that cell's, kept "
+        "in the bus's object store for the daemon that takes it next (0: never)",
     )
     p.add_argument(
         "--audit-key",

@@ -33,8 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
 
+from kvguard.daemon.cell_snapshots import CellSnapshots
 from kvguard.daemon.ingest import Batch
 from kvguard.daemon.service import GUARD_STATES, MAX_BATCH, MAX_STATUS_BYTES
+from kvguard.ledger import Ledger
 from kvguard.proto import bus, wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.logs import logger
@@ -61,6 +63,10 @@ class Cell:
     renewed: float  # time.monotonic() of the last renewal
     sources: set[str] = field(default_factory=set)
     in_flight: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(IN_FLIGHT))
+    pending: int = 0  # batches taken and not yet stored
+    ledger: Ledger | None = None  # its own, once taken (Daemon.adopt)
+    taken: int = 0  # events taken since it was
+    snapshot_at: int = 0  # ... when its last snapshot was begun
     task: asyncio.Task[None] | None = None
     stopping: bool = False  # read no more of it
     leaving: bool = False  # being given back (renewed until it is)
@@ -100,8 +106,10 @@ class BusIntake:
         name: str,
         lease_s: float = LEASE_S,
         max_age_s: float = MAX_AGE_S,
+        snapshot_every: int = 0,
     ) -> None:
         self.daemon = daemon
+        self.snapshot_every = snapshot_every  # a cell's events taken after which its snapshot is due
         self.settings = settings
         self.name = name
         self.lease_s = lease_s
@@ -113,6 +121,7 @@ class BusIntake:
         self._nc: Any = None
         self._js: Any = None
         self._kv: Any = None
+        self.snapshots: CellSnapshots | None = None  # once connected
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._tasks: set[asyncio.Future[Any]] = set()  # acks and publishes under way
@@ -141,6 +150,9 @@ class BusIntake:
                 if attempt == START_TRIES - 1:
                     raise
                 await asyncio.sleep(0.5)
+        self.snapshots = CellSnapshots(
+            self.daemon, self._js, self.cluster, self.settings.replicas, self.snapshot_every
+        )
         await self._nc.subscribe(f"{bus.CONTROL}.{self.cluster}.*.status", cb=self._status)
         await self._kv.put(f"daemon.{self.name}", self.name.encode())
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -211,6 +223,7 @@ class BusIntake:
                     self.counters["cells_lost"] += 1
                     await self._let_go(cell)
         await self._kv.put(f"daemon.{self.name}", self.name.encode())
+        self._snapshot_due()
         cells = await self._cells()
         keys = await self._keys()
         alive = max(1, sum(1 for k in keys if k.startswith("daemon.")))
@@ -235,6 +248,18 @@ class BusIntake:
             cell = self.cells[name] = Cell(name, revision, time.monotonic())
             staying.append(cell)
             self._spawn(self._take(cell, cells[name]))  # off the turn: renewals go on meanwhile
+
+    def _snapshot_due(self) -> None:
+        """Begin the snapshot of the held cell most overdue for one, if any is (one at a time)."""
+        snapshots = self.snapshots
+        if snapshots is None or not self.snapshot_every or snapshots.building:
+            return
+        due = [c for c in self.cells.values() if c.ledger is not None and not c.leaving]
+        due = [c for c in due if c.taken - c.snapshot_at >= self.snapshot_every]
+        if due:
+            cell = max(due, key=lambda c: c.taken - c.snapshot_at)
+            cell.snapshot_at = cell.taken
+            self._spawn(snapshots.save(cell.name, sorted(cell.sources)))
 
     async def _look(self, cells: dict[str, set[str]], leased: set[str]) -> None:
         """Note every cell's daemon (for the fleet's view: `kvguard fleet`)."""
@@ -295,12 +320,18 @@ class BusIntake:
 
         name = cell.name
         started = time.perf_counter()
-        rebuilt = await self.daemon.adopt(sources)
+        start = await self.snapshots.load(name) if self.snapshots is not None else None
+        before = self.counters["adopted_events"]
+        cell.ledger = await self.daemon.adopt(name, sources, start)
+        rebuilt = self.counters["adopted_events"] - before
+        if cell.stopping:  # let go while it was being rebuilt
+            self.daemon.release(name, cell.ledger)
+            return
         durable = bus.consumer_name(name)
-        start = None
+        first = None
         try:
             info = await self._js.consumer_info(self.stream, durable)
-            start = info.ack_floor.stream_seq + 1
+            first = info.ack_floor.stream_seq + 1
             await self._js.delete_consumer(self.stream, durable)  # a stalled owner's reads end here
         except NotFoundError:
             pass
@@ -310,18 +341,20 @@ class BusIntake:
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ACK_WAIT_S,
             max_ack_pending=4 * IN_FLIGHT,
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if start else DeliverPolicy.ALL,
-            opt_start_seq=start,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if first else DeliverPolicy.ALL,
+            opt_start_seq=first,
         )
         await self._js.add_consumer(self.stream, config)
         sub = await self._js.pull_subscribe_bind(durable=durable, stream=self.stream)
-        if cell.stopping:  # let go while it was being taken
+        if cell.stopping:  # let go while it was being taken (_let_go releases its ledger)
             return
         cell.task = asyncio.get_running_loop().create_task(self._read(cell, sub))
         self.counters["cells_taken"] += 1
+        whence = f"its snapshot after record {start.through} and " if start is not None else ""
         log.info(
-            f"bus: cell {name} taken ({len(sources)} sources, {rebuilt} stored events applied again "
-            f"in {time.perf_counter() - started:.2f} s; reading from stream sequence {start or 1})"
+            f"bus: cell {name} taken ({len(sources)} sources; from {whence}{rebuilt} stored events "
+            f"applied again in {time.perf_counter() - started:.2f} s; "
+            f"reading from stream sequence {first or 1})"
         )
 
     async def _read(self, cell: Cell, sub: Any) -> None:
@@ -369,11 +402,14 @@ class BusIntake:
                 self.daemon.connect(source, self._outbox(source))
 
         def stored(_: svc.DaemonMessage) -> None:
+            cell.pending -= 1
             cell.in_flight.release()
             self._spawn(msg.ack())
 
+        cell.pending += 1
+        cell.taken += len(events)
         self.daemon.nodes.batch(source, events)
-        self.daemon.ingest(Batch(source, events, stored))
+        self.daemon.ingest(Batch(source, events, stored, cell.name))
 
     def _outbox(self, node: str) -> _Outbox:
         return _Outbox(self, node)
@@ -388,7 +424,17 @@ class BusIntake:
             if "/" not in source:
                 self.daemon.disconnect(source, self._outbox(source))
                 self.daemon.nodes.closed(source)
-        self.cells.pop(cell.name, None)
+        if self.cells.get(cell.name) is cell:
+            del self.cells[cell.name]
+        self._spawn(self._release(cell))
+
+    async def _release(self, cell: Cell) -> None:
+        """Free the cell's ledger once what was taken of it is applied and stored (a batch
+        still in the ingest is judged on it)."""
+        while cell.pending:
+            await asyncio.sleep(0.05)
+        if cell.ledger is not None:
+            self.daemon.release(cell.name, cell.ledger)
 
     async def _give_back(self, cell: Cell) -> None:
         """Give the cell back: stop reading it, wait until what was taken of it is stored (and

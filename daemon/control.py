@@ -27,8 +27,8 @@ from google.protobuf.message import DecodeError
 
 from kvguard.daemon.commands import MODES, Commands
 from kvguard.daemon.ingest import Ingest
+from kvguard.daemon.ledgers import Ledgers
 from kvguard.daemon.store import Record, RowError, Store
-from kvguard.ledger import Ledger
 from kvguard.ledger.findings import Finding
 from kvguard.ledger.requests import ENDED
 from kvguard.proto import pb
@@ -79,7 +79,7 @@ class Control:
         recorded in `store`."""
         self.pipeline = pipeline
         self.store = store
-        self.ledger: Ledger = pipeline.ledger
+        self.ledgers: Ledgers = pipeline.ledgers
         self.ruleset: Ruleset = pipeline.ruleset
         self.commands: Commands = pipeline.commands
         self.counters: Counter[str] = pipeline.counters
@@ -189,14 +189,15 @@ class Control:
         req = action.kill.req
         if not req:
             raise ActionRefused(Code.INVALID_ARGUMENT, "kill: no request named (Action.kill.req)")
-        r = self.ledger.request(req)
-        if r is None:
+        found_req = self.ledgers.request(req)
+        if found_req is None:
             raise ActionRefused(Code.NOT_FOUND, f"kill: request {req!r} is not known to the daemon's ledger")
+        ledger, r = found_req
         live = sorted(  # the nodes where it holds pages: where it still runs
             node
             for node, pool in r.pools
-            if node in self.ledger.nodes
-            and (found := self.ledger.nodes[node].pools.get(pool)) is not None
+            if node in ledger.nodes
+            and (found := ledger.nodes[node].pools.get(pool)) is not None
             and found.live.get(r.idx, 0) > 0
         )
         # A request that ended but still holds pages is the very case kvguard is for (rejected,
@@ -209,7 +210,7 @@ class Control:
                 Code.FAILED_PRECONDITION, f"kill: request {req!r} has already ended ({r.state}{why})"
             )
         if action.node:
-            if action.node not in self.ledger.nodes and action.node not in self.commands.outboxes:
+            if self.ledgers.node(action.node) is None and action.node not in self.commands.outboxes:
                 raise ActionRefused(Code.NOT_FOUND, f"kill: node {action.node!r} is not known to the daemon")
             nodes = [action.node]
         else:
@@ -229,7 +230,7 @@ class Control:
         q, node = action.quarantine, action.node
         if not node:
             raise ActionRefused(Code.INVALID_ARGUMENT, "quarantine: no node named (Action.node)")
-        known = self.ledger.nodes.get(node)
+        known = self.ledgers.node(node)
         if known is None:
             raise ActionRefused(
                 Code.NOT_FOUND, f"quarantine: node {node!r} is not known to the daemon's ledger"

@@ -1,18 +1,20 @@
-"""`kvguard daemon`'s core (`Daemon`): the one global ledger, rebuilt from the audit store at
-start, and the parts around it, all on one asyncio event loop in one thread: the ingest
+"""`kvguard daemon`'s core (`Daemon`): its ledgers (ledgers.py: one for every node, rebuilt
+from the audit store at start; on the bus one per cell it holds, rebuilt as it takes each),
+and the parts around them, all on one asyncio event loop in one thread: the ingest
 (ingest.py: batches applied, judged, committed in groups), the commands back to the nodes
 (commands.py), operators' actions (control.py), each node's liveness (nodes.py), the alert
 fan-out (fanout.py), the periodic snapshots (snapshots.py) and the store's room (room.py). The
 gRPC services (service.py) call into it. Its rules are reloaded in place (`reload_rules`), and
 its loop marks each turn of a heartbeat that systemd's watchdog reads (`start_heartbeat`).
 
-Invariants: the ledger starts from the store's latest sound snapshot plus every event stored
-after it, so a restart loses nothing and changes no verdict; only the loop's thread changes
-the ledger (the fleet state reads it under the ingest's lock); the daemon times its own part
-of each alert (receipt to verdict, to durable alert, to its write, to the ack); a reload
-loads and checks the new rules off the loop and swaps them in whole on it, between two
-findings, and rules that fail to load leave the old ones in force and raise a critical alert
-of the daemon's own (kind "internal", rule kvguard_reload_failed), stored and sent like any.
+Invariants: a ledger starts from its latest sound snapshot plus every event of its nodes
+stored after it, so a restart or a cell's move loses nothing and changes no verdict; only the
+loop's thread changes a ledger in use (the fleet state reads them under the ingest's lock);
+the daemon times its own part of each alert (receipt to verdict, to durable alert, to its
+write, to the ack); a reload loads and checks the new rules off the loop and swaps them in
+whole on it, between two findings, and rules that fail to load leave the old ones in force
+and raise a critical alert of the daemon's own (kind "internal", rule kvguard_reload_failed),
+stored and sent like any.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from kvguard.daemon.control import Control
 from kvguard.daemon.fanout import Fanout
 from kvguard.daemon.ingest import Batch, Ingest
 from kvguard.daemon.latency import Latencies
+from kvguard.daemon.ledgers import WHOLE, Ledgers
 from kvguard.daemon.nodes import Nodes
-from kvguard.daemon.pool_map import read_pool
+from kvguard.daemon.pool_map import PoolNotFound, read_pool
 from kvguard.daemon.room import RESERVE, StoreRoom
 from kvguard.daemon.seen import Seen
 from kvguard.daemon.snapshots import SNAPSHOT_EVERY, Snapshots, restored
@@ -57,6 +60,16 @@ REPLAY_REFUSALS_SAID = 10  # stored events refused at start that are logged one 
 RELOAD_FAILED_RULE = "kvguard_reload_failed"  # the rule id of the daemon's alert on a refused reload
 ON_LOOP_TIMEOUT_S = 60.0  # how long a reload waits for the loop (a loop stuck longer: the watchdog's)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class CellStart:
+    """Where a cell taken on the bus starts: its snapshot's ledger, the record it was taken
+    after, and the nodes it holds."""
+
+    ledger: Ledger
+    through: int
+    nodes: frozenset[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,30 +133,29 @@ class Daemon:
         self.commands = Commands(mode, store.count("command"), self.counters)  # checks the mode first
         self.store = store
         self.ruleset = ruleset if ruleset is not None else load_ruleset()
+        self.limits = limits if limits is not None else Limits()
+        self.clock_skew_ns = clock_skew_ns
+        self.seen = Seen()  # the last events of each node, to tell a repeat from a tampered copy
         # What was applied once is applied again whatever the limits are now; they bound what comes next.
         # A daemon on the bus (`rebuild` False) starts empty: it rebuilds each cell it takes (adopt).
-        self.ledger, through = (
-            restored(store, Ledger(clock_skew_ns=clock_skew_ns, limits=UNBOUNDED))
-            if rebuild
-            else (Ledger(clock_skew_ns=clock_skew_ns), store.last_id())
-        )
-        self.seen = Seen()  # the last events of each node, to tell a repeat from a tampered copy
-        self.limits = limits if limits is not None else Limits()
-        rebuilt = self._replay(store.event_batches(after=through)) if rebuild else 0
-        self.ledger.limits = self.limits
+        through, rebuilt, whole = store.last_id(), 0, None
+        if rebuild:
+            whole, through = restored(store, Ledger(clock_skew_ns=clock_skew_ns, limits=UNBOUNDED))
+            rebuilt = self._replay(whole, store.event_batches(after=through), self.counters)
+        self.ledgers = Ledgers(self.fresh, whole)
         self.counters["rebuilt_events"] = rebuilt
         self.counters["snapshot_through"] = through
         self.latencies = Latencies()  # receipt of a batch to its verdicts, alerts and ack
         self.fanout = Fanout()
         # Live events are counted from 0: the replayed ones count towards the first snapshot too.
         self.snapshots = Snapshots(
-            store, snapshot_every, -rebuilt, self.counters, snapshot.settings(self.ledger)
+            store, snapshot_every if rebuild else 0, -rebuilt, self.counters, snapshot.settings(self.fresh())
         )
         self.writer: Writer = writer if writer is not None else InlineWriter(store)
         gc.freeze()
         self.loop = asyncio.new_event_loop()  # the gRPC server runs on it too (service.py)
         self.pipeline = Ingest(
-            self.ledger,
+            self.ledgers,
             self.ruleset,
             self.writer,
             self.commands,
@@ -173,21 +185,32 @@ class Daemon:
         self.heartbeat_at = time.monotonic()  # the loop's last turn of its heartbeat (start_heartbeat)
         self.bus: BusIntake | None = None  # its intake on the bus, if it is on one (daemon/bus.py)
 
-    def _replay(self, batches: Iterable[tuple[str, wire.Batch, int]]) -> int:
-        """Apply stored events again, judging none (their verdicts are stored already): the
-        state they left, rebuilt; returns how many. An event the ledger refuses now (a store
-        edited, or written by another version) is said and skipped, so that one stored event
-        cannot stop every start."""
+    def fresh(self) -> Ledger:
+        """An empty ledger with the daemon's settings and limits."""
+        return Ledger(clock_skew_ns=self.clock_skew_ns, limits=self.limits)
+
+    @property
+    def ledger(self) -> Ledger:
+        """The ledger of every node off the bus (cell WHOLE)."""
+        return self.ledgers.of(WHOLE)
+
+    def _replay(
+        self, ledger: Ledger, batches: Iterable[tuple[str, wire.Batch, int]], counts: Counter[str]
+    ) -> int:
+        """Apply stored events again to `ledger`, judging none (their verdicts are stored
+        already): the state they left, rebuilt; returns how many, counting in `counts`. An
+        event the ledger refuses now (a store edited, or written by another version) is said
+        and skipped, so that one stored event cannot stop every start."""
         rebuilt = 0
-        self.ledger.limits = UNBOUNDED  # what was applied once is applied again
+        ledger.limits = UNBOUNDED  # what was applied once is applied again
         try:
             for node, batch, skip in batches:
-                for i, exc in self.ledger.replay(batch, node, skip):
-                    if exc.kind == "repeat":  # a cell taken again holds what it held before
-                        self.counters["replay_known"] += 1
+                for i, exc in ledger.replay(batch, node, skip):
+                    if exc.kind == "repeat":  # stored twice (a snapshot's nodes read again)
+                        counts["replay_known"] += 1
                         continue
-                    self.counters["replay_refused"] += 1
-                    if self.counters["replay_refused"] <= REPLAY_REFUSALS_SAID:
+                    counts["replay_refused"] += 1
+                    if counts["replay_refused"] <= REPLAY_REFUSALS_SAID:
                         epoch, seq = batch.position(i)
                         log.warning(
                             f"stored event seq {seq} (epoch {epoch}) of node {node} cannot be "
@@ -196,24 +219,41 @@ class Daemon:
                 self.seen.record(node, batch, skip, len(batch))
                 rebuilt += len(batch) - skip
         finally:
-            self.ledger.limits = self.limits
+            ledger.limits = self.limits
         return rebuilt
 
-    async def adopt(self, nodes: Collection[str]) -> int:
-        """Take over `nodes` (a cell's, on the bus): their stored events applied again, as
-        another daemon applied them, so that what comes next is judged on their state and
-        what is stored already is a repeat (on the loop; the store is read off it). Returns
-        how many events were applied."""
+    async def adopt(self, cell: str, nodes: Collection[str], start: CellStart | None = None) -> Ledger:
+        """Take over `cell` (on the bus) with `nodes`: its ledger from its snapshot `start`
+        (None: empty) and the events of its nodes stored after it (of a node the snapshot does
+        not hold, all of them), applied again off the loop as another daemon applied them, so
+        that what comes next is judged on their state and what is stored already is a repeat.
+        Then in use (on the loop); returns it."""
         loop = asyncio.get_running_loop()
-        stored = await loop.run_in_executor(None, lambda: list(self.store.event_batches(nodes=nodes)))
+        ledger, through, held = (
+            (start.ledger, start.through, start.nodes) if start else (self.fresh(), 0, set())
+        )
+        counts: Counter[str] = Counter()
+
+        def rebuild() -> int:
+            stored = self.store.event_batches(
+                after=through, nodes=set(nodes) | set(held), from_start=set(nodes) - set(held)
+            )
+            return self._replay(ledger, stored, counts)
+
+        rebuilt = await loop.run_in_executor(None, rebuild)
         with self.pipeline.lock:
-            rebuilt = self._replay(stored)
-            for name in nodes:
-                node = self.ledger.nodes.get(name)
-                if node is not None:
-                    self.pipeline.durable[name] = (node.epoch, node.durable_seq)
+            self.ledgers.put(cell, ledger)
+            for name, node in ledger.nodes.items():
+                self.pipeline.durable[name] = (node.epoch, node.durable_seq)
+        self.counters.update(counts)
         self.counters["adopted_events"] += rebuilt
-        return rebuilt
+        return ledger
+
+    def release(self, cell: str, ledger: Ledger) -> None:
+        """The cell is no longer this daemon's (on the loop, once what was taken of it is
+        applied): its ledger is freed."""
+        with self.pipeline.lock:
+            self.ledgers.drop(cell, ledger)
 
     def start_heartbeat(self, every: float) -> None:
         """Let the loop note the time at least every `every` seconds, in `heartbeat_at`: what
@@ -302,8 +342,8 @@ class Daemon:
         return self.pipeline.durable.get(node, (0, 0))
 
     def save_snapshot(self) -> int:
-        """Store the ledger's state as of the last committed record (call once the loop has
-        stopped and the writer has committed everything); returns that record."""
+        """Store the ledger's state as of the last committed record (off the bus; call once
+        the loop has stopped and the writer has committed everything); returns that record."""
         return self.store.save_snapshot(snapshot.dump(self.ledger))
 
     def close(self, timeout: float = 60) -> None:
@@ -328,23 +368,24 @@ class Daemon:
         live = self.nodes.read()
         now = time.time_ns()
         with self.pipeline.lock:
-            ledger = self.ledger
+            ledgers = self.ledgers
+            known = ledgers.nodes()
             state = svc.FleetState(
-                requests=ledger.known_requests, events=self.counters["events"], now_ns=now, mode=self.mode
+                requests=ledgers.known_requests, events=self.counters["events"], now_ns=now, mode=self.mode
             )
-            for name in sorted(ledger.nodes.keys() | live.keys()):
+            for name in sorted(known.keys() | live.keys()):
                 ns = state.nodes.add(node=name, connected=name in self.commands.outboxes)
                 seen = live.get(name)
                 if seen is not None:
                     seen.fill(ns, now)
-                node = ledger.nodes.get(name)
+                node = known.get(name)
                 if node is None:
                     continue
                 ns.last_seq, ns.last_ts_ns, ns.dropped = node.last_seq, node.last_ts_ns, node.dropped
                 ns.epoch, ns.restarts = node.epoch, node.restarts
                 for pool in node.pools.values():
                     ns.pools.add(node=name, report=pool.report, pages_in_use=int((pool.pages.use > 0).sum()))
-            for kind, n in ledger.stats.findings.items():
+            for kind, n in ledgers.findings().items():
                 state.findings[kind] = n
             judged = dict.fromkeys(
                 ((k, r.id, r.severity) for r in self.pipeline.ruleset.rules if r.enabled for k in r.kinds), 0
@@ -357,7 +398,7 @@ class Daemon:
             if self.bus is not None:
                 self.bus.fill(state)
             # What the ledger could not see or judge, and what it retired and forgot.
-            for name, n in ledger.stats.totals().items():
+            for name, n in ledgers.totals().items():
                 state.counters[f"ledger_{name}"] = n
         state.store.CopyFrom(self.room.state())
         for took in self.latencies.summaries():
@@ -374,9 +415,12 @@ class Daemon:
         """One pool of one node, page by page (pool_map.py); PoolNotFound naming what is not.
         The ledger is read under the ingest's lock, the message built after."""
         with self.pipeline.lock:
-            known = self.ledger.nodes.get(node)
-            epoch = known.epoch if known is not None else 0
-            picture = read_pool(self.ledger, node, pool, self.commands.quarantined.of(node, pool, epoch))
+            ledger = self.ledgers.holding(node)
+            if ledger is None:
+                names = ", ".join(sorted(self.ledgers.nodes())[:20]) or "none"
+                raise PoolNotFound(f"node {node!r} is not known to the daemon's ledger (its nodes: {names})")
+            epoch = ledger.nodes[node].epoch
+            picture = read_pool(ledger, node, pool, self.commands.quarantined.of(node, pool, epoch))
         return picture.message()
 
     def rules(self) -> svc.RulesState:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from kvguard.daemon.commands import Commands
 from kvguard.daemon.fanout import Fanout
 from kvguard.daemon.latency import Latencies
+from kvguard.daemon.ledgers import WHOLE, Ledgers
 from kvguard.daemon.outcomes import Outcomes
 from kvguard.daemon.repeats import Repeats
 from kvguard.daemon.seen import Seen
@@ -60,6 +61,7 @@ class Batch:
     node: str
     events: wire.Batch  # as received, its heads read once: the ledger and the store take them
     reply: Reply  # where its ack goes (the stream's outbox)
+    cell: str = WHOLE  # whose ledger applies it (ledgers.py)
     # How far it is applied, when that takes more than one step of the loop:
     ack: svc.Ack | None = None  # set at its first event
     index: int = -1  # its place in the group being filled (-1: not in it yet)
@@ -90,7 +92,7 @@ class Group:
 class Ingest:
     def __init__(
         self,
-        ledger: Ledger,
+        ledgers: Ledgers,
         ruleset: Ruleset,
         writer: Writer,
         commands: Commands,
@@ -101,7 +103,7 @@ class Ingest:
         loop: asyncio.AbstractEventLoop,
         seen: Seen | None = None,
     ) -> None:
-        self.ledger = ledger
+        self.ledgers = ledgers
         self.ruleset = ruleset
         self.writer = writer
         self.commands = commands
@@ -115,7 +117,7 @@ class Ingest:
         # node -> the last (epoch, seq) the store holds (what a new stream is told); moves only
         # when a group commits, while the ledger runs ahead by the groups in flight.
         self.durable: dict[str, tuple[int, int]] = {
-            name: (node.epoch, node.durable_seq) for name, node in ledger.nodes.items()
+            name: (node.epoch, node.durable_seq) for name, node in ledgers.nodes().items()
         }
         self._inbox: deque[Batch] = deque()  # received, not yet applied (the head is next)
         self._apply_due = False  # _apply_next is scheduled
@@ -283,13 +285,14 @@ class Ingest:
             batch.index = len(group.batches)
             group.batches.append(batch.events)
         node, ack, m, run, events = batch.node, batch.ack, batch.index, batch.run, batch.events
+        ledger = self.ledgers.of(batch.cell)
         end = min(len(events), batch.done + limit)
         i, accepted = batch.done, 0
         with self.lock:
             while i < end:
                 # The clean common events in C, as many as come in a row; the next one (a
                 # finding, an error, anything less common) one at a time.
-                clean = self.ledger.apply_clean(events, i, end, node)
+                clean = ledger.apply_clean(events, i, end, node)
                 if clean > i:
                     self.seen.record(node, events, i, clean)
                     accepted += clean - i
@@ -298,7 +301,7 @@ class Ingest:
                     i = clean
                     if i == end:
                         break
-                found = self._apply_event(node, events, i, ack)
+                found = self._apply_event(ledger, node, events, i, ack)
                 if found is None or isinstance(found, Record):  # not applied: its refusal stored
                     if run >= 0:
                         group.add(EventRun(m, run, i))
@@ -314,7 +317,7 @@ class Ingest:
                 if found:
                     group.add(EventRun(m, run, i + 1))
                     run = -1
-                    self._judge(found, group, batch.received)
+                    self._judge(ledger, found, group, batch.received)
                     if group.findings and not self._alerting:
                         end = i + 1
                 i += 1
@@ -324,7 +327,7 @@ class Ingest:
                 return False
             if run >= 0:
                 group.add(EventRun(m, run, len(events)))
-            known = self.ledger.nodes.get(node)
+            known = ledger.nodes.get(node)
             if known is not None:
                 # Up to its first gap: a number far ahead (a fault, an impostor) must not make
                 # the agent drop what it has not yet had stored.
@@ -334,14 +337,14 @@ class Ingest:
         return True
 
     def _apply_event(
-        self, node: str, events: wire.Batch, i: int, ack: svc.Ack
+        self, ledger: Ledger, node: str, events: wire.Batch, i: int, ack: svc.Ack
     ) -> Sequence[Finding] | Record | None:
         """Event i of `node`'s batch to the ledger: its findings; or, if it was refused, the
         record that keeps it in the audit log (and why, in the ack); None for a repeat."""
-        known = self.ledger.nodes.get(node)
+        known = ledger.nodes.get(node)
         epoch = known.epoch if known is not None else None
         try:
-            found = self.ledger.apply_serialized(events.event(i), node)
+            found = ledger.apply_serialized(events.event(i), node)
         except BadEvent as exc:
             at, seq = events.position(i)
             if exc.kind == "repeat":
@@ -377,7 +380,7 @@ class Ingest:
             if payload in ("kill", "finish", "abort"):
                 handed_on = payload == "finish" and not self._responds(node)
                 self.repeats.request_ended(getattr(ended, payload).req, node if handed_on else None)
-        now = self.ledger.nodes.get(node)
+        now = ledger.nodes.get(node)
         if now is not None and epoch is not None and now.epoch != epoch:  # its engine restarted
             self.counters["restarts"] += 1
             log.info(
@@ -388,7 +391,7 @@ class Ingest:
 
     def _responds(self, name: str) -> bool:
         """Whether node `name` answers its requests' clients (not a prefill node)."""
-        node = self.ledger.nodes.get(name)
+        node = self.ledgers.node(name)
         return node is None or responds(node)
 
     def _canary(self, node: str, body: bytes) -> None:
@@ -405,7 +408,7 @@ class Ingest:
         head = events.heads[i]
         return Record.of_refusal(node, epoch, seq, int(head["ts"]), kind, reason, events.event(i))
 
-    def _judge(self, found: Sequence[Finding], out: Group, received: float) -> None:
+    def _judge(self, ledger: Ledger, found: Sequence[Finding], out: Group, received: float) -> None:
         """The ruleset's verdict on each finding of an event (of a batch received at
         `received`): its row, then its commands' rows; the commands go out now, before the
         commit (see the module's invariants)."""
@@ -413,7 +416,7 @@ class Ingest:
             evaluated = self.ruleset.evaluate(f)
             if evaluated is None:
                 continue
-            r = self.ledger.request(evaluated.req) if evaluated.req else None
+            r = ledger.request(evaluated.req) if evaluated.req else None
             finished = r is not None and r.has_finished
             known = self.outcomes.watch(evaluated, time.time_ns(), out.committed, out.rows, finished)
             if known:  # its request's fate is known already: this finding says it
@@ -429,7 +432,7 @@ class Ingest:
             self.counters["findings"] += 1
             self.judged[(evaluated.finding, evaluated.rule, evaluated.severity)] += 1
             out.add(Record.of_finding(evaluated))
-            node = self.ledger.nodes.get(evaluated.node)
+            node = ledger.nodes.get(evaluated.node)
             for command in self.commands.of(evaluated, node.epoch if node is not None else 0):
                 body = command.SerializeToString()
                 out.add(Record("command", evaluated.node, command.id, evaluated.ts_ns, body, evaluated.req))

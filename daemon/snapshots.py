@@ -113,7 +113,7 @@ class Snapshots:
                 worker = self._worker = subprocess.Popen(
                     self.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
                 )
-            keys = "\n".join(k.hex() for k in self.store.audit_keys()).encode()
+            keys = " ".join(k.hex() for k in self.store.audit_keys()).encode() + b"\n"
             out, err = worker.communicate(keys)
             if worker.returncode != 0:
                 said = err.decode(errors="replace").strip() or f"exit status {worker.returncode}"

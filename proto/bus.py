@@ -14,6 +14,8 @@ daemon/bus.py speak it.
 - Which daemon judges a cell is a lease in the KV bucket `KVGUARD_CELLS_<cluster>`: key
   `cell.<cell>` holds its daemon's name and lapses unless renewed; `daemon.<name>` says a
   daemon is alive.
+- Each cell's latest ledger snapshot is the object `cell.<cell>` of the object store
+  `KVGUARD_SNAPSHOTS_<cluster>` (daemon/cell_snapshots.py says its form).
 
 Names become subject tokens by percent-encoding every byte outside [A-Za-z0-9_-], so that any
 node name is one token, and a dot, a wildcard or a space in it cannot widen a subject.
@@ -73,6 +75,15 @@ def stream_name(cluster: str) -> str:
 
 def bucket_name(cluster: str) -> str:
     return f"KVGUARD_CELLS_{check_cluster(cluster)}"
+
+
+def snapshots_name(cluster: str) -> str:
+    """The object store of the cells' ledger snapshots (one object a cell: snapshot_name)."""
+    return f"KVGUARD_SNAPSHOTS_{check_cluster(cluster)}"
+
+
+def snapshot_name(cell: str) -> str:
+    return f"cell.{cell}"
 
 
 def source_tokens(source: str) -> str:

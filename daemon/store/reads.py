@@ -48,30 +48,37 @@ def events(engine: Engine, after: int = 0) -> Iterator[pb.Event]:
 
 
 def event_batches(
-    engine: Engine, after: int = 0, until: int | None = None, nodes: Collection[str] | None = None
+    engine: Engine,
+    after: int = 0,
+    until: int | None = None,
+    nodes: Collection[str] | None = None,
+    from_start: Collection[str] = (),
 ) -> Iterator[tuple[str, wire.Batch, int]]:
-    """The stored events after id `after`, in the order they were applied, as their bytes:
-    (node, its events, how many of them come before `after`) per record, a run's together
-    (the daemon rebuilds its ledger from them at start, applying them as it applied them
-    live)."""
+    """The stored events after id `after` (only those of `nodes`, if given; of the nodes in
+    `from_start`, every one), in the order they were applied, as their bytes: (node, its
+    events, how many of them come before `after`) per record, a run's together (the daemon
+    rebuilds its ledger from them at start, applying them as it applied them live)."""
     c = records.c
+    whole = set(from_start)
     query = select(c.id, c.kind, c.node, c.body).where(c.kind.in_(("event", "events"))).order_by(c.id)
     with engine.connect() as conn:
-        query = query.where(c.id >= holding(conn, after + 1))
+        since = c.id >= holding(conn, after + 1)
+        query = query.where(since | c.node.in_(list(whole)) if whole else since)
         if until is not None:  # a record's end: the records that start up to it end there too
             query = query.where(c.id <= until)
         if nodes is not None:
-            query = query.where(c.node.in_(list(nodes)))
+            query = query.where(c.node.in_(list(set(nodes) | whole)))
         with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
             for record_id, kind, node, body in result:
                 if type(body) is not bytes or type(node) is not str or type(kind) is not str:
                     row = {"kind": kind, "node": node, "body": body}
                     kind, node, body = checked("records", f"record {record_id}", row).values()
+                skip = 0 if node in whole else after + 1 - record_id
                 if kind == "event":
-                    if record_id > after:
+                    if skip <= 0:
                         yield node, wire.single(body), 0
                     continue
-                yield node, wire.decode_batch(body, wrapped=False), max(0, after + 1 - record_id)
+                yield node, wire.decode_batch(body, wrapped=False), max(0, skip)
 
 
 def records_of(engine: Engine, kind: str) -> Iterator[tuple[int, str, bytes]]:

@@ -443,13 +443,18 @@ class Store:
         return reads.events(self.engine, after)
 
     def event_batches(
-        self, after: int = 0, until: int | None = None, nodes: Collection[str] | None = None
+        self,
+        after: int = 0,
+        until: int | None = None,
+        nodes: Collection[str] | None = None,
+        from_start: Collection[str] = (),
     ) -> Iterator[tuple[str, wire.Batch, int]]:
         """The stored events after id `after` (and, `until` a record's end, up to it; only
-        those of `nodes`, if given), in the order they were applied, as their bytes: (node,
-        its events, how many of them come before `after`) per record, a run's together (the
-        daemon rebuilds its ledger from them at start, applying them as it applied them live)."""
-        return reads.event_batches(self.engine, after, until, nodes)
+        those of `nodes`, if given, and of those in `from_start` every one), in the order they
+        were applied, as their bytes: (node, its events, how many of them come before `after`)
+        per record, a run's together (the daemon rebuilds its ledger from them at start,
+        applying them as it applied them live)."""
+        return reads.event_batches(self.engine, after, until, nodes, from_start)
 
     def last_id(self) -> int:
         """The id the store ends at now (0: empty): always the end of a committed group."""
@@ -496,23 +501,39 @@ class Store:
         none to use: a snapshot whose digest does not match the chain at its record is not."""
         with self.engine.connect() as conn:
             found = snapshot_rows.latest(conn)
-            if isinstance(found, str):
-                return found
-            through, body, digest = found
-            try:
+        if isinstance(found, str):
+            return found
+        through, body, digest = found
+        wrong = self.unbound(through, body, digest)
+        return wrong if wrong is not None else (int(through), body)
+
+    def bind(self, through: int, body: bytes) -> bytes:
+        """The digest that binds a snapshot taken after record `through` to the chain there,
+        for a snapshot kept outside the store (a cell's, on the bus). StoreError if no record
+        ends there."""
+        with self.engine.connect() as conn:
+            last = _ending(conn, through) if through else None
+        if through and (last is None or last[0] != through):
+            raise StoreError(f"audit store {self.shown}: no record ends at id {through} to snapshot after")
+        return snapshot_digest(last[1] if last else GENESIS, body, self.write_key())
+
+    def unbound(self, through: int, body: bytes, digest: bytes) -> str | None:
+        """Why a snapshot taken after record `through` with `digest` does not match the chain
+        there (None: it does)."""
+        try:
+            with self.engine.connect() as conn:
                 last = _ending(conn, through) if through else None
-            except RowError as exc:
-                return str(exc)
+        except RowError as exc:
+            return str(exc)
         if through and (last is None or last[0] != through):
             return f"the snapshot's record {through} is not in the store"
-        after = last[1] if last else None
         try:
             key = self.write_key()  # snapshots are bound under the current seal's key
         except StoreError:
             return "the store is sealed: checking its snapshot needs its current audit key"
-        if snapshot_digest(after or GENESIS, body, key) != digest:
+        if snapshot_digest(last[1] if last else GENESIS, body, key) != digest:
             return f"the snapshot taken after record {through} does not match the chain there"
-        return int(through), body
+        return None
 
     def close(self) -> None:
         if self._closed:
