@@ -186,3 +186,41 @@ def test_the_daemon_has_no_fork_of_itself() -> None:
         text=True,
     ).stdout
     assert os_fork_users == ""
+
+
+def test_a_cells_snapshot_built_on_its_previous_one_is_the_one_built_from_its_whole_history(
+    tmp_path: Path,
+) -> None:
+    """On the bus: a cell's snapshot holds its nodes only, and built from the one before it
+    and what came after is, byte for byte, the one built from everything its nodes stored."""
+    from kvguard.daemon.snapshot_worker import build_cell
+    from kvguard.testbed.fleet import fleet
+
+    f = fleet(2, ticks=12, length=3, fault_every=4)
+    half = len(f.batches) // 2
+    store = Store(str(tmp_path / "audit.db"))
+    nodes = f.cells["cell000"]
+    try:
+        built_first = []
+        for i, part in enumerate((f.batches[:half], f.batches[half:])):
+            daemon = Daemon(store, snapshot_every=0)
+            for node, events in part:
+                ingest(daemon, node, events, lambda msg: None)
+            wait_for(lambda d=daemon, p=part: d.counters["events"] == sum(len(e) for _, e in p))
+            daemon.close()
+            settings = snapshot.settings(daemon.ledger)
+            if i == 0:
+                built_first.append(build_cell(store.url, [], store.head_file, settings, nodes, b"", 0, []))
+        [(after, previous)] = built_first
+        assert 0 < after < store.count()
+        assert set(snapshot.load(previous).nodes) == set(nodes)  # the other cell's are not in it
+        built = build_cell(store.url, [], store.head_file, settings, nodes, previous, after, nodes)
+        whole = build_cell(store.url, [], store.head_file, settings, nodes, b"", 0, [])
+        assert built[0] == whole[0] == store.count() and built[1] == whole[1]
+        # Nothing of its nodes after the newest: nothing built.
+        assert build_cell(store.url, [], store.head_file, settings, nodes, whole[1], whole[0], nodes) == (
+            whole[0],
+            b"",
+        )
+    finally:
+        store.close()
