@@ -209,7 +209,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         from kvguard.proto.metrics_http import MetricsError, serve_metrics
 
         try:
-            metrics = serve_metrics(args.metrics_listen, DaemonCollector(daemon.fleet, daemon.latencies), tls)
+            own = DaemonCollector(lambda: daemon.fleet(own=True), daemon.latencies)  # its own nodes only
+            metrics = serve_metrics(args.metrics_listen, own, tls)
         except MetricsError as exc:
             server.stop(grace=0)
             daemon.close()

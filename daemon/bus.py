@@ -52,6 +52,7 @@ FETCH = 256  # messages (batches) fetched at once
 IN_FLIGHT = 256  # a cell's batches taken and not yet stored: its consumer waits beyond
 ACK_WAIT_S = 120.0  # a batch delivered and not acknowledged in this long is delivered again
 START_TRIES = 20  # making the stream and the bucket, half a second apart
+STATE = "state."  # a daemon's nodes in the lease bucket: key `state.<daemon>`
 
 
 @dataclass(eq=False)
@@ -126,6 +127,7 @@ class BusIntake:
         self._closing = False
         self._tasks: set[asyncio.Future[Any]] = set()  # acks and publishes under way
         self.seen: dict[str, tuple[str, set[str]]] = {}  # every cell: its daemon, its sources (last turn)
+        self.others: dict[str, svc.FleetState] = {}  # every other daemon's nodes, as it last said
         daemon.bus = self  # its fleet state says the cells (fill)
 
     # ------------------------------------------------------------------ start, stop
@@ -223,6 +225,7 @@ class BusIntake:
                     self.counters["cells_lost"] += 1
                     await self._let_go(cell)
         await self._kv.put(f"daemon.{self.name}", self.name.encode())
+        await self._say_nodes()
         self._snapshot_due()
         cells = await self._cells()
         keys = await self._keys()
@@ -274,11 +277,50 @@ class BusIntake:
             seen[cell] = (owner, sources)
         self.seen = seen
 
-    def fill(self, state: svc.FleetState) -> None:
-        """This daemon's name and the cells as last seen, into a fleet state (any thread)."""
+    async def _say_nodes(self) -> None:
+        """Put this daemon's nodes where the others read them (`state.<name>`, lapsing with
+        the lease), and read theirs: any daemon shows the whole fleet."""
+        state = self.daemon.fleet(own=True)
+        said = svc.FleetState(nodes=state.nodes).SerializeToString()
+        if len(said) <= self._nc.max_payload:
+            await self._kv.put(f"{STATE}{self.name}", said)
+        else:  # said by the others' absence of it
+            self.counters["bus_state_too_large"] += 1
+        others = {}
+        for key in await self._keys():
+            name = key.removeprefix(STATE)
+            if not key.startswith(STATE) or name == self.name:
+                continue
+            with contextlib.suppress(Exception):  # lapsed meanwhile, or not one
+                others[name] = svc.FleetState.FromString((await self._kv.get(key)).value)
+        self.others = others
+
+    def fill(self, state: svc.FleetState, own: bool = False) -> None:
+        """This daemon's name, the cells as last seen and (unless `own`) the other daemons'
+        nodes as they last said, into a fleet state (any thread)."""
         state.daemon = self.name
         for cell, (owner, sources) in sorted(self.seen.items()):
             state.cells.add(cell=cell, daemon=owner, sources=sorted(sources))
+        for node in state.nodes:
+            node.daemon = self.name
+        if own:
+            return
+        shown = {node.node for node in state.nodes}
+        for daemon, said in sorted(self.others.items()):
+            for node in said.nodes:
+                if node.node not in shown:
+                    shown.add(node.node)
+                    added = state.nodes.add()
+                    added.CopyFrom(node)
+                    added.daemon = daemon
+        state.nodes.sort(key=lambda n: n.node)
+
+    def holder(self, node: str) -> str | None:
+        """The other daemon that last said it holds `node`, if one did."""
+        for daemon, said in self.others.items():
+            if any(n.node == node for n in said.nodes):
+                return daemon
+        return None
 
     async def _keys(self) -> list[str]:
         from nats.js.errors import NoKeysError

@@ -361,10 +361,11 @@ class Daemon:
         self.snapshots.join(timeout=10)
         self.room.close()
 
-    def fleet(self) -> svc.FleetState:
+    def fleet(self, own: bool = False) -> svc.FleetState:
         """The fleet as the daemon sees it: every node (with events, or a stream or its agent's
         word since the daemon started) and its pools, the counts, the store's room and the
-        daemon's own latencies."""
+        daemon's own latencies. On the bus, the nodes of other daemons' cells too, as they
+        last said (`own`: this daemon's only)."""
         live = self.nodes.read()
         now = time.time_ns()
         with self.pipeline.lock:
@@ -396,7 +397,7 @@ class Daemon:
             for name, n in self.counters.items():
                 state.counters[name] = n
             if self.bus is not None:
-                self.bus.fill(state)
+                self.bus.fill(state, own)
             # What the ledger could not see or judge, and what it retired and forgot.
             for name, n in ledgers.totals().items():
                 state.counters[f"ledger_{name}"] = n
@@ -416,6 +417,11 @@ class Daemon:
         The ledger is read under the ingest's lock, the message built after."""
         with self.pipeline.lock:
             ledger = self.ledgers.holding(node)
+            elsewhere = self.bus.holder(node) if self.bus is not None else None
+            if ledger is None and elsewhere:
+                raise PoolNotFound(
+                    f"node {node!r} is judged by daemon {elsewhere} on the bus: its pool map is there"
+                )
             if ledger is None:
                 names = ", ".join(sorted(self.ledgers.nodes())[:20]) or "none"
                 raise PoolNotFound(f"node {node!r} is not known to the daemon's ledger (its nodes: {names})")

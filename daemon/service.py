@@ -310,7 +310,7 @@ class FleetServicer(svc_grpc.FleetServiceServicer):
         self.daemon = daemon
 
     def State(self, request: svc.FleetRequest, context: grpc.ServicerContext) -> svc.FleetState:
-        return self.daemon.fleet()
+        return self.daemon.fleet(own=request.own)
 
     def Pool(self, request: svc.PoolMapRequest, context: grpc.ServicerContext) -> svc.PoolMap:
         try:

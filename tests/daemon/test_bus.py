@@ -173,6 +173,16 @@ def judged_by(
         assert wait_for(lambda: held() == names), f"{n} daemon(s) hold {held()}"
         state = fleet_state(running[-1])
         assert len(state.cells) == 64 and all(len(c.sources) == 4 for c in state.cells)
+        # Any daemon shows every node, each with the daemon that judges it; its own, only its own.
+        holder = {node: c.daemon for c in state.cells for node in c.sources}
+
+        def shown() -> dict[str, str]:
+            return {node.node: node.daemon for node in fleet_state(running[0]).nodes}
+
+        assert wait_for(lambda: shown() == holder), f"{n} daemon(s): the fleet shown is not every node"
+        with grpc.insecure_channel(running[0].address) as channel:
+            own = svc_grpc.FleetServiceStub(channel).State(svc.FleetRequest(own=True), timeout=10)
+        assert {node.node for node in own.nodes} == {k for k, d in holder.items() if d == "daemon-0"}
         # Any daemon's alert stream carries every daemon's alerts, once each, in the store's order.
         wanted = [x for x in stored_records(store) if "repeat" not in x.details]
         got = alerts(running[0], len(wanted))
@@ -335,3 +345,48 @@ def test_a_cell_is_taken_from_its_snapshot_and_an_altered_one_is_refused(
     finally:
         if b is not None:
             b.stop()
+
+
+def test_the_dashboard_on_any_daemon_shows_the_whole_fleet(
+    nats: NatsCluster, pg_store_url: str, tmp_path: Path
+) -> None:
+    """Two daemons share 4 cells; the dashboard on one of them lists all 16 nodes and says,
+    of a node the other judges, which daemon that is."""
+    from rich.console import Console
+    from textual.widgets import DataTable
+
+    from kvguard.proto.client import DaemonClient
+    from kvguard.tui.app import TopApp
+
+    f = fleet(4, ticks=6, length=3, fault_every=3)
+    running = daemons(nats, pg_store_url, 2, tmp_path)
+    try:
+        assert wait_for(lambda: alive(nats, nats.cluster) == 2)
+        publish(f, nats.settings())
+        all_stored(pg_store_url, f)
+        nodes = {n for members in f.cells.values() for n in members}
+        assert wait_for(lambda: {n.node for n in fleet_state(running[0]).nodes} == nodes)
+        app = TopApp(DaemonClient(running[0].address), label="daemon-0")
+
+        def text() -> str:
+            width, height = app.size
+            console = Console(width=width, height=height, file=io.StringIO(), record=True, color_system=None)
+            console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+            return " ".join(console.export_text().split())
+
+        async def drive() -> None:
+            async with app.run_test(size=(160, 60)) as pilot:
+                while app.data.fleet is None or app.screen.query_one("#nodes", DataTable).row_count < 16:
+                    await pilot.pause(0.05)
+                assert "on the bus as daemon daemon-0: 2 of 4 cells, 1 other daemons" in text()
+                for _ in range(16):  # down the nodes to one that daemon-1 judges
+                    if "judged on the bus by daemon daemon-1" in text():
+                        break
+                    await pilot.press("down")
+                    await pilot.pause()
+                assert "judged on the bus by daemon daemon-1: as it last said" in text()
+
+        asyncio.run(asyncio.wait_for(drive(), 60))
+    finally:
+        for d in running:
+            d.stop()

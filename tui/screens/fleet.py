@@ -120,6 +120,8 @@ def node_detail(node: svc.NodeState, now_ns: int, data: Dashboard) -> Text:
     t.append(f"  epoch {epoch_text(node.epoch, tz)}, {node.restarts} restarts, last seq {node.last_seq}")
     if node.last_ts_ns:
         t.append(f" at {clock(node.last_ts_ns, tz)}")
+    if node.daemon and data.fleet is not None and node.daemon != data.fleet.daemon:
+        t.append(f"\njudged on the bus by daemon {node.daemon}: as it last said; its pool map is there")
     t.append("\nagent: ")
     if node.connected:
         t.append("stream open", style="green")
@@ -170,6 +172,11 @@ def node_detail(node: svc.NodeState, now_ns: int, data: Dashboard) -> Text:
 
 def daemon_detail(fleet: svc.FleetState) -> Text:
     t = Text()
+    if fleet.daemon:  # on the bus: the counts are this daemon's cells'
+        held = sum(1 for c in fleet.cells if c.daemon == fleet.daemon)
+        others = len({c.daemon for c in fleet.cells if c.daemon and c.daemon != fleet.daemon})
+        t.append(f"on the bus as daemon {fleet.daemon}: {held} of {len(fleet.cells)} cells, ")
+        t.append(f"{others} other daemons\n")
     t.append(f"daemon: {fleet.requests} requests known, {fleet.events} events")
     if fleet.findings:
         t.append("; findings: " + ", ".join(f"{k} {n}" for k, n in sorted(fleet.findings.items())))

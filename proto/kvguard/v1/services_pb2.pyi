@@ -268,8 +268,10 @@ class Refusal(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ..., event: _Optional[bytes] = ..., size: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
 class FleetRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("own",)
+    OWN_FIELD_NUMBER: _ClassVar[int]
+    own: bool
+    def __init__(self, own: _Optional[bool] = ...) -> None: ...
 
 class PoolState(_message.Message):
     __slots__ = ("node", "report", "pages_in_use")
@@ -282,7 +284,7 @@ class PoolState(_message.Message):
     def __init__(self, node: _Optional[str] = ..., report: _Optional[_Union[_events_pb2.PoolReport, _Mapping]] = ..., pages_in_use: _Optional[int] = ...) -> None: ...
 
 class NodeState(_message.Message):
-    __slots__ = ("node", "last_seq", "last_ts_ns", "connected", "dropped", "pools", "epoch", "restarts", "status", "status_ns", "connected_ns", "received_ns", "events_per_s", "lag_ms")
+    __slots__ = ("node", "last_seq", "last_ts_ns", "connected", "dropped", "pools", "epoch", "restarts", "status", "status_ns", "connected_ns", "received_ns", "events_per_s", "lag_ms", "daemon")
     NODE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     LAST_TS_NS_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +299,7 @@ class NodeState(_message.Message):
     RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_PER_S_FIELD_NUMBER: _ClassVar[int]
     LAG_MS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_FIELD_NUMBER: _ClassVar[int]
     node: str
     last_seq: int
     last_ts_ns: int
@@ -311,7 +314,8 @@ class NodeState(_message.Message):
     received_ns: int
     events_per_s: float
     lag_ms: float
-    def __init__(self, node: _Optional[str] = ..., last_seq: _Optional[int] = ..., last_ts_ns: _Optional[int] = ..., connected: _Optional[bool] = ..., dropped: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ..., epoch: _Optional[int] = ..., restarts: _Optional[int] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ..., status_ns: _Optional[int] = ..., connected_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., events_per_s: _Optional[float] = ..., lag_ms: _Optional[float] = ...) -> None: ...
+    daemon: str
+    def __init__(self, node: _Optional[str] = ..., last_seq: _Optional[int] = ..., last_ts_ns: _Optional[int] = ..., connected: _Optional[bool] = ..., dropped: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ..., epoch: _Optional[int] = ..., restarts: _Optional[int] = ..., status: _Optional[_Union[NodeStatus, _Mapping]] = ..., status_ns: _Optional[int] = ..., connected_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., events_per_s: _Optional[float] = ..., lag_ms: _Optional[float] = ..., daemon: _Optional[str] = ...) -> None: ...
 
 class StageLatency(_message.Message):
     __slots__ = ("stage", "count", "p50_ms", "p99_ms", "max_ms")
