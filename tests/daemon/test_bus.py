@@ -208,7 +208,8 @@ def test_a_daemon_and_a_nats_server_killed_mid_run_lose_and_double_nothing(
 ) -> None:
     f = fleet(32, ticks=30, length=4, fault_every=5)
     expected = one_ledger(f)
-    running = daemons(nats, pg_store_url, 2, tmp_path)
+    # Cells' snapshots taken while their events stream in: the cells that move start from them.
+    running = daemons(nats, pg_store_url, 2, tmp_path, more=("--snapshot-every", "64"))
     publisher = threading.Thread(target=publish, args=(f, nats.settings()))
     publisher.start()
     try:
@@ -371,7 +372,9 @@ def test_the_dashboard_on_any_daemon_shows_the_whole_fleet(
         def text() -> str:
             width, height = app.size
             console = Console(width=width, height=height, file=io.StringIO(), record=True, color_system=None)
-            console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+            console.print(
+                app.screen._compositor.render_update(full=True, screen_stack=app._background_screens)
+            )
             return " ".join(console.export_text().split())
 
         async def drive() -> None:
