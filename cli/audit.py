@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import orjson
 
-from kvguard.cli import audit_chain
+from kvguard.cli import audit_chain, audit_receipts
 from kvguard.cli.options import (
     DEFAULT_PORT,
     Subcommands,
@@ -220,7 +220,8 @@ def add_parser(sub: Subcommands) -> None:
 
 
 def add_parsers(audit_sub: Subcommands) -> None:
-    """Add every `kvguard audit` command: verify, seal, head, new-key, query, request, exposure."""
+    """Add every `kvguard audit` command: verify, seal, head, new-key, query, request, exposure,
+    and the receipts' (audit_receipts.py)."""
     audit_chain.add_parsers(audit_sub)
     p = add_command(
         audit_sub,
@@ -277,6 +278,7 @@ def add_parsers(audit_sub: Subcommands) -> None:
     )
     _source_args(p)
     p.set_defaults(func=cmd_exposure)
+    audit_receipts.add_parsers(audit_sub, _source_args)
 
 
 def build_parser() -> argparse.ArgumentParser:

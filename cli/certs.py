@@ -313,6 +313,19 @@ def describe(pem: Path) -> list[tuple[str, str]]:
     ]
 
 
+RECEIPT_PUB = "receipt.pub"  # beside it receipt.key: the daemon's receipt-signing key (Ed25519)
+
+
+def _receipt_key(directory: Path) -> Path:
+    """The daemon's receipt key in `directory` (made if it is not there): its public half."""
+    from kvguard.proto.receipt import new_key
+
+    public = directory / RECEIPT_PUB
+    if not public.with_suffix(".key").exists():
+        new_key(public.with_suffix(".key"), public)
+    return public
+
+
 def cmd_certs(args: argparse.Namespace) -> int:
     """Exit 0 with the files made (or the certificate shown), 2 on a name, file or CA unusable."""
     try:
@@ -343,12 +356,16 @@ def cmd_certs(args: argparse.Namespace) -> int:
             if args.daemon_host:  # the daemon's own, again (a rotation, or new names)
                 hosts = tuple(_checked_host(h) for h in args.daemon_host)
                 wanted.insert(0, Wanted("daemon", "daemon", hosts))
-            if not wanted:
-                raise CertsError("name at least one --node, --reader, --operator or --daemon-host")
+            if not wanted and not getattr(args, "receipt_key", False):
+                raise CertsError(
+                    "name at least one --node, --reader, --operator or --daemon-host, or --receipt-key"
+                )
             authority = Authority.load(directory)
             _plan(directory, wanted, with_ca=False, renew=args.renew)
             made = []
         made += [authority.issue(directory, w, args.days) for w in wanted]
+        if args.certs_command == "init" or getattr(args, "receipt_key", False):
+            made.append(_receipt_key(directory))
         if owner is not None:  # the service's user reads its certificate and key (the CA's key stays root's)
             for pem in [pem for pem in made if pem.name != "ca.pem"]:
                 os.chown(pem, *owner)
@@ -360,6 +377,11 @@ def cmd_certs(args: argparse.Namespace) -> int:
         print(f"kvguard certs: {exc.filename or args.dir}: {exc.strerror}", file=sys.stderr)
         return 2
     for pem in made:
+        if pem.name == RECEIPT_PUB:
+            print(
+                f"{pem} (the receipt key's public half; the daemon's --receipt-key {pem.with_suffix('.key')})"
+            )
+            continue
         print(
             f"{pem} ({pem.with_suffix('.key').name} beside it)" if pem.name != "ca.pem" else f"{pem} (the CA)"
         )
@@ -404,7 +426,8 @@ def add_parser(sub: Subcommands) -> None:
         verbs,
         "init",
         "a new CA, the daemon's certificate and any named",
-        "Make a new CA in DIR, the daemon's certificate for the names it is reached by, and any named.",
+        "Make a new CA in DIR, the daemon's certificate for the names it is reached by, its receipt "
+        "key (receipt.key, receipt.pub), and any certificate named.",
         "kvguard certs init pki --daemon-host 10.0.0.5 --node p0 --node d0 --reader siem --operator alice",
     )
     named(init)
@@ -431,6 +454,11 @@ def add_parser(sub: Subcommands) -> None:
         action="append",
         metavar="HOST",
         help="issue the daemon's certificate again, for these names (repeatable)",
+    )
+    issue.add_argument(
+        "--receipt-key",
+        action="store_true",
+        help="make the daemon's receipt-signing key (receipt.key, receipt.pub) if DIR has none",
     )
     issue.add_argument(
         "--renew",

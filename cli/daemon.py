@@ -47,6 +47,7 @@ log = logger("daemon")
 def cmd_daemon(args: argparse.Namespace) -> int:
     """Serve until stopped: exit 0, or 2 on an unusable ruleset, store, key or option."""
     import signal
+    import socket
 
     from kvguard.cli.reload import Reloader, fingerprint, watched
     from kvguard.daemon.access import ListenerError, check_listener
@@ -87,6 +88,15 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     except RulesetError as exc:
         log.error(f"the ruleset is not usable:\n{exc}")
         return 2
+    receipt_key = None
+    if args.receipt_key:
+        from kvguard.proto.receipt import ReceiptError, load_private
+
+        try:
+            receipt_key = load_private(args.receipt_key)
+        except ReceiptError as exc:
+            log.error(f"--receipt-key: {exc}")
+            return 2
     woken = ""
     if args.cpu_latency_us is not None:
         from kvguard.daemon import cpu_latency
@@ -156,6 +166,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
             snapshot_every=0 if bus is not None else args.snapshot_every,
             rebuild=bus is None,
             store_reserve=args.store_reserve,
+            receipt_key=receipt_key,
+            name=args.bus_name or socket.gethostname(),
             limits=Limits(
                 pages_per_pool=args.max_pages_per_pool,
                 pools_per_node=args.max_pools_per_node,
@@ -182,8 +194,6 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     port = server.port
     intake = None
     if bus is not None:
-        import socket
-
         from kvguard.daemon.bus import BusIntake
 
         intake = BusIntake(
@@ -346,6 +356,12 @@ def add_parser(sub: Subcommands) -> None:
         "the daemon goes on), so that a start after a crash replays only what came after it (0: only at a "
         "clean stop; default %(default)s); on the bus, every this many events of a cell, that cell's, kept "
         "in the bus's object store for the daemon that takes it next (0: never)",
+    )
+    p.add_argument(
+        "--receipt-key",
+        metavar="FILE",
+        help="sign each request's integrity receipt with this Ed25519 key (PEM, owner-only; "
+        "`kvguard certs init` makes receipt.key): see docs/receipts.md",
     )
     p.add_argument(
         "--audit-key",

@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvguard.daemon.commands import Commands, Reply
 from kvguard.daemon.control import Control
@@ -39,6 +39,7 @@ from kvguard.daemon.latency import Latencies
 from kvguard.daemon.ledgers import WHOLE, Ledgers
 from kvguard.daemon.nodes import Nodes
 from kvguard.daemon.pool_map import PoolNotFound, read_pool
+from kvguard.daemon.receipts import Receipts
 from kvguard.daemon.room import RESERVE, StoreRoom
 from kvguard.daemon.seen import Seen
 from kvguard.daemon.snapshots import SNAPSHOT_EVERY, Snapshots, restored
@@ -49,7 +50,8 @@ from kvguard.ledger.limits import UNBOUNDED, Limits
 from kvguard.proto import wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.logs import logger
-from kvguard.ruleset import Rule, Ruleset, RulesetError, load_ruleset
+from kvguard.ruleset import Ruleset, RulesetError, load_ruleset
+from kvguard.ruleset.evaluator import signature
 
 if TYPE_CHECKING:
     from kvguard.daemon.bus import BusIntake
@@ -88,25 +90,10 @@ class RulesChange:
         return f"{self.rules} rules; " + ", ".join(said) + (f" ({named})" if named else "")
 
 
-def _signature(rule: Rule) -> tuple[object, ...]:
-    """What decides a rule's verdicts and output (not where it is written)."""
-    return (
-        rule.description,
-        rule.kinds,
-        rule.severity,
-        rule.action,
-        rule.output.source,
-        rule.condition.source if rule.condition is not None else None,
-        rule.tags,
-        tuple((e.name, e.condition.source) for e in rule.exceptions),
-        rule.enabled,
-    )
-
-
 def rules_change(old: Ruleset, new: Ruleset) -> RulesChange:
     """The rules `new` adds, removes and changes against `old`, by id, each in load order."""
-    before = {rule.id: _signature(rule) for rule in old.rules}
-    after = {rule.id: _signature(rule) for rule in new.rules}
+    before = {rule.id: signature(rule) for rule in old.rules}
+    after = {rule.id: signature(rule) for rule in new.rules}
     return RulesChange(
         added=tuple(i for i in after if i not in before),
         removed=tuple(i for i in before if i not in after),
@@ -128,6 +115,8 @@ class Daemon:
         store_reserve: int = RESERVE,
         limits: Limits | None = None,
         rebuild: bool = True,
+        receipt_key: Any = None,
+        name: str = "",
     ) -> None:
         self.counters: Counter[str] = Counter()
         self.commands = Commands(mode, store.count("command"), self.counters)  # checks the mode first
@@ -167,6 +156,19 @@ class Daemon:
             self.seen,
         )
         self.nodes = Nodes()  # each node's stream, its agent's last word, its batches' rate and lag
+        self.receipts: Receipts | None = None  # each request's signed receipt (receipt_key)
+        if receipt_key is not None:
+            self.receipts = self.pipeline.receipts = Receipts(
+                receipt_key,
+                store,
+                self.loop,
+                self.pipeline.record,
+                self.counters,
+                lambda: self.pipeline.ruleset.digest,
+                name,
+            )
+            if rebuild:  # ends whose receipts a stop or a crash left unsigned
+                self.receipts.recover(self.ledgers)
         try:
             # Operators' actions; the rule modes they set and the pages quarantined, as stored.
             self.control = Control(self.pipeline, store)
@@ -353,6 +355,8 @@ class Daemon:
         if self._thread.is_alive():
             with contextlib.suppress(TimeoutError):
                 asyncio.run_coroutine_threadsafe(self.pipeline.drain(), self.loop).result(timeout)
+                if self.receipts is not None and self.receipts.flush(timeout):  # the last ends' receipts
+                    asyncio.run_coroutine_threadsafe(self.pipeline.drain(), self.loop).result(timeout)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
         # A periodic snapshot still being built is not waited for: the daemon saves its own at
@@ -360,6 +364,8 @@ class Daemon:
         self.snapshots.close()
         self.snapshots.join(timeout=10)
         self.room.close()
+        if self.receipts is not None:
+            self.receipts.close()
 
     def fleet(self, own: bool = False) -> svc.FleetState:
         """The fleet as the daemon sees it: every node (with events, or a stream or its agent's
@@ -402,6 +408,8 @@ class Daemon:
             for name, n in ledgers.totals().items():
                 state.counters[f"ledger_{name}"] = n
         state.store.CopyFrom(self.room.state())
+        if self.receipts is not None:
+            state.receipt_key = self.receipts.public_pem
         for took in self.latencies.summaries():
             state.latencies.add(
                 stage=took.stage,

@@ -32,6 +32,8 @@ from kvguard.daemon.fanout import Fanout
 from kvguard.daemon.latency import Latencies
 from kvguard.daemon.ledgers import WHOLE, Ledgers
 from kvguard.daemon.outcomes import Outcomes
+from kvguard.daemon.receipts import ADMIT, Receipts
+from kvguard.daemon.receipts import ENDS as RECEIPT_ENDS
 from kvguard.daemon.repeats import Repeats
 from kvguard.daemon.seen import Seen
 from kvguard.daemon.snapshots import Snapshots
@@ -132,6 +134,7 @@ class Ingest:
         self.judged: Counter[tuple[str, str, str]] = Counter()
         # One alert per run of findings that repeat one another; each is stored.
         self.repeats = Repeats(lambda finding: self.alert(finding, counter="repeated_ends"), loop.call_later)
+        self.receipts: Receipts | None = None  # each request's receipt, if the daemon has a key
 
     def ingest(self, batch: Batch) -> None:
         """Take one batch of a node's events (on the daemon's loop) to apply in arrival order:
@@ -314,6 +317,8 @@ class Ingest:
                 self.seen.record(node, events, i, i + 1)
                 if run < 0:
                     run = i
+                if self.receipts is not None:
+                    self._receipt(ledger, node, events, i, group, group.rows + i - run)
                 if found:
                     group.add(EventRun(m, run, i + 1))
                     run = -1
@@ -389,6 +394,17 @@ class Ingest:
             )
         return found
 
+    def _receipt(self, ledger: Ledger, node: str, events: wire.Batch, i: int, group: Group, row: int) -> None:
+        """Event i of `node`'s batch, applied at `row` of `group`: a request's first time, or
+        its end where its client is answered (its receipt is due)."""
+        receipts = self.receipts
+        assert receipts is not None
+        kind = events.heads[i]["kind"]
+        if kind == ADMIT:
+            receipts.admitted(events.event(i))
+        elif kind in RECEIPT_ENDS and (known := ledger.nodes.get(node)) is not None and responds(known):
+            receipts.ended(ledger, node, events.event(i), group.committed, row)
+
     def _responds(self, name: str) -> bool:
         """Whether node `name` answers its requests' clients (not a prefill node)."""
         node = self.ledgers.node(name)
@@ -413,7 +429,9 @@ class Ingest:
         `received`): its row, then its commands' rows; the commands go out now, before the
         commit (see the module's invariants)."""
         for f in found:
-            evaluated = self.ruleset.evaluate(f)
+            evaluated, permitted_by = self.ruleset.judge(f)
+            if f.finding == "cross_tenant_share" and self.receipts is not None:
+                self.receipts.shared(f, "" if evaluated is not None else permitted_by)
             if evaluated is None:
                 continue
             r = ledger.request(evaluated.req) if evaluated.req else None
@@ -432,6 +450,8 @@ class Ingest:
             self.counters["findings"] += 1
             self.judged[(evaluated.finding, evaluated.rule, evaluated.severity)] += 1
             out.add(Record.of_finding(evaluated))
+            if self.receipts is not None:
+                self.receipts.judged(evaluated, out.committed)
             node = ledger.nodes.get(evaluated.node)
             for command in self.commands.of(evaluated, node.epoch if node is not None else 0):
                 body = command.SerializeToString()

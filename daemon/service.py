@@ -299,6 +299,8 @@ class AuditServicer(svc_grpc.AuditServiceServicer):
                     yield svc.AuditRecord(id=record_id, kind=kind, refused=svc.Refusal.FromString(body))
                 elif kind == "action":
                     yield svc.AuditRecord(id=record_id, kind=kind, action=svc.Action.FromString(body))
+                elif kind == "receipt":
+                    yield svc.AuditRecord(id=record_id, kind=kind, receipt=svc.SignedReceipt.FromString(body))
                 else:
                     yield svc.AuditRecord(id=record_id, kind=kind, command=svc.Command.FromString(body))
         except RowError as exc:  # a row edited outside kvguard: said, the daemon serves on

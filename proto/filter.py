@@ -14,7 +14,7 @@ from typing import Any
 
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
-RECORD_KINDS = ("event", "finding", "command", "refused", "action")
+RECORD_KINDS = ("event", "finding", "command", "refused", "action", "receipt")
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ Finding is never edited: an evaluated copy is returned.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,22 @@ class Counters:
         return sum(self.runtime_errors.values())
 
 
+def signature(rule: Rule) -> tuple[object, ...]:
+    """What decides a rule's verdicts and output (not where it is written)."""
+    return (
+        rule.id,
+        rule.description,
+        rule.kinds,
+        rule.severity,
+        rule.action,
+        rule.output.source,
+        rule.condition.source if rule.condition is not None else None,
+        rule.tags,
+        tuple((e.name, e.condition.source) for e in rule.exceptions),
+        rule.enabled,
+    )
+
+
 class Ruleset:
     """An ordered list of rules and the counters of their evaluation."""
 
@@ -54,9 +71,17 @@ class Ruleset:
                 for kind in rule.kinds:
                     by_kind.setdefault(kind, []).append(rule)
         self._by_kind: dict[str, tuple[Rule, ...]] = {kind: tuple(rs) for kind, rs in by_kind.items()}
+        # What a receipt names the rules in force by: equal for rules that judge alike.
+        said = repr(([signature(r) for r in self.rules], sorted(self.lists.items()))).encode()
+        self.digest: str = hashlib.sha256(said).hexdigest()
 
     def evaluate(self, finding: Finding) -> Finding | None:
         """The evaluated copy of `finding`, or None when an exception of its rule suppresses it."""
+        return self.judge(finding)[0]
+
+    def judge(self, finding: Finding) -> tuple[Finding | None, str]:
+        """(the evaluated copy of `finding`, ""), or (None, "rule/exception") naming the
+        exception that suppresses it (what a receipt calls a permitted share)."""
         fields = finding.fields()
         for rule in self._by_kind.get(finding.finding, ()):
             if rule.condition is not None and not self._holds(rule, rule.condition, fields, failed=True):
@@ -64,17 +89,18 @@ class Ruleset:
             for exception in rule.exceptions:
                 if self._holds(rule, exception.condition, fields, failed=False, name=exception.name):
                     self.counters.suppressed[(rule.id, exception.name)] += 1
-                    return None
+                    return None, f"{rule.id}/{exception.name}"
             self.counters.hits[rule.id] += 1
             tags = rule.tags
             decided = finding.evaluated(
                 severity=rule.severity, action=rule.action, rule=rule.id, message=finding.message, tags=tags
             )
             message = rule.output.render(decided)
-            return decided.evaluated(
+            evaluated = decided.evaluated(
                 severity=rule.severity, action=rule.action, rule=rule.id, message=message, tags=tags
             )
-        return self._unmatched(finding)
+            return evaluated, ""
+        return self._unmatched(finding), ""
 
     def _holds(
         self, rule: Rule, condition: Condition, fields: dict[str, Any], *, failed: bool, name: str = ""

@@ -160,6 +160,9 @@ class Exposure:
     until_ns: int = 0
     offenders: dict[tuple[str, str], Offender] = field(default_factory=dict)
     findings_seen: int = 0
+    # The tenant's requests whose clean receipt a later one superseded (a finding came after
+    # it): (request, the clean receipt's record, the current one's record, its findings).
+    withdrawn: list[tuple[str, int, int, list[str]]] = field(default_factory=list)
 
     def add(self, record_id: int, f: pb.Finding) -> None:
         self.findings_seen += 1
@@ -239,6 +242,10 @@ class Exposure:
             "ordered": outcomes["ordered"],
             "stopped": outcomes["stopped"],
             "unchecked": outcomes["unchecked"],
+            "receipts_withdrawn": [
+                {"req": req, "clean_receipt": old, "current_receipt": new, "findings": found}
+                for req, old, new, found in self.withdrawn
+            ],
             "text": self.summary(),
         }
 
@@ -296,7 +303,27 @@ def exposure_of(source: Source, tenant: str, since_ns: int = 0, until_ns: int = 
             else:
                 continue
             offender.first_kill_record = offender.first_kill_record or item.id
+    report.withdrawn = withdrawn_receipts(source, tenant, since_ns, until_ns)
     return report
+
+
+def withdrawn_receipts(
+    source: Source, tenant: str, since_ns: int = 0, until_ns: int = 0
+) -> list[tuple[str, int, int, list[str]]]:
+    """The tenant's requests whose clean receipt a later receipt superseded with findings."""
+    kept: dict[str, list[tuple[int, svc.Receipt]]] = defaultdict(list)
+    for item in source.records(Filter(kind="receipt", tenant=tenant, since_ns=since_ns, until_ns=until_ns)):
+        if isinstance(item.body, svc.SignedReceipt):
+            r = svc.Receipt.FromString(item.body.receipt)
+            if r.tenant == tenant:
+                kept[r.req].append((item.id, r))
+    out = []
+    for req, receipts in kept.items():
+        current_id, current = receipts[-1]
+        clean = [rid for rid, r in receipts[:-1] if r.verdict == "clean"]
+        if clean and current.verdict != "clean":
+            out.append((req, clean[-1], current_id, sorted({f.finding for f in current.findings})))
+    return out
 
 
 def format_exposure(report: Exposure, out: TextIO) -> None:
@@ -373,5 +400,10 @@ def format_exposure(report: Exposure, out: TextIO) -> None:
                     "    " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n"
                 )
     if report.offenders:
+        out.write("\n")
+    if report.withdrawn:
+        out.write(f"clean receipts of {t}'s requests withdrawn (a later finding superseded them):\n")
+        for req, old, new, found in report.withdrawn:
+            out.write(f"    {req}: receipt {old} (clean) superseded by receipt {new} ({', '.join(found)})\n")
         out.write("\n")
     out.write(report.summary() + "\n")

@@ -207,6 +207,16 @@ def item_row(item: AuditItem) -> Row:
         return Row(rid, "", "command", "", str(body.id), "", "", "empty command", "")
     if isinstance(body, svc.Action):
         return action_row(rid, body)
+    if isinstance(body, svc.SignedReceipt):
+        try:
+            r = svc.Receipt.FromString(body.receipt)
+        except DecodeError:
+            return Row(rid, "", "receipt", "", "", "", "", "unreadable receipt", "")
+        what = f"receipt {r.verdict} of end record {r.chain_record} key {body.key_id}"
+        if r.supersedes:
+            what += f" supersedes {r.supersedes}"
+        nodes = ",".join(n.node for n in r.nodes)
+        return Row(rid, format_time(r.issued_ns), "receipt", nodes, "", r.req, r.tenant, what, "")
     if isinstance(body, svc.Refusal):
         try:  # evidence: what it claimed to be, where its bytes say so
             claimed = pb.Event.FromString(body.event)

@@ -20,9 +20,9 @@ from kvguard.proto.filter import Filter
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 DEFAULT_STORE = "kvguard-audit.db"
-KINDS = ("event", "finding", "command", "refused", "action")
+KINDS = ("event", "finding", "command", "refused", "action", "receipt")
 
-Body = pb.Event | pb.Finding | svc.Command | svc.Refusal | svc.Action
+Body = pb.Event | pb.Finding | svc.Command | svc.Refusal | svc.Action | svc.SignedReceipt
 
 
 class UsageError(Exception):
@@ -71,6 +71,8 @@ def _decode(kind: str, body: bytes) -> Body:
         return svc.Refusal.FromString(body)
     if kind == "action":
         return svc.Action.FromString(body)
+    if kind == "receipt":
+        return svc.SignedReceipt.FromString(body)
     return svc.Command.FromString(body)
 
 

@@ -11,9 +11,11 @@ those indexed for it (`req`, `named`) and the steps naming it within its span on
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
 from google.protobuf.message import DecodeError
 from sqlalchemy import ColumnElement, Engine, and_, case, func, or_, select
 
@@ -355,3 +357,97 @@ def verify(
     if pending is not None:
         return False, n, f"the index of named requests lists record {pending[0]}, past the last record"
     return True, n, ""
+
+
+class ReceiptFacts(NamedTuple):
+    """What the store says of a request when its receipt is issued: the findings that name it
+    ((record id, finding), in order) and its newest receipt ((record id, body) or None)."""
+
+    findings: list[tuple[int, pb.Finding]]
+    latest: tuple[int, bytes] | None
+
+
+def receipt_facts(engine: Engine, reqs: Collection[str]) -> dict[str, ReceiptFacts]:
+    """The findings naming each of `reqs` and each one's newest receipt: two queries for them
+    all (the signer's batch)."""
+    wanted = sorted(set(reqs))
+    out = {req: ReceiptFacts([], None) for req in wanted}
+    if not wanted:
+        return out
+    c = records.c
+    victims = select(named.c.record_id).where(named.c.req.in_(wanted))
+    findings = (
+        select(c.id, c.body)
+        .where((c.kind == "finding") & (c.req.in_(wanted) | c.id.in_(victims)))
+        .order_by(c.id)
+    )
+    receipts = select(c.id, c.req, c.body).where((c.kind == "receipt") & c.req.in_(wanted)).order_by(c.id)
+    with engine.connect() as conn:
+        for record_id, body in conn.execute(findings):
+            finding = pb.Finding.FromString(body)
+            for req in {finding.req, finding.victim_req} & out.keys():
+                out[req].findings.append((int(record_id), finding))
+        for record_id, req, body in conn.execute(receipts):
+            out[req] = out[req]._replace(latest=(int(record_id), body))
+    return out
+
+
+def record_hashes(engine: Engine, ids: Collection[int]) -> dict[int, bytes]:
+    """For each id of `ids` the store holds, the chain hash of the record that holds it (a
+    run of events holds its events' ids): one read of the rows they span."""
+    if not ids:
+        return {}
+    c = records.c
+    wanted = sorted(ids)
+    with engine.connect() as conn:
+        first = holding(conn, wanted[0])
+        rows = conn.execute(
+            select(c.id, c.hash).where((c.id >= first) & (c.id <= wanted[-1])).order_by(c.id)
+        ).all()
+    starts = [int(i) for i, _ in rows]
+    out = {}
+    for i in wanted:
+        at = bisect.bisect_right(starts, i) - 1
+        if at >= 0:
+            out[i] = bytes(rows[at][1])
+    return out
+
+
+def newest_of(engine: Engine, kind: str, n: int) -> list[bytes]:
+    """The bodies of the newest `n` records of `kind` (not events), newest first."""
+    c = records.c
+    query = select(c.body).where(c.kind == kind).order_by(c.id.desc()).limit(n)
+    with engine.connect() as conn:
+        return [bytes(body) for (body,) in conn.execute(query)]
+
+
+def events_of_kinds(
+    engine: Engine, after: int, kinds: Collection[int]
+) -> Iterator[tuple[int, str, int, bytes]]:
+    """(id, node, payload, bytes) of each stored event after id `after` whose payload is one
+    of `kinds` (wire.PAYLOAD numbers), in order: found by their heads, parsed by none."""
+    wanted = np.array(sorted(kinds), np.int64)
+    for record_id, node, batch, skip in _batches_with_ids(engine, after):
+        kinds_of = batch.heads["kind"]
+        hits = np.flatnonzero(np.isin(kinds_of[skip:], wanted)) + skip
+        for i in hits.tolist():
+            yield record_id + i, node, int(kinds_of[i]), batch.event(i)
+
+
+def _batches_with_ids(engine: Engine, after: int) -> Iterator[tuple[int, str, wire.Batch, int]]:
+    c = records.c
+    query = select(c.id, c.kind, c.node, c.body).where(c.kind.in_(EVENT_KINDS)).order_by(c.id)
+    with engine.connect() as conn:
+        query = query.where(c.id >= holding(conn, after + 1))
+        with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
+            for record_id, kind, node, body in result:
+                if kind == "event":
+                    if record_id > after:
+                        yield int(record_id), node, wire.single(bytes(body)), 0
+                    continue
+                yield (
+                    int(record_id),
+                    node,
+                    wire.decode_batch(bytes(body), wrapped=False),
+                    max(0, after + 1 - record_id),
+                )

@@ -425,7 +425,7 @@ class Store:
             if not kind:
                 return total
             others = conn.execute(
-                select(func.count()).where(c.kind.in_(("finding", "command", "refused", "action")))
+                select(func.count()).where(c.kind.in_(("finding", "command", "refused", "action", "receipt")))
             ).scalar_one()
             return total - int(others)
 
@@ -470,6 +470,20 @@ class Store:
         """(id, kind, body) of the records the filter `f` takes, or the one `where` spells (its
         fields by name), in id order (reads.rows)."""
         return reads.rows(self.engine, f if f is not None else Filter(**where))
+
+    def receipt_facts(self, reqs: Collection[str]) -> dict[str, reads.ReceiptFacts]:
+        """The findings naming each request of `reqs` and its newest receipt (reads.py)."""
+        return reads.receipt_facts(self.engine, reqs)
+
+    def record_hashes(self, ids: Collection[int]) -> dict[int, bytes]:
+        return reads.record_hashes(self.engine, ids)
+
+    def newest_of(self, kind: str, n: int) -> list[bytes]:
+        return reads.newest_of(self.engine, kind, n)
+
+    def events_of_kinds(self, after: int, kinds: Collection[int]) -> Iterator[tuple[int, str, int, bytes]]:
+        """(id, node, payload, bytes) of the events after id `after` of these payloads (reads.py)."""
+        return reads.events_of_kinds(self.engine, after, kinds)
 
     def records_of(self, kind: str) -> Iterator[tuple[int, str, bytes]]:
         """(id, node, body) of every record of `kind` (not events), in id order: what the

@@ -234,7 +234,7 @@ class AuditQuery(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., tenant: _Optional[str] = ..., req: _Optional[str] = ..., node: _Optional[str] = ..., finding: _Optional[str] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., limit: _Optional[int] = ..., findings: _Optional[_Iterable[str]] = ..., severities: _Optional[_Iterable[str]] = ..., after: _Optional[int] = ...) -> None: ...
 
 class AuditRecord(_message.Message):
-    __slots__ = ("id", "kind", "event", "finding", "command", "refused", "action")
+    __slots__ = ("id", "kind", "event", "finding", "command", "refused", "action", "receipt")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,7 @@ class AuditRecord(_message.Message):
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     id: int
     kind: str
     event: _events_pb2.Event
@@ -249,7 +250,86 @@ class AuditRecord(_message.Message):
     command: Command
     refused: Refusal
     action: Action
-    def __init__(self, id: _Optional[int] = ..., kind: _Optional[str] = ..., event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., finding: _Optional[_Union[_events_pb2.Finding, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., refused: _Optional[_Union[Refusal, _Mapping]] = ..., action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
+    receipt: SignedReceipt
+    def __init__(self, id: _Optional[int] = ..., kind: _Optional[str] = ..., event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ..., finding: _Optional[_Union[_events_pb2.Finding, _Mapping]] = ..., command: _Optional[_Union[Command, _Mapping]] = ..., refused: _Optional[_Union[Refusal, _Mapping]] = ..., action: _Optional[_Union[Action, _Mapping]] = ..., receipt: _Optional[_Union[SignedReceipt, _Mapping]] = ...) -> None: ...
+
+class Receipt(_message.Message):
+    __slots__ = ("req", "tenant", "nodes", "first_ns", "last_ns", "pages_attended", "tokens", "sources", "findings", "verdict", "kvguard_version", "ruleset_digest", "chain_record", "chain_hash", "supersedes", "issued_ns", "daemon")
+    REQ_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_NS_FIELD_NUMBER: _ClassVar[int]
+    LAST_NS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_ATTENDED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    KVGUARD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RULESET_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_RECORD_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_HASH_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDES_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_NS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_FIELD_NUMBER: _ClassVar[int]
+    req: str
+    tenant: str
+    nodes: _containers.RepeatedCompositeFieldContainer[ReceiptNode]
+    first_ns: int
+    last_ns: int
+    pages_attended: int
+    tokens: int
+    sources: _containers.RepeatedCompositeFieldContainer[PageSource]
+    findings: _containers.RepeatedCompositeFieldContainer[ReceiptFinding]
+    verdict: str
+    kvguard_version: str
+    ruleset_digest: str
+    chain_record: int
+    chain_hash: bytes
+    supersedes: int
+    issued_ns: int
+    daemon: str
+    def __init__(self, req: _Optional[str] = ..., tenant: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[ReceiptNode, _Mapping]]] = ..., first_ns: _Optional[int] = ..., last_ns: _Optional[int] = ..., pages_attended: _Optional[int] = ..., tokens: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[PageSource, _Mapping]]] = ..., findings: _Optional[_Iterable[_Union[ReceiptFinding, _Mapping]]] = ..., verdict: _Optional[str] = ..., kvguard_version: _Optional[str] = ..., ruleset_digest: _Optional[str] = ..., chain_record: _Optional[int] = ..., chain_hash: _Optional[bytes] = ..., supersedes: _Optional[int] = ..., issued_ns: _Optional[int] = ..., daemon: _Optional[str] = ...) -> None: ...
+
+class ReceiptNode(_message.Message):
+    __slots__ = ("node", "epoch")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    epoch: int
+    def __init__(self, node: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class PageSource(_message.Message):
+    __slots__ = ("kind", "pages", "rule")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    pages: int
+    rule: str
+    def __init__(self, kind: _Optional[str] = ..., pages: _Optional[int] = ..., rule: _Optional[str] = ...) -> None: ...
+
+class ReceiptFinding(_message.Message):
+    __slots__ = ("record", "finding", "role", "action")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    FINDING_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    record: int
+    finding: str
+    role: str
+    action: str
+    def __init__(self, record: _Optional[int] = ..., finding: _Optional[str] = ..., role: _Optional[str] = ..., action: _Optional[str] = ...) -> None: ...
+
+class SignedReceipt(_message.Message):
+    __slots__ = ("receipt", "signature", "key_id")
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    receipt: bytes
+    signature: bytes
+    key_id: str
+    def __init__(self, receipt: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., key_id: _Optional[str] = ...) -> None: ...
 
 class Refusal(_message.Message):
     __slots__ = ("kind", "reason", "epoch", "event", "size", "sha256")
@@ -350,7 +430,7 @@ class StoreRoom(_message.Message):
     def __init__(self, used_bytes: _Optional[int] = ..., free_known: _Optional[bool] = ..., free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., growth_bytes_per_s: _Optional[float] = ..., full_in_s: _Optional[float] = ..., refusing: _Optional[str] = ...) -> None: ...
 
 class FleetState(_message.Message):
-    __slots__ = ("nodes", "requests", "events", "findings", "counters", "latencies", "store", "now_ns", "mode", "judged", "daemon", "cells")
+    __slots__ = ("nodes", "requests", "events", "findings", "counters", "latencies", "store", "now_ns", "mode", "judged", "daemon", "cells", "receipt_key")
     class FindingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +457,7 @@ class FleetState(_message.Message):
     JUDGED_FIELD_NUMBER: _ClassVar[int]
     DAEMON_FIELD_NUMBER: _ClassVar[int]
     CELLS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_KEY_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeState]
     requests: int
     events: int
@@ -389,7 +470,8 @@ class FleetState(_message.Message):
     judged: _containers.RepeatedCompositeFieldContainer[FindingCount]
     daemon: str
     cells: _containers.RepeatedCompositeFieldContainer[CellLease]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., latencies: _Optional[_Iterable[_Union[StageLatency, _Mapping]]] = ..., store: _Optional[_Union[StoreRoom, _Mapping]] = ..., now_ns: _Optional[int] = ..., mode: _Optional[str] = ..., judged: _Optional[_Iterable[_Union[FindingCount, _Mapping]]] = ..., daemon: _Optional[str] = ..., cells: _Optional[_Iterable[_Union[CellLease, _Mapping]]] = ...) -> None: ...
+    receipt_key: str
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeState, _Mapping]]] = ..., requests: _Optional[int] = ..., events: _Optional[int] = ..., findings: _Optional[_Mapping[str, int]] = ..., counters: _Optional[_Mapping[str, int]] = ..., latencies: _Optional[_Iterable[_Union[StageLatency, _Mapping]]] = ..., store: _Optional[_Union[StoreRoom, _Mapping]] = ..., now_ns: _Optional[int] = ..., mode: _Optional[str] = ..., judged: _Optional[_Iterable[_Union[FindingCount, _Mapping]]] = ..., daemon: _Optional[str] = ..., cells: _Optional[_Iterable[_Union[CellLease, _Mapping]]] = ..., receipt_key: _Optional[str] = ...) -> None: ...
 
 class CellLease(_message.Message):
     __slots__ = ("cell", "daemon", "sources")

@@ -1,0 +1,303 @@
+"""Per-request integrity receipts (`Receipts`, docs/receipts.md): when a request ends on the
+node that answers its client, what the daemon knows of the KV it attended, signed with the
+daemon's Ed25519 receipt key and kept in the audit chain (a `receipt` record) after its end.
+
+On the loop only what the ledger says at the end is taken (`ended`: one request's numbers),
+and the findings judged are noted (`judged`). A thread of its own signs, in batches: it waits
+until each end is durable, reads the store for the findings that name each request and its
+newest receipt, signs, hands the records to the loop, and waits until they are durable before
+the next batch, so that what it reads of receipts is never behind what it issued.
+
+Invariants: a request has one current receipt, its newest; a receipt lists every finding the
+store held naming the request when it was signed; a finding stored after a request's receipt
+issues a new one that supersedes it (naming its record); a request's end seen again (a restart,
+a cell taken over) issues nothing new; nothing of it blocks the loop, and a failure to sign or
+store is counted and said, never a stop of the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from kvguard import __version__
+from kvguard.daemon.ledgers import Ledgers
+from kvguard.daemon.store import Record, Store
+from kvguard.ledger import Finding, Ledger
+from kvguard.ledger.lifecycle import responds
+from kvguard.proto import pb, receipt, wire
+from kvguard.proto.kvguard.v1 import services_pb2 as svc
+from kvguard.proto.logs import logger
+
+log = logger("daemon")
+
+ENDS = frozenset(wire.PAYLOAD[k] for k in ("finish", "abort", "kill", "reject"))
+ADMIT = wire.PAYLOAD["admit"]
+BATCH = 512  # receipts signed and stored together
+FIRST_SEEN = 1 << 18  # requests whose first event's time is kept, until their end
+RECOVER_WINDOW = 1 << 20  # with no receipt stored yet, the stored events looked at for ends at start
+STORED_WITHIN_S = 60.0  # a batch of receipts not durable by then is said, and the signer goes on
+
+
+@dataclass(slots=True)
+class _End:
+    """A request's end: its receipt as the ledger knew it then, and where its end lies."""
+
+    receipt: svc.Receipt
+    node: str
+    committed: Future[int]  # its group's first record id
+    row: int  # its place in the group
+
+
+@dataclass(slots=True)
+class _Named:
+    """A finding that names requests: once durable, their receipts may be superseded."""
+
+    reqs: tuple[str, ...]
+    committed: Future[int]
+
+
+class Receipts:
+    def __init__(
+        self,
+        key: Any,
+        store: Store,
+        loop: asyncio.AbstractEventLoop,
+        record: Callable[[list[Record]], tuple[Future[int], int]],
+        counters: Counter[str],
+        digest: Callable[[], str],
+        name: str,
+    ) -> None:
+        """Sign with `key` (Ed25519) the receipts of what the daemon applies, reading `store`,
+        storing through `record` (Ingest.record, on `loop`), under the rules `digest()`."""
+        self.key = key
+        self.key_id = receipt.key_id(key.public_key())
+        self.public_pem = receipt.public_pem(key.public_key()).decode()
+        self.store = store
+        self.loop = loop
+        self.record = record
+        self.counters = counters
+        self.digest = digest
+        self.name = name
+        self._jobs: deque[_End | _Named] = deque()
+        self._first: OrderedDict[str, int] = OrderedDict()  # request -> its first event's time
+        self._shared: dict[str, Counter[str]] = {}  # request -> prefix pages of other tenants, by rule
+        self._wake = threading.Event()
+        self._busy = False  # a batch is being issued
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvguard-receipts", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ on the loop
+
+    def admitted(self, body: bytes) -> None:
+        """An admit event: its request's first time, kept until it ends."""
+        event = pb.Event.FromString(body)
+        req = event.admit.req
+        if req and req not in self._first:
+            self._first[req] = event.ts_ns
+            if len(self._first) > FIRST_SEEN:
+                self._first.popitem(last=False)
+
+    def shared(self, finding: Finding, permitted_by: str) -> None:
+        """A cross-tenant prefix share of the finding's request, let through by the rule
+        exception `permitted_by` ("": judged a finding)."""
+        if finding.req:
+            self._shared.setdefault(finding.req, Counter())[permitted_by] += len(finding.pages)
+
+    def ended(self, ledger: Ledger, node: str, body: bytes, committed: Future[int], row: int) -> None:
+        """Event `body` of `node` ended its request where its client is answered (its record
+        lies at `row` of the group `committed` reports)."""
+        event = pb.Event.FromString(body)
+        payload = event.WhichOneof("payload") or ""
+        req = getattr(getattr(event, payload), "req", "")
+        r = ledger.request(req) if req else None
+        if r is None:
+            return
+        nodes = sorted({n for n, _ in r.pools} | set(r.bootstrap_nodes or ()) | {node})
+        shares = self._shared.pop(req, Counter())
+        sources = [svc.PageSource(kind="own", pages=r.written_pages)]
+        checked = counted = 0
+        for xfer in r.xfers:
+            t = ledger.transfers.by_id.get(xfer)
+            if t is None or t.recv is None or t.recv.status != "done":
+                continue
+            sent = t.send.checksums if t.send is not None else ()
+            if len(sent) and len(t.recv.checksums) == len(sent):
+                checked += len(t.recv.pages)
+            else:
+                counted += len(t.recv.pages)
+        counted += max(0, r.received_pages - checked - counted)
+        sources += [
+            svc.PageSource(kind="transfer_checksum", pages=checked),
+            svc.PageSource(kind="transfer_count", pages=counted),
+            svc.PageSource(kind="prefix_own_tenant", pages=max(0, r.shared_pages - sum(shares.values()))),
+        ]
+        sources += [
+            svc.PageSource(kind="prefix_permitted", pages=n, rule=rule)
+            for rule, n in sorted(shares.items())
+            if rule
+        ]
+        if shares.get(""):
+            sources.append(svc.PageSource(kind="prefix_other_tenant", pages=shares[""]))
+        made = svc.Receipt(
+            req=req,
+            tenant=r.tenant,
+            nodes=[
+                svc.ReceiptNode(node=n, epoch=ledger.nodes[n].epoch if n in ledger.nodes else 0)
+                for n in nodes
+            ],
+            first_ns=self._first.pop(req, 0),
+            last_ns=event.ts_ns,
+            pages_attended=r.reads,
+            tokens=r.prompt_tokens + r.output_tokens,
+            sources=[s for s in sources if s.pages],
+            kvguard_version=__version__,
+            ruleset_digest=self.digest(),
+            daemon=self.name,
+        )
+        self._jobs.append(_End(made, node, committed, row))
+        self._wake.set()
+
+    def judged(self, finding: Finding, committed: Future[int]) -> None:
+        """A finding stored in the group `committed` reports: the receipts of the requests it
+        names may have to be superseded."""
+        reqs = tuple(r for r in (finding.req, finding.victim_req) if r)
+        if reqs:
+            self._jobs.append(_Named(reqs, committed))
+            self._wake.set()
+
+    def recover(self, ledgers: Ledgers) -> int:
+        """At start: the requests that ended after the newest receipt's end (a stop or a crash
+        came before theirs was stored) get theirs, from what the rebuilt ledgers know of them
+        (one already stored is not issued again); how many ends were found."""
+        newest = [
+            svc.Receipt.FromString(svc.SignedReceipt.FromString(b).receipt)
+            for b in self.store.newest_of("receipt", 64)
+        ]
+        after = max((r.chain_record for r in newest), default=max(0, self.store.last_id() - RECOVER_WINDOW))
+        found = 0
+        for event_id, node, kind, body in self.store.events_of_kinds(after, ENDS | {ADMIT}):
+            if kind == ADMIT:
+                self.admitted(body)
+                continue
+            ledger = ledgers.holding(node)
+            known = ledger.nodes.get(node) if ledger is not None else None
+            if ledger is not None and known is not None and responds(known):
+                done: Future[int] = Future()
+                done.set_result(event_id)
+                self.ended(ledger, node, body, done, 0)
+                found += 1
+        self.counters["receipts_recovered_ends"] += found
+        return found
+
+    # ------------------------------------------------------------------ the signer
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(0.2)
+            self._wake.clear()
+            while self._jobs and self._jobs[0].committed.done():
+                jobs = []
+                self._busy = True
+                while self._jobs and self._jobs[0].committed.done() and len(jobs) < BATCH:
+                    jobs.append(self._jobs.popleft())
+                try:
+                    self._issue(jobs)
+                except Exception as exc:  # the store away, a bug: said and counted, the daemon goes on
+                    self.counters["receipts_failed"] += len(jobs)
+                    log.warning(f"receipts of {len(jobs)} requests not issued: {type(exc).__name__} {exc}")
+                finally:
+                    self._busy = False
+
+    def _issue(self, jobs: Sequence[_End | _Named]) -> None:
+        ends = [
+            (j, j.committed.result() + j.row)
+            for j in jobs
+            if isinstance(j, _End) and not j.committed.exception()
+        ]
+        named = [j for j in jobs if isinstance(j, _Named) and not j.committed.exception()]
+        reqs = {j.receipt.req for j, _ in ends} | {req for j in named for req in j.reqs}
+        facts = self.store.receipt_facts(reqs)
+        hashes = self.store.record_hashes({at for _, at in ends})
+        made: dict[str, svc.Receipt] = {}
+        records: list[Record] = []
+        for job, at in ends:
+            req = job.receipt.req
+            if facts[req].latest is not None or req in made:  # its end seen again
+                self.counters["receipts_known"] += 1
+                continue
+            r = job.receipt
+            r.chain_record, r.chain_hash = at, hashes.get(at, b"")
+            records.append(self._signed(r, facts[req].findings, job.node))
+            made[req] = r
+        for job in named:
+            for req in job.reqs:
+                fact = facts.get(req)
+                if req in made or fact is None or fact.latest is None:
+                    continue  # its receipt, when it comes, lists what is stored by then
+                old_id, body = fact.latest
+                old = svc.Receipt.FromString(svc.SignedReceipt.FromString(body).receipt)
+                if {x.record for x in old.findings} >= {i for i, f in fact.findings if _counts(f)}:
+                    continue
+                r = svc.Receipt()
+                r.CopyFrom(old)
+                r.supersedes, r.daemon, r.ruleset_digest = old_id, self.name, self.digest()
+                records.append(self._signed(r, fact.findings, old.nodes[-1].node if old.nodes else ""))
+                made[req] = r
+                self.counters["receipts_superseded"] += 1
+        if records:
+            self._store(records)
+
+    def _signed(self, r: svc.Receipt, findings: list[tuple[int, pb.Finding]], node: str) -> Record:
+        del r.findings[:]
+        for record_id, f in findings:
+            if _counts(f):
+                role = "offender" if f.req == r.req else "victim"
+                r.findings.add(record=record_id, finding=f.finding, role=role, action=f.action)
+        r.verdict = "findings" if r.findings else "clean"
+        r.issued_ns = time.time_ns()
+        signed = receipt.sign(r, self.key)
+        self.counters["receipts"] += 1
+        return Record("receipt", node, 0, r.issued_ns, signed.SerializeToString(), r.req, r.tenant)
+
+    def _store(self, records: list[Record]) -> None:
+        """Into the chain on the loop; back once durable, so that the next batch reads them."""
+        handed: Future[tuple[Future[int], int]] = Future()
+
+        def hand() -> None:
+            try:
+                handed.set_result(self.record(records))
+            except BaseException as exc:
+                handed.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(hand)
+        committed, _ = handed.result(STORED_WITHIN_S)
+        committed.result(STORED_WITHIN_S)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait (the loop going on) until every end applied so far has its receipt stored;
+        whether there were any."""
+        had = bool(self._jobs) or self._busy
+        deadline = time.monotonic() + timeout
+        while (self._jobs or self._busy) and self._thread.is_alive() and time.monotonic() < deadline:
+            self._wake.set()
+            time.sleep(0.01)
+        return had
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop signing (what is left is issued after the next start: `recover`)."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+
+def _counts(f: pb.Finding) -> bool:
+    """Whether a stored finding is one a receipt lists (not the daemon's update of another)."""
+    return not f.details.get("update_of")
