@@ -58,7 +58,10 @@ def new_key(private: Path, public: Path) -> None:
 def public_pem(public: Any) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
-    return public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    pem: bytes = public.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return pem
 
 
 def key_id(public: Any) -> str:
