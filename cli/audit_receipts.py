@@ -47,7 +47,7 @@ def _describe(record_id: int, signed: svc.SignedReceipt, out: TextIO, superseded
     out.write(f", kvguard {r.kvguard_version}, rules {r.ruleset_digest[:16]}\n")
     nodes = ", ".join(f"{n.node} (epoch {n.epoch})" for n in r.nodes)
     out.write(f"  ran on {nodes} from {format_time(r.first_ns)} to {format_time(r.last_ns)}\n")
-    out.write(f"  attended {r.pages_attended} page reads over {r.tokens} tokens; its pages' KV: ")
+    out.write(f"  attended {r.pages_attended} pages over {r.tokens} tokens; its pages' KV: ")
     out.write(
         ", ".join(f"{s.pages} {s.kind}" + (f" ({s.rule})" if s.rule else "") for s in r.sources) or "none"
     )

@@ -57,7 +57,11 @@ def run_demo(out_dir: Path, out: TextIO = sys.stdout, *, top: bool = False) -> i
     out_dir.mkdir(parents=True)
     store = out_dir / "audit.db"
     sock = out_dir / "agent.sock"
-    daemon = start_daemon(str(store), 0, "--mode", "monitor", quiet=True)
+    from kvguard.proto.receipt import new_key
+
+    new_key(out_dir / "receipt.key", out_dir / "receipt.pub")  # what `kvguard certs init` makes
+    key = str(out_dir / "receipt.key")
+    daemon = start_daemon(str(store), 0, "--mode", "monitor", "--receipt-key", key, quiet=True)
     address = daemon.address
     agent = start_agent(str(sock), address, str(out_dir / "spool"), quiet=True)
     try:
@@ -162,19 +166,24 @@ def _demo(out_dir: Path, store: Path, sock: Path, address: str, started: float, 
         up = time.monotonic() - started
         p(f"clusters up in {up:.1f}s; model kvguard-echo, max_model_len {context}\n\n")
         p("1. ordinary traffic (the echo model answers with its prompt, so a leak shows verbatim)\n")
+        secret: dict[str, str] = {}  # cluster -> the kvguard-receipt id of acme's secret request
         for tenant, prompt in ORDINARY:
             cells = []
             for name, cluster in clusters.items():
                 status, reply = cluster.complete(tenant, prompt, max_tokens=len(prompt.encode()))
                 ok = status == 200 and Cluster.text(reply) == prompt
                 cells.append(f"{name} {status} {'exact' if ok else 'WRONG'}")
+                if prompt == SECRET:
+                    secret[name] = cluster.last_receipt
             p(f"   {tenant:7} {_short(prompt, 46):46}  {'   '.join(cells)}\n")
         prompt_tokens = len(OVERLONG.encode())
         p(f"\n2. globex sends a {prompt_tokens}-token prompt (longer than the prefill pool), ")
         p("max_tokens 96\n\n")
         results: dict[str, tuple[int, dict[str, Any]]] = {}
+        overlong: dict[str, str] = {}  # cluster -> the kvguard-receipt id of globex's request
         for name, cluster in clusters.items():
             results[name] = cluster.complete("globex", OVERLONG, max_tokens=96)
+            overlong[name] = cluster.last_receipt
         width = 44
         p(f"   {'':22}{'unguarded':{width}}  guarded\n")
         status = {n: str(r[0]) for n, r in results.items()}
@@ -214,10 +223,67 @@ def _demo(out_dir: Path, store: Path, sock: Path, address: str, started: float, 
     p(f"   {line}\n")
     p("\n5. the daemon's exposure report for acme (kvguard audit exposure --tenant acme):\n\n")
     format_exposure(exposure_of(open_source(str(store), None), "acme"), _Indented(out))
+    p("\n6. acme's receipts for its confidential request (the response's kvguard-receipt header names\n")
+    p("   it; `kvguard audit receipt ID -o json`, checked offline with `kvguard audit verify-receipt`)\n")
+    receipts = _receipts(out_dir, store, secret, overlong.get("unguarded", ""), p)
     p(f"\naudit log: {store} (kvguard audit query --store {store}; kvguard audit verify --store {store})\n")
     p(f"\ndone in {time.monotonic() - started:.1f}s\n")
-    good = leaked["unguarded"] and not leaked["guarded"] and results["guarded"][0] >= 500
+    good = leaked["unguarded"] and not leaked["guarded"] and results["guarded"][0] >= 500 and receipts
     return 0 if good else 1
+
+
+def _receipts(out_dir: Path, store: Path, secret: dict[str, str], offender: str, p: Any) -> bool:
+    """Print the guarded cluster's receipt of acme's secret request, verified offline with the
+    public key alone, and the unguarded one's (the leak's victim), then the offending request's:
+    whether they came out as they must (the guarded one valid; the victim's current one not
+    clean)."""
+    from kvguard.daemon.audit.source import open_source
+    from kvguard.proto import receipt
+    from kvguard.proto.filter import Filter
+    from kvguard.proto.kvguard.v1 import services_pb2 as svc
+
+    def current(req: str) -> tuple[int, svc.SignedReceipt] | None:
+        source = open_source(str(store), None)
+        try:
+            found = [(i.id, i.body) for i in source.records(Filter(kind="receipt", req=req))]
+        finally:
+            source.close()
+        kept = [(rid, body) for rid, body in found if isinstance(body, svc.SignedReceipt)]
+        return kept[-1] if kept else None
+
+    deadline = time.monotonic() + 20  # a receipt follows its request's end within a second
+    while time.monotonic() < deadline and not all(current(req) for req in secret.values() if req):
+        time.sleep(0.1)
+    public = receipt.load_public(out_dir / "receipt.pub")
+    ok = True
+    for name in ("guarded", "unguarded"):
+        req = secret.get(name, "")
+        found = current(req) if req else None
+        if found is None:
+            p(f"\n   {name}: no receipt of {req or 'its request (no kvguard-receipt header)'}\n")
+            ok = False
+            continue
+        record_id, signed = found
+        path = out_dir / f"receipt-{name}.json"
+        path.write_bytes(receipt.to_file(signed))
+        verdict = receipt.verify(receipt.from_file(path), public, tenant="acme", req=req)
+        r = verdict.receipt
+        assert r is not None
+        p(f"\n   {name}: kvguard-receipt {req} -> {path.name} (record {record_id})\n")
+        p(f"   verify-receipt --key receipt.pub --tenant acme: {'VALID' if verdict.ok else 'REFUSED'}, ")
+        p(f"{r.verdict.upper()}" + (f" (supersedes record {r.supersedes})" if r.supersedes else "") + "\n")
+        for line in verdict.proves:
+            p(f"     proves: {line}\n")
+        # The guarded response's receipt holds; the leak's victim has no clean one standing.
+        ok = ok and verdict.ok and (name == "guarded" or r.verdict != "clean")
+    found = current(offender) if offender else None
+    if found is not None:
+        r = svc.Receipt.FromString(found[1].receipt)
+        sources = ", ".join(f"{s.pages} {s.kind}" for s in r.sources)
+        p(f"\n   and globex's request on the unguarded cluster ({offender}): {r.verdict.upper()}; ")
+        p(f"its pages' KV: {sources}\n")
+    p(f"\n   receipt key: {out_dir / 'receipt.pub'} (`kvguard audit receipt-key` prints it)\n")
+    return ok
 
 
 def _witness_line(store: Path, node: str) -> str:

@@ -26,11 +26,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvguard import __version__
 from kvguard.daemon.ledgers import Ledgers
 from kvguard.daemon.store import Record, Store
 from kvguard.ledger import Finding, Ledger
 from kvguard.ledger.lifecycle import responds
+from kvguard.ledger.requests import Request
 from kvguard.proto import pb, receipt, wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.logs import logger
@@ -122,30 +125,7 @@ class Receipts:
             return
         nodes = sorted({n for n, _ in r.pools} | set(r.bootstrap_nodes or ()) | {node})
         shares = self._shared.pop(req, Counter())
-        sources = [svc.PageSource(kind="own", pages=r.written_pages)]
-        checked = counted = 0
-        for xfer in r.xfers:
-            t = ledger.transfers.by_id.get(xfer)
-            if t is None or t.recv is None or t.recv.status != "done":
-                continue
-            sent = t.send.checksums if t.send is not None else ()
-            if len(sent) and len(t.recv.checksums) == len(sent):
-                checked += len(t.recv.pages)
-            else:
-                counted += len(t.recv.pages)
-        counted += max(0, r.received_pages - checked - counted)
-        sources += [
-            svc.PageSource(kind="transfer_checksum", pages=checked),
-            svc.PageSource(kind="transfer_count", pages=counted),
-            svc.PageSource(kind="prefix_own_tenant", pages=max(0, r.shared_pages - sum(shares.values()))),
-        ]
-        sources += [
-            svc.PageSource(kind="prefix_permitted", pages=n, rule=rule)
-            for rule, n in sorted(shares.items())
-            if rule
-        ]
-        if shares.get(""):
-            sources.append(svc.PageSource(kind="prefix_other_tenant", pages=shares[""]))
+        sources = [x for x in _sources(ledger, r, shares) if x.pages]
         made = svc.Receipt(
             req=req,
             tenant=r.tenant,
@@ -155,9 +135,9 @@ class Receipts:
             ],
             first_ns=self._first.pop(req, 0),
             last_ns=event.ts_ns,
-            pages_attended=r.reads,
+            pages_attended=sum(s.pages for s in sources),
             tokens=r.prompt_tokens + r.output_tokens,
-            sources=[s for s in sources if s.pages],
+            sources=sources,
             kvguard_version=__version__,
             ruleset_digest=self.digest(),
             daemon=self.name,
@@ -296,6 +276,50 @@ class Receipts:
         self._closed = True
         self._wake.set()
         self._thread.join(timeout)
+
+
+def _sources(ledger: Ledger, r: Request, shares: Counter[str]) -> list[svc.PageSource]:
+    """Where the KV of r's pages came from, in distinct pages: those granted to it that a
+    transfer filled (its checksums compared with the sender's, or its count only), those it
+    wrote itself, and those neither (`unwritten`: whatever they held before, the leak's pages);
+    and the prefix pages shared with it (of its own tenant, or of another as a rule's exception
+    let through: `shares`, by rule)."""
+    checked = counted = own = unwritten = 0
+    received: dict[tuple[str, int], list[tuple[np.ndarray, bool]]] = {}
+    for xfer in r.xfers:
+        t = ledger.transfers.by_id.get(xfer)
+        if t is not None and t.recv is not None and t.recv.status == "done":
+            sent = t.send.checksums if t.send is not None else ()
+            by_checksum = bool(len(sent)) and len(t.recv.checksums) == len(sent)
+            received.setdefault((t.recv.node, t.recv.pool), []).append((t.recv.pages, by_checksum))
+    for node, pool in r.pools:
+        held = ledger.nodes[node].pools.get(pool) if node in ledger.nodes else None
+        runs = held.grants.get(r.idx) if held is not None else None
+        if held is None or not runs:
+            continue
+        pages = np.unique(np.concatenate(runs))
+        for got, by_checksum in received.get((node, pool), ()):
+            filled = np.intersect1d(pages, got)
+            checked, counted = (
+                (checked + len(filled), counted) if by_checksum else (checked, counted + len(filled))
+            )
+            pages = np.setdiff1d(pages, filled)
+        mine = held.pages.writer[pages] == r.idx
+        own += int(mine.sum())
+        unwritten += int((~mine).sum())
+    shared = sum(len(sh.pages) for sh in r.shared.values())
+    out = [
+        svc.PageSource(kind="own", pages=own),
+        svc.PageSource(kind="transfer_checksum", pages=checked),
+        svc.PageSource(kind="transfer_count", pages=counted),
+        svc.PageSource(kind="unwritten", pages=unwritten),
+        svc.PageSource(kind="prefix_own_tenant", pages=max(0, shared - sum(shares.values()))),
+    ]
+    for rule, n in sorted(shares.items()):
+        if rule:
+            out.append(svc.PageSource(kind="prefix_permitted", pages=n, rule=rule))
+    out.append(svc.PageSource(kind="prefix_other_tenant", pages=shares.get("", 0)))
+    return out
 
 
 def _counts(f: pb.Finding) -> bool:

@@ -190,7 +190,7 @@ def verify(signed: svc.SignedReceipt, public: Any, tenant: str = "", req: str = 
 
 
 def _meaning(r: svc.Receipt) -> tuple[list[str], list[str]]:
-    attended = f"{r.pages_attended} page reads over {r.tokens} tokens"
+    attended = f"{r.pages_attended} pages over {r.tokens} tokens"
     kinds = ", ".join(f"{s.pages} {s.kind}" + (f" ({s.rule})" if s.rule else "") for s in r.sources)
     proves = [
         f"the daemon that holds this key signed it ({r.daemon or 'unnamed'}, kvguard {r.kvguard_version})",

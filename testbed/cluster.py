@@ -22,6 +22,7 @@ class Cluster:
         self, audit_dir: str | Path, *, faults: tuple[str, ...] = (), guard: str = "off", **options: Any
     ):
         self.audit_dir = Path(audit_dir)
+        self.last_receipt = ""  # the kvguard-receipt header of the last response (post)
         self.args = ["--port", "0", "--guard", guard, "--audit-dir", str(self.audit_dir)]
         for fault in faults:
             self.args += ["--fault", fault]
@@ -73,14 +74,18 @@ class Cluster:
                 pipe.close()
 
     def post(self, path: str, body: dict[str, Any], tenant: str | None = None) -> tuple[int, dict[str, Any]]:
+        """(status, body) of a POST; the response's kvguard-receipt header, if it has one, in
+        `last_receipt`."""
         headers = {"Content-Type": "application/json"}
         if tenant is not None:
             headers["Authorization"] = f"Bearer {tenant}"
         request = urllib.request.Request(self.url + path, json.dumps(body).encode(), headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
+                self.last_receipt = response.headers.get("kvguard-receipt", "")
                 return response.status, json.loads(response.read())
         except urllib.error.HTTPError as err:
+            self.last_receipt = err.headers.get("kvguard-receipt", "")
             return err.code, json.loads(err.read() or b"{}")
 
     def get(self, path: str) -> tuple[int, dict[str, Any]]:

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from kvguard.testbed.router import MODEL, TENANT, ApiError, Plan, Router
+from kvguard.testbed.router import MODEL, RECEIPT_HEADER, TENANT, ApiError, Plan, Router
 
 MAX_BODY_BYTES = 1 << 20
 SHUTDOWN_GRACE_S = 5  # for streams in flight to end when the server stops
@@ -154,7 +154,8 @@ def build_app(router: Router) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         router.count(exc)
-        return JSONResponse(exc.body, status_code=exc.status)
+        headers = {RECEIPT_HEADER: exc.req} if exc.req else None
+        return JSONResponse(exc.body, status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -231,11 +232,17 @@ def _answer(
         raise ApiError(404, f"The model `{body.model}` does not exist.", code="model_not_found")
     plan = router.plan(tenant, prompt, max_tokens)
     shape = _Shape(chat, plan)
+    receipt = {RECEIPT_HEADER: plan.req}  # the client may fetch what kvguard signed of this request
     if not body.stream:
-        out = b"".join(router.generate(plan))
-        return shape.whole(out.decode("utf-8", errors="replace"), len(out))
+        try:
+            out = b"".join(router.generate(plan))
+        except ApiError as exc:
+            exc.req = plan.req
+            raise
+        return JSONResponse(shape.whole(out.decode("utf-8", errors="replace"), len(out)), headers=receipt)
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return StreamingResponse(_stream(router, plan, shape, include_usage), media_type="text/event-stream")
+    stream = _stream(router, plan, shape, include_usage)
+    return StreamingResponse(stream, media_type="text/event-stream", headers=receipt)
 
 
 def _stream(router: Router, plan: Plan, shape: _Shape, include_usage: bool) -> Iterator[bytes]:

@@ -39,6 +39,9 @@ ROLES = ("prefill", "decode")
 DECODE_TIMEOUT_S = 60.0  # for decode to finish a request once prefill has handed it over
 
 
+RECEIPT_HEADER = "kvguard-receipt"  # the id of the request's kvguard receipt (`kvguard audit receipt ID`)
+
+
 class ApiError(Exception):
     """A request the API answers with an error, in OpenAI's shape (`body`)."""
 
@@ -53,6 +56,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+        self.req = ""  # the request it ended, once it had one: its receipt's id (RECEIPT_HEADER)
 
 
 @dataclass(frozen=True)

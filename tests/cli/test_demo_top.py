@@ -75,6 +75,12 @@ def test_the_demo_runs_under_the_dashboard_and_its_narration_follows_q(tmp_path:
     # The narration, printed on the terminal once the dashboard is gone: the leak and its stop.
     assert "kvguard demo: the 2026 prefill/decode disaggregation leak" in after
     assert re.search(r"acme secret leaked\s+YES\s+no", after), after
+    # acme's receipts, checked offline: the guarded response's holds clean; the leak's victim
+    # has no clean receipt standing (its clean one superseded, or findings from the first).
+    assert re.search(r"guarded: kvguard-receipt cmpl-\w+ -> receipt-guarded.json", after), after
+    assert re.search(r"verify-receipt --key receipt.pub --tenant acme: VALID, CLEAN\n", after), after
+    assert re.search(r"unguarded: kvguard-receipt cmpl-\w+ -> receipt-unguarded.json", after), after
+    assert re.search(r"VALID, FINDINGS.*\n(.*\n){2}.*stale_read as victim", after), after
     assert "done in" in after
     # The guarded cluster ran with the CUDA shim: every attention launch it saw was checked.
     assert re.search(
