@@ -174,6 +174,7 @@ class CellSnapshots:
                 pass
             if not previous:
                 after, held = 0, []
+        nodes = sorted(set(nodes) | set(held))  # what it held stays in it, whatever is said of it now
         keys = " ".join(k.hex() for k in self.store.audit_keys()).encode() + b"\n"
         command = [
             sys.executable,
@@ -184,7 +185,7 @@ class CellSnapshots:
             "--settings",
             orjson.dumps(self.settings).decode(),
             "--nodes",
-            orjson.dumps(sorted(nodes)).decode(),
+            orjson.dumps(nodes).decode(),
             "--after",
             str(after),
             "--held",
@@ -210,7 +211,8 @@ class CellSnapshots:
         digest = await loop.run_in_executor(None, self.store.bind, int(through), body)
         objects = await self._store()
         await objects.put(
-            bus.snapshot_name(cell), pack(int(through), digest, sorted(nodes), self.settings, body)
+            bus.snapshot_name(cell),
+            pack(int(through), digest, nodes, self.settings, body),
         )
         self.counters["cell_snapshots"] += 1
         log.info(f"bus: cell {cell}'s snapshot saved after record {int(through)} ({len(body)} bytes)")

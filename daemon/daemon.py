@@ -226,21 +226,29 @@ class Daemon:
 
     async def adopt(self, cell: str, nodes: Collection[str], start: CellStart | None = None) -> Ledger:
         """Take over `cell` (on the bus) with `nodes`: its ledger from its snapshot `start`
-        (None: empty) and the events of its nodes stored after it (of a node the snapshot does
-        not hold, all of them), applied again off the loop as another daemon applied them, so
-        that what comes next is judged on their state and what is stored already is a repeat.
-        Then in use (on the loop); returns it."""
+        (None, or one lacking a node that stored events before it: empty) and the events of its
+        nodes stored after it, applied again off the loop as another daemon applied them, so
+        that what comes next is judged on their state and what is stored already is a repeat;
+        the ends its last daemon left unsigned get their receipts. Then in use (on the loop);
+        returns it."""
         loop = asyncio.get_running_loop()
-        ledger, through, held = (
-            (start.ledger, start.through, start.nodes) if start else (self.fresh(), 0, set())
-        )
         counts: Counter[str] = Counter()
+        ledger = start.ledger if start is not None else self.fresh()
 
         def rebuild() -> int:
-            stored = self.store.event_batches(
-                after=through, nodes=set(nodes) | set(held), from_start=set(nodes) - set(held)
-            )
-            return self._replay(ledger, stored, counts)
+            nonlocal ledger
+            through, held = (start.through, start.nodes) if start is not None else (0, frozenset[str]())
+            if start is not None and not self.store.snapshot_covers(held, through, nodes):
+                counts["cell_snapshots_partial"] += 1  # a node it lacks stored events before it
+                log.warning(
+                    f"bus: cell {cell}'s snapshot lacks a node that stored events before it: rebuilt whole"
+                )
+                ledger, through, held = self.fresh(), 0, frozenset()
+            stored = self.store.event_batches(after=through, nodes=set(nodes) | set(held))
+            rebuilt = self._replay(ledger, stored, counts)
+            if self.receipts is not None:  # ends its last daemon left unsigned
+                self.receipts.recover(Ledgers(self.fresh, ledger), set(nodes) | set(held))
+            return rebuilt
 
         rebuilt = await loop.run_in_executor(None, rebuild)
         with self.pipeline.lock:

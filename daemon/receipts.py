@@ -21,7 +21,7 @@ import asyncio
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -153,17 +153,15 @@ class Receipts:
             self._jobs.append(_Named(reqs, committed))
             self._wake.set()
 
-    def recover(self, ledgers: Ledgers) -> int:
-        """At start: the requests that ended after the newest receipt's end (a stop or a crash
-        came before theirs was stored) get theirs, from what the rebuilt ledgers know of them
-        (one already stored is not issued again); how many ends were found."""
-        newest = [
-            svc.Receipt.FromString(svc.SignedReceipt.FromString(b).receipt)
-            for b in self.store.newest_of("receipt", 64)
-        ]
+    def recover(self, ledgers: Ledgers, nodes: Collection[str] | None = None) -> int:
+        """The requests that ended (of `nodes`, or of any) after the newest receipt of theirs
+        (a stop, a crash or a lost daemon came before theirs was stored) get theirs, from what
+        the ledgers know of them; one stored already is not issued again. How many ends."""
+        bodies = self.store.newest_of("receipt", 64, nodes)
+        newest = [svc.Receipt.FromString(svc.SignedReceipt.FromString(b).receipt) for b in bodies]
         after = max((r.chain_record for r in newest), default=max(0, self.store.last_id() - RECOVER_WINDOW))
         found = 0
-        for event_id, node, kind, body in self.store.events_of_kinds(after, ENDS | {ADMIT}):
+        for event_id, node, kind, body in self.store.events_of_kinds(after, ENDS | {ADMIT}, nodes):
             if kind == ADMIT:
                 self.admitted(body)
                 continue

@@ -73,22 +73,21 @@ def build_cell(
     store = Store(store_url, *keys, head_file=head_file)
     try:
         until = store.last_id()
+        if previous and not store.snapshot_covers(held, after, nodes):
+            previous, after, held = b"", 0, []  # a node it lacks stored events before it: whole again
         ledger = snapshot.load(previous) if previous else Ledger(**settings)
         if snapshot.settings(ledger) != settings:
             raise snapshot.SnapshotError("the previous one was taken with other ledger settings")
         ledger.limits = UNBOUNDED
         stored = store.event_batches(
-            after=after if previous else 0,
-            until=until,
-            nodes=set(nodes) | set(held),
-            from_start=set(nodes) - set(held),
+            after=after if previous else 0, until=until, nodes=set(nodes) | set(held)
         )
         applied = 0
         for node, batch, skip in stored:
             applied += len(batch) - skip
             for _ in ledger.replay(batch, node, skip):
                 pass  # said by the daemon that rebuilt the cell from the store
-        if previous and not applied and set(held) >= set(nodes):
+        if previous and not applied:
             return after, b""
         return until, snapshot.dump(ledger)
     finally:

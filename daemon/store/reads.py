@@ -54,28 +54,25 @@ def event_batches(
     after: int = 0,
     until: int | None = None,
     nodes: Collection[str] | None = None,
-    from_start: Collection[str] = (),
 ) -> Iterator[tuple[str, wire.Batch, int]]:
-    """The stored events after id `after` (only those of `nodes`, if given; of the nodes in
-    `from_start`, every one), in the order they were applied, as their bytes: (node, its
-    events, how many of them come before `after`) per record, a run's together (the daemon
-    rebuilds its ledger from them at start, applying them as it applied them live)."""
+    """The stored events after id `after` (only those of `nodes`, if given), in the order they
+    were applied, as their bytes: (node, its events, how many of them come before `after`) per
+    record, a run's together (the daemon rebuilds its ledger from them at start, applying them
+    as it applied them live)."""
     c = records.c
-    whole = set(from_start)
     query = select(c.id, c.kind, c.node, c.body).where(c.kind.in_(("event", "events"))).order_by(c.id)
     with engine.connect() as conn:
-        since = c.id >= holding(conn, after + 1)
-        query = query.where(since | c.node.in_(list(whole)) if whole else since)
+        query = query.where(c.id >= holding(conn, after + 1))
         if until is not None:  # a record's end: the records that start up to it end there too
             query = query.where(c.id <= until)
         if nodes is not None:
-            query = query.where(c.node.in_(list(set(nodes) | whole)))
+            query = query.where(c.node.in_(list(nodes)))
         with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
             for record_id, kind, node, body in result:
                 if type(body) is not bytes or type(node) is not str or type(kind) is not str:
                     row = {"kind": kind, "node": node, "body": body}
                     kind, node, body = checked("records", f"record {record_id}", row).values()
-                skip = 0 if node in whole else after + 1 - record_id
+                skip = after + 1 - record_id
                 if kind == "event":
                     if skip <= 0:
                         yield node, wire.single(body), 0
@@ -413,30 +410,45 @@ def record_hashes(engine: Engine, ids: Collection[int]) -> dict[int, bytes]:
     return out
 
 
-def newest_of(engine: Engine, kind: str, n: int) -> list[bytes]:
-    """The bodies of the newest `n` records of `kind` (not events), newest first."""
+def first_event(engine: Engine, nodes: Collection[str]) -> int:
+    """The id of the first record of events of any of `nodes` (0: none)."""
+    c = records.c
+    query = select(func.min(c.id)).where(c.kind.in_(EVENT_KINDS) & c.node.in_(list(nodes)))
+    with engine.connect() as conn:
+        found = conn.execute(query).scalar()
+    return int(found) if found is not None else 0
+
+
+def newest_of(engine: Engine, kind: str, n: int, nodes: Collection[str] | None = None) -> list[bytes]:
+    """The bodies of the newest `n` records of `kind` (not events; of `nodes`, if given), newest first."""
     c = records.c
     query = select(c.body).where(c.kind == kind).order_by(c.id.desc()).limit(n)
+    if nodes is not None:
+        query = query.where(c.node.in_(list(nodes)))
     with engine.connect() as conn:
         return [bytes(body) for (body,) in conn.execute(query)]
 
 
 def events_of_kinds(
-    engine: Engine, after: int, kinds: Collection[int]
+    engine: Engine, after: int, kinds: Collection[int], nodes: Collection[str] | None = None
 ) -> Iterator[tuple[int, str, int, bytes]]:
     """(id, node, payload, bytes) of each stored event after id `after` whose payload is one
     of `kinds` (wire.PAYLOAD numbers), in order: found by their heads, parsed by none."""
     wanted = np.array(sorted(kinds), np.int64)
-    for record_id, node, batch, skip in _batches_with_ids(engine, after):
+    for record_id, node, batch, skip in _batches_with_ids(engine, after, nodes):
         kinds_of = batch.heads["kind"]
         hits = np.flatnonzero(np.isin(kinds_of[skip:], wanted)) + skip
         for i in hits.tolist():
             yield record_id + i, node, int(kinds_of[i]), batch.event(i)
 
 
-def _batches_with_ids(engine: Engine, after: int) -> Iterator[tuple[int, str, wire.Batch, int]]:
+def _batches_with_ids(
+    engine: Engine, after: int, nodes: Collection[str] | None
+) -> Iterator[tuple[int, str, wire.Batch, int]]:
     c = records.c
     query = select(c.id, c.kind, c.node, c.body).where(c.kind.in_(EVENT_KINDS)).order_by(c.id)
+    if nodes is not None:
+        query = query.where(c.node.in_(list(nodes)))
     with engine.connect() as conn:
         query = query.where(c.id >= holding(conn, after + 1))
         with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:

@@ -447,14 +447,23 @@ class Store:
         after: int = 0,
         until: int | None = None,
         nodes: Collection[str] | None = None,
-        from_start: Collection[str] = (),
     ) -> Iterator[tuple[str, wire.Batch, int]]:
         """The stored events after id `after` (and, `until` a record's end, up to it; only
-        those of `nodes`, if given, and of those in `from_start` every one), in the order they
-        were applied, as their bytes: (node, its events, how many of them come before `after`)
-        per record, a run's together (the daemon rebuilds its ledger from them at start,
-        applying them as it applied them live)."""
-        return reads.event_batches(self.engine, after, until, nodes, from_start)
+        those of `nodes`, if given), in the order they were applied, as their bytes: (node, its
+        events, how many of them come before `after`) per record, a run's together (the daemon
+        rebuilds its ledger from them at start, applying them as it applied them live)."""
+        return reads.event_batches(self.engine, after, until, nodes)
+
+    def first_event(self, nodes: Collection[str]) -> int:
+        """The id of the first record of events of any of `nodes` (0: none)."""
+        return reads.first_event(self.engine, nodes)
+
+    def snapshot_covers(self, held: Collection[str], through: int, nodes: Collection[str]) -> bool:
+        """Whether a snapshot of `held` taken after record `through` covers `nodes`: every node
+        it does not hold stored nothing up to it (its events all come after, in order)."""
+        missing = set(nodes) - set(held)
+        first = self.first_event(missing) if missing else 0
+        return not (0 < first <= through)
 
     def last_id(self) -> int:
         """The id the store ends at now (0: empty): always the end of a committed group."""
@@ -478,12 +487,14 @@ class Store:
     def record_hashes(self, ids: Collection[int]) -> dict[int, bytes]:
         return reads.record_hashes(self.engine, ids)
 
-    def newest_of(self, kind: str, n: int) -> list[bytes]:
-        return reads.newest_of(self.engine, kind, n)
+    def newest_of(self, kind: str, n: int, nodes: Collection[str] | None = None) -> list[bytes]:
+        return reads.newest_of(self.engine, kind, n, nodes)
 
-    def events_of_kinds(self, after: int, kinds: Collection[int]) -> Iterator[tuple[int, str, int, bytes]]:
+    def events_of_kinds(
+        self, after: int, kinds: Collection[int], nodes: Collection[str] | None = None
+    ) -> Iterator[tuple[int, str, int, bytes]]:
         """(id, node, payload, bytes) of the events after id `after` of these payloads (reads.py)."""
-        return reads.events_of_kinds(self.engine, after, kinds)
+        return reads.events_of_kinds(self.engine, after, kinds, nodes)
 
     def records_of(self, kind: str) -> Iterator[tuple[int, str, bytes]]:
         """(id, node, body) of every record of `kind` (not events), in id order: what the

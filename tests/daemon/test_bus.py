@@ -24,7 +24,7 @@ from kvguard.cli.fleet import render
 from kvguard.cli.process import Service, start_daemon
 from kvguard.daemon.store import Store
 from kvguard.ledger import Ledger
-from kvguard.proto import bus, pb
+from kvguard.proto import bus, pb, receipt
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.kvguard.v1 import services_pb2_grpc as svc_grpc
 from kvguard.ruleset import load_ruleset
@@ -92,6 +92,16 @@ def one_ledger(f: Fleet) -> Counter[tuple[str, str, str, str]]:
                 if judged is not None:
                     found.append(judged)
     return verdicts(found)
+
+
+def finished_on_decode(store: str) -> set[str]:
+    """The requests that finished on a decode node (where their clients are answered)."""
+    s = Store(store)
+    try:
+        events = [pb.Event.FromString(body) for _, _, body in s.rows(kind="event")]
+    finally:
+        s.close()
+    return {e.finish.req for e in events if e.WhichOneof("payload") == "finish" and e.node.startswith("d")}
 
 
 def stored_count(store: str) -> int:
@@ -209,7 +219,11 @@ def test_a_daemon_and_a_nats_server_killed_mid_run_lose_and_double_nothing(
     f = fleet(32, ticks=30, length=4, fault_every=5)
     expected = one_ledger(f)
     # Cells' snapshots taken while their events stream in: the cells that move start from them.
-    running = daemons(nats, pg_store_url, 2, tmp_path, more=("--snapshot-every", "64"))
+    # Receipts signed as requests end: the ends a lost daemon left unsigned, its cells' next signs.
+    key = tmp_path / "receipt.key"
+    receipt.new_key(key, tmp_path / "receipt.pub")
+    more = ("--snapshot-every", "64", "--receipt-key", str(key))
+    running = daemons(nats, pg_store_url, 2, tmp_path, more=more)
     publisher = threading.Thread(target=publish, args=(f, nats.settings()))
     publisher.start()
     try:
@@ -222,6 +236,20 @@ def test_a_daemon_and_a_nats_server_killed_mid_run_lose_and_double_nothing(
         events = all_stored(pg_store_url, f)
         assert len(events) == f.events and set(events.values()) == {1}, "lost or doubled"
         assert verdicts(stored_findings(pg_store_url)) == expected
+        ended = finished_on_decode(pg_store_url)
+
+        def first_receipts() -> Counter[str]:
+            s = Store(pg_store_url)
+            try:
+                bodies = [svc.SignedReceipt.FromString(b).receipt for _, _, b in s.rows(kind="receipt")]
+            finally:
+                s.close()
+            return Counter(r.req for r in map(svc.Receipt.FromString, bodies) if not r.supersedes)
+
+        assert wait_for(lambda: set(first_receipts()) == ended, timeout=30), sorted(
+            ended - set(first_receipts())
+        )
+        assert set(first_receipts().values()) == {1}, "a request with two first receipts"
     finally:
         publisher.join(120)
         for d in running[1:]:
