@@ -200,7 +200,7 @@ def add_parsers(audit_sub: Subcommands, source_args: Callable[[argparse.Argument
         "a request's signed integrity receipt: where the KV it attended came from",
         "Print a request's current receipt (exit 0 clean, 1 findings, 2 none); -o json writes the file "
         "a tenant verifies with `verify-receipt`.",
-        "kvguard audit receipt chat-42 --daemon 127.0.0.1:7463 -o json > chat-42.receipt.json",
+        "kvguard audit receipt chat-42 --daemon 127.0.0.1:7463 -o json",
     )
     p.add_argument("req", metavar="REQ", help="the request (what the engine's kvguard-receipt header says)")
     p.add_argument("--all", action="store_true", help="also the receipts it superseded")
@@ -240,7 +240,7 @@ def add_parsers(audit_sub: Subcommands, source_args: Callable[[argparse.Argument
         "receipt-key",
         "the public key that verifies the daemon's receipts (PEM), to publish",
         "Print the public half of the daemon's receipt key: asked of the daemon, or read from the key.",
-        "kvguard audit receipt-key --daemon 127.0.0.1:7463 > receipt.pub",
+        "kvguard audit receipt-key --daemon 127.0.0.1:7463",
     )
     add_daemon_argument(p)
     p.add_argument("--key", metavar="FILE", help="read it from the daemon's private key file instead")

@@ -33,7 +33,6 @@ from kvguard.daemon.ledgers import Ledgers
 from kvguard.daemon.store import Record, Store
 from kvguard.ledger import Finding, Ledger
 from kvguard.ledger.lifecycle import responds
-from kvguard.ledger.requests import Request
 from kvguard.proto import pb, receipt, wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 from kvguard.proto.logs import logger
@@ -42,17 +41,36 @@ log = logger("daemon")
 
 ENDS = frozenset(wire.PAYLOAD[k] for k in ("finish", "abort", "kill", "reject"))
 ADMIT = wire.PAYLOAD["admit"]
-BATCH = 512  # receipts signed and stored together
+BATCH = 4096  # receipts signed and stored together, at most
+SIGN_EVERY_S = 0.25  # how long ends gather before the signer takes them (a receipt's usual lag)
 FIRST_SEEN = 1 << 18  # requests whose first event's time is kept, until their end
+_NONE = np.empty(0, np.int64)
 RECOVER_WINDOW = 1 << 20  # with no receipt stored yet, the stored events looked at for ends at start
 STORED_WITHIN_S = 60.0  # a batch of receipts not durable by then is said, and the signer goes on
 
 
 @dataclass(slots=True)
-class _End:
-    """A request's end: its receipt as the ledger knew it then, and where its end lies."""
+class _Facts:
+    """What the ledger said of a request at its end, taken on the loop as it stood (no copies
+    of what the ledger only appends to); the signer makes its receipt of them."""
 
-    receipt: svc.Receipt
+    req: str
+    tenant: str
+    nodes: list[tuple[str, int]]  # (node, epoch)
+    first_ns: int
+    last_ns: int
+    tokens: int
+    shared: int  # prefix pages shared with it
+    shares: Counter[str]  # ... of other tenants, by the rule exception that let them ("": none)
+    grants: list[tuple[np.ndarray, np.ndarray]]  # per pool: pages granted to it, whether it wrote each
+    received: list[tuple[np.ndarray, np.ndarray, bool]]  # per transfer: its pool's grants, its pages, checked
+
+
+@dataclass(slots=True)
+class _End:
+    """A request's end: what its receipt says, and where its end lies."""
+
+    facts: _Facts
     node: str
     committed: Future[int]  # its group's first record id
     row: int  # its place in the group
@@ -116,34 +134,43 @@ class Receipts:
 
     def ended(self, ledger: Ledger, node: str, body: bytes, committed: Future[int], row: int) -> None:
         """Event `body` of `node` ended its request where its client is answered (its record
-        lies at `row` of the group `committed` reports)."""
+        lies at `row` of the group `committed` reports): its facts taken, the rest is the
+        signer's."""
         event = pb.Event.FromString(body)
         payload = event.WhichOneof("payload") or ""
         req = getattr(getattr(event, payload), "req", "")
         r = ledger.request(req) if req else None
         if r is None:
             return
-        nodes = sorted({n for n, _ in r.pools} | set(r.bootstrap_nodes or ()) | {node})
-        shares = self._shared.pop(req, Counter())
-        sources = [x for x in _sources(ledger, r, shares) if x.pages]
-        made = svc.Receipt(
-            req=req,
-            tenant=r.tenant,
-            nodes=[
-                svc.ReceiptNode(node=n, epoch=ledger.nodes[n].epoch if n in ledger.nodes else 0)
-                for n in nodes
-            ],
-            first_ns=self._first.pop(req, 0),
-            last_ns=event.ts_ns,
-            pages_attended=sum(s.pages for s in sources),
-            tokens=r.prompt_tokens + r.output_tokens,
-            sources=sources,
-            kvguard_version=__version__,
-            ruleset_digest=self.digest(),
-            daemon=self.name,
+        grants: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+        for where in r.pools:
+            held = ledger.nodes[where[0]].pools.get(where[1]) if where[0] in ledger.nodes else None
+            runs = held.grants.get(r.idx) if held is not None else None
+            if held is not None and runs:
+                pages = runs[0] if len(runs) == 1 else np.concatenate(runs)
+                grants[where] = (pages, held.pages.writer[pages] == r.idx)
+        received = []
+        for xfer in r.xfers:
+            t = ledger.transfers.by_id.get(xfer)
+            if t is not None and t.recv is not None and t.recv.status == "done":
+                mine = grants.get((t.recv.node, t.recv.pool))
+                sent = t.send.checksums if t.send is not None else ()
+                checked = bool(len(sent)) and len(t.recv.checksums) == len(sent)
+                received.append((mine[0] if mine else _NONE, t.recv.pages, checked))
+        names = {n for n, _ in r.pools} | set(r.bootstrap_nodes or ()) | {node}
+        facts = _Facts(
+            req,
+            r.tenant,
+            [(n, _epoch(ledger, n)) for n in sorted(names)],
+            self._first.pop(req, 0),
+            event.ts_ns,
+            r.prompt_tokens + r.output_tokens,
+            sum(len(sh.pages) for sh in r.shared.values()),
+            self._shared.pop(req, Counter()),
+            list(grants.values()),
+            received,
         )
-        self._jobs.append(_End(made, node, committed, row))
-        self._wake.set()
+        self._jobs.append(_End(facts, node, committed, row))
 
     def judged(self, finding: Finding, committed: Future[int]) -> None:
         """A finding stored in the group `committed` reports: the receipts of the requests it
@@ -151,7 +178,6 @@ class Receipts:
         reqs = tuple(r for r in (finding.req, finding.victim_req) if r)
         if reqs:
             self._jobs.append(_Named(reqs, committed))
-            self._wake.set()
 
     def recover(self, ledgers: Ledgers, nodes: Collection[str] | None = None) -> int:
         """The requests that ended (of `nodes`, or of any) after the newest receipt of theirs
@@ -179,13 +205,17 @@ class Receipts:
 
     def _run(self) -> None:
         while not self._closed:
-            self._wake.wait(0.2)
+            # Ends gather for a beat: one batch's reads and one commit for all of them, the
+            # fewer the turns the signer takes from the loop's GIL and the store.
+            self._wake.wait(SIGN_EVERY_S)
             self._wake.clear()
-            while self._jobs and self._jobs[0].committed.done():
+            full = True
+            while full and self._jobs and self._jobs[0].committed.done():
                 jobs = []
                 self._busy = True
                 while self._jobs and self._jobs[0].committed.done() and len(jobs) < BATCH:
                     jobs.append(self._jobs.popleft())
+                full = len(jobs) == BATCH  # more may be ready at once; else the next beat
                 try:
                     self._issue(jobs)
                 except Exception as exc:  # the store away, a bug: said and counted, the daemon goes on
@@ -201,17 +231,17 @@ class Receipts:
             if isinstance(j, _End) and not j.committed.exception()
         ]
         named = [j for j in jobs if isinstance(j, _Named) and not j.committed.exception()]
-        reqs = {j.receipt.req for j, _ in ends} | {req for j in named for req in j.reqs}
+        reqs = {j.facts.req for j, _ in ends} | {req for j in named for req in j.reqs}
         facts = self.store.receipt_facts(reqs)
         hashes = self.store.record_hashes({at for _, at in ends})
         made: dict[str, svc.Receipt] = {}
         records: list[Record] = []
         for job, at in ends:
-            req = job.receipt.req
+            req = job.facts.req
             if facts[req].latest is not None or req in made:  # its end seen again
                 self.counters["receipts_known"] += 1
                 continue
-            r = job.receipt
+            r = self._receipt(job.facts)
             r.chain_record, r.chain_hash = at, hashes.get(at, b"")
             records.append(self._signed(r, facts[req].findings, job.node))
             made[req] = r
@@ -232,6 +262,22 @@ class Receipts:
                 self.counters["receipts_superseded"] += 1
         if records:
             self._store(records)
+
+    def _receipt(self, f: _Facts) -> svc.Receipt:
+        sources = [x for x in _sources(f) if x.pages]
+        return svc.Receipt(
+            req=f.req,
+            tenant=f.tenant,
+            nodes=[svc.ReceiptNode(node=n, epoch=e) for n, e in f.nodes],
+            first_ns=f.first_ns,
+            last_ns=f.last_ns,
+            pages_attended=sum(s.pages for s in sources),
+            tokens=f.tokens,
+            sources=sources,
+            kvguard_version=__version__,
+            ruleset_digest=self.digest(),
+            daemon=self.name,
+        )
 
     def _signed(self, r: svc.Receipt, findings: list[tuple[int, pb.Finding]], node: str) -> Record:
         del r.findings[:]
@@ -276,48 +322,54 @@ class Receipts:
         self._thread.join(timeout)
 
 
-def _sources(ledger: Ledger, r: Request, shares: Counter[str]) -> list[svc.PageSource]:
-    """Where the KV of r's pages came from, in distinct pages: those granted to it that a
-    transfer filled (its checksums compared with the sender's, or its count only), those it
-    wrote itself, and those neither (`unwritten`: whatever they held before, the leak's pages);
-    and the prefix pages shared with it (of its own tenant, or of another as a rule's exception
-    let through: `shares`, by rule)."""
+def _sources(f: _Facts) -> list[svc.PageSource]:
+    """Where the KV of the request's pages came from, in distinct pages: those granted to it
+    that a transfer filled (its checksums compared with the sender's, or its count only),
+    those it wrote itself, and those neither (`unwritten`: whatever they held before, the
+    leak's pages); and the prefix pages shared with it (of its own tenant, or of another as a
+    rule's exception let through, by rule)."""
     checked = counted = own = unwritten = 0
-    received: dict[tuple[str, int], list[tuple[np.ndarray, bool]]] = {}
-    for xfer in r.xfers:
-        t = ledger.transfers.by_id.get(xfer)
-        if t is not None and t.recv is not None and t.recv.status == "done":
-            sent = t.send.checksums if t.send is not None else ()
-            by_checksum = bool(len(sent)) and len(t.recv.checksums) == len(sent)
-            received.setdefault((t.recv.node, t.recv.pool), []).append((t.recv.pages, by_checksum))
-    for node, pool in r.pools:
-        held = ledger.nodes[node].pools.get(pool) if node in ledger.nodes else None
-        runs = held.grants.get(r.idx) if held is not None else None
-        if held is None or not runs:
-            continue
-        pages = np.unique(np.concatenate(runs))
-        for got, by_checksum in received.get((node, pool), ()):
-            filled = np.intersect1d(pages, got)
-            checked, counted = (
-                (checked + len(filled), counted) if by_checksum else (checked, counted + len(filled))
-            )
-            pages = np.setdiff1d(pages, filled)
-        mine = held.pages.writer[pages] == r.idx
-        own += int(mine.sum())
-        unwritten += int((~mine).sum())
-    shared = sum(len(sh.pages) for sh in r.shared.values())
+    filled: dict[int, np.ndarray] = {}  # by its pool's grants (id): the pages transfers filled
+    for grants, pages, by_checksum in f.received:
+        before = filled.get(id(grants))
+        got = np.intersect1d(grants, pages)
+        if before is not None:
+            got = np.setdiff1d(got, before, assume_unique=True)
+            filled[id(grants)] = np.union1d(before, got)
+        else:
+            filled[id(grants)] = got
+        if by_checksum:
+            checked += len(got)
+        else:
+            counted += len(got)
+    for pages, wrote in f.grants:
+        distinct, first = np.unique(pages, return_index=True)
+        mine = wrote[first]
+        done = filled.get(id(pages))
+        if done is not None and len(done):
+            rest = ~np.isin(distinct, done, assume_unique=True)
+            own += int((mine & rest).sum())
+            unwritten += int((~mine & rest).sum())
+        else:
+            own += int(mine.sum())
+            unwritten += len(mine) - int(mine.sum())
     out = [
         svc.PageSource(kind="own", pages=own),
         svc.PageSource(kind="transfer_checksum", pages=checked),
         svc.PageSource(kind="transfer_count", pages=counted),
         svc.PageSource(kind="unwritten", pages=unwritten),
-        svc.PageSource(kind="prefix_own_tenant", pages=max(0, shared - sum(shares.values()))),
+        svc.PageSource(kind="prefix_own_tenant", pages=max(0, f.shared - sum(f.shares.values()))),
     ]
-    for rule, n in sorted(shares.items()):
+    for rule, n in sorted(f.shares.items()):
         if rule:
             out.append(svc.PageSource(kind="prefix_permitted", pages=n, rule=rule))
-    out.append(svc.PageSource(kind="prefix_other_tenant", pages=shares.get("", 0)))
+    out.append(svc.PageSource(kind="prefix_other_tenant", pages=f.shares.get("", 0)))
     return out
+
+
+def _epoch(ledger: Ledger, node: str) -> int:
+    known = ledger.nodes.get(node)
+    return known.epoch if known is not None else 0
 
 
 def _counts(f: pb.Finding) -> bool:

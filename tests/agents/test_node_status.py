@@ -37,9 +37,9 @@ def guard_of(address: str, name: str) -> str:
 def test_the_fleet_shows_a_guard_connected_then_gone_and_the_agents_liveness(tmp_path: Path) -> None:
     daemon = start_daemon(str(tmp_path / "audit.db"))
     agent = start_agent(str(tmp_path / "agent.sock"), daemon.address, str(tmp_path / "spool"))
+    started = time.time_ns()  # before the sink: it may connect (the guard's since) as it is made
     sink = AgentSink(tmp_path / "agent.sock", "d0")
     try:
-        started = time.time_ns()
         guard = Guard("d0", mode="monitor", ruleset=load_ruleset(), sink=sink)
         guard.pool(0, "decode", page_size=16, num_pages=8, context_len=128)
         assert sink.wait_ready(20)

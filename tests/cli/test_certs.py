@@ -44,8 +44,12 @@ def test_the_certificates_it_makes_hold_the_roles_they_say(tmp_path: Path) -> No
     assert [line.split()[0] for line in made.stdout.splitlines()[:5]] == [
         str(pki / f"{s}.pem") for s in stems
     ]
-    assert sorted(p.name for p in pki.iterdir()) == sorted(f"{s}{e}" for s in stems for e in (".pem", ".key"))
-    assert {oct(p.stat().st_mode & 0o777) for p in pki.glob("*.key")} == {"0o600"}
+    made_files = sorted(p.name for p in pki.iterdir())
+    assert made_files == sorted(
+        [f"{s}{e}" for s in stems for e in (".pem", ".key")] + ["receipt.key", "receipt.pub"]
+    )
+    assert made.stdout.splitlines()[5].startswith(f"{pki / 'receipt.pub'} (the receipt key's public half")
+    assert {oct(p.stat().st_mode & 0o777) for p in pki.glob("*.key")} == {"0o600"}  # the receipt key's too
     assert oct(pki.stat().st_mode & 0o777) == "0o700"
     shown = certs("show", str(pki / "operator-alice.pem"))
     assert "role     operator" in shown.stdout and "subject  CN=alice" in shown.stdout
