@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -281,3 +282,49 @@ def test_through_a_sigkill_mid_stream_every_finished_request_has_one_current_rec
     finally:
         said = daemon.stop()
     assert "Traceback" not in said
+
+
+def test_a_cross_tenant_share_a_rule_permits_is_named_in_the_receipt_with_its_rule(
+    tmp_path: Path, keys: tuple[Path, Path]
+) -> None:
+    """globex's request reads a prefix that acme's request wrote, which the operator permits
+    (an exception of the cross_tenant_share rule): its receipt stays clean and says so, with
+    the exception that let the share through."""
+    from kvguard.ruleset import DEFAULT_RULES_DIR, load_ruleset
+
+    rules = tmp_path / "rules"
+    shutil.copytree(DEFAULT_RULES_DIR, rules)
+    leaks = rules / "10-leaks.yaml"
+    text = leaks.read_text()
+    rule = "- rule: cross_tenant_share\n"
+    at = text.index("  tags: [leak, cross-tenant, prefix-cache]", text.index(rule))
+    exception = (
+        "  exceptions:\n    - name: shared-corpus\n"
+        '      condition: tenant == "globex" && victim_tenant == "acme"\n'
+    )
+    leaks.write_text(text[:at] + exception + text[at:])
+    store = Store(str(tmp_path / "audit.db"))
+    daemon = Daemon(store, load_ruleset(rules), snapshot_every=0, receipt_key=receipt.load_private(keys[0]))
+    log = EventLog()
+    log.add("n1", "pool", pool=0, role="colocated", page_size=16, num_pages=64)
+    log.add("n1", "admit", req="corpus", tenant="acme", prompt_tokens=32, stage="prefill")
+    log.add("n1", "alloc", req="corpus", pool=0, pages=[0, 1])
+    log.add("n1", "write", req="corpus", pool=0, pages=[0, 1])
+    log.add("n1", "admit", req="ask", tenant="globex", prompt_tokens=48, stage="prefill")
+    log.add("n1", "alloc", req="ask", pool=0, pages=[2])
+    log.add("n1", "share", req="ask", pool=0, pages=[0, 1], origin_req="corpus")
+    log.add("n1", "write", req="ask", pool=0, pages=[2])
+    log.add("n1", "read", reads=[{"req": "ask", "pool": 0, "pages": [0, 1, 2], "tokens": 48}])
+    log.add("n1", "finish", req="ask")
+    try:
+        ingest(daemon, "n1", log.lines, lambda m: None)
+        wait_for(lambda: daemon.counters["receipts"] == 1)
+    finally:
+        daemon.close()
+    [(_, ask)] = receipts(store)
+    assert ask.req == "ask" and ask.verdict == "clean" and ask.pages_attended == 3
+    assert [(s.kind, s.pages, s.rule) for s in ask.sources] == [
+        ("own", 1, ""),
+        ("prefix_permitted", 2, "cross_tenant_share/shared-corpus"),
+    ]
+    store.close()
