@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.message import DecodeError
 
+from kvguard.daemon.bus_view import FleetView
 from kvguard.daemon.cell_snapshots import CellSnapshots
 from kvguard.daemon.ingest import Batch
 from kvguard.daemon.service import GUARD_STATES, MAX_BATCH, MAX_STATUS_BYTES
@@ -52,7 +53,6 @@ FETCH = 256  # messages (batches) fetched at once
 IN_FLIGHT = 256  # a cell's batches taken and not yet stored: its consumer waits beyond
 ACK_WAIT_S = 120.0  # a batch delivered and not acknowledged in this long is delivered again
 START_TRIES = 20  # making the stream and the bucket, half a second apart
-STATE = "state."  # a daemon's nodes in the lease bucket: key `state.<daemon>`
 
 
 @dataclass(eq=False)
@@ -126,9 +126,8 @@ class BusIntake:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._tasks: set[asyncio.Future[Any]] = set()  # acks and publishes under way
-        self.seen: dict[str, tuple[str, set[str]]] = {}  # every cell: its daemon, its sources (last turn)
-        self.others: dict[str, svc.FleetState] = {}  # every other daemon's nodes, as it last said
-        daemon.bus = self  # its fleet state says the cells (fill)
+        self.view = FleetView(name, self.counters)  # the fleet beyond its cells, for its fleet state
+        daemon.bus = self  # its fleet state says the cells (view.fill)
 
     # ------------------------------------------------------------------ start, stop
 
@@ -225,13 +224,13 @@ class BusIntake:
                     self.counters["cells_lost"] += 1
                     await self._let_go(cell)
         await self._kv.put(f"daemon.{self.name}", self.name.encode())
-        await self._say_nodes()
+        keys = await self._keys()
+        await self.view.say(self._kv, keys, self.daemon.fleet(own=True), self._nc.max_payload)
         self._snapshot_due()
         cells = await self._cells()
-        keys = await self._keys()
         alive = max(1, sum(1 for k in keys if k.startswith("daemon.")))
         leased = {k.removeprefix("cell.") for k in keys if k.startswith("cell.")}
-        await self._look(cells, leased)
+        await self.view.look(self._kv, set(self.cells), cells, leased)
         share = math.ceil(len(cells) / alive)
         staying = sorted(
             (c for c in self.cells.values() if not c.leaving), key=lambda c: _rank(c.name, self.name)
@@ -263,64 +262,6 @@ class BusIntake:
             cell = max(due, key=lambda c: c.taken - c.snapshot_at)
             cell.snapshot_at = cell.taken
             self._spawn(snapshots.save(cell.name, sorted(cell.sources)))
-
-    async def _look(self, cells: dict[str, set[str]], leased: set[str]) -> None:
-        """Note every cell's daemon (for the fleet's view: `kvguard fleet`)."""
-        seen = {}
-        for cell, sources in cells.items():
-            owner = ""
-            if cell in self.cells:
-                owner = self.name
-            elif cell in leased:
-                with contextlib.suppress(Exception):  # it lapsed meanwhile
-                    owner = (await self._kv.get(bus.lease_key(cell))).value.decode()
-            seen[cell] = (owner, sources)
-        self.seen = seen
-
-    async def _say_nodes(self) -> None:
-        """Put this daemon's nodes where the others read them (`state.<name>`, lapsing with
-        the lease), and read theirs: any daemon shows the whole fleet."""
-        state = self.daemon.fleet(own=True)
-        said = svc.FleetState(nodes=state.nodes).SerializeToString()
-        if len(said) <= self._nc.max_payload:
-            await self._kv.put(f"{STATE}{self.name}", said)
-        else:  # said by the others' absence of it
-            self.counters["bus_state_too_large"] += 1
-        others = {}
-        for key in await self._keys():
-            name = key.removeprefix(STATE)
-            if not key.startswith(STATE) or name == self.name:
-                continue
-            with contextlib.suppress(Exception):  # lapsed meanwhile, or not one
-                others[name] = svc.FleetState.FromString((await self._kv.get(key)).value)
-        self.others = others
-
-    def fill(self, state: svc.FleetState, own: bool = False) -> None:
-        """This daemon's name, the cells as last seen and (unless `own`) the other daemons'
-        nodes as they last said, into a fleet state (any thread)."""
-        state.daemon = self.name
-        for cell, (owner, sources) in sorted(self.seen.items()):
-            state.cells.add(cell=cell, daemon=owner, sources=sorted(sources))
-        for node in state.nodes:
-            node.daemon = self.name
-        if own:
-            return
-        shown = {node.node for node in state.nodes}
-        for daemon, said in sorted(self.others.items()):
-            for node in said.nodes:
-                if node.node not in shown:
-                    shown.add(node.node)
-                    added = state.nodes.add()
-                    added.CopyFrom(node)
-                    added.daemon = daemon
-        state.nodes.sort(key=lambda n: n.node)
-
-    def holder(self, node: str) -> str | None:
-        """The other daemon that last said it holds `node`, if one did."""
-        for daemon, said in self.others.items():
-            if any(n.node == node for n in said.nodes):
-                return daemon
-        return None
 
     async def _keys(self) -> list[str]:
         from nats.js.errors import NoKeysError

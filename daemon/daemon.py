@@ -411,7 +411,7 @@ class Daemon:
             for name, n in self.counters.items():
                 state.counters[name] = n
             if self.bus is not None:
-                self.bus.fill(state, own)
+                self.bus.view.fill(state, own)
             # What the ledger could not see or judge, and what it retired and forgot.
             for name, n in ledgers.totals().items():
                 state.counters[f"ledger_{name}"] = n
@@ -433,7 +433,7 @@ class Daemon:
         The ledger is read under the ingest's lock, the message built after."""
         with self.pipeline.lock:
             ledger = self.ledgers.holding(node)
-            elsewhere = self.bus.holder(node) if self.bus is not None else None
+            elsewhere = self.bus.view.holder(node) if self.bus is not None else None
             if ledger is None and elsewhere:
                 raise PoolNotFound(
                     f"node {node!r} is judged by daemon {elsewhere} on the bus: its pool map is there"
