@@ -279,6 +279,12 @@ def test_through_a_sigkill_mid_stream_every_finished_request_has_one_current_rec
             f"finished without a receipt: {sorted(finished() - set(first_receipts()))}"
         )
         assert set(first_receipts().values()) == {1}, "a request with two first receipts"
+        # From the daemon itself, as a tenant's operator asks it: a receipt, and the key to check it.
+        req = sorted(finished())[0]
+        code, said = run("receipt", req, "--daemon", daemon.address)
+        assert code in (0, 1) and f"receipt of request {req} (tenant " in said and ", current" in said
+        code, pem = run("receipt-key", "--daemon", daemon.address)
+        assert code == 0 and pem == keys[1].read_text()
     finally:
         said = daemon.stop()
     assert "Traceback" not in said
