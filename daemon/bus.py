@@ -126,6 +126,7 @@ class BusIntake:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._tasks: set[asyncio.Future[Any]] = set()  # acks and publishes under way
+        self._draining: dict[str, Cell] = {}  # cells let go whose batches taken are not all stored
         self.view = FleetView(name, self.counters)  # the fleet beyond its cells, for its fleet state
         daemon.bus = self  # its fleet state says the cells (view.fill)
 
@@ -303,6 +304,11 @@ class BusIntake:
 
         name = cell.name
         started = time.perf_counter()
+        while (old := self._draining.get(name)) is not None and old.pending:
+            # Taken again before what this daemon took of it before is stored: the store must
+            # hold it before the cell is rebuilt from it, or what comes again would be new to
+            # the new ledger (and stored twice).
+            await asyncio.sleep(0.05)
         start = await self.snapshots.load(name) if self.snapshots is not None else None
         before = self.counters["adopted_events"]
         cell.ledger = await self.daemon.adopt(name, sources, start)
@@ -409,6 +415,7 @@ class BusIntake:
                 self.daemon.nodes.closed(source)
         if self.cells.get(cell.name) is cell:
             del self.cells[cell.name]
+        self._draining[cell.name] = cell  # until what was taken of it is stored (_release)
         self._spawn(self._release(cell))
 
     async def _release(self, cell: Cell) -> None:
@@ -416,6 +423,8 @@ class BusIntake:
         still in the ingest is judged on it)."""
         while cell.pending:
             await asyncio.sleep(0.05)
+        if self._draining.get(cell.name) is cell:
+            del self._draining[cell.name]
         if cell.ledger is not None:
             self.daemon.release(cell.name, cell.ledger)
 

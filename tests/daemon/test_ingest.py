@@ -280,7 +280,7 @@ from kvguard.proto import wire
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
 
 class Broken:
-    def evaluate(self, finding):
+    def judge(self, finding):
         raise RuntimeError("a bug in the ruleset")
 
 log = EventLog()
