@@ -112,6 +112,13 @@ def _times(args: argparse.Namespace) -> tuple[int, int]:
     return since, until
 
 
+def _tenant_times(args: argparse.Namespace) -> tuple[int, int]:
+    """The --since/--until window of a command about one tenant (--tenant), checked."""
+    if not args.tenant:
+        raise UsageError("--tenant is empty")
+    return _times(args)
+
+
 TIMES = "nanoseconds, ISO-8601, or a time ago"  # daemon/audit/format.py's parse_time
 
 
@@ -183,9 +190,7 @@ def cmd_exposure(args: argparse.Namespace) -> int:
     """`kvguard audit exposure --tenant T`: exit 1 when T's KV reached another tenant, else 0."""
     prog = "kvguard audit exposure"
     try:
-        if not args.tenant:
-            raise UsageError("--tenant is empty")
-        since, until = _times(args)
+        since, until = _tenant_times(args)
     except UsageError as exc:
         return _usage(prog, exc)
 

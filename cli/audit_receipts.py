@@ -93,13 +93,11 @@ def cmd_receipt(args: argparse.Namespace) -> int:
 def cmd_receipts(args: argparse.Namespace) -> int:
     """`kvguard audit receipts --tenant T`: each of T's requests' current receipt (one JSON
     line each, or a file each in --out-dir). Exit 0, or 2 on unusable input."""
-    from kvguard.cli.audit import _run, _times, _usage
+    from kvguard.cli.audit import _run, _tenant_times, _usage
 
     prog = "kvguard audit receipts"
     try:
-        if not args.tenant:
-            raise UsageError("--tenant is empty")
-        since, until = _times(args)
+        since, until = _tenant_times(args)
     except UsageError as exc:
         return _usage(prog, exc)
 
