@@ -59,8 +59,17 @@ def event_batches(
     were applied, as their bytes: (node, its events, how many of them come before `after`) per
     record, a run's together (the daemon rebuilds its ledger from them at start, applying them
     as it applied them live)."""
+    for _, node, batch, skip in _event_records(engine, after, until, nodes):
+        yield node, batch, skip
+
+
+def _event_records(
+    engine: Engine, after: int, until: int | None, nodes: Collection[str] | None
+) -> Iterator[tuple[int, str, wire.Batch, int]]:
+    """(record id, node, its events, how many come before `after`) of each record of events
+    after id `after` (up to `until`, a record's end; of `nodes`, if given), in id order."""
     c = records.c
-    query = select(c.id, c.kind, c.node, c.body).where(c.kind.in_(("event", "events"))).order_by(c.id)
+    query = select(c.id, c.kind, c.node, c.body).where(c.kind.in_(EVENT_KINDS)).order_by(c.id)
     with engine.connect() as conn:
         query = query.where(c.id >= holding(conn, after + 1))
         if until is not None:  # a record's end: the records that start up to it end there too
@@ -75,9 +84,9 @@ def event_batches(
                 skip = after + 1 - record_id
                 if kind == "event":
                     if skip <= 0:
-                        yield node, wire.single(body), 0
+                        yield int(record_id), node, wire.single(body), 0
                     continue
-                yield node, wire.decode_batch(body, wrapped=False), max(0, skip)
+                yield int(record_id), node, wire.decode_batch(body, wrapped=False), max(0, skip)
 
 
 def records_of(engine: Engine, kind: str) -> Iterator[tuple[int, str, bytes]]:
@@ -435,31 +444,8 @@ def events_of_kinds(
     """(id, node, payload, bytes) of each stored event after id `after` whose payload is one
     of `kinds` (wire.PAYLOAD numbers), in order: found by their heads, parsed by none."""
     wanted = np.array(sorted(kinds), np.int64)
-    for record_id, node, batch, skip in _batches_with_ids(engine, after, nodes):
+    for record_id, node, batch, skip in _event_records(engine, after, None, nodes):
         kinds_of = batch.heads["kind"]
         hits = np.flatnonzero(np.isin(kinds_of[skip:], wanted)) + skip
         for i in hits.tolist():
             yield record_id + i, node, int(kinds_of[i]), batch.event(i)
-
-
-def _batches_with_ids(
-    engine: Engine, after: int, nodes: Collection[str] | None
-) -> Iterator[tuple[int, str, wire.Batch, int]]:
-    c = records.c
-    query = select(c.id, c.kind, c.node, c.body).where(c.kind.in_(EVENT_KINDS)).order_by(c.id)
-    if nodes is not None:
-        query = query.where(c.node.in_(list(nodes)))
-    with engine.connect() as conn:
-        query = query.where(c.id >= holding(conn, after + 1))
-        with conn.execution_options(stream_results=True, yield_per=2000).execute(query) as result:
-            for record_id, kind, node, body in result:
-                if kind == "event":
-                    if record_id > after:
-                        yield int(record_id), node, wire.single(bytes(body)), 0
-                    continue
-                yield (
-                    int(record_id),
-                    node,
-                    wire.decode_batch(bytes(body), wrapped=False),
-                    max(0, after + 1 - record_id),
-                )
