@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import io
-import sys
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from kvguard.daemon.snapshot_worker import MAGIC
-from kvguard.daemon.snapshots import WORKER
+from kvguard.daemon.snapshots import worker_command, worker_input, worker_output
 from kvguard.ledger import snapshot
 from kvguard.proto import bus
 from kvguard.proto.logs import logger
@@ -175,44 +173,28 @@ class CellSnapshots:
             if not previous:
                 after, held = 0, []
         nodes = sorted(set(nodes) | set(held))  # what it held stays in it, whatever is said of it now
-        keys = " ".join(k.hex() for k in self.store.audit_keys()).encode() + b"\n"
-        command = [
-            sys.executable,
-            "-m",
-            WORKER,
-            "--store",
-            self.store.url,
-            "--settings",
-            orjson.dumps(self.settings).decode(),
-            "--nodes",
-            orjson.dumps(nodes).decode(),
-            "--after",
-            str(after),
-            "--held",
-            orjson.dumps(held).decode(),
-            *(["--head-file", self.store.head_file] if self.store.head_file else []),
-        ]
+        command = worker_command(
+            self.store,
+            self.settings,
+            *("--nodes", orjson.dumps(nodes).decode(), "--after", str(after)),
+            *("--held", orjson.dumps(held).decode()),
+        )
         worker = await asyncio.create_subprocess_exec(
             *command,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
-        out, err = await worker.communicate(keys + previous)
-        if worker.returncode != 0:
-            said = err.decode(errors="replace").strip() or f"exit status {worker.returncode}"
-            raise snapshot.SnapshotError(f"the process building it failed: {said}")
-        head, _, body = out.partition(b"\n")
-        magic, through, size = head.split(b" ") if head.count(b" ") == 2 else (b"", b"0", b"-1")
-        if magic != MAGIC or int(size) != len(body):
-            raise snapshot.SnapshotError(f"the process building it wrote {len(out)} bytes that are not one")
+        out, err = await worker.communicate(worker_input(self.store, previous))
+        assert worker.returncode is not None  # communicate() waited for it
+        through, body = worker_output(worker.returncode, out, err)
         if not body:
             return  # nothing of its nodes stored since the last
-        digest = await loop.run_in_executor(None, self.store.bind, int(through), body)
+        digest = await loop.run_in_executor(None, self.store.bind, through, body)
         objects = await self._store()
         await objects.put(
             bus.snapshot_name(cell),
-            pack(int(through), digest, nodes, self.settings, body),
+            pack(through, digest, nodes, self.settings, body),
         )
         self.counters["cell_snapshots"] += 1
-        log.info(f"bus: cell {cell}'s snapshot saved after record {int(through)} ({len(body)} bytes)")
+        log.info(f"bus: cell {cell}'s snapshot saved after record {through} ({len(body)} bytes)")

@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from kvguard.daemon.snapshot_worker import MAGIC
 from kvguard.daemon.store import Store
 from kvguard.ledger import Ledger, snapshot
 from kvguard.proto.logs import logger
@@ -60,6 +61,32 @@ def _say(text: str) -> None:
     log.warning(text)
 
 
+def worker_command(store: Store, settings: dict[str, Any], *more: str) -> list[str]:
+    """The snapshot worker's command line for `store` and the ledger `settings` (`more`: a
+    cell's options); the audit keys go on its stdin (worker_input), never in its arguments."""
+    args = [sys.executable, "-m", WORKER, "--store", store.url, "--settings", orjson.dumps(settings).decode()]
+    return args + list(more) + (["--head-file", store.head_file] if store.head_file else [])
+
+
+def worker_input(store: Store, previous: bytes = b"") -> bytes:
+    """What the worker reads on stdin: the audit keys on one line, then a cell's previous snapshot."""
+    return " ".join(k.hex() for k in store.audit_keys()).encode() + b"\n" + previous
+
+
+def worker_output(returncode: int, out: bytes, err: bytes) -> tuple[int, bytes]:
+    """(the record it was taken after, its bytes: empty when nothing new) of a worker that
+    ended with `returncode`; SnapshotError saying why there is none."""
+    if returncode != 0:
+        said = err.decode(errors="replace").strip() or f"exit status {returncode}"
+        how = f"was killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"failed: {said}"
+        raise snapshot.SnapshotError(f"the process building it {how}")
+    head, _, body = out.partition(b"\n")
+    magic, through, size = head.split(b" ") if head.count(b" ") == 2 else (b"", b"0", b"-1")
+    if magic != MAGIC or int(size) != len(body):
+        raise snapshot.SnapshotError(f"the process building it wrote {len(out)} bytes that are not one")
+    return int(through), body
+
+
 class Snapshots:
     """The periodic snapshot: due every `every` applied events (0: never), counted from
     `start` (the events replayed at start count too); built with the ledger `settings` from
@@ -93,16 +120,7 @@ class Snapshots:
         self.saving.start()
 
     def command(self) -> list[str]:
-        args = [
-            sys.executable,
-            "-m",
-            WORKER,
-            "--store",
-            self.store.url,
-            "--settings",
-            orjson.dumps(self.settings).decode(),
-        ]
-        return args + (["--head-file", self.store.head_file] if self.store.head_file else [])
+        return worker_command(self.store, self.settings)
 
     def _take(self) -> None:
         try:
@@ -111,28 +129,17 @@ class Snapshots:
                     return
                 # exec'd (vfork + exec): no Python runs in a copy of the daemon
                 worker = self._worker = subprocess.Popen(
-                    self.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                    self.command(),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
                 )
-            keys = " ".join(k.hex() for k in self.store.audit_keys()).encode() + b"\n"
-            out, err = worker.communicate(keys)
-            if worker.returncode != 0:
-                said = err.decode(errors="replace").strip() or f"exit status {worker.returncode}"
-                how = (
-                    f"was killed by {signal.Signals(-worker.returncode).name}"
-                    if worker.returncode < 0
-                    else f"failed: {said}"
-                )
-                raise snapshot.SnapshotError(f"the process building it {how}")
-            head, _, body = out.partition(b"\n")
-            magic, through, size = head.split(b" ") if head.count(b" ") == 2 else (b"", b"0", b"-1")
-            if magic != b"KVGSNAP" or int(size) != len(body):
-                raise snapshot.SnapshotError(
-                    f"the process building it wrote {len(out)} bytes that are not one"
-                )
+            out, err = worker.communicate(worker_input(self.store))
+            through, body = worker_output(worker.returncode, out, err)
             if body:  # else nothing was stored after the latest snapshot
-                self.store.save_snapshot(body, int(through))
+                self.store.save_snapshot(body, through)
                 self.counters["snapshots"] += 1
-                self.counters["snapshot_through"] = int(through)
+                self.counters["snapshot_through"] = through
         except Exception as exc:  # the next one is due after another `every` events
             if not self._closed:  # killed by the daemon's stop: superseded, not failed
                 self.counters["snapshot_failures"] += 1
