@@ -129,7 +129,9 @@ class Ingest:
         self._drained: asyncio.Event | None = None  # drain(): set once nothing is left to commit
         self._frozen = time.monotonic()
         # How each request a finding ordered stopped then ended, said as an update of it.
-        self.outcomes = Outcomes(lambda finding: self.alert(finding, counter="outcomes"), self._responds)
+        self.outcomes = Outcomes(
+            lambda finding: self.alert(finding, counter="outcomes"), self._responds, loop.call_later
+        )
         # The findings the rules judged (and the daemon's own), by kind, rule and severity.
         self.judged: Counter[tuple[str, str, str]] = Counter()
         # One alert per run of findings that repeat one another; each is stored.

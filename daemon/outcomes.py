@@ -9,7 +9,10 @@ request, unless one is open; the watch is decided once, by the first of the requ
 a kill on any node (outcome `stopped` when the guard of the finding's node killed it, before
 the read; else `killed`), a finish on a node that answers its client (`reached_client`: its
 response had left before any kill reached it; a prefill node's finish hands it on), an abort
-(`aborted`); a kill its guard records as `late` decides nothing (the finish came first). A
+(`aborted`); a kill its guard records as `late` decides nothing (the finish came first). Two
+nodes' streams are not ordered, and a kill on one node makes its engine abort the request on
+another (a prefill stopped, the router aborts its decode): an abort is held ABORT_HOLD_S before
+it is said, and a kill stamped no later than it, heard meanwhile, decides the watch instead. A
 finding of a request whose fate is known when it is judged (it had finished, or a watch on it
 was said) opens no watch: it carries that outcome itself. A decided watch
 is said once its finding's cursor is known (its group durable); at most MAX_WATCHES are open
@@ -29,6 +32,7 @@ from kvguard.ledger.findings import KILL_ACTIONS
 from kvguard.proto import pb
 
 MAX_WATCHES = 1 << 16
+ABORT_HOLD_S = 1.0  # how long an abort waits for a kill that came before it on another node
 SINCE_READ = "what it generated before the kill may have reached the client"
 WORDS = {
     "stopped": "was stopped by its guard at its check, before its attention read the pages: nothing "
@@ -51,12 +55,19 @@ class Watch:
     outcome: str = ""  # decided; "" while the request runs
     learned_ns: int = 0  # when the daemon learned the outcome (its wall clock)
     ended_ns: int = 0  # the node's time of the event that decided it
+    held_until: float = 0.0  # an abort: said from then (monotonic), unless a kill comes first
 
 
 class Outcomes:
-    def __init__(self, say: Callable[[Finding], object], responds: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        say: Callable[[Finding], object],
+        responds: Callable[[str], bool],
+        later: Callable[[float, Callable[[], None]], object],
+    ) -> None:
         self._say = say  # an alert of the daemon's own (Ingest.alert)
         self._responds = responds  # whether a node answers its requests' clients (not prefill)
+        self._later = later  # run a call after a delay, on the daemon's loop (loop.call_later)
         self._watches: dict[str, Watch] = {}  # by request, in the order they were opened
         self._said: OrderedDict[str, str] = OrderedDict()  # request -> its outcome, once said
 
@@ -91,15 +102,22 @@ class Outcomes:
             return
         payload = getattr(event, kind)
         w = self._watches.get(payload.req)
-        if w is None or w.outcome:
+        if w is None:
+            return
+        if w.outcome:
+            # An abort held for a kill stamped before it: that kill caused it.
+            if kind == "kill" and not payload.late and w.held_until and event.ts_ns <= w.ended_ns:
+                w.held_until = 0.0
+                self._killed(w, node, payload.by, event.ts_ns)
             return
         if kind == "kill":
             if payload.late:  # the finish came first: that decided it
                 return
-            stopped = node == w.finding.node and payload.by == f"guard@{node}"
-            self._decided(w, "stopped" if stopped else "killed", event.ts_ns)
+            self._killed(w, node, payload.by, event.ts_ns)
         elif kind == "abort":
             self._decided(w, "aborted", event.ts_ns)
+            w.held_until = time.monotonic() + ABORT_HOLD_S
+            self._later(ABORT_HOLD_S, self.due)
         elif self._responds(node):
             self._decided(w, "reached_client", event.ts_ns)
 
@@ -107,12 +125,20 @@ class Outcomes:
         """Say the decided watches whose finding's cursor is known (on the daemon's loop, after
         each step of applying and each commit)."""
         if self._watches:
-            for key in [k for k, w in self._watches.items() if w.outcome and w.cursor.done()]:
+            now = time.monotonic()
+            due = [
+                k for k, w in self._watches.items() if w.outcome and w.cursor.done() and w.held_until <= now
+            ]
+            for key in due:
                 w = self._watches.pop(key)
                 self._said[key] = w.outcome
                 if len(self._said) > MAX_WATCHES:
                     self._said.popitem(last=False)
                 self._say(self._update(w))
+
+    def _killed(self, w: Watch, node: str, by: str, ended_ns: int) -> None:
+        stopped = node == w.finding.node and by == f"guard@{node}"
+        self._decided(w, "stopped" if stopped else "killed", ended_ns)
 
     def _decided(self, w: Watch, outcome: str, ended_ns: int) -> None:
         w.outcome, w.learned_ns, w.ended_ns = outcome, time.time_ns(), ended_ns

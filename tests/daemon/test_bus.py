@@ -416,7 +416,13 @@ def test_the_dashboard_on_any_daemon_shows_the_whole_fleet(
             async with app.run_test(size=(160, 60)) as pilot:
                 while app.data.fleet is None or app.screen.query_one("#nodes", DataTable).row_count < 16:
                     await pilot.pause(0.05)
-                assert re.search(r"on the bus as daemon daemon-0: [1-3] of 4 cells, 1 other daemons", text())
+                # The screen is painted a turn after the table fills: wait for what it shows.
+                said = r"on the bus as daemon daemon-0: [1-3] of 4 cells, 1 other daemons"
+                for _ in range(400):
+                    if re.search(said, text()):
+                        break
+                    await pilot.pause(0.05)
+                assert re.search(said, text()), text()
                 for _ in range(16):  # down the nodes to one that daemon-1 judges
                     if "judged on the bus by daemon daemon-1" in text():
                         break
