@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -36,6 +38,7 @@ PROMPT_B = "Tenant B writes a poem about the sea. " * 9
 STOPPED = re.compile(
     r"kvguard stopped request (\S+): it failed a KV-isolation check \((\w+)\) on node (\S+);"
 )
+RECEIPT = "kvguard-receipt"  # the response header naming the receipt's request
 SHORT = [7, 7, 7, 11]  # live/planted_connectors.py: the decode side loads only the first block
 SKIP_LAST = [7, 7, 7, 13]  # ... every block but the last
 
@@ -76,7 +79,7 @@ def complete(server: Server, prompt: Any, tenant: str, salt: str = "", tokens: i
     start = time.monotonic()
     body: dict[str, Any] = {"ignore_eos": True, **({"cache_salt": salt} if salt else {})}
     try:
-        r = client(server, tenant).completions.create(
+        raw = client(server, tenant).completions.with_raw_response.create(
             model="tiny",
             prompt=prompt,
             max_tokens=tokens,
@@ -86,9 +89,17 @@ def complete(server: Server, prompt: Any, tenant: str, salt: str = "", tokens: i
             extra_headers={"x-tenant": tenant},
         )
     except openai.APIStatusError as exc:
-        return {"error": exc.status_code, "message": exc.message, "s": time.monotonic() - start}
+        return {
+            "error": exc.status_code,
+            "message": exc.message,
+            "s": time.monotonic() - start,
+            "receipt": exc.response.headers.get(RECEIPT, ""),
+        }
+    r = raw.parse()
     choice = r.choices[0]
     return {
+        "id": r.id,
+        "receipt": raw.headers.get(RECEIPT, ""),  # the engine request kvguard signs a receipt for
         "text": choice.text,
         "finish": choice.finish_reason,
         "prompt_tokens": r.usage.prompt_tokens,
@@ -119,6 +130,36 @@ def stopped(result: dict[str, Any]) -> tuple[str, str, str]:
     found = STOPPED.search(result["message"])
     assert found, result["message"]
     return found.group(1), found.group(2), found.group(3)
+
+
+def receipt_of(live: Live, req: str, tenant: str) -> dict[str, Any]:
+    """What the request's current receipt shows, fetched as its tenant is handed it (`kvguard
+    audit receipt REQ -o json`, once signed) and checked offline as the tenant checks it: the
+    public key only, naming its own tenant and request."""
+
+    def fetch() -> subprocess.CompletedProcess[bytes]:
+        command = ["audit", "receipt", req, "--store", live.store, "-o", "json"]
+        return subprocess.run([sys.executable, "-m", "kvguard", *command], capture_output=True, timeout=60)
+
+    done = until(fetch, lambda d: d.returncode in (0, 1))
+    assert done.returncode in (0, 1), done.stderr.decode()
+    path = live.root / f"receipt-{req}.json"
+    path.write_bytes(done.stdout)
+    verify = ["verify-receipt", str(path), "--key", str(live.receipt_pub), "--tenant", tenant, "--req", req]
+    check = subprocess.run(
+        [sys.executable, "-m", "kvguard", "audit", *verify],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.startswith(f"VALID: receipt of request {req} of tenant {tenant}: "), check.stdout
+    shown: dict[str, Any] = json.loads(done.stdout)["shown"]
+    return shown
+
+
+def sources(shown: dict[str, Any]) -> dict[str, int]:
+    return {s["kind"]: int(s["pages"]) for s in shown.get("sources", [])}
 
 
 def findings(store: str, node: str) -> list[dict[str, Any]]:
@@ -197,6 +238,14 @@ def test_colocated_clean_traffic_is_answered_and_nothing_is_found(live: Live, co
             first["prompt_tokens"],
         ), r
     assert again["text"] == first["text"] == other["text"]  # greedy: the same tokens, hit or not
+    # Each response names the engine request that answered it (vLLM's id and the 8 characters
+    # its engine added); its receipt is its tenant's, clean, its KV its own or its tenant's.
+    assert all(r["receipt"].startswith(r["id"] + "-") for r in (first, again, other))
+    receipts = [receipt_of(live, r["receipt"], t) for r, t in ((first, "tenant-a"), (again, "tenant-a"))]
+    assert [(shown["verdict"], sources(shown)) for shown in receipts] == [
+        ("clean", {"own": 3}),
+        ("clean", {"own": 1, "prefix_own_tenant": 2}),
+    ]
     chat = client(colocated).chat.completions
     messages = [{"role": "user", "content": PROMPT_B}]
     kw: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0}
@@ -205,9 +254,13 @@ def test_colocated_clean_traffic_is_answered_and_nothing_is_found(live: Live, co
         "extra_headers": {"x-tenant": "tenant-c"},
     }
     whole = chat.create(**kw)
-    streamed = "".join(c.choices[0].delta.content or "" for c in chat.create(stream=True, **kw) if c.choices)
+    with chat.with_streaming_response.create(stream=True, **kw) as response:
+        streamed_receipt = response.headers.get(RECEIPT, "")  # sent with the stream's first part
+        streamed = "".join(c.choices[0].delta.content or "" for c in response.parse() if c.choices)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
     assert streamed == whole.choices[0].message.content
+    assert streamed_receipt.startswith("chatcmpl-")
+    assert receipt_of(live, streamed_receipt, "tenant-c")["verdict"] == "clean"
     evs = settled(live.store, "vllm-c0", 5)
     mine = [e for e in evs if e.node == "vllm-c0"]
     assert {e.admit.tenant for e in mine if e.HasField("admit")} == {"tenant-a", "tenant-b", "tenant-c"}
@@ -232,6 +285,12 @@ def test_a_cross_tenant_share_is_stopped_at_once_and_said_truthfully(live: Live,
     assert offender["s"] < 2.0
     assert "tenant-e" not in offender["message"] and "Tenant A" not in offender["message"]
     assert victim_again["text"] == reference["text"] and bystander["text"] == other["text"]
+    # The error names the stopped request's receipt, the id its message gives; the receipt
+    # lists the finding.
+    assert offender["receipt"] == req
+    shown = receipt_of(live, req, "tenant-f")
+    assert shown["verdict"] == "findings" and "prefix_other_tenant" in sources(shown), shown
+    assert [f["finding"] for f in shown["findings"]] == ["cross_tenant_share"]
     # The operator finds it by the id the client was given.
     timeline = until(
         lambda: audit("request", req, "--store", live.store, ok=(0, 1)),
@@ -278,7 +337,8 @@ def test_pd_clean_traffic_is_answered_and_nothing_is_found(
     prefill, decode = pd
     prompts = [token_prompt([5, 6], seed) for seed in (1, 2, 3)]
     for prompt in prompts:
-        complete(prefill, prompt, "tenant-p", tokens=1)
+        first = complete(prefill, prompt, "tenant-p", tokens=1)
+        assert first["receipt"] == ""  # a prefill answers the router: the decode's response names it
     served = at_once(*[(complete, decode, p, "tenant-p", "", 6) for p in prompts])
     reference = [complete(colocated, p, "tenant-p", salt="ref", tokens=6) for p in prompts]
     for got, want in zip(served, reference, strict=True):
@@ -291,6 +351,11 @@ def test_pd_clean_traffic_is_answered_and_nothing_is_found(
     )
     assert findings(live.store, "vllm-d0") == []
     assert findings(live.store, "vllm-p0") == []
+    # The decode's response names its receipt: its KV came by the connector's transfer.
+    shown = receipt_of(live, served[0]["receipt"], key_tenant("tenant-p"))
+    assert shown["verdict"] == "clean" and {"transfer_count", "transfer_checksum"} & set(sources(shown)), (
+        shown
+    )
     # The tenant as each server reads it: the OpenAI `user` field, the API key (hashed).
     tenants = {(e.node, e.admit.tenant) for e in events(live.store) if e.HasField("admit")}
     assert {t for n, t in tenants if n == "vllm-p0"} == {"tenant-p"}

@@ -21,6 +21,7 @@ from typing import Any
 from engine_venvs import ROOT, engine_python
 
 from kvguard.cli.process import start_agent, start_daemon
+from kvguard.proto import receipt
 
 LIVE = ROOT / "tests" / "engines" / "live"
 BLOCK = 32  # the CPU attention kernel takes block sizes that are multiples of 32
@@ -136,13 +137,17 @@ def free_port() -> int:
 
 
 class Services:
-    """The kvguard side of a live test module: a daemon (enforce, SQLite store) and an agent,
-    and the servers started against them."""
+    """The kvguard side of a live test module: a daemon (enforce, SQLite store, a receipt key)
+    and an agent, and the servers started against them."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.store = str(root / "audit.db")
-        self.daemon = start_daemon(self.store, 0, "--mode", "enforce", quiet=True)
+        self.receipt_key, self.receipt_pub = root / "receipt.key", root / "receipt.pub"
+        receipt.new_key(self.receipt_key, self.receipt_pub)
+        self.daemon = start_daemon(
+            self.store, 0, "--mode", "enforce", "--receipt-key", str(self.receipt_key), quiet=True
+        )
         self.socket = str(root / "agent.sock")
         self.agent = start_agent(self.socket, self.daemon.address, str(root / "spool"), quiet=True)
         self.servers: list[Server] = []
