@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvguard.agents.attach import EngineAttach
+from kvguard.agents.sglang import receipts
 from kvguard.agents.sglang.adapter import SglangAdapter
 from kvguard.agents.sglang.transfers import host_ints
 
@@ -315,7 +316,7 @@ def hooks() -> list[tuple[str, Callable[..., Any], str]]:
             (f"{receiver}.send_metadata", _metadata_sent, "AFTER"),
             (f"{receiver}.poll", _polled("receiver"), "AROUND"),
         ]
-    return table
+    return table + receipts.hooks()  # the HTTP server's kvguard-receipt header
 
 
 _registered = False

@@ -19,14 +19,14 @@ def register() -> None:
     if os.environ.get("KVGUARD_DISABLE", "") == "1":
         return
     try:
-        from kvguard.agents.vllm import adapter, frontend, receipt_header, witness
+        from kvguard.agents.vllm import adapter, frontend, receipts, witness
 
         if adapter._ACTIVE is None:
             adapter.VllmAdapter().install()
         # The API server's half: a request the engine core stopped reads as kvguard's error;
         # the workers' half: what a synchronous connector's loads really filled.
         frontend.install()
-        receipt_header.install()  # each response names its requests' receipts
+        receipts.install()  # each response names its requests' receipts
         witness.install()
     except Exception as exc:  # kvguard's own defect: vLLM starts unguarded
         log.error(

@@ -22,10 +22,11 @@ from typing import Any
 
 import openai
 import pytest
-from audit_cli import events, query, until
+from audit_cli import events, query, receipt_of, sources, until
 from engine_venvs import kinds, replay
 from live_servers import Server, Services, free_port, sglang_serve, tiny_model
 
+from kvguard.agents.receipt_header import HEADER as RECEIPT
 from kvguard.proto.capture import event_to_json
 from kvguard.proto.channel import channel
 from kvguard.proto.kvguard.v1 import services_pb2 as svc
@@ -57,14 +58,21 @@ def client(server: Server) -> openai.OpenAI:
 
 
 def complete(server: Server, prompt: str, salt: str, tokens: int = 8) -> dict[str, Any]:
-    r = client(server).completions.create(
+    raw = client(server).completions.with_raw_response.create(
         model="tiny",
         prompt=prompt,
         max_tokens=tokens,
         temperature=0,
         extra_body={"ignore_eos": True, "cache_salt": salt},
     )
-    return {"id": r.id, "text": r.choices[0].text, "finish": r.choices[0].finish_reason, "usage": r.usage}
+    r = raw.parse()
+    return {
+        "id": r.id,
+        "receipt": raw.headers.get(RECEIPT, ""),  # the request kvguard signs a receipt for
+        "text": r.choices[0].text,
+        "finish": r.choices[0].finish_reason,
+        "usage": r.usage,
+    }
 
 
 def stop(live: Live, req: str) -> float:
@@ -95,8 +103,23 @@ def test_clean_traffic_is_answered_and_nothing_is_found(live: Live) -> None:
     kw |= {"messages": [{"role": "user", "content": "Tenant B writes a poem about the sea."}]}
     kw |= {"extra_body": {"ignore_eos": True, "cache_salt": "tenant-c"}}
     whole = chat.create(**kw)
-    streamed = "".join(c.choices[0].delta.content or "" for c in chat.create(stream=True, **kw) if c.choices)
+    with chat.with_streaming_response.create(stream=True, **kw) as response:
+        streamed_receipt = response.headers.get(RECEIPT, "")  # sent with the stream's first part
+        chunks = list(response.parse())
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == whole.choices[0].message.content and whole.usage.completion_tokens == 6
+    # Each response names its request's receipt (SGLang's response id is the request's id);
+    # each receipt is its tenant's and clean, its KV its own or its own tenant's prefix.
+    assert [r["receipt"] for r in (first, again, other)] == [r["id"] for r in (first, again, other)]
+    assert streamed_receipt == chunks[0].id
+    tenants = ((first, "tenant-a"), (again, "tenant-a"), (other, "tenant-b"))
+    shown = [receipt_of(live.store, live.receipt_pub, r["receipt"], t) for r, t in tenants]
+    assert [(s["verdict"], set(sources(s))) for s in shown] == [
+        ("clean", {"own"}),
+        ("clean", {"own", "prefix_own_tenant"}),
+        ("clean", {"own"}),
+    ]
+    assert receipt_of(live.store, live.receipt_pub, streamed_receipt, "tenant-c")["verdict"] == "clean"
 
     def ended(evs: list[Any]) -> int:
         return sum(1 for e in evs if e.node == NODE and e.HasField("finish"))
@@ -144,6 +167,7 @@ def test_an_operators_kill_ends_the_request_for_its_client_at_once(live: Live) -
             plain["finish"] = r.choices[0].finish_reason
         except openai.APIStatusError as exc:
             plain.update(status=exc.status_code, message=exc.message, at=time.monotonic())
+            plain["receipt"] = exc.response.headers.get(RECEIPT, "")
 
     thread = threading.Thread(target=run_plain)
     thread.start()
@@ -172,7 +196,7 @@ def test_an_operators_kill_ends_the_request_for_its_client_at_once(live: Live) -
             in message
         )
         assert "an operator stopped it on node sg-c0" in message
-    assert plain["status"] == 403
+    assert plain["status"] == 403 and plain["receipt"] == plain_admit.req  # the error names it too
     third.join(60)
     assert beside["finish"] == "length" and beside["usage"].completion_tokens == 40
     kills = until(

@@ -17,8 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,10 +25,11 @@ from typing import Any
 
 import openai
 import pytest
-from audit_cli import audit, events, query, until
+from audit_cli import audit, events, query, receipt_of, sources, until
 from engine_venvs import kinds, replay
 from live_servers import Server, Services, connector, free_port, tiny_model, vllm_serve
 
+from kvguard.agents.receipt_header import HEADER as RECEIPT
 from kvguard.proto.capture import event_to_json
 
 PROMPT_A = "Tenant A asks about the quarterly report. " * 9  # 81 tokens: two full blocks of 32
@@ -38,7 +37,6 @@ PROMPT_B = "Tenant B writes a poem about the sea. " * 9
 STOPPED = re.compile(
     r"kvguard stopped request (\S+): it failed a KV-isolation check \((\w+)\) on node (\S+);"
 )
-RECEIPT = "kvguard-receipt"  # the response header naming the receipt's request
 SHORT = [7, 7, 7, 11]  # live/planted_connectors.py: the decode side loads only the first block
 SKIP_LAST = [7, 7, 7, 13]  # ... every block but the last
 
@@ -132,36 +130,6 @@ def stopped(result: dict[str, Any]) -> tuple[str, str, str]:
     return found.group(1), found.group(2), found.group(3)
 
 
-def receipt_of(live: Live, req: str, tenant: str) -> dict[str, Any]:
-    """What the request's current receipt shows, fetched as its tenant is handed it (`kvguard
-    audit receipt REQ -o json`, once signed) and checked offline as the tenant checks it: the
-    public key only, naming its own tenant and request."""
-
-    def fetch() -> subprocess.CompletedProcess[bytes]:
-        command = ["audit", "receipt", req, "--store", live.store, "-o", "json"]
-        return subprocess.run([sys.executable, "-m", "kvguard", *command], capture_output=True, timeout=60)
-
-    done = until(fetch, lambda d: d.returncode in (0, 1))
-    assert done.returncode in (0, 1), done.stderr.decode()
-    path = live.root / f"receipt-{req}.json"
-    path.write_bytes(done.stdout)
-    verify = ["verify-receipt", str(path), "--key", str(live.receipt_pub), "--tenant", tenant, "--req", req]
-    check = subprocess.run(
-        [sys.executable, "-m", "kvguard", "audit", *verify],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert check.returncode == 0, check.stdout + check.stderr
-    assert check.stdout.startswith(f"VALID: receipt of request {req} of tenant {tenant}: "), check.stdout
-    shown: dict[str, Any] = json.loads(done.stdout)["shown"]
-    return shown
-
-
-def sources(shown: dict[str, Any]) -> dict[str, int]:
-    return {s["kind"]: int(s["pages"]) for s in shown.get("sources", [])}
-
-
 def findings(store: str, node: str) -> list[dict[str, Any]]:
     """The node's findings as the daemon judged them (not its updates of them)."""
     return [f for f in records_of_findings(store, node) if "update_of" not in f.get("details", {})]
@@ -241,7 +209,10 @@ def test_colocated_clean_traffic_is_answered_and_nothing_is_found(live: Live, co
     # Each response names the engine request that answered it (vLLM's id and the 8 characters
     # its engine added); its receipt is its tenant's, clean, its KV its own or its tenant's.
     assert all(r["receipt"].startswith(r["id"] + "-") for r in (first, again, other))
-    receipts = [receipt_of(live, r["receipt"], t) for r, t in ((first, "tenant-a"), (again, "tenant-a"))]
+    receipts = [
+        receipt_of(live.store, live.receipt_pub, r["receipt"], t)
+        for r, t in ((first, "tenant-a"), (again, "tenant-a"))
+    ]
     assert [(shown["verdict"], sources(shown)) for shown in receipts] == [
         ("clean", {"own": 3}),
         ("clean", {"own": 1, "prefix_own_tenant": 2}),
@@ -260,7 +231,7 @@ def test_colocated_clean_traffic_is_answered_and_nothing_is_found(live: Live, co
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
     assert streamed == whole.choices[0].message.content
     assert streamed_receipt.startswith("chatcmpl-")
-    assert receipt_of(live, streamed_receipt, "tenant-c")["verdict"] == "clean"
+    assert receipt_of(live.store, live.receipt_pub, streamed_receipt, "tenant-c")["verdict"] == "clean"
     evs = settled(live.store, "vllm-c0", 5)
     mine = [e for e in evs if e.node == "vllm-c0"]
     assert {e.admit.tenant for e in mine if e.HasField("admit")} == {"tenant-a", "tenant-b", "tenant-c"}
@@ -288,7 +259,7 @@ def test_a_cross_tenant_share_is_stopped_at_once_and_said_truthfully(live: Live,
     # The error names the stopped request's receipt, the id its message gives; the receipt
     # lists the finding.
     assert offender["receipt"] == req
-    shown = receipt_of(live, req, "tenant-f")
+    shown = receipt_of(live.store, live.receipt_pub, req, "tenant-f")
     assert shown["verdict"] == "findings" and "prefix_other_tenant" in sources(shown), shown
     assert [f["finding"] for f in shown["findings"]] == ["cross_tenant_share"]
     # The operator finds it by the id the client was given.
@@ -352,7 +323,7 @@ def test_pd_clean_traffic_is_answered_and_nothing_is_found(
     assert findings(live.store, "vllm-d0") == []
     assert findings(live.store, "vllm-p0") == []
     # The decode's response names its receipt: its KV came by the connector's transfer.
-    shown = receipt_of(live, served[0]["receipt"], key_tenant("tenant-p"))
+    shown = receipt_of(live.store, live.receipt_pub, served[0]["receipt"], key_tenant("tenant-p"))
     assert shown["verdict"] == "clean" and {"transfer_count", "transfer_checksum"} & set(sources(shown)), (
         shown
     )
