@@ -182,20 +182,23 @@ class Authority:
         from cryptography.hazmat.primitives.asymmetric import ec
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-        from kvguard.proto.channel import OPERATOR_URI, READER_URI
+        from kvguard.proto.channel import DAEMON_URI, OPERATOR_URI, READER_URI
 
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         sans: list[x509.GeneralName] = []
         if wanted.kind == "daemon":
-            cn, usage = "kvguard-daemon", ExtendedKeyUsageOID.SERVER_AUTH
+            # A server to its clients, and a client of the bus (its identity there, `bus config
+            # --tls-ca`); its role URI keeps it from speaking for any node to a daemon.
+            cn, usage = "kvguard-daemon", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
             for host in wanted.hosts:
                 try:
                     sans.append(x509.IPAddress(ipaddress.ip_address(host)))
                 except ValueError:
                     sans.append(x509.DNSName(host))
+            sans.append(x509.UniformResourceIdentifier(DAEMON_URI))
         else:
-            cn, usage = wanted.name, ExtendedKeyUsageOID.CLIENT_AUTH
+            cn, usage = wanted.name, [ExtendedKeyUsageOID.CLIENT_AUTH]
             if wanted.kind == "node":
                 sans += [x509.DNSName(name) for name in (wanted.name, *wanted.also)]
             else:
@@ -211,7 +214,7 @@ class Authority:
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(min(now + datetime.timedelta(days=days), self.cert.not_valid_after_utc))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(self.cert.public_key()), critical=False
@@ -265,7 +268,7 @@ def describe(pem: Path) -> list[tuple[str, str]]:
     """What a certificate says, as (field, value) lines."""
     from cryptography import x509
 
-    from kvguard.proto.channel import OPERATOR_URI, READER_URI
+    from kvguard.proto.channel import DAEMON_URI, OPERATOR_URI, READER_URI
 
     try:
         data = pem.read_bytes()
@@ -295,7 +298,9 @@ def describe(pem: Path) -> list[tuple[str, str]]:
         if OPERATOR_URI in uris
         else "reader"
         if READER_URI in uris
-        else "node or daemon"
+        else "daemon"
+        if DAEMON_URI in uris
+        else "node or daemon"  # a daemon's made before it carried DAEMON_URI
     )
     dns = names.get_values_for_type(x509.DNSName)
     ips = [str(ip) for ip in names.get_values_for_type(x509.IPAddress)]

@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from kvguard.proto.channel import NODE, OPERATOR, OPERATOR_URI, READER, READER_URI, peer_role
+from kvguard.proto.channel import DAEMON, NODE, OPERATOR, OPERATOR_URI, READER, READER_URI, peer_role
 from kvguard.proto.crl import Crl
 from kvguard.proto.logs import fields, logger
 
@@ -51,6 +51,7 @@ _MAY = {
     NODE: "may only stream the events of the nodes it names",
     READER: "may read the audit log, the alerts and the fleet state, but neither act nor speak for a node",
     OPERATOR: "may read the audit log, the alerts and the fleet state and act, but not speak for a node",
+    DAEMON: "is a client of the bus only, never of a daemon",
 }
 _TAKES = {
     NODE: "a node's certificate (no role URI)",

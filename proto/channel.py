@@ -4,7 +4,8 @@ stream's node identity is bound to its client's certificate.
 
 Invariants: with TLS on, the daemon serves only clients whose certificate the CA signed
 (the handshake fails otherwise, before any request is read); a certificate is a reader's if
-it carries the URI SAN READER_URI, a node's otherwise (`peer_role`; what each may call:
+it carries the URI SAN READER_URI, an operator's with OPERATOR_URI, the daemon's own (a client
+of the bus only, which opens nothing here) with DAEMON_URI, a node's otherwise (`peer_role`; what each may call:
 daemon/access.py); and an agent stream may speak only for a node its certificate names (the
 subject's CN or a DNS name among its SANs), or for that node's probes (`node/probe`, the
 probe one of PROBES: the agent's eBPF witness `p0/ebpf`, its engine's CUDA shim `p0/shim`);
@@ -28,13 +29,25 @@ TRANSPORT_LIMIT = 64 << 20  # gRPC's own limit: beyond it gRPC refuses, before t
 
 # The roles of a client certificate: a node's streams its events; a reader's (audit, alerts,
 # fleet: a SIEM, a dashboard) reads; an operator's reads and acts (kill, quarantine, acknowledge,
-# rule modes: ControlService). A URN rather than a name, so that no node's name can make its
+# rule modes: ControlService); the daemon's own is a client of the bus only (its identity
+# there), never of a daemon. A URN rather than a name, so that no node's name can make its
 # certificate a reader's or an operator's.
 NODE = "node"
 READER = "reader"
 OPERATOR = "operator"
+DAEMON = "daemon"
 READER_URI = "urn:kvguard:role:reader"
 OPERATOR_URI = "urn:kvguard:role:operator"
+DAEMON_URI = "urn:kvguard:role:daemon"
+
+
+def role_of(uris: Sequence[str] | Sequence[bytes]) -> str:
+    """The role a client certificate's URI SANs give it."""
+    named = {u.decode() if isinstance(u, bytes) else u for u in uris}
+    for role, uri in ((OPERATOR, OPERATOR_URI), (READER, READER_URI), (DAEMON, DAEMON_URI)):
+        if uri in named:
+            return role
+    return NODE
 
 
 # The sources a node's agent streams beside its guard, each as NODE/PROBE with its own sequence.
@@ -95,8 +108,8 @@ class Tls:
         )
 
     def role(self) -> str:
-        """The role this side's own certificate gives it (OPERATOR, READER or NODE), as the
-        other side's `peer_role` will read it."""
+        """The role this side's own certificate gives it (OPERATOR, READER, DAEMON or NODE),
+        as the other side's `peer_role` will read it."""
         from cryptography import x509
 
         cert = x509.load_pem_x509_certificate(self.cert)
@@ -104,10 +117,7 @@ class Tls:
             names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         except x509.ExtensionNotFound:
             return NODE
-        uris = names.get_values_for_type(x509.UniformResourceIdentifier)
-        if OPERATOR_URI in uris:
-            return OPERATOR
-        return READER if READER_URI in uris else NODE
+        return role_of(names.get_values_for_type(x509.UniformResourceIdentifier))
 
     def names(self) -> frozenset[str]:
         """The node names this side's own certificate gives it (CN and DNS SANs), as the daemon
@@ -149,12 +159,8 @@ def peer_names(context: Any) -> set[str] | None:
 
 
 def peer_role(context: Any) -> str | None:
-    """OPERATOR if the client's certificate carries the URI SAN OPERATOR_URI, READER if
-    READER_URI, else NODE; None on plaintext."""
+    """The role the client's certificate gives it (`role_of` its URI SANs); None on plaintext."""
     auth = context.auth_context()
     if auth.get("transport_security_type") != [b"ssl"]:
         return None
-    uris = auth.get("peer_uri", [])
-    if OPERATOR_URI.encode() in uris:
-        return OPERATOR
-    return READER if READER_URI.encode() in uris else NODE
+    return role_of(auth.get("peer_uri", []))

@@ -139,7 +139,7 @@ def test_show_reads_a_certificate_made_with_the_docs_openssl_recipe(tmp_path: Pa
     assert "role     reader" in shown.stdout and "subject  CN=siem" in shown.stdout
     assert re.search(r"expires  in 36[45] day\(s\)\n", shown.stdout), shown.stdout
     daemon_cert = certs("show", str(pki / "daemon.pem")).stdout
-    assert re.search(r"expires  in \d+ day\(s\)", daemon_cert)
+    assert re.search(r"expires  in \d+ day\(s\)", daemon_cert) and "role     daemon" in daemon_cert
 
 
 @pytest.mark.skipif(

@@ -137,6 +137,21 @@ def test_a_node_streams_its_own_events_and_reads_nothing(pki: Path, daemon: Serv
         assert method in line
 
 
+def test_a_daemons_certificate_speaks_for_no_node_and_reads_nothing(pki: Path, daemon: Service) -> None:
+    """A daemon's own certificate is its identity on the bus (a client there); to a daemon it
+    opens nothing, whatever node it names."""
+    with channel(daemon.address, client(pki, "daemon-p0")) as ch:
+        assert serving(ch)
+        said = denied(lambda: AgentStream(ch, "p0"))
+        read = denied(lambda: svc_grpc.FleetServiceStub(ch).State(svc.FleetRequest(), timeout=10))
+    assert said == (
+        "/kvguard.v1.AgentService/Stream takes a node's certificate (no role URI); this one "
+        "(kvguard-daemon) is a daemon's, which is a client of the bus only, never of a daemon"
+    )
+    assert read.startswith("/kvguard.v1.FleetService/State takes a reader's certificate")
+    assert Store(daemon.store).count("event") == 0
+
+
 def test_the_commands_take_the_same_tls_options_in_either_role(pki: Path, daemon: Service) -> None:
     def kvguard(*args: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "kvguard", *args]

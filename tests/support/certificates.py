@@ -13,10 +13,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvguard.proto.channel import OPERATOR_URI, READER_URI, Tls
+from kvguard.proto.channel import DAEMON_URI, OPERATOR_URI, READER_URI, Tls
 
 READER = x509.UniformResourceIdentifier(READER_URI)
 OPERATOR = x509.UniformResourceIdentifier(OPERATOR_URI)
+DAEMON = x509.UniformResourceIdentifier(DAEMON_URI)
 
 
 def _name(cn: str) -> x509.Name:
@@ -59,8 +60,8 @@ def make_pki(d: Path) -> Path:
     """The CA `ca` and, signed by it: `daemon` (for localhost), nodes `node-p0` (p0, p0-spare)
     and `node-d0`, `replayer` (a node certificate naming p0, d0 and c0, as a forensics
     operator's would), readers `siem` and `reader-p0` (which also names p0), operators
-    `operator` (CN alice) and `operator-p0` (CN bob, which also names p0); and `rogue-p0`, signed
-    by `rogue-ca`."""
+    `operator` (CN alice) and `operator-p0` (CN bob, which also names p0), another daemon's
+    `daemon-p0` (its role URI, and p0 among its names); and `rogue-p0`, signed by `rogue-ca`."""
     ca = issue(d, "ca", "kvguard test CA", None)
     loopback = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     issue(d, "daemon", "kvguard-daemon", ca, loopback)
@@ -71,6 +72,7 @@ def make_pki(d: Path) -> Path:
     issue(d, "reader-p0", "p0", ca, [READER, x509.DNSName("p0")])
     issue(d, "operator", "alice", ca, [OPERATOR])
     issue(d, "operator-p0", "bob", ca, [OPERATOR, x509.DNSName("p0")])
+    issue(d, "daemon-p0", "kvguard-daemon", ca, [DAEMON, x509.DNSName("p0")])
     rogue_ca = issue(d, "rogue-ca", "someone else's CA", None)
     issue(d, "rogue-p0", "p0", rogue_ca)
     return d
