@@ -6,10 +6,11 @@ Invariants: with TLS on, the daemon serves only clients whose certificate the CA
 (the handshake fails otherwise, before any request is read); a certificate is a reader's if
 it carries the URI SAN READER_URI, an operator's with OPERATOR_URI, a daemon's own (a client
 of the bus only, which opens nothing here) with DAEMON_URI, a node's otherwise (`peer_role`;
-what each may call: daemon/access.py); and an agent stream may speak only for a node its certificate names (the
-subject's CN or a DNS name among its SANs), or for that node's probes (`node/probe`, the
-probe one of PROBES: the agent's eBPF witness `p0/ebpf`, its engine's CUDA shim `p0/shim`);
-any other shape of name (`p0/anything`, `p0/../d0`, `p0/ebpf/x`) is refused with or without TLS.
+what each may call: daemon/access.py); and an agent stream may speak only for a node its
+certificate names (the subject's CN or a DNS name among its SANs), or for that node's probes
+(`node/probe`, the probe one of PROBES: the agent's eBPF witness `p0/ebpf`, its engine's CUDA
+shim `p0/shim`); any other shape of name (`p0/anything`, `p0/../d0`, `p0/ebpf/x`) is refused
+with or without TLS.
 """
 
 from __future__ import annotations
