@@ -284,6 +284,14 @@ def add_bus_arguments(parser: argparse.ArgumentParser, *, cell: bool) -> argpars
         help="TLS to the bus, its servers' certificates verified against this CA (`kvguard bus config "
         "--tls-cert`); the password never crosses the network in the clear",
     )
+    group.add_argument(
+        "--bus-tls-cert",
+        metavar="PEM",
+        help="this side's certificate, its identity on a bus that knows its clients by their "
+        "certificates (`kvguard bus config --tls-ca`): a node's for an agent, the daemon's for a daemon; "
+        "no user or password then",
+    )
+    group.add_argument("--bus-tls-key", metavar="PEM", help="the private key of --bus-tls-cert")
     if cell:
         group.add_argument(
             "--cell",
@@ -315,8 +323,12 @@ def bus_from_args(args: argparse.Namespace) -> Any:
         user=args.bus_user,
         password_file=Path(args.bus_password_file) if args.bus_password_file else None,
         tls_ca=Path(args.bus_tls_ca) if args.bus_tls_ca else None,
+        tls_cert=Path(args.bus_tls_cert) if args.bus_tls_cert else None,
+        tls_key=Path(args.bus_tls_key) if args.bus_tls_key else None,
     )
     settings.password()  # a file that cannot be used is said now, not at each reconnect
     if settings.tls_ca is not None:
         settings.tls_context()
+    if settings.tls_cert is not None:
+        settings.identity("")
     return settings

@@ -171,6 +171,19 @@ def node_permissions(cluster: str, node: str) -> dict[str, Any]:
     }
 
 
+def certificate_subject(pem: Path) -> str:
+    """A certificate's subject as a bus that maps certificates to users names it (RFC 4514,
+    as NATS's verify_and_map compares it); BusError naming the file if it is not one."""
+    from cryptography import x509
+
+    try:
+        return x509.load_pem_x509_certificate(pem.read_bytes()).subject.rfc4514_string()
+    except OSError as exc:
+        raise BusError(f"bus certificate {pem}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise BusError(f"bus certificate {pem}: not a PEM certificate ({exc})") from None
+
+
 def inbox(user: str) -> str:
     """A bus user's own reply subjects (no one else's replies can be heard)."""
     return f"_INBOX_{token(user)}"
@@ -187,6 +200,10 @@ class BusSettings:
     password_file: Path | None = None
     replicas: int = 3  # of the stream and the lease bucket (the daemon creates them)
     tls_ca: Path | None = None  # the CA of the servers' certificate: TLS to them, verified
+    # This side's certificate and key: its identity on a bus that knows its clients by their
+    # certificates (`kvguard bus config --tls-ca`), in place of a user and password.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     def __post_init__(self) -> None:
         check_cluster(self.cluster)
@@ -195,6 +212,23 @@ class BusSettings:
         for server in self.servers:
             if not server.startswith(("nats://", "tls://")):
                 raise BusError(f"bus server {server!r}: not a nats:// or tls:// URL")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise BusError("--bus-tls-cert and --bus-tls-key go together")
+        if self.tls_cert is not None and self.tls_ca is None:
+            raise BusError("--bus-tls-cert needs --bus-tls-ca: the servers are verified too")
+        if self.tls_cert is not None and (self.user or self.password_file is not None):
+            raise BusError(
+                "--bus-tls-cert is this side's identity on the bus: no --bus-user or password with it"
+            )
+
+    def identity(self, name: str) -> str:
+        """Who this side is on the bus: its user, its certificate's subject (the user a bus
+        that maps certificates knows it as), or else `name`."""
+        if self.user:
+            return self.user
+        if self.tls_cert is not None:
+            return certificate_subject(self.tls_cert)
+        return name
 
     def password(self) -> str | None:
         """The user's password, from a file only its owner may read (BusError otherwise)."""
@@ -213,11 +247,19 @@ class BusSettings:
         return text
 
     def tls_context(self) -> ssl.SSLContext:
-        """TLS that verifies the servers against `tls_ca` (BusError if it cannot be read)."""
+        """TLS that verifies the servers against `tls_ca`, presenting `tls_cert` if given
+        (BusError naming a file that cannot be read)."""
         try:
-            return ssl.create_default_context(cafile=str(self.tls_ca))
+            context = ssl.create_default_context(cafile=str(self.tls_ca))
         except (OSError, ssl.SSLError) as exc:
             raise BusError(f"bus TLS CA {self.tls_ca}: {getattr(exc, 'strerror', None) or exc}") from None
+        if self.tls_cert is not None:
+            try:
+                context.load_cert_chain(str(self.tls_cert), str(self.tls_key))
+            except (OSError, ssl.SSLError) as exc:
+                why = getattr(exc, "strerror", None) or exc
+                raise BusError(f"bus certificate {self.tls_cert} (key {self.tls_key}): {why}") from None
+        return context
 
     async def connect(self, name: str, **callbacks: Any) -> Any:
         """A connection to the bus as this user (nats.aio.client.Client), reconnecting for ever."""
@@ -231,7 +273,7 @@ class BusSettings:
             name=name,
             user=user,
             password=self.password() if user else None,
-            inbox_prefix=inbox(self.user or name).encode(),
+            inbox_prefix=inbox(self.identity(name)).encode(),
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             **callbacks,

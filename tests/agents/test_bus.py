@@ -31,6 +31,26 @@ def nats(tmp_path: Path) -> Iterator[NatsCluster]:
     cluster.stop()
 
 
+def certificate_bus(tmp_path: Path) -> NatsCluster:
+    """A TLS bus that knows its clients by their certificates from `kvguard certs`: the daemon's,
+    and the agents' of node d0 (`node-d0`) and of node d1 (`node-d1`); no password exists."""
+    pki = tmp_path / "pki"
+    assert kvguard(["certs", "init", str(pki), "--node", "d0", "--node", "d1"]) == 0
+    tls = (pki / "daemon.pem", pki / "daemon.key", pki / "ca.pem")
+    return NatsCluster(tmp_path / "nats", "t", {}, tls=tls, by_certificate=["node-d0", "node-d1"])
+
+
+@pytest.fixture(params=["password", "certificate"])
+def any_bus(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[NatsCluster, str]]:
+    """A bus of either kind, and the user of node d0's agent on it."""
+    if request.param == "password":
+        cluster, agent = NatsCluster(tmp_path / "nats", "t", {"host-a": ["d0"], "host-b": ["d1"]}), "host-a"
+    else:
+        cluster, agent = certificate_bus(tmp_path), "node-d0"
+    yield cluster, agent
+    cluster.stop()
+
+
 def events_of(i: int, n: int, node: str = "d0") -> list[pb.Event]:
     return [pb.Event(node=node, seq=s, ts_ns=s * 1000, heartbeat=pb.Heartbeat()) for s in range(i, i + n)]
 
@@ -74,14 +94,15 @@ def make_stream(nats: NatsCluster, duplicate_window: float = 120.0) -> None:
 
 
 def test_a_guards_events_and_its_kill_travel_by_the_bus(
-    nats: NatsCluster, pg_store_url: str, tmp_path: Path
+    any_bus: tuple[NatsCluster, str], pg_store_url: str, tmp_path: Path
 ) -> None:
+    nats, user = any_bus
     daemon = start_daemon(pg_store_url, 0, *nats.args(), "--bus-lease", "2", quiet=True)
     agent = start_agent(
         str(tmp_path / "agent.sock"),
         "127.0.0.1:1",
         str(tmp_path / "spool"),
-        *nats.args("host-a"),
+        *nats.args(user),
         "--cell",
         "c1",
     )
@@ -176,6 +197,84 @@ def test_on_a_tls_bus_no_password_crosses_in_the_clear(tmp_path: Path) -> None:
             plain.close()
     finally:
         nats.stop()
+
+
+def test_on_a_certificate_bus_an_agent_speaks_only_for_the_nodes_its_certificate_names(
+    tmp_path: Path,
+) -> None:
+    """`bus config --tls-ca`: each client is the user its certificate names. Node d0's
+    certificate streams d0's events and is refused d1's; a certificate of another CA naming d0,
+    or none, is refused at the handshake."""
+    nats = certificate_bus(tmp_path)
+    try:
+        assert not (tmp_path / "nats" / "passwords").exists()
+        make_stream(nats)
+        link = BusLink(nats.settings("node-d0"), "c1", lambda text: None)
+        try:
+            stream = BusStream(link, "d0")
+            post(stream, events_of(1, 2))
+            assert stream.next_ack(10).durable_seq == 2
+            stream.close()
+            with pytest.raises(BusUnavailable, match="refused"):
+                BusStream(link, "d1")
+        finally:
+            link.close()
+        assert messages(nats, bus.events_subject("t", "c1", "d1")) == 0
+        other = tmp_path / "other-ca"
+        assert kvguard(["certs", "init", str(other), "--node", "d0"]) == 0
+        stranger = replace(
+            nats.settings("node-d0"), tls_cert=other / "node-d0.pem", tls_key=other / "node-d0.key"
+        )
+        for settings in (stranger, replace(stranger, tls_cert=None, tls_key=None)):
+            said: list[str] = []
+            rogue = BusLink(settings, "c1", said.append)
+            try:
+                with pytest.raises(BusUnavailable, match="cannot reach the bus"):
+                    BusStream(rogue, "d0")
+            finally:
+                rogue.close()
+        assert messages(nats, bus.events_subject("t", "c1", "d0")) == 1
+    finally:
+        nats.stop()
+
+
+def test_certificate_bus_options_that_cannot_work_are_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    pki = tmp_path / "pki"
+    assert kvguard(["certs", "init", str(pki), "--node", "d0", "--reader", "siem"]) == 0
+    capsys.readouterr()
+    base = ["bus", "config", "--cluster", "t", "--dir", str(tmp_path / "b"), "--tls-ca", str(pki / "ca.pem")]
+    server = ["--tls-cert", str(pki / "daemon.pem"), "--tls-key", str(pki / "daemon.key")]
+    daemon = ["--daemon-cert", str(pki / "daemon.pem")]
+    cases = {
+        (*base, *daemon): "--tls-ca needs --tls-cert and --tls-key",
+        (*base, *server): "--tls-ca needs at least one --daemon-cert",
+        (*base, *server, *daemon, "--agent", "h=d0"): "with --tls-ca each agent is known by its certificate",
+        (*base, *server, "--daemon-cert", str(pki / "node-d0.pem")): "a node's certificate, not a daemon's",
+        (
+            *base,
+            *server,
+            *daemon,
+            "--agent-cert",
+            str(pki / "reader-siem.pem"),
+        ): "a reader's certificate, not a node's",
+        (*base, *server, *daemon, "--agent-cert", str(pki / "ca.key")): "not a PEM certificate",
+    }
+    for args, said in cases.items():
+        assert kvguard(list(args)) == 2, args
+        assert said in capsys.readouterr().err, args
+    other = tmp_path / "other"
+    assert kvguard(["certs", "init", str(other), "--node", "d0"]) == 0
+    capsys.readouterr()
+    assert kvguard([*base, *server, *daemon, "--agent-cert", str(other / "node-d0.pem")]) == 2
+    assert "not signed by the --tls-ca CA" in capsys.readouterr().err
+    bus_args = ["--bus", "nats://h:1", "--cell", "c1", "--socket", str(tmp_path / "s")]
+    assert kvguard(["agent", *bus_args, "--bus-tls-cert", str(pki / "node-d0.pem")]) == 2
+    assert "--bus-tls-cert and --bus-tls-key go together" in capsys.readouterr().err
+    with_key = ["--bus-tls-cert", str(pki / "node-d0.pem"), "--bus-tls-key", str(pki / "node-d0.key")]
+    assert kvguard(["agent", *bus_args, *with_key]) == 2
+    assert "--bus-tls-cert needs --bus-tls-ca" in capsys.readouterr().err
 
 
 def test_bus_options_that_cannot_work_are_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ class NatsCluster:
         agents: dict[str, list[str]],
         servers: int = 3,
         tls: tuple[Path, Path, Path] | None = None,  # the servers' certificate, key, and its CA
+        by_certificate: list[str] | None = None,  # clients known by certificate: the agents' stems
     ) -> None:
         self.dir = directory
         self.cluster = cluster
@@ -60,6 +61,11 @@ class NatsCluster:
         self.tls_ca = tls[2] if tls is not None else None
         if tls is not None:
             args += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
+        # By certificate: the CA's directory holds daemon.pem and each agent's <stem>.pem.
+        self.pki = tls[2].parent if tls is not None and by_certificate is not None else None
+        if self.pki is not None:
+            args += ["--tls-ca", str(tls[2]), "--daemon-cert", str(self.pki / "daemon.pem")]
+            args += [f"--agent-cert={self.pki / stem}.pem" for stem in by_certificate or []]
         assert kvguard(args) == 0
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * servers
         for i in range(servers):
@@ -73,18 +79,43 @@ class NatsCluster:
     def settings(
         self, user: str = DAEMON_USER, replicas: int | None = None, cluster: str = ""
     ) -> BusSettings:
+        """As `user` (by certificate: the stem of its certificate, the daemons' DAEMON_USER)."""
+        replicas = replicas if replicas is not None else min(3, self.count)
+        if self.pki is not None:
+            stem = self.pki / ("daemon" if user == DAEMON_USER else user)
+            return BusSettings(
+                servers=self.urls,
+                cluster=cluster or self.cluster,
+                replicas=replicas,
+                tls_ca=self.tls_ca,
+                tls_cert=stem.with_suffix(".pem"),
+                tls_key=stem.with_suffix(".key"),
+            )
         return BusSettings(
             servers=self.urls,
             cluster=cluster or self.cluster,
             user=user,
             password_file=self.dir / "passwords" / user,
-            replicas=replicas if replicas is not None else min(3, self.count),
+            replicas=replicas,
             tls_ca=self.tls_ca,
         )
 
     def args(self, user: str = DAEMON_USER, cluster: str = "") -> list[str]:
         """A kvguard service's bus options as this user (in kvguard cluster `cluster`: the
         daemons' user may speak for any; an agent's only for the one it was made for)."""
+        if self.pki is not None:
+            stem = self.pki / ("daemon" if user == DAEMON_USER else user)
+            return [
+                *("--bus", ",".join(self.urls), "--bus-cluster", cluster or self.cluster),
+                *(
+                    "--bus-tls-ca",
+                    str(self.tls_ca),
+                    "--bus-tls-cert",
+                    f"{stem}.pem",
+                    "--bus-tls-key",
+                    f"{stem}.key",
+                ),
+            ]
         return [
             "--bus",
             ",".join(self.urls),
