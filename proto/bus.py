@@ -192,7 +192,8 @@ def inbox(user: str) -> str:
 @dataclass(frozen=True, slots=True)
 class BusSettings:
     """Where the bus is and who speaks on it: `servers` (nats:// URLs), the kvguard cluster's
-    name, the bus user and the file holding its password."""
+    name, and either the bus user and the file holding its password, or this side's
+    certificate (a bus that knows its clients by certificate)."""
 
     servers: Sequence[str]
     cluster: str
