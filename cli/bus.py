@@ -3,8 +3,8 @@
 own host), and a user for the daemons and for each agent. Either each user has a password,
 written to a file of its own (mode 0600) for `--bus-password-file`; or, with `--tls-ca`, each
 client is known by its certificate from the kvguard CA (NATS's verify_and_map): an agent by
-its node certificate (`--agent-cert`), a daemon by its own (`--daemon-cert`), and no password
-exists.
+its node certificate (`--agent-cert`), a daemon by its own (`--daemon-cert`), no password
+exists, and the servers' routes are mutual TLS too.
 
 Invariant: an agent's user may publish only the events and status of the nodes it is given
 (`--agent host-1=prefill-0,decode-0`, or the nodes its certificate names), read back only
@@ -173,11 +173,14 @@ def server_configs(
         if tls is not None:  # clients must speak TLS: no password crosses the network in the clear
             config["tls"] = tls
         if servers > 1:
-            config["cluster"] = {
+            routing: dict[str, object] = {
                 "name": f"kvguard-{cluster}",
                 "listen": f"{host}:{route_port + i}",
                 "routes": routes,
             }
+            if tls is not None and "ca_file" in tls:  # mutual TLS between the servers too
+                routing["tls"] = {**{k: tls[k] for k in ("cert_file", "key_file", "ca_file")}, "verify": True}
+            config["cluster"] = routing
         configs.append(json.dumps(config, indent=2) + "\n")
     return configs
 
@@ -263,7 +266,8 @@ def add_parser(sub: Subcommands) -> None:
         "--tls-cert",
         metavar="PEM",
         help="the servers' certificate (`kvguard certs init --daemon-host HOST` makes one): clients must use "
-        "TLS (--bus-tls-ca); routes between the servers stay plaintext: keep them on a private network",
+        "TLS (--bus-tls-ca); without --tls-ca the routes between the servers stay plaintext: keep them on "
+        "a private network",
     )
     p.add_argument("--tls-key", metavar="PEM", help="the servers' private key")
     p.add_argument(

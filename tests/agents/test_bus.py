@@ -6,6 +6,8 @@ past JetStream's duplicate window; an agent's bus user speaks only for its own n
 from __future__ import annotations
 
 import asyncio
+import socket
+import ssl
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -208,6 +210,18 @@ def test_on_a_certificate_bus_an_agent_speaks_only_for_the_nodes_its_certificate
     nats = certificate_bus(tmp_path)
     try:
         assert not (tmp_path / "nats" / "passwords").exists()
+        # The servers speak mutual TLS to one another too: a route port says nothing in the
+        # clear, and refuses a TLS peer without a certificate of the CA.
+        route = ("127.0.0.1", nats.ports[0] + nats.count)
+        with socket.create_connection(route, timeout=10) as plain:
+            assert plain.recv(100) == b""
+        context = ssl.create_default_context(cafile=str(tmp_path / "pki" / "ca.pem"))
+        with (
+            pytest.raises(OSError),  # ssl.SSLError: the server's alert, certificate required
+            socket.create_connection(route, timeout=10) as raw,
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as peer,
+        ):
+            peer.recv(100)
         make_stream(nats)
         link = BusLink(nats.settings("node-d0"), "c1", lambda text: None)
         try:
