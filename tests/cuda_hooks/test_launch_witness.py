@@ -28,8 +28,9 @@ from kvguard.proto import pb
 from kvguard.testbed.standin import build
 
 ENGINE = r"""
-import json, sys
+import json, sys, time
 import numpy as np
+from kvguard.daemon.store import Store
 from kvguard.agents.guard import AgentSink, Guard
 from kvguard.testbed.standin import StandinCuda
 
@@ -69,6 +70,15 @@ stub = cuda.register("_Z31kvguard_testbed_paged_attentionPfS_")
 guard.check_attention(0, ["r1"], tables, lens)
 status.append(cuda.runtime_launch(stub, s))          # 4: through the runtime, guarded, counted once
 guard.step_done()
+# The daemon judges a free against the pages as it knows them when it applies it, and the
+# shim's record goes at once while the guard's events may still be on their way (another
+# stream): as in an engine, whose pages were granted long before, the daemon has them first
+# (ledger/witness.py; CI once applied the free first).
+guard.sink.flush()
+store = Store(sys.argv[3])
+while len(list(store.rows(kind="event", node="p0"))) < guard._seq:
+    time.sleep(0.05)
+store.close()
 cuda.free(kv)                                        # pool 0's memory, while r1 holds 2 pages
 guard.sink.flush()
 print(json.dumps({"status": status, "runs": cuda.runs(attention)}), flush=True)
@@ -81,11 +91,11 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("standin"))
 
 
-def run_engine(standin: Path, agent_sock: str) -> dict[str, list[int] | int]:
+def run_engine(standin: Path, agent_sock: str, store: str) -> dict[str, list[int] | int]:
     env = {**os.environ, "LD_PRELOAD": str(LIBRARY), "KVGUARD_SHIM_SOCKET": f"{agent_sock}.shim"}
     env.pop("KVGUARD_STEPS", None)
     done = subprocess.run(
-        [sys.executable, "-c", ENGINE, str(standin), agent_sock],
+        [sys.executable, "-c", ENGINE, str(standin), agent_sock, store],
         env=env,
         capture_output=True,
         text=True,
@@ -117,7 +127,7 @@ def test_the_witness_catches_unguarded_attention_and_pool_memory_let_go(
     sock = str(tmp_path / "agent.sock")
     agent = start_agent(sock, daemon.address, str(tmp_path / "spool"))
     try:
-        result = run_engine(standin, sock)
+        result = run_engine(standin, sock, store)
         findings, shim = stored(store, 4)
     finally:
         agent.stop()
