@@ -114,10 +114,12 @@ def _users(args: argparse.Namespace, passwords: Path) -> list[dict[str, object]]
     if not args.tls_ca:
         if args.agent_cert or args.daemon_cert:
             raise BusError("--agent-cert and --daemon-cert need --tls-ca: the CA that signed them")
+        agents = _agents(args.agent or [])  # a bad spec is said before any password is made
+        passwords.mkdir(parents=True, exist_ok=True, mode=0o700)
         users: list[dict[str, object]] = [
             {"user": DAEMON_USER, "password": _password(passwords, DAEMON_USER)}
         ]
-        for user, nodes in _agents(args.agent or []).items():
+        for user, nodes in agents.items():
             users.append(_agent_user(args.cluster, user, nodes, _password(passwords, user)))
         return users
     if args.agent:
@@ -192,9 +194,6 @@ def cmd_bus(args: argparse.Namespace) -> int:
         check_cluster(args.cluster)
         if bool(args.tls_cert) != bool(args.tls_key):
             raise BusError("--tls-cert and --tls-key go together")
-        if not args.tls_ca:
-            _agents(args.agent or [])  # a bad spec is said before any password is made
-            passwords.mkdir(parents=True, exist_ok=True, mode=0o700)
         users = _users(args, passwords)
     except BusError as exc:
         print(f"kvguard bus config: {exc}", file=sys.stderr)

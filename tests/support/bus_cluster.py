@@ -82,7 +82,7 @@ class NatsCluster:
         """As `user` (by certificate: the stem of its certificate, the daemons' DAEMON_USER)."""
         replicas = replicas if replicas is not None else min(3, self.count)
         if self.pki is not None:
-            stem = self.pki / ("daemon" if user == DAEMON_USER else user)
+            stem = self._certificate(user)
             return BusSettings(
                 servers=self.urls,
                 cluster=cluster or self.cluster,
@@ -100,11 +100,17 @@ class NatsCluster:
             tls_ca=self.tls_ca,
         )
 
+    def _certificate(self, user: str) -> Path:
+        """The stem of `user`'s certificate and key on a bus of certificates (the daemons':
+        daemon.pem)."""
+        assert self.pki is not None
+        return self.pki / ("daemon" if user == DAEMON_USER else user)
+
     def args(self, user: str = DAEMON_USER, cluster: str = "") -> list[str]:
         """A kvguard service's bus options as this user (in kvguard cluster `cluster`: the
         daemons' user may speak for any; an agent's only for the one it was made for)."""
         if self.pki is not None:
-            stem = self.pki / ("daemon" if user == DAEMON_USER else user)
+            stem = self._certificate(user)
             return [
                 *("--bus", ",".join(self.urls), "--bus-cluster", cluster or self.cluster),
                 *(
